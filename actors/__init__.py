@@ -1,0 +1,1 @@
+"""Ray actors and Serve deployments; thin wrappers over engine/."""

@@ -1,0 +1,1 @@
+"""Where ranks may run: NVLink-domain discovery, verification, node labels, placement."""

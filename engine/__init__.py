@@ -1,0 +1,1 @@
+"""Ray-free runtime: caches, requests, sampling, step planning, tokenizer, the stock engine."""

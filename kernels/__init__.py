@@ -1,0 +1,1 @@
+"""Decode kernels (CuTe DSL on GPU) with PyTorch references and shape dispatch."""

@@ -1,0 +1,1 @@
+"""Ops tools: capacity planner, benchmarks, validation runs."""

@@ -1,0 +1,1 @@
+"""Benchmarks; each writes JSON to bench/results/."""
