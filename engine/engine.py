@@ -1,0 +1,179 @@
+"""The stock engine loop, independent of Ray: schedule → execute → sample → finish checks.
+
+`LLMEngine` takes its executor by injection: `LocalExecutor` runs the model in this process (the
+CLI's `generate`, tests); the coordinator actor (actors/) drives the same scheduler with an
+executor that fans a StepPlan out to TP rank workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .request import Request, RequestError, SamplingParams, Status
+from .runner import ModelRunner
+from .sampling import Sampler
+from .scheduler import Scheduler, SchedulerConfig, StepPlan
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> torch.Tensor: ...      # (len(sample_rows), V) logits
+
+
+class LocalExecutor:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        return self.runner.run(plan)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 256
+    block_size: int = 16
+    num_blocks: int | None = None          # None: enough for max_num_seqs × max_model_len
+    dcp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} = {v!r}; expected a positive integer")
+
+    @property
+    def blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_seq = -(-(-(-self.max_model_len // self.dcp_size)) // self.block_size)
+        return self.max_num_seqs * per_seq
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               num_blocks=self.blocks, block_size=self.block_size,
+                               dcp_size=self.dcp_size)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class LLMEngine:
+    def __init__(self, executor: Executor, tokenizer, cfg: EngineConfig, eos_ids: tuple[int, ...]):
+        self.executor, self.tokenizer, self.cfg = executor, tokenizer, cfg
+        self.eos_ids = set(eos_ids)
+        self.scheduler = Scheduler(cfg.scheduler_config())
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._emitted: dict[str, int] = {}          # chars of output_text already returned
+        self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("prompt is empty; expected at least one token")
+        if len(ids) + 1 > self.cfg.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is "
+                               f"{self.cfg.max_model_len} (prompt + at least one new token)")
+        kw = {"request_id": request_id} if request_id else {}
+        req = Request(prompt_ids=ids, params=params, **kw)
+        if req.request_id in self.requests:
+            raise RequestError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self._emitted[req.request_id] = 0
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            req.finish_reason = "abort"
+            self._finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()                               # prepare
+        if plan is None:
+            return []
+        logits = self.executor.execute(plan)                           # run
+        reqs = self.scheduler.requests_of(plan)
+        outputs = []                                                   # post-process
+        sampling = [(i, r) for i, (r, s) in enumerate(zip(reqs, plan.batch.seqs))
+                    if r.num_cached + s.length == r.num_tokens]
+        for r, s in zip(reqs, plan.batch.seqs):
+            r.num_cached += s.length
+        self.stats["steps"] += 1
+        self.stats["prefill_tokens"] += sum(s.length for s in plan.batch.seqs if s.length > 1)
+        if sampling:
+            rows = logits[[i for i, _ in sampling]]
+            toks = self.sampler.sample(rows, [r.params for _, r in sampling],
+                                       [r.request_id for _, r in sampling])   # host sync
+            for (_, req), tok in zip(sampling, toks):
+                outputs.append(self._append(req, tok))
+        self.stats["tokens"] += len(sampling)
+        return outputs
+
+    def _append(self, req: Request, tok: int) -> StepOutput:
+        p = req.params
+        stop_tok = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        if not stop_tok:
+            req.output_ids.append(tok)
+        text = self.tokenizer.decode(req.output_ids)
+        reason = None
+        for s in p.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+        if stop_tok:
+            reason = "stop"
+        elif reason is None and (len(req.output_ids) >= p.max_tokens
+                                 or req.num_tokens >= self.cfg.max_model_len):
+            reason = "length"
+        req.output_text = text
+        if reason is not None:
+            req.finish_reason = reason
+            self._finish(req)
+        return self._delta(req, [] if stop_tok else [tok])
+
+    def _delta(self, req: Request, new_ids: list[int]) -> StepOutput:
+        text, done = req.output_text, req.finished
+        end = len(text)
+        if not done:
+            # hold back what may still become a stop string or an incomplete UTF-8 sequence
+            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            end = max(self._emitted[req.request_id], len(text) - hold)
+            while end > self._emitted[req.request_id] and text[end - 1] == "\ufffd":
+                end -= 1
+        delta = text[self._emitted[req.request_id]:end]
+        self._emitted[req.request_id] = end
+        return StepOutput(req.request_id, new_ids, delta, done, req.finish_reason)
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        self.sampler.release(req.request_id)
+
+    def pop_finished(self, request_id: str) -> Request:
+        self._emitted.pop(request_id, None)
+        return self.requests.pop(request_id)
+
+    # ---- convenience --------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[Request]:
+        reqs = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return reqs
+

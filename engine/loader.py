@@ -1,0 +1,108 @@
+"""Model spec → checkpoint folder → model shard, caches and tokenizer.
+
+A spec is a preset name or a checkpoint folder. The `tiny` preset has no published weights: its
+random checkpoint (real safetensors files in K3's layout, plus a small BPE tokenizer) is written
+once to the cache folder ($RAYDECODE_CACHE or ~/.cache/raydecode) and loaded like any other.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from raydecode.models.cache import ModelCaches
+from raydecode.models.config import PRESETS, ConfigError, K3Config, load_config
+from raydecode.models.parallel import Comm, LocalComm, Parallel
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16}
+
+TINY_SEED = 0
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype {name!r}; accepted: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RAYDECODE_CACHE", Path.home() / ".cache" / "raydecode"))
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """Checkpoint folder for a spec; writes the tiny preset's checkpoint on first use."""
+    from raydecode.models.checkpoint import write_checkpoint
+
+    s = str(spec)
+    if s == "tiny":
+        out = cache_root() / f"tiny-seed{TINY_SEED}"
+        if not (out / "model.safetensors.index.json").is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # write into a temp folder and rename, so concurrent first uses never see half a
+            # checkpoint (several rank actors may start at once)
+            tmp = Path(tempfile.mkdtemp(prefix="tiny-", dir=out.parent))
+            write_checkpoint(load_config("tiny"), tmp, seed=TINY_SEED)
+            try:
+                tmp.rename(out)
+            except OSError:           # another process won the race; theirs is identical
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    if s in PRESETS:
+        raise ConfigError(f"preset {s!r} describes the architecture only and has no weights; "
+                          "pass a checkpoint folder (config.json + safetensors) or 'tiny'")
+    p = Path(s)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model {s!r}: no config.json in that folder; expected a K3 "
+                          f"checkpoint folder or a preset ('tiny')")
+    return p
+
+
+@dataclass
+class LoadedShard:
+    cfg: K3Config
+    model: torch.nn.Module
+    caches: ModelCaches
+    path: Path
+
+
+def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None = None,
+               dtype: str = "float32", device: str = "cpu", num_slots: int = 16,
+               num_blocks: int = 256, block_size: int = 16) -> LoadedShard:
+    from raydecode.models.k3 import make_caches
+    from raydecode.models.weights import load_model
+
+    path = resolve_checkpoint(spec)
+    dt = parse_dtype(dtype)
+    cfg, model = load_model(path, par, comm or LocalComm(), dt, device)
+    caches = make_caches(cfg, par, num_slots=num_slots, num_blocks=num_blocks,
+                         block_size=block_size, dtype=dt, device=device)
+    return LoadedShard(cfg, model, caches, path)
+
+
+def load_tokenizer(spec: str | Path):
+    from raydecode.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(resolve_checkpoint(spec))
+
+
+def build_local_engine(spec: str | Path, dtype: str = "float32", max_num_seqs: int = 8,
+                       max_model_len: int | None = None, max_num_batched_tokens: int = 256,
+                       block_size: int = 16):
+    """The single-process stock engine (TP=1) for `raydecode generate` and tests."""
+    from .engine import EngineConfig, LLMEngine, LocalExecutor
+    from .runner import ModelRunner
+
+    cfg = load_config(resolve_checkpoint(spec))
+    mml = max_model_len or min(cfg.max_position_embeddings, 4096)
+    ecfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=mml,
+                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+    shard = load_shard(spec, dtype=dtype, num_slots=max_num_seqs, num_blocks=ecfg.blocks,
+                       block_size=block_size)
+    tok = load_tokenizer(spec)
+    eos = tuple(sorted(set(tok.eos_ids) | {shard.cfg.eos_token_id}))
+    return LLMEngine(LocalExecutor(ModelRunner(shard.model, shard.caches)), tok, ecfg, eos)

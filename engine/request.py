@@ -1,0 +1,81 @@
+"""Request state and sampling parameters (validated at construction: they come from users)."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked; the message names the value and the range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0        # 0 → greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 → off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or self.max_tokens < 1:
+            raise RequestError(f"max_tokens = {self.max_tokens!r}; expected an integer >= 1")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise RequestError(f"temperature = {self.temperature!r}; expected 0 <= t <= 100")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise RequestError(f"top_p = {self.top_p!r}; expected 0 < top_p <= 1")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k = {self.top_k!r}; expected an integer >= 0 (0 = off)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise RequestError(f"seed = {self.seed!r}; expected an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop = {self.stop!r}; expected non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"        # queued, no cache yet (or preempted and queued again)
+    RUNNING = "running"        # owns a slot and cache blocks
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    slot: int | None = None
+    num_cached: int = 0                   # tokens whose KV/state is in the cache
+    output_text: str = ""                 # detokenized output, stop strings cut off
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while some known token is not yet in the cache besides the newest one."""
+        return self.num_cached < self.num_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,36 @@
+"""Runs one StepPlan on one model shard: the body of `RankWorker.step()` and of the in-process
+stock engine. prepare (block tables, state resets, inputs) → run (model) → post-process (logits
+of the rows that sample)."""
+from __future__ import annotations
+
+import torch
+
+from raydecode.models.cache import ModelCaches
+
+from .scheduler import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: str | torch.device = "cpu"):
+        self.model, self.caches, self.device = model, caches, torch.device(device)
+
+    def prepare(self, plan: StepPlan) -> torch.Tensor:
+        if self.caches.mla is not None:
+            self.caches.mla.block_tables.update(plan.block_tables)
+        if self.caches.kda is not None:
+            for slot in plan.reset_slots:
+                self.caches.kda.reset(slot)
+        return torch.tensor(plan.tokens, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """(len(plan.sample_rows), V) fp32 logits, on this runner's device."""
+        tokens = self.prepare(plan)
+        hidden = self.model(tokens, plan.batch, self.caches)            # (T, H)
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows)).float()
+
+    def release(self, slots: list[int]) -> None:
+        if self.caches.mla is not None:
+            for s in slots:
+                self.caches.mla.block_tables.pop(s, None)
