@@ -457,7 +457,7 @@ def _tiny() -> K3Config:
     TP ∈ {1, 2, 4} shard it (expert intermediate 128 / 4 = 32 = one MXFP4 group)."""
     hf = {
         "model_type": "kimi_k3",
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "bos_token_id": 495, "eos_token_id": 497, "pad_token_id": 511,   # [BOS], <|im_end|>, [PAD] of the tiny BPE
         "tie_word_embeddings": False,
         "text_config": {
             "model_type": "kimi_linear", "dtype": "bfloat16",

@@ -1,0 +1,49 @@
+"""Attention Residuals (AttnRes): K3's replacement for the plain residual stream.
+
+The stream is a bank of block snapshots b_0 … b_{n-1} plus a running prefix p (the sum of the
+sublayer outputs since the last snapshot; at the start p is the embedding). Before every sublayer
+(and once before the final norm) a single learned query mixes them over depth:
+
+    V = [b_0, …, b_{n-1}, p]                     (T, n+1, H)
+    s_j = RMSNorm(V_j; w_norm) · w_proj          (T, n+1)    w_proj is the (1, H) `*_res_proj`
+    mix = Σ_j softmax(s)_j · V_j                 (T, H)      raw (un-normalised) values
+
+A new block starts at every layer i with i % attn_res_block_size == 0: the prefix as it stands
+before that layer's attention becomes snapshot b_{i / block_size}, and the attention output
+starts the next prefix. Every other sublayer output is added to the prefix. With 93 layers and
+blocks of 12 this leaves 8 snapshots for the final mix. Mixes are per token, so nothing here is
+cached across decode steps.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layers import RMSNorm, rms_norm
+
+
+def attn_res_mix(values: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """values (T, n, H), norm_weight (H,), proj_weight (1, H) -> (T, H) in values' dtype."""
+    keys = rms_norm(values.float(), norm_weight, eps)          # (T, n, H) fp32
+    probs = (keys @ proj_weight[0].float()).softmax(-1)         # (T, n)
+    return (probs.unsqueeze(1) @ values.float()).squeeze(1).to(values.dtype)
+
+
+class AttnResStream:
+    """The residual bank of one forward pass: `blocks` snapshots and the running `prefix`."""
+
+    def __init__(self, embedding: torch.Tensor):
+        self.blocks: list[torch.Tensor] = []
+        self.prefix = embedding                                  # (T, H)
+
+    def mix(self, norm: RMSNorm, proj_weight: torch.Tensor) -> torch.Tensor:
+        values = torch.stack(self.blocks + [self.prefix], dim=1)  # (T, n+1, H)
+        return attn_res_mix(values, norm.weight, proj_weight, norm.eps)
+
+    def add(self, out: torch.Tensor, new_block: bool) -> None:
+        """Account a sublayer output; `new_block` snapshots the prefix first and restarts it."""
+        if new_block:
+            self.blocks.append(self.prefix)
+            self.prefix = out
+        else:   # rounded once to the model dtype, like the reference's bf16 prefix
+            self.prefix = (self.prefix.float() + out.float()).to(self.prefix.dtype)

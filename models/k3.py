@@ -1,0 +1,183 @@
+"""The Kimi K3 text model in plain PyTorch: the stock path and the numerical reference.
+
+Module names are the checkpoint names without the `language_model.` prefix:
+    model.embed_tokens, model.layers.{i}.{input_layernorm, post_attention_layernorm,
+    self_attention_res_norm, self_attention_res_proj, mlp_res_norm, mlp_res_proj, self_attn,
+    mlp | block_sparse_moe}, model.norm, model.output_attn_res_norm, model.output_attn_res_proj,
+    lm_head.
+Every parameter is created at its local shape for the given `Parallel` and carries `shard_dim`,
+`full_shape` (and for KDA A_log `shard_fn`), see models/layers.py.
+
+One layer (AttnRes, see models/attnres.py):
+    h = input_layernorm(mix_attn(bank));          bank.add(self_attn(h), new_block=i % B == 0)
+    h = post_attention_layernorm(mix_mlp(bank));  bank.add(ffn(h))
+and at the end: hidden = norm(mix_output(bank)).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .attnres import AttnResStream
+from .cache import KDAStateCache, MLALatentCache, ModelCaches, SeqSlice, StepBatch
+from .config import K3Config
+from .kda import KDAAttention
+from .layers import (GatedMLP, RMSNorm, VocabParallelEmbedding, column_linear,
+                     replicated_linear, shard_tensor)
+from .mla import MLAAttention
+from .moe import LatentMoE
+from .parallel import Comm, LocalComm, Parallel
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int, par: Parallel, comm: Comm,
+                 dtype: torch.dtype):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.starts_block = layer_idx % cfg.attn_res_block_size == 0
+        self.kind = cfg.layer_kinds[layer_idx]
+        attn_cls = KDAAttention if self.kind == "kda" else MLAAttention
+        self.self_attn = attn_cls(cfg, layer_idx, par, comm, dtype)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(cfg, par, comm, dtype)
+        else:
+            self.mlp = GatedMLP(H, cfg.intermediate_size, cfg.situ_beta, cfg.situ_linear_beta,
+                                par, comm, dtype)
+        self.input_layernorm = RMSNorm(H, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(H, eps, dtype)
+        self.self_attention_res_norm = RMSNorm(H, eps, dtype)
+        self.self_attention_res_proj = replicated_linear(H, 1, dtype)
+        self.mlp_res_norm = RMSNorm(H, eps, dtype)
+        self.mlp_res_proj = replicated_linear(H, 1, dtype)
+
+    def forward(self, bank: AttnResStream, batch: StepBatch, caches: ModelCaches | None):
+        h = bank.mix(self.self_attention_res_norm, self.self_attention_res_proj.weight)
+        bank.add(self.self_attn(self.input_layernorm(h), batch, caches),
+                 new_block=self.starts_block)
+        h = bank.mix(self.mlp_res_norm, self.mlp_res_proj.weight)
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        bank.add(ffn(self.post_attention_layernorm(h)), new_block=False)
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3Config, par: Parallel, comm: Comm, dtype: torch.dtype):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, H, par, comm, dtype)
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, par, comm, dtype)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(H, eps, dtype)
+        self.output_attn_res_norm = RMSNorm(H, eps, dtype)
+        self.output_attn_res_proj = replicated_linear(H, 1, dtype)
+
+    def forward(self, tokens: torch.Tensor, batch: StepBatch, caches: ModelCaches | None):
+        bank = AttnResStream(self.embed_tokens(tokens))
+        for layer in self.layers:
+            layer(bank, batch, caches)
+        return self.norm(bank.mix(self.output_attn_res_norm, self.output_attn_res_proj.weight))
+
+
+class K3ForCausalLM(nn.Module):
+    """`forward(tokens (T,), batch, caches) -> hidden (T, H)`; `compute_logits(hidden) -> (T, V)`.
+
+    caches=None: every sequence of `batch` must be a prefill from position 0 (naive MLA, zero
+    KDA state; nothing is stored). With caches, each sequence reads and writes its slot: KDA conv
+    tail and fp32 state are updated in place (a sequence at pos 0 starts from zero state whatever
+    the slot holds), MLA rows of the step's positions are written, and attention runs over the
+    sequence's cached positions up to each token's own (absorbed form). Any mix of decode
+    tokens and prefill chunks works in one step. `batch=None` means one sequence from 0.
+    """
+
+    def __init__(self, cfg: K3Config, par: Parallel = Parallel(), comm: Comm = LocalComm(),
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.par, self.comm, self.dtype = cfg, par, comm, dtype
+        self.model = K3Model(cfg, par, comm, dtype)
+        self.lm_head = column_linear(cfg.hidden_size, cfg.vocab_size, par, dtype, "vocab_size")
+
+    def forward(self, tokens: torch.Tensor, batch: StepBatch | None = None,
+                caches: ModelCaches | None = None) -> torch.Tensor:
+        if batch is None:
+            batch = StepBatch([SeqSlice(slot=0, start=0, length=int(tokens.shape[0]), pos=0)])
+        self._check_step(tokens, batch, caches)
+        return self.model(tokens, batch, caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (T, H) -> fp32 logits (T, V), gathered over the vocab-parallel lm_head."""
+        return self.comm.all_gather(self.lm_head(hidden).float(), dim=-1)
+
+    def _check_step(self, tokens, batch: StepBatch, caches: ModelCaches | None) -> None:
+        T = tokens.shape[0]
+        if tokens.dim() != 1 or batch.num_tokens != T:
+            raise ValueError(f"tokens of shape {tuple(tokens.shape)} for a batch of "
+                             f"{batch.num_tokens} tokens; expected a flat (T,) tensor, "
+                             "T = sum of sequence lengths")
+        for s in batch.seqs:
+            if s.length < 1 or s.start < 0 or s.end > T or s.pos < 0:
+                raise ValueError(f"sequence {s} does not fit the {T}-token step")
+        if caches is None:
+            bad = [s for s in batch.seqs if s.pos != 0]
+            if bad:
+                raise ValueError(f"caches=None runs pure prefill from position 0, got {bad[0]}; "
+                                 "pass ModelCaches to continue a sequence")
+            return
+        kinds = set(self.cfg.layer_kinds)
+        if "mla" in kinds and caches.mla is None or "kda" in kinds and caches.kda is None:
+            raise ValueError("caches lack the MLA or KDA storage this model needs "
+                             "(build them with make_caches)")
+
+
+def make_caches(cfg: K3Config, par: Parallel, num_slots: int, num_blocks: int, block_size: int,
+                dtype: torch.dtype = torch.float32, device=None) -> ModelCaches:
+    """Empty cache storage for one rank: MLA latent pools (this rank's DCP share) for the MLA
+    layers and KDA conv/state for num_slots sequences. Block tables are the engine's to set
+    (`caches.mla.block_tables[slot] = [block ids]`)."""
+    mla_ids, kda_ids = cfg.mla_layers, cfg.kda_layer_ids
+    mla = (MLALatentCache(len(mla_ids), num_blocks, block_size, cfg.mla.latent_dim, dtype,
+                          device, dcp_rank=par.dcp_rank, dcp_size=par.dcp_size)
+           if mla_ids else None)
+    kda = (KDAStateCache(len(kda_ids), num_slots, par.shard(cfg.kda.num_heads, "KDA num_heads"),
+                         cfg.kda.head_dim, cfg.kda.conv_size, dtype, device)
+           if kda_ids else None)
+    return ModelCaches(mla=mla, kda=kda, mla_index={l: i for i, l in enumerate(mla_ids)},
+                       kda_index={l: i for i, l in enumerate(kda_ids)})
+
+
+def _random_full(name: str, shape: tuple[int, ...], cfg: K3Config, gen: torch.Generator
+                 ) -> torch.Tensor:
+    """A full (unsharded) random tensor for parameter `name` at a scale that keeps activations
+    O(1): norms ~1, linear weights ~N(0, 1/fan_in), AttnRes logits ~N(0, 1)."""
+    leaf = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    randn = torch.randn(shape, generator=gen)
+    if leaf == "A_log":   # exp(A) in [1, 4] for the heads, zero tail padding as in K3
+        full = torch.rand(shape, generator=gen) * math.log(4.0)
+        full[cfg.kda.num_heads:] = 0
+        return full
+    if leaf == "dt_bias":
+        return 0.5 * randn - 1.0
+    if leaf == "e_score_correction_bias":
+        return 0.1 * randn
+    if owner.endswith("conv1d"):
+        return 0.5 * randn
+    if owner.endswith("norm"):
+        return 1.0 + 0.1 * randn
+    if owner == "embed_tokens":
+        return randn
+    return randn / math.sqrt(shape[-1])     # linear / expert weights: fan-in is the last dim
+
+
+@torch.no_grad()
+def init_random_(model: K3ForCausalLM, seed: int) -> K3ForCausalLM:
+    """Fill every parameter with seeded random values. The full tensors are drawn in parameter
+    order and sliced with `shard_tensor`, so a TP=N model gets exactly the slices of the TP=1
+    model built with the same seed. For small (test) configs: it materialises full tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        full = _random_full(name, p.full_shape, model.cfg, gen)
+        p.copy_(shard_tensor(full, p, model.par).to(p.dtype))
+    return model

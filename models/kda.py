@@ -1,0 +1,213 @@
+"""Kimi Delta Attention (KDA): gated delta rule with per-channel decay, K3 flavour.
+
+Per token x (H), per head (dk = dv = head_dim):
+    q, k, v = SiLU(causal depthwise conv_W(q_proj(x) | k_proj(x) | v_proj(x)))   (no conv bias)
+    q, k    ← q / ‖q‖, k / ‖k‖  (‖·‖ = sqrt(Σx² + 1e-6))
+    β       = sigmoid(b_proj(x))                                         one per head
+    g       = lb · sigmoid(exp(A_log[h]) · (f_b(f_a(x)) + dt_bias))      (dk,) log-decay, lb = −5
+    S_t     = (I − β k kᵀ) Diag(exp g) S_{t−1} + β k vᵀ                   S (dk, dv) fp32
+    o_t     = scale · S_tᵀ q,  scale = dk^-½
+    out     = o_proj(RMSNorm(o; o_norm) ⊙ sigmoid(g_proj(x)))           (low-rank g_a→g_b when
+                                                                          use_full_rank_gate is off)
+
+A_log is one value per head (fla's gate views it as (heads, 1)); K3's checkpoint stores it as a flat
+vector of head_dim = 128 entries of which the first num_heads = 96 are used (tail padding, as
+vLLM's K3 loader reads it; a per-channel reading of the 128 values, which one public port
+assumes, contradicts both). The parameter holds this rank's heads; its `shard_fn` takes the
+logical prefix and cuts the rank's contiguous head range.
+
+Chunked form (exact; used for any step of more than one token). Within a chunk with cumulative
+log-decay G_t = Σ_{i≤t} g_i and initial state S₀, the pseudo-values u_t (S_t = Diag(e^{g_t}) S_{t−1}
++ k_t u_tᵀ) solve the unit lower-triangular system
+    u_t + Σ_{i<t} A_ti u_i = β_t (v_t − (k_t ⊙ e^{G_t})ᵀ S₀),
+    A_ti = β_t Σ_c k_tc k_ic e^{G_tc − G_ic},
+and then  o_t = scale [(q_t ⊙ e^{G_t})ᵀ S₀ + Σ_{i≤t} (Σ_c q_tc k_ic e^{G_tc − G_ic}) u_i],
+          S_C = e^{G_C} ⊙ S₀ + Σ_i (k_i ⊙ e^{G_C − G_i}) u_iᵀ.
+Decays enter only as e^{G_t − G_i} with i ≤ t (≤ 1), so nothing overflows at any chunk size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import ModelCaches, StepBatch
+from .config import K3Config
+from .layers import RMSNorm, column_linear, new_param, replicated_linear, rms_norm, row_linear
+from .parallel import Comm, LocalComm, Parallel
+
+L2_EPS = 1e-6
+
+
+# ---- math (fp32) -------------------------------------------------------------------------
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
+
+
+def kda_gate(raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+             lower_bound: float) -> torch.Tensor:
+    """raw (T, h, dk) = f_b(f_a(x)), a_log (h,), dt_bias (h·dk,) -> log-decay (T, h, dk) fp32
+    in (lower_bound, 0): lb · sigmoid(exp(A_log) · (raw + dt_bias))."""
+    h, dk = raw.shape[-2:]
+    z = raw.float() + dt_bias.float().view(h, dk)
+    return lower_bound * torch.sigmoid(a_log.float().exp().view(h, 1) * z)
+
+
+def kda_recurrent(q, k, v, g, beta, scale: float, state: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule. q, k, g (T, h, dk); v (T, h, dv); beta (T, h);
+    state (h, dk, dv) fp32 (not modified). -> (o (T, h, dv), final state), fp32 (fp64 if the
+    inputs are fp64)."""
+    dt = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    S = state.to(dt)
+    o = v.new_empty(v.shape)
+    for t in range(q.shape[0]):
+        S = S * g[t].exp().unsqueeze(-1)                                   # Diag(e^g) S
+        pred = torch.einsum("hc,hcv->hv", k[t], S)                         # kᵀS
+        S = S + torch.einsum("hc,hv->hcv", beta[t].unsqueeze(-1) * k[t], v[t] - pred)
+        o[t] = scale * torch.einsum("hc,hcv->hv", q[t], S)
+    return o, S
+
+
+def kda_chunked(q, k, v, g, beta, scale: float, state: torch.Tensor, chunk_size: int = 64
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `kda_recurrent`, parallel within chunks of `chunk_size` tokens."""
+    T, h, dk = q.shape
+    dt = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    S = state.to(dt)
+    o = v.new_empty(v.shape)
+    for c0 in range(0, T, chunk_size):
+        sl = slice(c0, min(c0 + chunk_size, T))
+        qc, kc, vc, gc = (x[sl].transpose(0, 1) for x in (q, k, v, g))          # (h, L, ·)
+        bc = beta[sl].transpose(0, 1)                                             # (h, L)
+        L = qc.shape[1]
+        G = gc.cumsum(1)                                                          # (h, L, dk)
+        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()      # i <= t
+        diff = G.unsqueeze(2) - G.unsqueeze(1)                                    # (h, t, i, dk)
+        decay = torch.where(causal[..., None], diff, float("-inf")).exp()         # e^{G_t−G_i}
+        kk = torch.einsum("htc,hic,htic->hti", kc, kc, decay)
+        A = (bc.unsqueeze(-1) * kk).tril(-1)                                      # strictly lower
+        eG = G.exp()
+        rhs = bc.unsqueeze(-1) * (vc - torch.einsum("htc,hcv->htv", kc * eG, S))
+        eye = torch.eye(L, dtype=A.dtype, device=A.device)
+        U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        qk = torch.einsum("htc,hic,htic->hti", qc, kc, decay)                     # inclusive
+        oc = torch.einsum("htc,hcv->htv", qc * eG, S) + qk @ U
+        o[sl] = (scale * oc).transpose(0, 1)
+        GL = G[:, -1:]                                                            # (h, 1, dk)
+        S = eG[:, -1].unsqueeze(-1) * S + torch.einsum("hic,hiv->hcv", kc * (GL - G).exp(), U)
+    return o, S
+
+
+def causal_conv_silu(xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xs (W−1+L, C) = [previous W−1 inputs, L new inputs]; w (C, W), w[:, W−1] multiplies the
+    current input. -> SiLU(conv) (L, C) fp32."""
+    W = w.shape[1]
+    windows = xs.float().unfold(0, W, 1)                                          # (L, C, W)
+    return F.silu((windows * w.float()).sum(-1))
+
+
+class HeadPrefixShard:
+    """shard_fn for A_log: the checkpoint's flat vector holds one value per head in its first
+    num_heads entries (tail padding after); rank r takes heads [r·h_l, (r+1)·h_l)."""
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+
+    def __call__(self, full: torch.Tensor, par: Parallel) -> torch.Tensor:
+        if full.dim() != 1 or full.numel() < self.num_heads:
+            raise ValueError(f"A_log of shape {tuple(full.shape)}: expected a flat vector with "
+                             f"at least num_heads = {self.num_heads} entries")
+        hl = par.shard(self.num_heads, "KDA num_heads")
+        return full.narrow(0, par.tp_rank * hl, hl)
+
+
+class ShortConv(nn.Module):
+    """Holds a depthwise causal conv weight (channels_local, 1, W), fp32 as in the checkpoint."""
+
+    def __init__(self, channels: int, width: int, par: Parallel):
+        super().__init__()
+        self.weight = new_param((channels, 1, width), par, 0, torch.float32,
+                                what="KDA inner dim")
+
+
+# ---- the layer ---------------------------------------------------------------------------
+
+class KDAAttention(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int, par: Parallel = Parallel(),
+                 comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32,
+                 chunk_size: int = 64):
+        super().__init__()
+        c, H = cfg.kda, cfg.hidden_size
+        self.layer_idx, self.par, self.comm, self.chunk_size = layer_idx, par, comm, chunk_size
+        self.heads = par.shard(c.num_heads, "KDA num_heads")
+        self.dim, self.width, self.lower_bound = c.head_dim, c.conv_size, c.gate_lower_bound
+        self.scale = c.head_dim ** -0.5
+        inner, what = c.inner_dim, "KDA inner dim"
+        self.q_proj = column_linear(H, inner, par, dtype, what)
+        self.k_proj = column_linear(H, inner, par, dtype, what)
+        self.v_proj = column_linear(H, inner, par, dtype, what)
+        self.q_conv1d = ShortConv(inner, c.conv_size, par)
+        self.k_conv1d = ShortConv(inner, c.conv_size, par)
+        self.v_conv1d = ShortConv(inner, c.conv_size, par)
+        self.b_proj = column_linear(H, c.num_heads, par, dtype, "KDA num_heads")
+        self.f_a_proj = replicated_linear(H, c.head_dim, dtype)
+        self.f_b_proj = column_linear(c.head_dim, inner, par, dtype, what)
+        self.dt_bias = new_param((inner,), par, 0, torch.float32, what=what)
+        self.A_log = new_param((max(c.num_heads, c.head_dim),), par, 0, torch.float32,
+                               shard_fn=HeadPrefixShard(c.num_heads), local_shape=(self.heads,))
+        if c.use_full_rank_gate:
+            self.g_proj = column_linear(H, inner, par, dtype, what)
+        else:
+            self.g_a_proj = replicated_linear(H, c.head_dim, dtype)
+            self.g_b_proj = column_linear(c.head_dim, inner, par, dtype, what)
+        self.o_norm = RMSNorm(c.head_dim, cfg.rms_norm_eps, torch.float32)
+        self.o_proj = row_linear(inner, H, par, dtype, what)
+
+    def _out_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None
+                ) -> torch.Tensor:
+        T, h, d, W = x.shape[0], self.heads, self.dim, self.width
+        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (T, 3·h·d)
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,
+                            self.v_conv1d.weight]).squeeze(1)                      # (3·h·d, W)
+        beta = torch.sigmoid(self.b_proj(x).float())                               # (T, h)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, h, d), self.A_log, self.dt_bias,
+                     self.lower_bound)                                             # (T, h, d)
+        cache = caches.kda if caches is not None else None
+        row = caches.kda_index[self.layer_idx] if caches is not None else None
+        o = x.new_empty(T, h, d, dtype=torch.float32)
+        for s in batch.seqs:
+            sl = slice(s.start, s.end)
+            if cache is None or s.pos == 0:   # a sequence start ignores stale slot contents
+                tail = qkv_in.new_zeros(W - 1, qkv_in.shape[1])
+                S0 = x.new_zeros(h, d, d, dtype=torch.float32)
+            else:
+                tail = cache.conv[row, s.slot].t().to(qkv_in.dtype)   # (W−1, 3·h·d) oldest first
+                S0 = cache.rec[row, s.slot]
+            xs = torch.cat([tail, qkv_in[sl]], 0)
+            y = causal_conv_silu(xs, conv_w).to(x.dtype).float()     # model-dtype rounding
+            q, k, v = (t.reshape(s.length, h, d) for t in y.split(h * d, dim=-1))
+            q, k = l2_normalize(q), l2_normalize(k)
+            if s.length == 1:
+                o[sl], S = kda_recurrent(q, k, v, g[sl], beta[sl], self.scale, S0)
+            else:
+                o[sl], S = kda_chunked(q, k, v, g[sl], beta[sl], self.scale, S0,
+                                       self.chunk_size)
+            if cache is not None:
+                cache.conv[row, s.slot] = xs[xs.shape[0] - (W - 1):].t().to(cache.conv.dtype)
+                cache.rec[row, s.slot] = S
+        gate = torch.sigmoid(self._out_gate(x).float()).view(T, h, d)
+        o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)
+        return self.comm.all_reduce(self.o_proj(o.reshape(T, h * d)))
+
+
+__all__ = ["KDAAttention", "kda_gate", "kda_recurrent", "kda_chunked", "causal_conv_silu",
+           "l2_normalize", "HeadPrefixShard"]

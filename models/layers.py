@@ -1,0 +1,171 @@
+"""Building blocks shared by the K3 modules: parameters that know their TP slice, linear layers,
+RMSNorm, SiTU, the vocab-parallel embedding and the gated (SiTU) MLP.
+
+Sharding contract (the weight loader is written against it). Every parameter carries:
+- `shard_dim`: None = replicated; else the dim of the *full checkpoint tensor* that is split 1/TP
+  across ranks, rank r holding the r-th contiguous chunk;
+- `full_shape`: the shape of that full checkpoint tensor (before slicing);
+- optionally `shard_fn(full, par) -> local`: a custom slice the loader calls instead (KDA A_log).
+`shard_tensor(full, param, par)` applies the contract and checks the result's shape.
+
+Parameters are created at their LOCAL shapes with `torch.empty` and no device argument, so
+`with torch.device("cuda"): K3ForCausalLM(...)` builds directly on a GPU. `Module.to_empty`
+replaces Parameter objects (attributes are lost); use `to_empty_(model, device)` instead.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .parallel import Comm, LocalComm, Parallel
+
+ShardFn = Callable[[torch.Tensor, Parallel], torch.Tensor]
+
+
+# ---- parameters that know their slice -------------------------------------------------------
+
+def new_param(full_shape: tuple[int, ...], par: Parallel, shard_dim: int | None,
+              dtype: torch.dtype, shard_fn: ShardFn | None = None,
+              local_shape: tuple[int, ...] | None = None, what: str = "parameter") -> nn.Parameter:
+    """An uninitialised parameter holding this rank's slice of a `full_shape` tensor."""
+    if local_shape is None:
+        local_shape = tuple(full_shape)
+        if shard_dim is not None:
+            local_shape = list(local_shape)
+            local_shape[shard_dim] = par.shard(full_shape[shard_dim], what)
+            local_shape = tuple(local_shape)
+    p = nn.Parameter(torch.empty(local_shape, dtype=dtype), requires_grad=False)
+    p.shard_dim = shard_dim
+    p.full_shape = tuple(full_shape)
+    if shard_fn is not None:
+        p.shard_fn = shard_fn
+    return p
+
+
+def shard_tensor(full: torch.Tensor, param: nn.Parameter, par: Parallel) -> torch.Tensor:
+    """This rank's slice of checkpoint tensor `full` for `param` (a view where possible)."""
+    fn = getattr(param, "shard_fn", None)
+    dim = getattr(param, "shard_dim", None)
+    if fn is not None:
+        out = fn(full, par)
+    elif dim is None:
+        out = full
+    else:
+        size = par.shard(full.shape[dim], f"dim {dim} of a tensor of shape {tuple(full.shape)}")
+        out = full.narrow(dim, par.tp_rank * size, size)
+    if tuple(out.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor of shape {tuple(full.shape)} sliced for tp_rank "
+                         f"{par.tp_rank}/{par.tp_size} gives {tuple(out.shape)}; the parameter "
+                         f"expects {tuple(param.shape)} (full shape "
+                         f"{getattr(param, 'full_shape', '?')}, shard_dim {dim})")
+    return out
+
+
+_SHARD_ATTRS = ("shard_dim", "full_shape", "shard_fn")
+
+
+def to_empty_(module: nn.Module, device) -> nn.Module:
+    """`module.to_empty(device=...)` that keeps the sharding attributes on every parameter."""
+    saved = {n: {a: getattr(p, a) for a in _SHARD_ATTRS if hasattr(p, a)}
+             for n, p in module.named_parameters()}
+    module.to_empty(device=device)
+    for n, p in module.named_parameters():
+        for a, v in saved[n].items():
+            setattr(p, a, v)
+    return module
+
+
+# ---- elementwise --------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) · weight over the last dim, in fp32, returned in x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None):
+    """SiTU-and-multiply: β·tanh(gate/β)·sigmoid(gate) · β_lin·tanh(up/β_lin), in fp32."""
+    g, u = gate.float(), up.float()
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (a * u).to(gate.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_param((dim,), Parallel(), None, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ, no bias. shard_dim None: replicated; 0: column-parallel (output rows split,
+    output is this rank's slice); 1: row-parallel (input split; the output is a partial sum the
+    caller reduces with comm.all_reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, par: Parallel = Parallel(),
+                 shard_dim: int | None = None, dtype: torch.dtype = torch.float32,
+                 what: str = "linear"):
+        super().__init__()
+        self.weight = new_param((out_features, in_features), par, shard_dim, dtype, what=what)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def column_linear(in_f: int, out_f: int, par: Parallel, dtype: torch.dtype, what: str = ""):
+    return Linear(in_f, out_f, par, 0, dtype, what or "output features")
+
+
+def row_linear(in_f: int, out_f: int, par: Parallel, dtype: torch.dtype, what: str = ""):
+    return Linear(in_f, out_f, par, 1, dtype, what or "input features")
+
+
+def replicated_linear(in_f: int, out_f: int, dtype: torch.dtype):
+    return Linear(in_f, out_f, Parallel(), None, dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows split by vocab: rank r holds ids [r·V/TP, (r+1)·V/TP); others contribute zeros and
+    the all-reduce assembles the full (T, H) embedding."""
+
+    def __init__(self, vocab: int, hidden: int, par: Parallel, comm: Comm, dtype: torch.dtype):
+        super().__init__()
+        self.par, self.comm = par, comm
+        self.weight = new_param((vocab, hidden), par, 0, dtype, what="vocab_size")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.par.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        n = self.weight.shape[0]
+        local = ids - self.par.tp_rank * n
+        mine = (local >= 0) & (local < n)
+        out = F.embedding(local.clamp(0, n - 1), self.weight) * mine.unsqueeze(-1)
+        return self.comm.all_reduce(out)
+
+
+class GatedMLP(nn.Module):
+    """down(SiTU(gate(x), up(x))): gate/up column-parallel, down row-parallel + all-reduce.
+    The dense FFN of the first layers and the MoE shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, beta: float, linear_beta: float | None,
+                 par: Parallel, comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.comm, self.beta, self.linear_beta = comm, beta, linear_beta
+        self.gate_proj = column_linear(hidden, intermediate, par, dtype, "MLP intermediate size")
+        self.up_proj = column_linear(hidden, intermediate, par, dtype, "MLP intermediate size")
+        self.down_proj = row_linear(intermediate, hidden, par, dtype, "MLP intermediate size")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # (T, H) -> (T, H), full sum
+        a = situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
+        return self.comm.all_reduce(self.down_proj(a))

@@ -1,0 +1,159 @@
+"""Multi-head latent attention (MLA) as K3 uses it: NoPE (no rotary on any part), a sigmoid
+output gate, and a 576-wide latent cache row per token.
+
+Per token x (H):
+    q   = q_b(RMSNorm(q_a(x)))                       (heads, nope + rope)
+    kv  = kv_a_proj_with_mqa(x) = [c_raw (kv_lora), k_pe (rope)]
+    row = [RMSNorm(c_raw), k_pe]                     (kv_lora + rope) — what the cache stores
+    kv_b(c) = per head [k_nope (nope), v (v)]        kv_b weight (heads·(nope+v), kv_lora)
+    score = (q_nope·k_nope + q_pe·k_pe) · (nope + rope)^-½
+    o   = softmax(score) v;  o ← o ⊙ sigmoid(g_proj(x));  out = o_proj(o)
+
+Naive form (prefill without a cache): decompress k/v through kv_b. Absorbed form (over the
+cache): q_lat = W_ukᵀ q_nope per head, attention directly on the rows with q_abs = [q_lat, q_pe],
+o_lat = Σ p·c, then o = W_uv o_lat. The absorbed kernel returns the log-sum-exp per (token, head)
+so partials over disjoint row sets merge exactly (`merge_attn_partials`).
+
+DCP (dcp_size D > 1): token t's row lives on DCP rank t mod D. Each rank all-gathers q_abs of the
+D ranks' heads of its DCP group, attends over its own rows for all of them, all-gathers
+(o_lat, lse) and merges the D partials of its own heads. D = 1 runs none of this.
+
+TP: heads split (q_b, kv_b, g_proj column-parallel; o_proj row-parallel + all-reduce); q_a,
+kv_a and their norms are replicated, so every rank computes the full latent row.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import ModelCaches, StepBatch
+from .config import K3Config
+from .layers import RMSNorm, column_linear, replicated_linear, row_linear
+from .parallel import Comm, LocalComm, Parallel
+
+
+# ---- attention math (fp32) -----------------------------------------------------------------
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """q (T, h, d), k (m, h, d), v (m, h, dv); key j is visible to query t iff
+    k_pos[j] <= q_pos[t]. -> (T, h, dv) fp32."""
+    s = torch.einsum("thd,mhd->thm", q.float(), k.float()) * scale
+    s = s.masked_fill((k_pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))
+    return torch.einsum("thm,mhv->thv", s.softmax(-1), v.float())
+
+
+def mla_absorbed_attention(q_abs: torch.Tensor, rows: torch.Tensor, row_pos: torch.Tensor,
+                           q_pos: torch.Tensor, kv_lora_rank: int, scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of absorbed queries over latent rows.
+
+    q_abs (T, h, kv_lora + rope) = [W_ukᵀ q_nope, q_pe]; rows (m, kv_lora + rope);
+    row_pos (m,), q_pos (T,) absolute positions (row j visible to query t iff row_pos[j] <=
+    q_pos[t]). Returns o_lat (T, h, kv_lora) = Σ_j p_j c_j and lse (T, h) = log Σ_j exp(s_j),
+    both fp32; a (token, head) that sees no row gets o_lat = 0, lse = -inf.
+    """
+    r = rows.float()
+    s = torch.einsum("thd,md->thm", q_abs.float(), r) * scale
+    s = s.masked_fill((row_pos[None, :] > q_pos[:, None])[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                   # (T, h)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    return torch.einsum("thm,mc->thc", p, r[:, :kv_lora_rank]), lse
+
+
+def merge_attn_partials(outs: torch.Tensor, lses: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of P attention partials over disjoint key sets.
+
+    outs (P, T, h, c) each normalised over its own keys, lses (P, T, h):
+    lse = log Σ_p exp(lse_p);  out = Σ_p exp(lse_p − lse) · out_p.
+    """
+    lse = torch.logsumexp(lses, dim=0)                                 # (T, h)
+    w = torch.exp(lses - torch.where(torch.isfinite(lse), lse, 0.0))   # (P, T, h); -inf -> 0
+    return (w.unsqueeze(-1) * outs.float()).sum(0), lse
+
+
+# ---- the layer ---------------------------------------------------------------------------
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int, par: Parallel = Parallel(),
+                 comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32):
+        super().__init__()
+        m, H, eps = cfg.mla, cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx, self.par, self.comm = layer_idx, par, comm
+        self.heads = par.shard(m.num_heads, "num_attention_heads")       # local heads
+        self.nope, self.rope, self.vdim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.kv_lora = m.kv_lora_rank
+        self.scale = m.qk_head_dim ** -0.5
+        self.q_a_proj = replicated_linear(H, m.q_lora_rank, dtype)
+        self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps, dtype)
+        self.q_b_proj = column_linear(m.q_lora_rank, m.num_heads * m.qk_head_dim, par, dtype,
+                                      "MLA heads · qk_head_dim")
+        self.kv_a_proj_with_mqa = replicated_linear(H, m.latent_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps, dtype)
+        self.kv_b_proj = column_linear(m.kv_lora_rank, m.num_heads * (self.nope + self.vdim),
+                                       par, dtype, "MLA heads · (nope + v)")
+        self.g_proj = (column_linear(H, m.num_heads * self.vdim, par, dtype, "MLA heads · v")
+                       if m.use_output_gate else None)
+        self.o_proj = row_linear(m.num_heads * self.vdim, H, par, dtype, "MLA heads · v")
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk (h, nope, kv_lora), W_uv (h, v, kv_lora)) views of this rank's kv_b rows."""
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.vdim, self.kv_lora)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None
+                ) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.heads, self.nope + self.rope)
+        kv = self.kv_a_proj_with_mqa(x)
+        rows = torch.cat([self.kv_a_layernorm(kv[:, :self.kv_lora]), kv[:, self.kv_lora:]], -1)
+        if caches is None:
+            o = self._naive(q, rows, batch)
+        else:
+            o = self._absorbed(q, rows, batch, caches)
+        o = o.to(x.dtype).reshape(T, self.heads * self.vdim)
+        if self.g_proj is not None:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.comm.all_reduce(self.o_proj(o))
+
+    def _naive(self, q, rows, batch: StepBatch) -> torch.Tensor:
+        """Prefill from position 0 of every sequence, keys/values decompressed. -> (T, h, v)"""
+        T = q.shape[0]
+        kvb = self.kv_b_proj(rows[:, :self.kv_lora]).view(T, self.heads, self.nope + self.vdim)
+        k_pe = rows[:, None, self.kv_lora:].expand(T, self.heads, self.rope)
+        k = torch.cat([kvb[..., :self.nope], k_pe], -1)                 # (T, h, nope + rope)
+        v = kvb[..., self.nope:]
+        out = q.new_empty(T, self.heads, self.vdim, dtype=torch.float32)
+        for s in batch.seqs:
+            sl = slice(s.start, s.end)
+            pos = torch.arange(s.length, device=q.device)
+            out[sl] = naive_attention(q[sl], k[sl], v[sl], self.scale, pos, pos)
+        return out
+
+    def _absorbed(self, q, rows, batch: StepBatch, caches: ModelCaches) -> torch.Tensor:
+        """Write this step's rows, then attend over each sequence's cached rows. -> (T, h, v)"""
+        cache, layer = caches.mla, caches.mla_index[self.layer_idx]
+        w_uk, w_uv = self.absorbed_weights()
+        positions = batch.positions(q.device)
+        for s in batch.seqs:
+            cache.write(layer, s.slot, positions[s.start:s.end], rows[s.start:s.end])
+        q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope].float(), w_uk.float())
+        q_abs = torch.cat([q_lat, q[..., self.nope:].float()], -1)   # (T, h, kv_lora + rope)
+        D = self.par.dcp_size
+        if D > 1:   # queries of all D·h heads of the DCP group
+            q_abs = self.comm.dcp_all_gather(q_abs, dim=1)
+        o_lat = q_abs.new_zeros(q_abs.shape[0], q_abs.shape[1], self.kv_lora)
+        lse = q_abs.new_full(q_abs.shape[:2], float("-inf"))
+        for s in batch.seqs:
+            sl = slice(s.start, s.end)
+            r, r_pos = cache.read(layer, s.slot, s.pos + s.length)
+            o_lat[sl], lse[sl] = mla_absorbed_attention(q_abs[sl], r, r_pos, positions[sl],
+                                                        self.kv_lora, self.scale)
+        if D > 1:   # every rank's partial for the group's heads -> merge those of my heads
+            outs = self.comm.dcp_all_gather(o_lat.unsqueeze(0), dim=0)    # (D, T, D·h, c)
+            lses = self.comm.dcp_all_gather(lse.unsqueeze(0), dim=0)      # (D, T, D·h)
+            mine = slice(self.par.dcp_rank * self.heads, (self.par.dcp_rank + 1) * self.heads)
+            o_lat, lse = merge_attn_partials(outs[:, :, mine], lses[:, :, mine])
+        return torch.einsum("thc,hvc->thv", o_lat, w_uv.float())
