@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 # name -> (module under raydecode.commands, one-line help)
@@ -48,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     mod = importlib.import_module(f"raydecode.commands.{_available()[args.command][0]}")
-    return int(mod.run(args) or 0)
+    try:
+        return int(mod.run(args) or 0)
+    except ValueError as e:
+        # user input errors (ConfigError, RequestError, CheckpointError, ... are ValueErrors):
+        # one clear line, no traceback, unless RAYDECODE_DEBUG asks for it
+        if os.environ.get("RAYDECODE_DEBUG"):
+            raise
+        print(f"raydecode {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
