@@ -26,7 +26,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """(len(plan.sample_rows), V) fp32 logits, on this runner's device."""
         tokens = self.prepare(plan)
-        hidden = self.model(tokens, plan.batch, self.caches)            # (T, H)
+        hidden = self.model(tokens, plan.batch, self.caches, path=plan.path)   # (T, H)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
 

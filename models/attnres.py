@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
+
 from .layers import RMSNorm, rms_norm
 
 
@@ -30,11 +32,16 @@ def attn_res_mix(values: torch.Tensor, norm_weight: torch.Tensor, proj_weight: t
 
 
 class AttnResStream:
-    """The residual bank of one forward pass: `blocks` snapshots and the running `prefix`."""
+    """The residual bank of one forward pass: `blocks` snapshots and the running `prefix`.
+
+    Stock: `add` then `mix`, and the caller normalises. Specialized: `defer` holds a sublayer
+    output in `pending` and the next `mix_norm` adds it to the prefix, mixes and normalises in
+    the one fused op of kernels/attnres_norm.py."""
 
     def __init__(self, embedding: torch.Tensor):
         self.blocks: list[torch.Tensor] = []
         self.prefix = embedding                                  # (T, H)
+        self.pending: torch.Tensor | None = None                 # output not yet in prefix
 
     def mix(self, norm: RMSNorm, proj_weight: torch.Tensor) -> torch.Tensor:
         values = torch.stack(self.blocks + [self.prefix], dim=1)  # (T, n+1, H)
@@ -47,3 +54,22 @@ class AttnResStream:
             self.prefix = out
         else:   # rounded once to the model dtype, like the reference's bf16 prefix
             self.prefix = (self.prefix.float() + out.float()).to(self.prefix.dtype)
+
+    def defer(self, out: torch.Tensor, new_block: bool) -> None:
+        """`add` for the specialized step: a new block snapshots at once, anything else waits
+        for the next `mix_norm` (the residual-add form of the fused op)."""
+        assert self.pending is None, "mix_norm must consume the previous output first"
+        if new_block:
+            self.add(out, new_block=True)
+        else:
+            self.pending = out
+
+    def mix_norm(self, res_norm: RMSNorm, proj_weight: torch.Tensor, out_norm: RMSNorm
+                 ) -> torch.Tensor:
+        """out_norm(mix(bank)) after adding `pending`, as one fused op. -> (T, H)"""
+        args = (res_norm.weight, proj_weight, out_norm.weight, res_norm.eps, out_norm.eps)
+        if self.pending is None:
+            return attnres_mix_norm(self.blocks, self.prefix, *args)
+        self.prefix, h = attnres_add_mix_norm(self.blocks, self.prefix, self.pending, *args)
+        self.pending = None
+        return h

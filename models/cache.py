@@ -16,6 +16,7 @@ position of the first one). A decode token is a slice of length 1; a prefill chu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -114,3 +115,9 @@ class ModelCaches:
     kda: KDAStateCache | None
     mla_index: dict[int, int] = field(default_factory=dict)   # model layer -> MLA pool row
     kda_index: dict[int, int] = field(default_factory=dict)   # model layer -> KDA state row
+    # Speculative decoding: when set, every KDA layer calls
+    # kda_observer(state row, SeqSlice, xs (W-1+L, 3·inner) conv input, (q, k, v, g, beta) of the
+    # L tokens, S0 (h, dk, dv) state before them) before it overwrites the slot, so the slot can
+    # be rolled back to any prefix of the L tokens (engine/spec_runner.py). S0 is a view of the
+    # slot: copy it to keep it.
+    kda_observer: Callable[..., None] | None = None

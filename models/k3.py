@@ -29,6 +29,7 @@ from .layers import (GatedMLP, RMSNorm, VocabParallelEmbedding, column_linear,
 from .mla import MLAAttention
 from .moe import LatentMoE
 from .parallel import Comm, LocalComm, Parallel
+from .specialized import check_path, specialized_supported
 
 
 class K3DecoderLayer(nn.Module):
@@ -54,12 +55,21 @@ class K3DecoderLayer(nn.Module):
         self.mlp_res_norm = RMSNorm(H, eps, dtype)
         self.mlp_res_proj = replicated_linear(H, 1, dtype)
 
-    def forward(self, bank: AttnResStream, batch: StepBatch, caches: ModelCaches | None):
+    def forward(self, bank: AttnResStream, batch: StepBatch, caches: ModelCaches | None,
+                path: str = "stock"):
+        ffn = self.block_sparse_moe if self.is_moe else self.mlp
+        if path == "specialized":   # residual add + AttnRes mix + norm fused (kernels/)
+            h = bank.mix_norm(self.self_attention_res_norm, self.self_attention_res_proj.weight,
+                              self.input_layernorm)
+            bank.defer(self.self_attn(h, batch, caches, path), new_block=self.starts_block)
+            h = bank.mix_norm(self.mlp_res_norm, self.mlp_res_proj.weight,
+                              self.post_attention_layernorm)
+            bank.defer(ffn(h, path), new_block=False)
+            return
         h = bank.mix(self.self_attention_res_norm, self.self_attention_res_proj.weight)
         bank.add(self.self_attn(self.input_layernorm(h), batch, caches),
                  new_block=self.starts_block)
         h = bank.mix(self.mlp_res_norm, self.mlp_res_proj.weight)
-        ffn = self.block_sparse_moe if self.is_moe else self.mlp
         bank.add(ffn(self.post_attention_layernorm(h)), new_block=False)
 
 
@@ -74,15 +84,38 @@ class K3Model(nn.Module):
         self.output_attn_res_norm = RMSNorm(H, eps, dtype)
         self.output_attn_res_proj = replicated_linear(H, 1, dtype)
 
-    def forward(self, tokens: torch.Tensor, batch: StepBatch, caches: ModelCaches | None):
+    def forward(self, tokens: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
+                path: str = "stock", taps: tuple[int, ...] = ()):
         bank = AttnResStream(self.embed_tokens(tokens))
-        for layer in self.layers:
-            layer(bank, batch, caches)
-        return self.norm(bank.mix(self.output_attn_res_norm, self.output_attn_res_proj.weight))
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            layer(bank, batch, caches, path)
+            if i in taps:
+                tapped.append(_layer_output(bank))
+        if path == "specialized":
+            out = bank.mix_norm(self.output_attn_res_norm, self.output_attn_res_proj.weight,
+                                self.norm)
+        else:
+            out = self.norm(bank.mix(self.output_attn_res_norm, self.output_attn_res_proj.weight))
+        return (out, torch.cat(tapped, -1)) if taps else out
+
+
+def _layer_output(bank: AttnResStream) -> torch.Tensor:
+    """The hidden state after a layer for a DSpark tap (T, H): AttnRes's running prefix with the
+    layer's last output added (vLLM's `prefix_sum + hidden_states`)."""
+    pending = getattr(bank, "pending", None)
+    if pending is None:
+        return bank.prefix
+    return (bank.prefix.float() + pending.float()).to(bank.prefix.dtype)
 
 
 class K3ForCausalLM(nn.Module):
-    """`forward(tokens (T,), batch, caches) -> hidden (T, H)`; `compute_logits(hidden) -> (T, V)`.
+    """`forward(tokens (T,), batch, caches, path) -> hidden (T, H)`;
+    `compute_logits(hidden) -> (T, V)`.
+
+    path "stock" (default) or "specialized" (models/specialized.py): the same weights, caches,
+    inputs and outputs; specialized shards the replicated projections 1/TP + all-gather and runs
+    the fused kernels/ ops. `specialized_support` = specialized_supported(cfg, par).
 
     caches=None: every sequence of `batch` must be a prefill from position 0 (naive MLA, zero
     KDA state; nothing is stored). With caches, each sequence reads and writes its slot: KDA conv
@@ -96,15 +129,23 @@ class K3ForCausalLM(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg, self.par, self.comm, self.dtype = cfg, par, comm, dtype
+        self.specialized_support = specialized_supported(cfg, par)   # (ok, reason)
         self.model = K3Model(cfg, par, comm, dtype)
         self.lm_head = column_linear(cfg.hidden_size, cfg.vocab_size, par, dtype, "vocab_size")
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch | None = None,
-                caches: ModelCaches | None = None) -> torch.Tensor:
+                caches: ModelCaches | None = None, path: str = "stock",
+                taps: tuple[int, ...] = ()) -> torch.Tensor:
+        """With `taps` (0-indexed layers, ascending) -> (hidden, tapped (T, len(taps)·H)): the
+        hidden state after each tapped layer, concatenated (DSpark's context input)."""
         if batch is None:
             batch = StepBatch([SeqSlice(slot=0, start=0, length=int(tokens.shape[0]), pos=0)])
         self._check_step(tokens, batch, caches)
-        return self.model(tokens, batch, caches)
+        check_path(path)
+        if path == "specialized" and not self.specialized_support[0]:
+            raise ValueError(f"{self.specialized_support[1]} (model {self.cfg.name!r}); run "
+                             "this step with path='stock'")
+        return self.model(tokens, batch, caches, path, taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (T, H) -> fp32 logits (T, V), gathered over the vocab-parallel lm_head."""
@@ -132,11 +173,15 @@ class K3ForCausalLM(nn.Module):
 
 
 def make_caches(cfg: K3Config, par: Parallel, num_slots: int, num_blocks: int, block_size: int,
-                dtype: torch.dtype = torch.float32, device=None) -> ModelCaches:
+                dtype: torch.dtype = torch.float32, device=None,
+                extra_mla_layers: int = 0) -> ModelCaches:
     """Empty cache storage for one rank: MLA latent pools (this rank's DCP share) for the MLA
     layers and KDA conv/state for num_slots sequences. Block tables are the engine's to set
-    (`caches.mla.block_tables[slot] = [block ids]`)."""
-    mla_ids, kda_ids = cfg.mla_layers, cfg.kda_layer_ids
+    (`caches.mla.block_tables[slot] = [block ids]`). `extra_mla_layers` adds pool rows under
+    the virtual layer keys num_layers, num_layers + 1, … (the DSpark drafter's layers), which
+    share the target's block tables."""
+    mla_ids = cfg.mla_layers + tuple(range(cfg.num_layers, cfg.num_layers + extra_mla_layers))
+    kda_ids = cfg.kda_layer_ids
     mla = (MLALatentCache(len(mla_ids), num_blocks, block_size, cfg.mla.latent_dim, dtype,
                           device, dcp_rank=par.dcp_rank, dcp_size=par.dcp_size)
            if mla_ids else None)

@@ -35,6 +35,7 @@ from .cache import ModelCaches, StepBatch
 from .config import K3Config
 from .layers import RMSNorm, column_linear, new_param, replicated_linear, rms_norm, row_linear
 from .parallel import Comm, LocalComm, Parallel
+from .specialized import linear_for
 
 L2_EPS = 1e-6
 
@@ -167,20 +168,22 @@ class KDAAttention(nn.Module):
         self.o_norm = RMSNorm(c.head_dim, cfg.rms_norm_eps, torch.float32)
         self.o_proj = row_linear(inner, H, par, dtype, what)
 
-    def _out_gate(self, x: torch.Tensor) -> torch.Tensor:
+    def _out_gate(self, x: torch.Tensor, lin) -> torch.Tensor:
         if hasattr(self, "g_proj"):
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+            return lin(x, self.g_proj.weight)
+        return lin(lin(x, self.g_a_proj.weight), self.g_b_proj.weight)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
+                path: str = "stock") -> torch.Tensor:
         T, h, d, W = x.shape[0], self.heads, self.dim, self.width
-        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (T, 3·h·d)
+        lin = linear_for(path)    # specialized: the same math on the kernels/ GEMVs
+        qkv_in = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
+                            lin(x, self.v_proj.weight)], -1)                      # (T, 3·h·d)
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,
                             self.v_conv1d.weight]).squeeze(1)                      # (3·h·d, W)
-        beta = torch.sigmoid(self.b_proj(x).float())                               # (T, h)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, h, d), self.A_log, self.dt_bias,
-                     self.lower_bound)                                             # (T, h, d)
+        beta = torch.sigmoid(lin(x, self.b_proj.weight).float())                   # (T, h)
+        g = kda_gate(lin(lin(x, self.f_a_proj.weight), self.f_b_proj.weight).view(T, h, d),
+                     self.A_log, self.dt_bias, self.lower_bound)                   # (T, h, d)
         cache = caches.kda if caches is not None else None
         row = caches.kda_index[self.layer_idx] if caches is not None else None
         o = x.new_empty(T, h, d, dtype=torch.float32)
@@ -201,12 +204,14 @@ class KDAAttention(nn.Module):
             else:
                 o[sl], S = kda_chunked(q, k, v, g[sl], beta[sl], self.scale, S0,
                                        self.chunk_size)
+            if cache is not None and caches.kda_observer is not None:   # speculative rollback
+                caches.kda_observer(row, s, xs, (q, k, v, g[sl], beta[sl]), S0)
             if cache is not None:
                 cache.conv[row, s.slot] = xs[xs.shape[0] - (W - 1):].t().to(cache.conv.dtype)
                 cache.rec[row, s.slot] = S
-        gate = torch.sigmoid(self._out_gate(x).float()).view(T, h, d)
+        gate = torch.sigmoid(self._out_gate(x, lin).float()).view(T, h, d)
         o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)
-        return self.comm.all_reduce(self.o_proj(o.reshape(T, h * d)))
+        return self.comm.all_reduce(lin(o.reshape(T, h * d), self.o_proj.weight))
 
 
 __all__ = ["KDAAttention", "kda_gate", "kda_recurrent", "kda_chunked", "causal_conv_silu",

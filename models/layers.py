@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .parallel import Comm, LocalComm, Parallel
+from .specialized import linear_for
 
 ShardFn = Callable[[torch.Tensor, Parallel], torch.Tensor]
 
@@ -166,6 +167,14 @@ class GatedMLP(nn.Module):
         self.up_proj = column_linear(hidden, intermediate, par, dtype, "MLP intermediate size")
         self.down_proj = row_linear(intermediate, hidden, par, dtype, "MLP intermediate size")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # (T, H) -> (T, H), full sum
-        a = situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
-        return self.comm.all_reduce(self.down_proj(a))
+    def forward(self, x: torch.Tensor, path: str = "stock") -> torch.Tensor:
+        """(T, H) -> (T, H), full sum. Specialized: the same math on the kernels/ GEMVs."""
+        return self.comm.all_reduce(self.partial(x, path))
+
+    def partial(self, x: torch.Tensor, path: str = "stock") -> torch.Tensor:
+        """(T, H) -> this rank's partial sum (T, H) of the output, before the all-reduce (for a
+        caller that reduces it together with other partials)."""
+        lin = linear_for(path)
+        a = situ(lin(x, self.gate_proj.weight), lin(x, self.up_proj.weight), self.beta,
+                 self.linear_beta)
+        return lin(a, self.down_proj.weight)

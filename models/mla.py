@@ -19,7 +19,8 @@ D ranks' heads of its DCP group, attends over its own rows for all of them, all-
 (o_lat, lse) and merges the D partials of its own heads. D = 1 runs none of this.
 
 TP: heads split (q_b, kv_b, g_proj column-parallel; o_proj row-parallel + all-reduce); q_a,
-kv_a and their norms are replicated, so every rank computes the full latent row.
+kv_a and their norms are replicated, so every rank computes the full latent row. The specialized
+step computes [q_a; kv_a] (q_lora + kv_lora + rope rows) 1/TP per rank and all-gathers it.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .cache import ModelCaches, StepBatch
 from .config import K3Config
 from .layers import RMSNorm, column_linear, replicated_linear, row_linear
 from .parallel import Comm, LocalComm, Parallel
+from .specialized import linear_for, sharded_gemv
 
 
 # ---- attention math (fp32) -----------------------------------------------------------------
@@ -83,7 +85,7 @@ class MLAAttention(nn.Module):
         self.layer_idx, self.par, self.comm = layer_idx, par, comm
         self.heads = par.shard(m.num_heads, "num_attention_heads")       # local heads
         self.nope, self.rope, self.vdim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-        self.kv_lora = m.kv_lora_rank
+        self.q_lora, self.kv_lora = m.q_lora_rank, m.kv_lora_rank
         self.scale = m.qk_head_dim ** -0.5
         self.q_a_proj = replicated_linear(H, m.q_lora_rank, dtype)
         self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps, dtype)
@@ -102,12 +104,18 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.vdim, self.kv_lora)
         return w[:, :self.nope], w[:, self.nope:]
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
+                path: str = "stock") -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        lin = linear_for(path)
+        if path == "specialized":   # fused qkv_a: 1/TP of [q_a; kv_a] rows per rank + gather
+            qkv = sharded_gemv(x, [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight],
+                               self.par, self.comm)
+            q_a, kv = qkv.split([self.q_lora, qkv.shape[1] - self.q_lora], dim=-1)
+        else:
+            q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        q = lin(self.q_a_layernorm(q_a), self.q_b_proj.weight)
         q = q.view(T, self.heads, self.nope + self.rope)
-        kv = self.kv_a_proj_with_mqa(x)
         rows = torch.cat([self.kv_a_layernorm(kv[:, :self.kv_lora]), kv[:, self.kv_lora:]], -1)
         if caches is None:
             o = self._naive(q, rows, batch)
@@ -115,8 +123,8 @@ class MLAAttention(nn.Module):
             o = self._absorbed(q, rows, batch, caches)
         o = o.to(x.dtype).reshape(T, self.heads * self.vdim)
         if self.g_proj is not None:
-            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
-        return self.comm.all_reduce(self.o_proj(o))
+            o = (o.float() * torch.sigmoid(lin(x, self.g_proj.weight).float())).to(x.dtype)
+        return self.comm.all_reduce(lin(o, self.o_proj.weight))
 
     def _naive(self, q, rows, batch: StepBatch) -> torch.Tensor:
         """Prefill from position 0 of every sequence, keys/values decompressed. -> (T, h, v)"""
@@ -152,8 +160,8 @@ class MLAAttention(nn.Module):
             o_lat[sl], lse[sl] = mla_absorbed_attention(q_abs[sl], r, r_pos, positions[sl],
                                                         self.kv_lora, self.scale)
         if D > 1:   # every rank's partial for the group's heads -> merge those of my heads
-            outs = self.comm.dcp_all_gather(o_lat.unsqueeze(0), dim=0)    # (D, T, D·h, c)
-            lses = self.comm.dcp_all_gather(lse.unsqueeze(0), dim=0)      # (D, T, D·h)
-            mine = slice(self.par.dcp_rank * self.heads, (self.par.dcp_rank + 1) * self.heads)
-            o_lat, lse = merge_attn_partials(outs[:, :, mine], lses[:, :, mine])
+            part = torch.cat([o_lat, lse.unsqueeze(-1)], -1).unsqueeze(0)  # (1, T, D·h, c+1)
+            parts = self.comm.dcp_all_gather(part, dim=0)                 # (D, T, D·h, c+1)
+            mine = parts[:, :, self.par.dcp_rank * self.heads:(self.par.dcp_rank + 1) * self.heads]
+            o_lat, lse = merge_attn_partials(mine[..., :-1], mine[..., -1])
         return torch.einsum("thc,hvc->thv", o_lat, w_uv.float())

@@ -8,10 +8,15 @@ down-projected latent, RMSNorm of the latent sum, up-projection, plus shared exp
     y_lat  = Σ_k w_k · w2_e(SiTU(w1_e z, w3_e z))                            (T, L) fp32
     out    = routed_expert_up_proj(RMSNorm(y_lat)) + shared_experts(x)       (T, H)
 
+Specialized step (models/specialized.py): router, latent down and latent up rows are computed
+1/TP per rank from row views of the replicated weights and all-gathered; routing is the fused
+`kernels.router.route_topk` (one expert group).
+
 TP: the router, latent down/up projections and latent norm are replicated; each expert's
 intermediate I is split (w1/w3 rows, w2 columns), so y_lat is a partial sum per rank that is
 all-reduced BEFORE the latent RMSNorm (which needs the full sum). Shared experts are a
-column/row-parallel gated MLP with its own all-reduce.
+column/row-parallel gated MLP; their partial output rides in the same all-reduce (one collective
+per MoE layer, summed in fp32).
 
 Routed experts are stacked parameters in the model dtype (MXFP4 is dequantized by the loader):
 experts.w1, experts.w3 (E, I_local, L) [gate, up] and experts.w2 (E, L, I_local) [down];
@@ -23,9 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydecode.kernels.router import route_topk, router_logits
+
 from .config import K3Config
 from .layers import GatedMLP, RMSNorm, new_param, replicated_linear, situ
 from .parallel import Comm, LocalComm, Parallel
+from .specialized import linear_for, row_slice, sharded_gemv
 
 
 def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
@@ -79,17 +87,19 @@ class RoutedExperts(nn.Module):
         self.w3 = new_param((num_experts, intermediate, latent), par, 1, dtype, what=what)
         self.w2 = new_param((num_experts, latent, intermediate), par, 2, dtype, what=what)
 
-    def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                path: str = "stock") -> torch.Tensor:
         """z (T, L), weights/ids (T, k) -> Σ_k w·expert(z) (T, L) fp32 (partial over I shards).
-        Loops over the selected experts (host sync on the unique ids), never over tokens."""
+        Loops over the selected experts (host sync on the unique ids), never over tokens.
+        GPU note: the `.tolist()` is a host sync per MoE layer; the specialized GPU step needs a
+        grouped expert kernel that reads ids on the device (kernels issue)."""
+        lin = linear_for(path)
         out = z.new_zeros(z.shape, dtype=torch.float32)
         for e in torch.unique(ids).tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             h = z[tok]
-            a = situ(F.linear(h, self.w1[e]), F.linear(h, self.w3[e]), self.beta,
-                     self.linear_beta)
-            y = F.linear(a, self.w2[e])
+            a = situ(lin(h, self.w1[e]), lin(h, self.w3[e]), self.beta, self.linear_beta)
+            y = lin(a, self.w2[e])
             out.index_add_(0, tok, y.float() * weights[tok, slot].unsqueeze(-1))
         return out
 
@@ -101,7 +111,7 @@ class LatentMoE(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         m, H = cfg.moe, cfg.hidden_size
-        self.cfg, self.comm = cfg, comm
+        self.cfg, self.par, self.comm = cfg, par, comm
         self.gate = MoEGate(H, m.num_experts, dtype)
         self.routed_expert_down_proj = replicated_linear(H, m.latent_size, dtype)
         self.experts = RoutedExperts(m.num_experts, m.latent_size, m.expert_intermediate,
@@ -113,16 +123,43 @@ class LatentMoE(nn.Module):
                                         cfg.situ_linear_beta, par, comm, dtype)
                                if m.num_shared_experts > 0 else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # (T, H) -> (T, H), full sum
+    def forward(self, x: torch.Tensor, path: str = "stock") -> torch.Tensor:
+        """(T, H) -> (T, H), full sum."""
+        if path == "specialized":
+            return self._forward_specialized(x)
         m = self.cfg.moe
         w, ids = route(self.gate(x), self.gate.e_score_correction_bias, m.top_k,
                        m.num_expert_group, m.topk_group, m.renormalize,
                        m.routed_scaling_factor)
-        lat = self.experts(self.routed_expert_down_proj(x), w, ids)
-        lat = self.comm.all_reduce(lat).to(x.dtype)          # full latent sum before the norm
+        lat, shared = self._reduce(self.experts(self.routed_expert_down_proj(x), w, ids), x,
+                                   "stock")
         if self.routed_expert_norm is not None:
             lat = self.routed_expert_norm(lat)
         out = self.routed_expert_up_proj(lat)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return out if shared is None else out + shared
+
+    def _reduce(self, lat: torch.Tensor, x: torch.Tensor, path: str):
+        """One all-reduce for the routed latent partial (T, L) fp32 and the shared experts'
+        partial output (T, H): -> (full latent sum, full shared output or None), x's dtype.
+        The latent must be summed before its norm, the shared output anyway: one collective."""
+        if self.shared_experts is None:
+            return self.comm.all_reduce(lat).to(x.dtype), None
+        L = lat.shape[1]
+        both = torch.cat([lat, self.shared_experts.partial(x, path).float()], -1)
+        both = self.comm.all_reduce(both).to(x.dtype)       # (T, L + H)
+        return both[:, :L], both[:, L:]
+
+    def _forward_specialized(self, x: torch.Tensor) -> torch.Tensor:
+        """Router rows, latent down rows and latent up rows 1/TP per rank + all-gathers; the
+        fused router op; experts and shared experts on the kernels/ GEMVs."""
+        m = self.cfg.moe
+        logits = self.comm.all_gather(router_logits(x, row_slice(self.gate.weight, self.par)),
+                                      dim=-1)                          # (T, E) fp32
+        w, ids = route_topk(logits, self.gate.e_score_correction_bias, m.top_k,
+                            m.renormalize, m.routed_scaling_factor)
+        z = sharded_gemv(x, [self.routed_expert_down_proj.weight], self.par, self.comm)
+        lat, shared = self._reduce(self.experts(z, w, ids, "specialized"), x, "specialized")
+        if self.routed_expert_norm is not None:
+            lat = self.routed_expert_norm(lat)
+        out = sharded_gemv(lat, [self.routed_expert_up_proj.weight], self.par, self.comm)
+        return out if shared is None else out + shared

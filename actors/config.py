@@ -1,0 +1,238 @@
+"""The deployment config: one YAML file describes a replica (model, TP/DCP, envelope), its stock
+pool and its Serve options. Key names follow vLLM's engine arguments where one exists, so
+operators recognise them (`model`, `served_model_name`, `tensor_parallel_size`,
+`decode_context_parallel_size`, `speculative_config`, `max_num_seqs`, `max_model_len`).
+
+Pydantic at this edge (unknown keys rejected, a description on every field); the runtime takes
+frozen dataclasses derived from it (`EngineConfig`, `EnvelopePolicy`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from raydecode.engine.engine import EngineConfig
+
+from .envelope import EnvelopePolicy
+
+TP_SIZES = (1, 2, 4, 8, 16)
+DCP_SIZES = (1, 2, 4, 8, 16)
+SPEC_METHODS = ("dspark",)
+SPEC_TOKENS = (3, 7)           # inclusive range of num_speculative_tokens (DESIGN §3)
+
+
+class DeployConfigError(ValueError):
+    """A deployment config that cannot be used; names the file, the field and what is accepted."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SpeculativeConfig(_Model):
+    method: str = Field(description="Speculative decoding method; accepted: 'dspark'.")
+    num_speculative_tokens: int = Field(
+        description="Draft tokens proposed per step, 3..7 (the DSpark block holds 7).")
+    model: str | None = Field(
+        default=None, description="Drafter checkpoint folder; null: the drafter that ships in "
+                                  "the target checkpoint folder.")
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        if v not in SPEC_METHODS:
+            raise ValueError(f"method = {v!r}; accepted: {', '.join(SPEC_METHODS)}")
+        return v
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _k(cls, v: int) -> int:
+        lo, hi = SPEC_TOKENS
+        if not lo <= v <= hi:
+            raise ValueError(f"num_speculative_tokens = {v}; accepted: {lo}..{hi}")
+        return v
+
+
+class EnvelopeOptions(_Model):
+    enabled: bool = Field(
+        default=True, description="false: every step runs the stock path and the replica never "
+                                  "fails over (a stock-only replica, e.g. a test stock pool).")
+    max_batch: int = Field(
+        default=64, ge=1, le=64,
+        description="Largest non-speculative decode batch run on the specialized path (≤ 64).")
+
+
+class StockPoolOptions(_Model):
+    base_url: str = Field(description="OpenAI-compatible stock endpoint, e.g. "
+                                      "'http://stock-pool:8000/v1'.")
+    model: str | None = Field(default=None, description="Model name on the stock pool; "
+                                                        "null: this replica's served_model_name.")
+    timeout_s: float = Field(default=600.0, gt=0, description="Timeout of one stock request, "
+                                                              "seconds.")
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable holding the pool's API key; null: "
+                                  "the key 'EMPTY' (vLLM without --api-key).")
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"base_url = {v!r}; expected an http:// or https:// URL")
+        return v.rstrip("/")
+
+
+try:        # the cluster layer owns placement options when it is present (DESIGN §2)
+    from raydecode.cluster.placement import PlacementOptions  # type: ignore[import-not-found]
+except ImportError:
+    class PlacementOptions(_Model):      # minimal stand-in until cluster/placement.py lands
+        profile: Literal["production", "development"] = Field(
+            default="production",
+            description="production: the specialized path needs TP 8 or 16 in a verified NVLink "
+                        "domain. development: also TP 1, 2, 4 and no domain check (reports "
+                        "say so).")
+
+
+class ServeOptions(_Model):
+    host: str = Field(default="0.0.0.0", description="HTTP listen address of the Serve proxy.")
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the Serve proxy.")
+    num_replicas: int = Field(default=1, ge=1, description="Replicas (each a coordinator and "
+                                                           "its TP group).")
+    route_prefix: str = Field(default="/", description="URL prefix of the app; the OpenAI "
+                                                       "routes live under it (…/v1/…).")
+    max_ongoing_requests: int = Field(default=512, ge=1,
+                                      description="Requests one ingress replica holds at once.")
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved for the ingress and "
+                                                           "for the coordinator actor each.")
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"route_prefix = {v!r}; expected a path starting with '/'")
+        return v
+
+
+class DeployConfig(_Model):
+    model: str = Field(description="Model preset ('tiny') or checkpoint folder.")
+    served_model_name: str | None = Field(
+        default=None, description="Name clients pass as `model`; null: the model spec.")
+    tensor_parallel_size: int = Field(default=1, description="TP ranks of one replica: 1, 2, "
+                                                             "4, 8 or 16.")
+    decode_context_parallel_size: int = Field(
+        default=1, description="DCP size (MLA latent cache split by token position); 1, 2, 4, "
+                               "8 or 16, dividing tensor_parallel_size.")
+    speculative_config: SpeculativeConfig | None = Field(
+        default=None, description="Speculative decoding (DSpark); null: off.")
+    max_num_seqs: int = Field(default=64, ge=1, description="Sequences decoded together at most.")
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="Prompt + output tokens per request; null: the model's "
+                                        "context, capped at 4096.")
+    max_num_batched_tokens: int = Field(default=512, ge=1,
+                                        description="Token budget of one step (prefill chunk).")
+    max_waiting_requests: int = Field(
+        default=256, ge=0, description="Requests queued beyond the running ones before new ones "
+                                       "get 503 + Retry-After.")
+    block_size: int = Field(default=16, ge=1, description="Tokens per latent-cache block.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weights/activations dtype; auto: bfloat16 on GPU, float32 "
+                                    "on CPU.")
+    rank_step_timeout_s: float = Field(
+        default=60.0, gt=0, description="A step that has not returned after this many seconds "
+                                        "marks the replica unhealthy and fails its requests over.")
+    envelope: EnvelopeOptions = Field(default_factory=EnvelopeOptions,
+                                      description="The specialized-path envelope (DESIGN §3).")
+    stock_pool: StockPoolOptions | None = Field(
+        default=None, description="Where requests continue when this replica is unhealthy; "
+                                  "null: they get 503 + Retry-After.")
+    placement: PlacementOptions = Field(default_factory=PlacementOptions,
+                                        description="Where ranks may run and under which profile.")
+    serve: ServeOptions = Field(default_factory=ServeOptions, description="Ray Serve options.")
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v not in TP_SIZES:
+            raise ValueError(f"tensor_parallel_size = {v}; accepted: {TP_SIZES}")
+        return v
+
+    @field_validator("decode_context_parallel_size")
+    @classmethod
+    def _dcp(cls, v: int) -> int:
+        if v not in DCP_SIZES:
+            raise ValueError(f"decode_context_parallel_size = {v}; accepted: {DCP_SIZES}")
+        return v
+
+    @model_validator(mode="after")
+    def _dcp_divides_tp(self) -> "DeployConfig":
+        if self.tensor_parallel_size % self.decode_context_parallel_size:
+            raise ValueError(f"decode_context_parallel_size = {self.decode_context_parallel_size}"
+                             f" must divide tensor_parallel_size = {self.tensor_parallel_size}")
+        return self
+
+    # ---- derived (nothing mutates a config) ----------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def profile(self) -> str:
+        return getattr(self.placement, "profile", "production")
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+
+    def resolved_max_model_len(self, model_max_positions: int) -> int:
+        return self.max_model_len or min(model_max_positions, 4096)
+
+    def engine_config(self, model_max_positions: int) -> EngineConfig:
+        return EngineConfig(max_num_seqs=self.max_num_seqs,
+                            max_model_len=self.resolved_max_model_len(model_max_positions),
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            block_size=self.block_size,
+                            dcp_size=self.decode_context_parallel_size)
+
+    def envelope_policy(self) -> EnvelopePolicy:
+        return EnvelopePolicy(enabled=self.envelope.enabled, max_batch=self.envelope.max_batch,
+                              profile=self.profile)
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = f" (got {e['input']!r})" if e["type"] not in ("missing", "extra_forbidden",
+                                                           "value_error") and \
+            not isinstance(e.get("input"), dict) else ""
+        lines.append(f"  {loc}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def parse_deploy_config(data: object, source: str = "deployment config") -> DeployConfig:
+    if not isinstance(data, dict):
+        raise DeployConfigError(f"{source}: expected a mapping of keys (model: …, "
+                                f"tensor_parallel_size: …), got {type(data).__name__}")
+    try:
+        return DeployConfig.model_validate(data)
+    except ValidationError as e:
+        raise DeployConfigError(f"{source}: invalid deployment config\n{_format_errors(e)}") \
+            from None
+
+
+def load_deploy_config(path: str | Path) -> DeployConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise DeployConfigError(f"deployment config {str(p)!r}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise DeployConfigError(f"{p}: not valid YAML ({e})") from None
+    return parse_deploy_config(data, str(p))

@@ -1,0 +1,499 @@
+"""The coordinator of one replica: continuous batching over `LLMEngine`, the envelope decision
+once per step, counters per path, and fail-over to the stock pool.
+
+`CoordinatorCore` is plain asyncio (tested without Ray); `Coordinator` is the thin Ray actor
+around it. The step loop runs `LLMEngine.step` in a worker thread under a timeout; requests and
+aborts arriving meanwhile are queued and applied between steps, so the scheduler is never
+mutated while a step runs. When a step raises or times out, the replica turns unhealthy: every
+request in flight continues on the stock pool from its generated prefix (none lost, none
+duplicated), the executor is rebuilt by the injected factory, and new requests are taken again.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Protocol
+
+import torch
+
+from raydecode.engine.engine import LLMEngine, LocalExecutor, StepOutput
+from raydecode.engine.request import RequestError, SamplingParams
+from raydecode.engine.scheduler import StepPlan
+
+from . import envelope
+from .config import DeployConfig, parse_deploy_config
+from .stock_pool import Continuation, StockPoolClient, StockPoolError, merge
+
+log = logging.getLogger("raydecode.coordinator")
+
+PATHS = ("specialized", "stock")
+REBUILD_BACKOFF_S = (1.0, 5.0, 30.0)
+
+
+class Overloaded(RuntimeError):
+    """No capacity for the request now (queue full, or replica unhealthy without a stock pool);
+    the client should retry (HTTP 503 + Retry-After)."""
+
+
+class StepFailed(RuntimeError):
+    """A step raised or did not return in time; the message names the step."""
+
+
+# ---- the executor interface ----------------------------------------------------------------
+class ReplicaExecutor(Protocol):
+    """What the coordinator drives. `execute` runs `plan` on `plan.path` (set by the
+    coordinator) and returns (len(plan.sample_rows), V) logits."""
+    tp_size: int
+    dcp_size: int
+    domain_verified: bool          # the TP group lies in one verified NVLink domain
+
+    def specialized_ready(self, num_seqs: int) -> bool: ...   # kernels compiled, graph captured
+
+    def execute(self, plan: StepPlan) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class LocalReplicaExecutor(LocalExecutor):
+    """TP = 1 in this process. Both paths run the same PyTorch model, so specialized is always
+    'ready'; the rank-worker executor runs the fused step for plan.path == 'specialized'."""
+    tp_size, dcp_size, domain_verified = 1, 1, False
+
+    def specialized_ready(self, num_seqs: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def executor_supports(config: DeployConfig) -> bool:
+    """Whether `build_executor` can build this config (the rank-worker change extends both)."""
+    return config.tensor_parallel_size == 1
+
+
+def build_executor(config: DeployConfig) -> ReplicaExecutor:
+    """The replica's executor: TP = 1 runs the model here; TP > 1 needs the RankWorker group."""
+    if not executor_supports(config):
+        raise NotImplementedError(
+            f"tensor_parallel_size = {config.tensor_parallel_size}: the TP rank-worker executor "
+            "is not in this build yet; accepted here: tensor_parallel_size = 1")
+    from raydecode.engine.loader import load_shard
+    from raydecode.engine.runner import ModelRunner
+
+    mcfg = _model_config(config.model)
+    ecfg = config.engine_config(mcfg.max_position_embeddings)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shard = load_shard(config.model, dtype=config.resolved_dtype(), device=device,
+                       num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
+                       block_size=ecfg.block_size)
+    return LocalReplicaExecutor(ModelRunner(shard.model, shard.caches, device))
+
+
+def _model_config(spec: str):
+    from raydecode.engine.loader import resolve_checkpoint
+    from raydecode.models.config import load_config
+    return load_config(resolve_checkpoint(spec))
+
+
+# ---- the per-step envelope decision and its counters ---------------------------------------
+class PathCounters:
+    def __init__(self) -> None:
+        self.steps = {p: 0 for p in PATHS}
+        self.tokens = {p: 0 for p in PATHS}        # tokens run through the model
+        self.seconds = {p: 0.0 for p in PATHS}     # time inside execute
+        self.reasons = {r: 0 for r in envelope.REASONS}
+
+    def record(self, d: envelope.Decision, tokens: int, seconds: float) -> None:
+        self.steps[d.path] += 1
+        self.tokens[d.path] += tokens
+        self.seconds[d.path] += seconds
+        for r in d.reasons:
+            self.reasons[r] += 1
+
+    def snapshot(self) -> dict:
+        return {"paths": {p: {"steps": self.steps[p], "tokens": self.tokens[p],
+                              "seconds": round(self.seconds[p], 6)} for p in PATHS},
+                "fallback_reasons": dict(self.reasons)}
+
+
+class EnvelopeExecutor:
+    """Decides each step's path once (DESIGN §3), writes it into the plan every rank receives,
+    runs it and counts it. `current` names the step in flight for timeout messages."""
+
+    def __init__(self, inner: ReplicaExecutor, policy: envelope.EnvelopePolicy,
+                 counters: PathCounters, tp_size: int):
+        self.inner, self.policy, self.counters = inner, policy, counters
+        # an executor that does not report these is taken as: the configured TP, no verified
+        # domain, kernels ready (the PyTorch reference needs no compilation)
+        self.tp_size = getattr(inner, "tp_size", tp_size)
+        self.domain_verified = bool(getattr(inner, "domain_verified", False))
+        self._ready = getattr(inner, "specialized_ready", lambda n: True)
+        self.current = "no step yet"
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        shape = envelope.StepShape(num_seqs=plan.num_seqs,
+                                   decode_only=plan.batch.is_decode_only,
+                                   tp_size=self.tp_size, domain_verified=self.domain_verified,
+                                   kernels_ready=bool(self._ready(plan.num_seqs)))
+        d = envelope.decide(shape, self.policy)
+        plan.path = d.path
+        self.current = (f"step {plan.step_id} ({d.path}, {plan.num_seqs} seqs, "
+                        f"{plan.batch.num_tokens} tokens)")
+        t0 = time.perf_counter()
+        logits = self.inner.execute(plan)
+        self.counters.record(d, plan.batch.num_tokens, time.perf_counter() - t0)
+        return logits
+
+
+# ---- request streams ------------------------------------------------------------------------
+@dataclass
+class _Stream:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ids: list[int] = field(default_factory=list)     # output ids sent to the client
+    text: str = ""                                   # output text sent to the client
+    where: str = "pending"                           # pending | replica | stock
+    done: bool = False
+    task: asyncio.Task | None = None                 # its stock continuation
+
+    def send(self, out: StepOutput | BaseException) -> None:
+        if self.done:
+            return
+        if isinstance(out, BaseException):
+            self.done = True
+        else:
+            self.ids += out.new_token_ids
+            self.text += out.delta_text
+            self.done = out.finished
+        self.queue.put_nowait(out)
+
+
+class CoordinatorCore:
+    def __init__(self, config: DeployConfig,
+                 executor_factory: Callable[[], ReplicaExecutor] | None = None):
+        if config.speculative_config is not None:
+            raise NotImplementedError(
+                f"speculative_config.method = {config.speculative_config.method!r}: speculative "
+                "decoding is not available yet in this build; remove speculative_config")
+        from raydecode.engine.loader import load_tokenizer
+
+        self.config = config
+        self.factory = executor_factory or functools.partial(build_executor, config)
+        mcfg = _model_config(config.model)
+        self.engine_cfg = config.engine_config(mcfg.max_position_embeddings)
+        self.vocab_size = mcfg.vocab_size
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_ids = tuple(sorted(set(self.tokenizer.eos_ids) | {mcfg.eos_token_id}))
+        self.policy = config.envelope_policy()
+        # never steps: continues requests on the stock pool with the engine's text rules
+        self._text_engine = LLMEngine(None, self.tokenizer, self.engine_cfg, self.eos_ids)
+        self.counters = PathCounters()
+        sp = config.stock_pool
+        self.stock = None if sp is None or not config.envelope.enabled else StockPoolClient(
+            sp.base_url, sp.model or config.model_name, sp.timeout_s, sp.api_key_env)
+        self.engine: LLMEngine | None = None
+        self._path_exec: EnvelopeExecutor | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.healthy = False
+        self._healthy_evt = asyncio.Event()
+        self.last_failure: str | None = None
+        self.streams: dict[str, _Stream] = {}
+        self._pending: list[_Stream] = []
+        self._aborts: set[str] = set()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._rebuild_task: asyncio.Task | None = None
+        self.counts = {"failover_events": 0, "failover_requests": 0, "routed_to_stock": 0,
+                       "rebuilds": 0, "requests": 0}
+
+    # ---- life cycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._build_engine)
+        self._set_healthy(True)
+        self._loop_task = asyncio.create_task(self._run(), name="coordinator-step-loop")
+        if self.policy.note:
+            log.warning("%s", self.policy.note)
+
+    def _set_healthy(self, ok: bool) -> None:
+        self.healthy = ok
+        (self._healthy_evt.set if ok else self._healthy_evt.clear)()
+
+    async def wait_healthy(self, timeout_s: float) -> bool:
+        """True once the replica takes requests (at once if it does), False after timeout_s."""
+        try:
+            await asyncio.wait_for(self._healthy_evt.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return self.healthy
+
+    def _build_engine(self) -> None:
+        self._path_exec = EnvelopeExecutor(self.factory(), self.policy, self.counters,
+                                           self.config.tensor_parallel_size)
+        self.engine = LLMEngine(self._path_exec, self.tokenizer, self.engine_cfg, self.eos_ids)
+        # one thread per engine generation: a hung step keeps its thread, not the next engine's
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step")
+
+    async def close(self) -> None:
+        for t in (self._loop_task, self._rebuild_task):
+            if t is not None:
+                t.cancel()
+        for s in list(self.streams.values()):
+            if s.task is not None:
+                s.task.cancel()
+        if self.stock is not None:
+            await self.stock.close()
+        if self._path_exec is not None:
+            _close_quietly(self._path_exec.inner)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    # ---- requests -----------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Admit (raising RequestError / Overloaded before anything is yielded), yield an empty
+        'accepted' delta, then the request's deltas until one has finished=True."""
+        s = self._admit(request_id, list(prompt_ids), params)
+        try:
+            yield StepOutput(request_id, [], "", False, None)
+            while True:
+                out = await s.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not s.done:
+                self.abort(request_id)
+            self.streams.pop(request_id, None)
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> _Stream:
+        if not prompt_ids:
+            raise RequestError("prompt is empty; expected at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {self.vocab_size})")
+        if len(prompt_ids) + 1 > self.engine_cfg.max_model_len:
+            raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is "
+                               f"{self.engine_cfg.max_model_len} (prompt + at least one new token)")
+        if request_id in self.streams:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        s = _Stream(request_id, prompt_ids, params)
+        if not self.healthy:
+            if self.stock is None:
+                raise Overloaded(f"replica is unhealthy ({self.last_failure}) and rebuilding; "
+                                 "no stock pool is configured")
+            self.streams[request_id] = s
+            self.counts["routed_to_stock"] += 1
+            self._to_stock(s)
+        else:
+            if self.num_waiting >= self.config.max_waiting_requests:
+                raise Overloaded(f"{self.num_waiting} requests already wait "
+                                 f"(max_waiting_requests = {self.config.max_waiting_requests})")
+            self.streams[request_id] = s
+            self._pending.append(s)
+            self._wake.set()
+        self.counts["requests"] += 1
+        return s
+
+    def abort(self, request_id: str) -> None:
+        s = self.streams.get(request_id)
+        if s is None:
+            return
+        s.send(StepOutput(request_id, [], "", True, "abort"))      # ends its generator
+        if s.where == "pending" and s in self._pending:
+            self._pending.remove(s)
+        elif s.where == "replica":
+            self._aborts.add(request_id)
+            self._wake.set()
+        elif s.task is not None:
+            s.task.cancel()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending) + (len(self.engine.scheduler.waiting) if self.engine else 0)
+
+    # ---- the step loop --------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.healthy:
+                self._apply_queued()
+                if not self.engine.has_unfinished():
+                    break
+                try:
+                    outs = await self._step()                           # run
+                except StepFailed as e:
+                    self._fail_over(e)
+                    break
+                self._dispatch(outs)                                   # post-process
+
+    def _apply_queued(self) -> None:
+        """Aborts and new requests enter the engine here, between steps only."""
+        for rid in self._aborts:
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+                self.engine.pop_finished(rid)
+        self._aborts.clear()
+        for s in self._pending:
+            try:
+                self.engine.add_request(s.prompt_ids, s.params, request_id=s.request_id)
+                s.where = "replica"
+            except RequestError as e:
+                s.send(e)
+        self._pending.clear()
+
+    async def _step(self) -> list[StepOutput]:
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self.engine.step)
+        timeout = self.config.rank_step_timeout_s
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise StepFailed(f"{self._path_exec.current} did not finish within {timeout} s") \
+                from None
+        except Exception as e:
+            raise StepFailed(f"{self._path_exec.current} failed: {type(e).__name__}: {e}") from e
+
+    def _dispatch(self, outs: list[StepOutput]) -> None:
+        for out in outs:
+            s = self.streams.get(out.request_id)
+            if out.finished:
+                self.engine.pop_finished(out.request_id)
+            if s is not None:
+                s.send(out)
+
+    # ---- fail-over ----------------------------------------------------------------------
+    def _fail_over(self, err: StepFailed) -> None:
+        log.error("replica unhealthy: %s; failing requests over and rebuilding", err)
+        self._set_healthy(False)
+        self.last_failure = str(err)
+        self.counts["failover_events"] += 1
+        for s in list(self.streams.values()):
+            if s.done or s.where == "stock":
+                continue
+            if self.stock is None:
+                s.send(Overloaded(f"replica failed ({err}); no stock pool is configured"))
+                continue
+            self.counts["failover_requests"] += 1
+            self._to_stock(s)
+        self._pending.clear()
+        self._aborts.clear()
+        self._rebuild_task = asyncio.create_task(self._rebuild(), name="coordinator-rebuild")
+
+    async def _rebuild(self) -> None:
+        old_exec, old_pool = self._path_exec, self._pool
+        self.engine = self._path_exec = None
+        old_pool.shutdown(wait=False)
+        # closing may hang on the broken executor: do it on a thread nobody waits for
+        threading.Thread(target=_close_quietly, args=(old_exec.inner,), daemon=True).start()
+        for attempt in itertools.count():
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._build_engine)
+                break
+            except Exception as e:  # noqa: BLE001 — any failure to rebuild is retried
+                delay = REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)]
+                log.error("rebuild attempt %d failed (%s); next in %.0f s", attempt + 1, e, delay)
+                self.last_failure = f"rebuild failed: {e}"
+                await asyncio.sleep(delay)
+        self.counts["rebuilds"] += 1
+        self._set_healthy(True)
+        self._wake.set()
+        log.warning("replica rebuilt; taking requests again")
+
+    def _to_stock(self, s: _Stream) -> None:
+        s.where = "stock"
+        s.task = asyncio.create_task(self._continue_on_stock(s))
+
+    async def _continue_on_stock(self, s: _Stream) -> None:
+        cont = Continuation(self._text_engine, s.request_id, s.prompt_ids, s.params, s.ids,
+                            s.text)
+        try:
+            prefix = s.prompt_ids + s.ids
+            left = min(s.params.max_tokens - len(s.ids),
+                       self.engine_cfg.max_model_len - len(prefix))
+            async for chunk in self.stock.stream(prefix, s.params, left):
+                outs = []
+                for tok in chunk.token_ids:
+                    outs.append(cont.push(tok))
+                    if cont.done:
+                        break
+                if chunk.finish_reason is not None and not cont.done:
+                    outs.append(cont.finish(chunk.finish_reason))
+                if outs:
+                    s.send(merge(outs))
+                if cont.done:
+                    return
+            s.send(StockPoolError(f"stock pool {self.stock.base_url} ended the stream of "
+                                  f"{s.request_id} without a finish reason"))
+        except StockPoolError as e:
+            s.send(e)
+        except Exception as e:  # noqa: BLE001 — a client error ends this request, not the loop
+            s.send(StockPoolError(f"stock pool {self.stock.base_url}: {type(e).__name__}: {e}"))
+        finally:
+            cont.close()
+
+    # ---- reports --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        sched = self.engine.scheduler if self.engine else None
+        return {
+            "healthy": self.healthy,
+            "last_failure": self.last_failure,
+            "stock_pool": self.stock is not None,
+            "profile": self.policy.profile,
+            "profile_note": self.policy.note,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "decode_context_parallel_size": self.config.decode_context_parallel_size,
+            **self.counters.snapshot(),
+            **self.counts,
+            "running": len(sched.running) if sched else 0,
+            "waiting": self.num_waiting,
+            "on_stock": sum(1 for s in self.streams.values() if s.where == "stock" and not s.done),
+            "preemptions": sched.num_preemptions if sched else 0,
+        }
+
+
+def _close_quietly(executor: ReplicaExecutor) -> None:
+    try:
+        (getattr(executor, "close", None) or executor.shutdown)()
+    except Exception as e:  # noqa: BLE001
+        log.warning("closing the failed executor raised %s: %s", type(e).__name__, e)
+
+
+# ---- the Ray actor ----------------------------------------------------------------------------
+class CoordinatorActor:
+    """Thin Ray actor over CoordinatorCore; `generate` is a streaming generator method."""
+
+    def __init__(self, config: dict, executor_factory: Callable[[], ReplicaExecutor] | None = None):
+        self.core = CoordinatorCore(parse_deploy_config(config), executor_factory)
+
+    async def start(self) -> bool:
+        await self.core.start()
+        return True
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        async for out in self.core.generate(request_id, prompt_ids, params):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    async def stats(self) -> dict:
+        return self.core.stats()
+
+    async def wait_healthy(self, timeout_s: float) -> bool:
+        return await self.core.wait_healthy(timeout_s)
+
+
+def coordinator_actor_class():
+    import ray
+    return ray.remote(CoordinatorActor)

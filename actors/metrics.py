@@ -1,0 +1,92 @@
+"""Prometheus metrics of one replica, served at /metrics.
+
+Request-level series (TTFT, TPOT, tokens, requests by status) are measured where the client is,
+in the ingress; step-level series (steps and tokens by path, fall-back reasons, fail-overs, queue
+depth, health) come from the coordinator's `stats()` snapshot, rendered at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class RequestMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("raydecode_time_to_first_token_seconds",
+                              "Request arrival to first generated token", ["endpoint"],
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("raydecode_time_per_output_token_seconds",
+                              "Mean time between output tokens of a request (after the first)",
+                              ["endpoint"], buckets=_TPOT_BUCKETS, registry=r)
+        self.requests = Counter("raydecode_requests", "Finished requests by HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("raydecode_prompt_tokens", "Prompt tokens accepted",
+                                     registry=r)
+        self.generation_tokens = Counter("raydecode_generation_tokens",
+                                         "Tokens generated and returned", registry=r)
+
+    def observe_request(self, endpoint: str, t_arrival: float, t_first: float | None,
+                        t_last: float | None, n_tokens: int, n_prompt: int) -> None:
+        if t_first is not None:
+            self.ttft.labels(endpoint).observe(t_first - t_arrival)
+        if t_first is not None and t_last is not None and n_tokens > 1:
+            self.tpot.labels(endpoint).observe((t_last - t_first) / (n_tokens - 1))
+        self.generation_tokens.inc(n_tokens)
+        self.prompt_tokens.inc(n_prompt)
+
+    def render(self, stats: dict | None) -> bytes:
+        out = generate_latest(self.registry)
+        if stats is not None:
+            snap = CollectorRegistry()
+            snap.register(_StatsCollector(stats))
+            out += generate_latest(snap)
+        return out
+
+
+class _StatsCollector:
+    """The coordinator's stats() as Prometheus families (counters are monotone there)."""
+
+    def __init__(self, stats: dict):
+        self.s = stats
+
+    def collect(self):
+        s = self.s
+        steps = CounterMetricFamily("raydecode_steps", "Engine steps by path", labels=["path"])
+        toks = CounterMetricFamily("raydecode_step_tokens", "Tokens run through the model by "
+                                   "path", labels=["path"])
+        rate = GaugeMetricFamily("raydecode_step_tokens_per_second", "Tokens per second of "
+                                 "model time, by path", labels=["path"])
+        for path, v in s["paths"].items():
+            steps.add_metric([path], v["steps"])
+            toks.add_metric([path], v["tokens"])
+            rate.add_metric([path], v["tokens"] / v["seconds"] if v["seconds"] else 0.0)
+        yield from (steps, toks, rate)
+        why = CounterMetricFamily("raydecode_stock_fallback_steps", "Steps that ran stock, by "
+                                  "envelope reason", labels=["reason"])
+        for reason, n in s["fallback_reasons"].items():
+            why.add_metric([reason], n)
+        yield why
+        for key, help_ in (("failover_events", "Times the replica turned unhealthy"),
+                           ("failover_requests", "In-flight requests continued on the stock "
+                                                 "pool after a failure"),
+                           ("routed_to_stock", "New requests sent to the stock pool while "
+                                               "unhealthy"),
+                           ("rebuilds", "Executor rebuilds after a failure")):
+            yield CounterMetricFamily(f"raydecode_{key}", help_, value=s[key])
+        for key, help_ in (("waiting", "Requests queued, not yet running (queue depth)"),
+                           ("running", "Requests running on the replica"),
+                           ("on_stock", "Requests currently continuing on the stock pool")):
+            yield GaugeMetricFamily(f"raydecode_{key}_requests", help_, value=s[key])
+        yield GaugeMetricFamily("raydecode_replica_healthy", "1 when the replica takes requests",
+                                value=1.0 if s["healthy"] else 0.0)
+        g = GaugeMetricFamily("raydecode_replica_info", "Replica layout and profile",
+                              labels=["profile", "tp", "dcp"])
+        g.add_metric([s["profile"], str(s["tensor_parallel_size"]),
+                      str(s["decode_context_parallel_size"])], 1.0)
+        yield g

@@ -1,0 +1,236 @@
+"""The executor that fans a StepPlan out to the TP rank actors of one replica.
+
+Every call has a deadline that names the step and the ranks that missed it (DESIGN §6: a hang in
+the first decode step must become an error, never a stuck request). Results are collected as
+they arrive, so a rank that died fails the step at once: its peers may be blocked inside a
+collective waiting for it, and the executor never waits on them beyond the deadline. Any failure
+marks the group unhealthy; the coordinator fails its requests over, calls `close()` (which
+kills every rank actor, blocked or not) and builds a new group.
+
+`RankGroupExecutor` satisfies the coordinator's `ReplicaExecutor` protocol (tp_size, dcp_size,
+domain_verified, specialized_ready, execute, close); `make_rank_group_executor` builds one from
+the deployment's values.
+"""
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from raydecode.engine.scheduler import StepPlan
+from raydecode.models.specialized import check_path
+
+from .rank_worker import RankWorker, RunnerFactory, ShardSpec, load_runner
+
+
+class RankFailure(RuntimeError):
+    """A rank died, raised, or did not answer in time; the message names the rank(s) and the
+    step. `ranks` and `what` carry the same for callers."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None, what: str = ""):
+        super().__init__(message)
+        self.ranks, self.what = list(ranks or []), what
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    tp_size: int
+    dcp_size: int = 1
+    step_timeout_s: float = 60.0
+    init_timeout_s: float = 180.0
+    num_gpus_per_rank: float = 0.0     # 1 on GPU hosts
+    num_cpus_per_rank: float = 1.0
+    placement_group: object | None = None     # from cluster/placement.py; bundle i = rank i
+    domain_verified: bool = False      # the group lies in one verified NVLink domain
+
+    def __post_init__(self) -> None:
+        for name in ("step_timeout_s", "init_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} = {getattr(self, name)!r}; expected a positive number "
+                                 "of seconds")
+
+
+class RankGroupExecutor:
+    def __init__(self, factory: RunnerFactory, opts: GroupOptions):
+        self.opts = opts
+        self.tp_size, self.dcp_size = opts.tp_size, opts.dcp_size
+        self.domain_verified = opts.domain_verified
+        self.replica_id = uuid.uuid4().hex[:12]
+        self.healthy = False
+        self.specialized_support: tuple[bool, str] = (False, "group not started")
+        remote = ray.remote(RankWorker)
+        self.workers = []
+        try:
+            for rank in range(opts.tp_size):
+                o = {"num_cpus": opts.num_cpus_per_rank, "num_gpus": opts.num_gpus_per_rank,
+                     "max_restarts": 0, "max_task_retries": 0,
+                     "name": f"raydecode-rank-{self.replica_id}-{rank}"}
+                if opts.placement_group is not None:
+                    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+                    o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                        opts.placement_group, placement_group_bundle_index=rank)
+                self.workers.append(remote.options(**o).remote(
+                    rank, opts.tp_size, opts.dcp_size, factory, self.replica_id))
+            t = opts.init_timeout_s
+            host, port = self._wait([self.workers[0].open_store.remote(t)],
+                                    "open the rendezvous", t)[0]
+            infos = self._wait([w.init_group.remote(host, port, t, opts.step_timeout_s)
+                                for w in self.workers], "join the group and load the shard", t)
+        except BaseException:
+            self.close()
+            raise
+        # every rank built the same model for the same TP: they agree; keep rank 0's answer
+        self.specialized_support = tuple(infos[0]["specialized"])
+        self.healthy = True
+
+    # ---- the ReplicaExecutor protocol ----------------------------------------------------------
+    def specialized_ready(self, num_seqs: int) -> bool:
+        """The model's specialized step exists for this config and TP. (On GPU this will also
+        require the kernels compiled and the graph of num_seqs' bucket captured.)"""
+        return self.healthy and self.specialized_support[0]
+
+    def execute(self, plan: StepPlan, timeout_s: float | None = None) -> torch.Tensor:
+        """Run `plan` on every rank (on plan.path) within timeout_s (default: the group's
+        step_timeout_s); -> rank 0's (len(sample_rows), V) logits."""
+        if not self.healthy:
+            raise RankFailure(f"replica {self.replica_id} is unhealthy; step {plan.step_id} "
+                              "not run", [], f"run step {plan.step_id}")
+        check_path(plan.path)             # a bad path fails here, not on every rank
+        if plan.path == "specialized" and not self.specialized_support[0]:
+            raise ValueError(f"step {plan.step_id}: {self.specialized_support[1]}; the "
+                             "coordinator must choose 'stock' for this replica")
+        out = self._wait([w.step.remote(plan) for w in self.workers],
+                         f"finish step {plan.step_id} ({plan.path})",
+                         self.opts.step_timeout_s if timeout_s is None else timeout_s)
+        return out[0]
+
+    def close(self) -> None:
+        """Kill every rank actor (also those blocked in a collective); idempotent."""
+        self.healthy = False
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:     # already dead
+                pass
+
+    shutdown = close
+
+    def set_dcp(self, dcp_size: int) -> None:
+        """Re-lay the live group out for another DCP size (same ranks, same TP group; every
+        rank rebuilds its shard and caches, cache contents are dropped). For changing the
+        layout without respawning rank processes, e.g. between test configurations."""
+        from raydecode.models.parallel import Parallel
+
+        Parallel(0, self.tp_size, dcp_size)     # dcp must divide tp: a clear ValueError
+        if not self.healthy:
+            raise RankFailure(f"replica {self.replica_id} is unhealthy; cannot re-lay it out",
+                              [], "set_dcp")
+        self._wait([w.set_dcp.remote(dcp_size) for w in self.workers],
+                   f"re-lay out for decode_context_parallel_size {dcp_size}",
+                   self.opts.init_timeout_s)
+        self.dcp_size = dcp_size
+
+    # ---- inspection ----------------------------------------------------------------------------
+    def stats(self) -> list[dict]:
+        """Per rank: {"rank", "pid", "steps": {path: count}, "placement_group": id or None}."""
+        return self._wait([w.stats.remote() for w in self.workers], "report stats",
+                          self.opts.step_timeout_s)
+
+    def gpu_ids(self) -> list:
+        return self._wait([w.gpu_ids.remote() for w in self.workers], "report GPU ids",
+                          self.opts.step_timeout_s)
+
+    # ---- waiting with a deadline -----------------------------------------------------------------
+    def _wait(self, refs: list, what: str, timeout: float) -> list:
+        """ray.get(refs) within `timeout` s, failing at the first rank that errors or dies."""
+        index = {r: i for i, r in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            errors = _errors(ready, index)
+            if errors and pending and not _died(errors):
+                # a rank that dies takes its peers' collectives down with it ("connection
+                # closed by peer"); give the dead one a moment to be reported, so the root
+                # cause is named first
+                grace = max(0.0, min(FAILURE_GRACE_S, deadline - time.monotonic()))
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=grace)
+                errors.update(_errors(more, index))
+            if errors:
+                self._fail(errors, what)
+        if pending:
+            self.healthy = False
+            late = sorted(index[r] for r in pending)
+            raise RankFailure(f"replica {self.replica_id}: rank(s) {late} did not {what} "
+                              f"within {timeout:g} s", late, what)
+        return ray.get(refs)
+
+    def _fail(self, errors: dict[int, Exception], what: str):
+        self.healthy = False
+        died = _died(errors)
+        ranks = died + sorted(i for i in errors if i not in died)
+        parts = [f"rank {i} {'died' if i in died else 'raised'} ({_summary(errors[i])})"
+                 for i in ranks]
+        raise RankFailure(f"replica {self.replica_id}: could not {what}: " + "; ".join(parts),
+                          ranks, what) from errors[ranks[0]]
+
+
+FAILURE_GRACE_S = 5.0
+
+
+def _errors(refs: list, index: dict) -> dict[int, Exception]:
+    """rank -> the Ray error of each finished ref that failed."""
+    out = {}
+    for r in refs:
+        try:
+            ray.get(r)
+        except ray.exceptions.RayError as e:
+            out[index[r]] = e
+    return out
+
+
+def _died(errors: dict[int, Exception]) -> list[int]:
+    return sorted(i for i, e in errors.items() if isinstance(e, ray.exceptions.RayActorError))
+
+
+def _summary(e: Exception) -> str:
+    """One line: the actor error's headline, or the remote exception's last line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    line = (lines[0] if isinstance(e, ray.exceptions.RayActorError) else lines[-1]) \
+        if lines else ""
+    return f"{type(e).__name__}: {line[:300]}"
+
+
+def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slots: int,
+                             num_blocks: int, block_size: int, step_timeout_s: float,
+                             placement_group=None, *, init_timeout_s: float = 180.0,
+                             domain_verified: bool = False, num_cpus_per_rank: float = 1.0,
+                             num_gpus_per_rank: float | None = None) -> RankGroupExecutor:
+    """A started TP group of `tp` rank actors for `model` (preset or checkpoint folder).
+
+    Each rank loads only its shard and owns caches for num_slots sequences and num_blocks
+    latent blocks of block_size rows (its DCP share: use the engine's block count for the same
+    dcp). num_gpus_per_rank None: 1 when the Ray cluster has GPUs, else 0 (CPU ranks, gloo).
+    placement_group: bundle i hosts rank i. Raises RankFailure when the group does not come up
+    within init_timeout_s, ValueError for sizes that cannot shard."""
+    from raydecode.models.parallel import Parallel
+
+    Parallel(0, tp, dcp)          # validates tp >= 1 and dcp | tp with a clear message
+    if num_gpus_per_rank is None:
+        num_gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    spec = ShardSpec(model=str(model), dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
+                     block_size=block_size)
+    opts = GroupOptions(tp_size=tp, dcp_size=dcp, step_timeout_s=step_timeout_s,
+                        init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
+                        num_cpus_per_rank=num_cpus_per_rank, placement_group=placement_group,
+                        domain_verified=domain_verified)
+    return RankGroupExecutor(functools.partial(load_runner, spec), opts)
+
+
+__all__ = ["RankFailure", "GroupOptions", "RankGroupExecutor", "make_rank_group_executor"]

@@ -1,0 +1,139 @@
+"""RankWorker: one Ray actor per GPU (per CPU process in tests) holding one TP shard of a replica.
+
+The actor is thin: it joins the replica's torch.distributed group, builds its `ModelRunner`
+through an injected factory (this rank's checkpoint slice + its caches: MLA latent rows of its
+DCP share, KDA state of its heads), and runs the StepPlan it is told to run on `plan.path`.
+Rendezvous comes from Ray, never a fixed port: rank 0 opens a TCPStore on an OS-chosen port and
+the executor passes (host, port) to the others; keys carry the replica id, so several replicas
+(and several test runs) never collide.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from raydecode.engine.runner import ModelRunner
+from raydecode.engine.scheduler import StepPlan
+from raydecode.models.parallel import Comm, Parallel, TorchComm
+from raydecode.models.specialized import PATHS
+
+# (par, comm, device) -> runner; must be picklable (a top-level function or a partial of one)
+RunnerFactory = Callable[[Parallel, Comm, str], ModelRunner]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What every rank of a replica loads (picklable, sent to the actors)."""
+    model: str
+    dtype: str = "float32"
+    num_slots: int = 16
+    num_blocks: int = 256
+    block_size: int = 16
+
+
+def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> ModelRunner:
+    """The default factory: checkpoint slice for this rank → model shard + caches → runner."""
+    from raydecode.engine.loader import load_shard
+
+    shard = load_shard(spec.model, par, comm, dtype=spec.dtype, device=device,
+                       num_slots=spec.num_slots, num_blocks=spec.num_blocks,
+                       block_size=spec.block_size)
+    return ModelRunner(shard.model, shard.caches, device)
+
+
+class RankWorker:
+    """Plain class; wrapped with ray.remote by the executor (num_gpus=1 on GPU hosts)."""
+
+    def __init__(self, rank: int, tp_size: int, dcp_size: int, factory: RunnerFactory,
+                 replica_id: str, backend: str | None = None):
+        self.par = Parallel(tp_rank=rank, tp_size=tp_size, dcp_size=dcp_size)
+        self.factory, self.replica_id = factory, replica_id
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.backend = backend or ("nccl" if self.device == "cuda" else "gloo")
+        self.runner: ModelRunner | None = None
+        self.comm: Comm | None = None
+        self.steps = {p: 0 for p in PATHS}
+        self._store = None
+        # one intra-op thread: ranks share the host's cores, and spinning OpenMP pools of
+        # several processes on the same cores cost 10-20x on a loaded CPU
+        torch.set_num_threads(max(1, int(os.environ.get("RAYDECODE_RANK_THREADS", "1"))))
+
+    def open_store(self, timeout_s: float = 120.0) -> tuple[str, int]:
+        """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port) for the others."""
+        import ray
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        # wait_for_workers=False: the others connect only after this returns its port
+        self._store = dist.TCPStore(host, 0, self.par.tp_size, is_master=True,
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        return host, self._store.port
+
+    def init_group(self, host: str, port: int, timeout_s: float = 120.0,
+                   op_timeout_s: float | None = None) -> dict:
+        """Join the group (rendezvous within timeout_s; each collective then times out after
+        op_timeout_s), load this rank's shard. -> {"rank", "device", "specialized": (ok, why)}"""
+        import torch.distributed as dist
+
+        store = self._store or dist.TCPStore(host, port, self.par.tp_size, is_master=False,
+                                             timeout=datetime.timedelta(seconds=timeout_s))
+        prefixed = dist.PrefixStore(f"raydecode/{self.replica_id}", store)
+        if self.device == "cuda":
+            torch.cuda.set_device(0)          # Ray exposes exactly this actor's GPU as device 0
+        dist.init_process_group(self.backend, store=prefixed, rank=self.par.tp_rank,
+                                world_size=self.par.tp_size,
+                                timeout=datetime.timedelta(seconds=op_timeout_s or timeout_s))
+        return self._build()
+
+    def set_dcp(self, dcp_size: int) -> dict:
+        """Re-lay this rank out for another DCP size inside the same TP group (collective:
+        every rank of the group calls it): new DCP subgroups, the shard rebuilt with caches of
+        the new layout. Cache contents are dropped."""
+        old = self.comm
+        self.par = Parallel(self.par.tp_rank, self.par.tp_size, dcp_size)
+        self.runner = None
+        info = self._build()
+        if getattr(old, "dcp_group", None) is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group(old.dcp_group)
+        return info
+
+    def _build(self) -> dict:
+        self.comm = TorchComm(self.par) if self.par.tp_size > 1 else Comm()
+        self.runner = self.factory(self.par, self.comm, self.device)
+        support = getattr(self.runner.model, "specialized_support", (False, "model has no "
+                                                                     "specialized step"))
+        return {"rank": self.par.tp_rank, "dcp_rank": self.par.dcp_rank, "device": self.device,
+                "specialized": support}
+
+    def step(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run the plan on this shard (on plan.path); rank 0 returns the (rows, V) logits on
+        the host, the others None."""
+        logits = self.runner.run(plan)
+        self.steps[plan.path] += 1
+        return logits.cpu() if self.par.tp_rank == 0 else None
+
+    def stats(self) -> dict:
+        import ray
+
+        return {"rank": self.par.tp_rank, "pid": os.getpid(), "steps": dict(self.steps),
+                "placement_group": ray.get_runtime_context().get_placement_group_id()}
+
+    def gpu_ids(self) -> list:
+        import ray
+
+        return ray.get_gpu_ids()
+
+    def ping(self) -> int:
+        return self.par.tp_rank
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

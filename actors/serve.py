@@ -1,0 +1,430 @@
+"""The OpenAI-compatible HTTP front of a replica.
+
+`make_app(backend, ctx)` builds the FastAPI app over a backend that streams `StepOutput`s: the
+Coordinator actor (`RayBackend`, under Ray Serve) or a `CoordinatorCore` in this process
+(`LocalBackend`: a stock-only pool or a test replica served by uvicorn). `OpenAIServer` is the
+Serve ingress deployment and `build_app(args)` its import path for `serve run` and KubeRay's
+serveConfigV2: `raydecode.actors.serve:build_app` with `args: {config: path.yaml}` (or the
+config's keys inline).
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from raydecode.engine.engine import StepOutput
+from raydecode.engine.request import RequestError, SamplingParams
+
+from . import openai_api as oa
+from .config import DeployConfig, load_deploy_config, parse_deploy_config
+from .coordinator import CoordinatorCore, Overloaded, ReplicaExecutor, _model_config
+from .metrics import CONTENT_TYPE, RequestMetrics
+from .stock_pool import StockPoolError
+
+RETRY_AFTER_S = 5
+
+
+class Backend(Protocol):
+    def generate(self, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[StepOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...          # non-blocking
+
+    async def stats(self) -> dict: ...
+
+    async def wait_healthy(self, timeout_s: float) -> bool: ...
+
+
+class LocalBackend:
+    def __init__(self, core: CoordinatorCore):
+        self.core = core
+
+    def generate(self, request_id, prompt_ids, params):
+        return self.core.generate(request_id, prompt_ids, params)
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    async def stats(self) -> dict:
+        return self.core.stats()
+
+    async def wait_healthy(self, timeout_s: float) -> bool:
+        return await self.core.wait_healthy(timeout_s)
+
+
+class RayBackend:
+    def __init__(self, actor):
+        self.actor = actor
+
+    async def generate(self, request_id, prompt_ids, params):
+        async for ref in self.actor.generate.remote(request_id, prompt_ids, params):
+            yield await ref
+
+    def abort(self, request_id: str) -> None:
+        self.actor.abort.remote(request_id)
+
+    async def stats(self) -> dict:
+        return await self.actor.stats.remote()
+
+    async def wait_healthy(self, timeout_s: float) -> bool:
+        return await self.actor.wait_healthy.remote(timeout_s)
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What the HTTP layer needs to validate and tokenize requests."""
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: object
+    created: int
+
+    @staticmethod
+    def from_config(cfg: DeployConfig) -> "ServingContext":
+        from raydecode.engine.loader import load_tokenizer
+        mcfg = _model_config(cfg.model)
+        return ServingContext(cfg.model_name, cfg.resolved_max_model_len(
+            mcfg.max_position_embeddings), mcfg.vocab_size, load_tokenizer(cfg.model),
+            int(time.time()))
+
+
+# ---- request → (prompt ids, sampling params) -----------------------------------------------
+def _prompt_ids(req: oa._Common, ctx: ServingContext) -> tuple[list[int], str]:
+    """Token ids of the request's prompt, and the parameter name to blame for its length."""
+    tok = ctx.tokenizer
+    if isinstance(req, oa.ChatCompletionRequest):
+        if not req.messages:
+            raise oa.bad_request("'messages' is empty; expected at least one message",
+                                 "messages")
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name else {})} for m in req.messages]
+        try:
+            return list(tok.apply_chat_template(msgs)), "messages"
+        except ValueError as e:                       # the tokenizer's TokenizerError
+            raise oa.bad_request(f"'messages': {e}", "messages") from None
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise oa.bad_request(f"'prompt' holds {len(p)} prompts; this server takes one "
+                                 "prompt per request", "prompt")
+        p = p[0]
+    try:
+        ids = tok.encode(p) if isinstance(p, str) else list(p)
+    except ValueError as e:
+        raise oa.bad_request(f"'prompt': {e}", "prompt") from None
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise oa.bad_request(f"'prompt' token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {ctx.vocab_size})", "prompt")
+    if not ids:
+        raise oa.bad_request("'prompt' is empty; expected at least one token", "prompt")
+    return ids, "prompt"
+
+
+def _sampling(req: oa._Common, n_prompt: int, blame: str, ctx: ServingContext) -> SamplingParams:
+    if req.unsupported():
+        name = req.unsupported()[0]
+        raise oa.bad_request(f"'{name}' is not supported by this server", name)
+    if req.n != 1:
+        raise oa.bad_request(f"n = {req.n}; this server returns one choice (n = 1)", "n")
+    mml = ctx.max_model_len
+    if n_prompt >= mml:
+        raise oa.bad_request(f"This model's maximum context length is {mml} tokens; your "
+                             f"{blame} has {n_prompt} tokens, leaving no room for output.",
+                             blame, "context_length_exceeded")
+    max_tokens = req.max_tokens
+    if isinstance(req, oa.ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = 16 if isinstance(req, oa.CompletionRequest) else mml - n_prompt
+    name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None \
+        else "max_tokens"
+    if max_tokens < 1:
+        raise oa.bad_request(f"{name} = {max_tokens}; expected an integer >= 1", name)
+    if n_prompt + max_tokens > mml:
+        raise oa.bad_request(f"This model's maximum context length is {mml} tokens. However, "
+                             f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
+                             f"{blame}, {max_tokens} in the completion).", name,
+                             "context_length_exceeded")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+            stop=req.stop_list, stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos)
+    except RequestError as e:
+        raise oa.bad_request(str(e), str(e).split(" ", 1)[0]) from None
+
+
+def _map_error(e: BaseException) -> oa.APIError:
+    if isinstance(e, oa.APIError):
+        return e
+    if isinstance(e, RequestError):
+        return oa.bad_request(str(e).splitlines()[-1])
+    if isinstance(e, (Overloaded, StockPoolError)):
+        return oa.unavailable(str(e).splitlines()[-1], RETRY_AFTER_S)
+    import ray.exceptions
+    if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return oa.unavailable(f"replica unavailable ({type(e).__name__}); retry", RETRY_AFTER_S)
+    return oa.APIError(500, f"internal error: {type(e).__name__}: {str(e)[:200]}",
+                       "server_error", None, "internal_error")
+
+
+def _error_response(e: oa.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+# ---- the app ----------------------------------------------------------------------------------
+def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
+    app = FastAPI(title="raydecode", lifespan=lifespan)
+    metrics = RequestMetrics()
+    app.state.metrics = metrics
+
+    @app.exception_handler(oa.APIError)
+    async def _api_error(_: Request, e: oa.APIError):
+        return _error_response(e)
+
+    @app.get("/v1/models")
+    async def models():
+        return oa.models_body(ctx.model_name, ctx.max_model_len, ctx.created)
+
+    @app.get("/health")
+    async def health(wait_s: float = 0.0):
+        """Replica health; `?wait_s=N` first waits up to N s (≤ 300) for it to be healthy."""
+        try:
+            if wait_s > 0:
+                await backend.wait_healthy(min(wait_s, 300.0))
+            s = await backend.stats()
+        except Exception as e:  # noqa: BLE001 — the coordinator is gone: not healthy
+            return _error_response(_map_error(e))
+        body = {"status": "ok" if s["healthy"] else "degraded", "profile": s["profile"],
+                "note": s["profile_note"], "last_failure": s["last_failure"]}
+        if not s["healthy"] and s.get("stock_pool") is False:
+            return JSONResponse(body, 503, {"Retry-After": str(RETRY_AFTER_S)})
+        return body
+
+    @app.get("/metrics")
+    async def prometheus():
+        try:
+            stats = await backend.stats()
+        except Exception:  # noqa: BLE001 — request metrics still render without the coordinator
+            stats = None
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, oa.CompletionRequest, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _serve(request, oa.ChatCompletionRequest, "chat")
+
+    async def _serve(request: Request, cls, endpoint: str):
+        t0 = time.perf_counter()
+        try:
+            req = oa.parse_request(cls, await request.body())
+            if req.model != ctx.model_name:
+                raise oa.APIError(404, f"The model `{req.model}` does not exist; this server "
+                                       f"serves `{ctx.model_name}`.", "invalid_request_error",
+                                  "model", "model_not_found")
+            ids, blame = _prompt_ids(req, ctx)
+            params = _sampling(req, len(ids), blame, ctx)
+            rid = oa.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
+            gen = backend.generate(rid, ids, params)
+            await gen.__anext__()                 # admission: errors here are HTTP errors
+        except Exception as e:  # noqa: BLE001 — every failure becomes an OpenAI error body
+            err = _map_error(e)
+            metrics.requests.labels(endpoint, str(err.status)).inc()
+            return _error_response(err)
+        run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name)
+        if req.stream:
+            return StreamingResponse(run.sse(), media_type="text/event-stream")
+        return await run.collect()
+
+    return app
+
+
+class _Run:
+    """One admitted request: its stream of deltas → SSE chunks or one response body."""
+
+    def __init__(self, endpoint, rid, req, ids, gen, backend, metrics, t0, model):
+        self.endpoint, self.rid, self.req, self.n_prompt = endpoint, rid, req, len(ids)
+        self.gen, self.backend, self.metrics, self.t0, self.model = gen, backend, metrics, t0, model
+        self.created = int(time.time())
+        self.t_first = self.t_last = None
+        self.ids: list[int] = []
+        self.finish: str | None = None
+
+    async def _deltas(self) -> AsyncIterator[StepOutput]:
+        async for out in self.gen:
+            if out.new_token_ids:
+                now = time.perf_counter()
+                self.t_first = self.t_first or now
+                self.t_last = now
+                self.ids += out.new_token_ids
+            if out.finished:
+                self.finish = out.finish_reason
+            yield out
+
+    def _done(self, status: int) -> None:
+        self.metrics.requests.labels(self.endpoint, str(status)).inc()
+        self.metrics.observe_request(self.endpoint, self.t0, self.t_first, self.t_last,
+                                     len(self.ids), self.n_prompt)
+
+    async def collect(self):
+        text = []
+        try:
+            async for out in self._deltas():
+                text.append(out.delta_text)
+        except Exception as e:  # noqa: BLE001
+            err = _map_error(e)
+            self._done(err.status)
+            return _error_response(err)
+        finally:
+            if self.finish is None:
+                self.backend.abort(self.rid)
+        self._done(200)
+        use = oa.usage(self.n_prompt, len(self.ids))
+        tids = self.ids if self.req.return_token_ids else None
+        body = oa.chat_body if self.endpoint == "chat" else oa.completion_body
+        return body(self.rid, self.model, "".join(text), self.finish, use, tids, self.created)
+
+    async def sse(self):
+        chat, tids = self.endpoint == "chat", self.req.return_token_ids
+        status = 499                       # stays so if the client goes away mid-stream
+        try:
+            if chat:
+                yield oa.sse(oa.chat_chunk(self.rid, self.model, self.created,
+                                           {"role": "assistant", "content": ""}, None))
+            async for out in self._deltas():
+                if not (out.delta_text or out.finished or (tids and out.new_token_ids)):
+                    continue
+                ids = out.new_token_ids if tids else None
+                fin = out.finish_reason if out.finished else None
+                if chat:
+                    delta = {"content": out.delta_text} if out.delta_text else {}
+                    yield oa.sse(oa.chat_chunk(self.rid, self.model, self.created, delta, fin,
+                                               ids))
+                else:
+                    yield oa.sse(oa.completion_chunk(self.rid, self.model, self.created,
+                                                     out.delta_text, fin, ids))
+            if self.req.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield oa.sse(oa.usage_chunk(self.rid, obj, self.model, self.created,
+                                            oa.usage(self.n_prompt, len(self.ids))))
+            status = 200
+        except Exception as e:  # noqa: BLE001 — a failure mid-stream is an SSE error event
+            err = _map_error(e)
+            status = err.status
+            yield oa.sse(err.body())
+        finally:
+            if self.finish is None:
+                self.backend.abort(self.rid)
+            self._done(status)
+        yield oa.SSE_DONE
+
+
+# ---- Ray Serve ----------------------------------------------------------------------------------
+def _ingress_class():
+    from ray import serve
+
+    @serve.deployment(name="raydecode")
+    @serve.ingress()
+    class OpenAIServer:
+        """One replica: this ingress + its Coordinator actor (+ the coordinator's ranks)."""
+
+        async def __init__(self, config: dict,
+                           executor_factory: Callable[[], ReplicaExecutor] | None = None):
+            from .coordinator import coordinator_actor_class
+
+            cfg = parse_deploy_config(config)
+            self.actor = coordinator_actor_class().options(
+                num_cpus=cfg.serve.num_cpus, max_concurrency=100_000).remote(
+                cfg.model_dump(), executor_factory)
+            await self.actor.start.remote()
+            self._http = make_app(RayBackend(self.actor), ServingContext.from_config(cfg))
+
+        def __serve_build_asgi_app__(self):
+            return self._http
+
+        async def check_health(self) -> None:
+            await asyncio.wait_for(self.actor.stats.remote(), 30)   # raises if the actor died
+
+    return OpenAIServer
+
+
+def deployment_for(cfg: DeployConfig,
+                   executor_factory: Callable[[], ReplicaExecutor] | None = None):
+    """The bound Serve application of a deployment config."""
+    if cfg.speculative_config is not None:
+        raise NotImplementedError(
+            f"speculative_config.method = {cfg.speculative_config.method!r}: speculative decoding "
+            "is not available yet in this build; remove speculative_config to serve")
+    s = cfg.serve
+    return _ingress_class().options(
+        num_replicas=s.num_replicas, max_ongoing_requests=s.max_ongoing_requests,
+        ray_actor_options={"num_cpus": s.num_cpus}).bind(cfg.model_dump(), executor_factory)
+
+
+def build_app(args: dict):
+    """`serve run raydecode.actors.serve:build_app config=deploy.yaml`, or serveConfigV2
+    `args: {config: deploy.yaml}` / `args: {config: {model: …}}` / the config's keys inline."""
+    args = dict(args or {})
+    if "config" in args:
+        src = args.pop("config")
+        if args:
+            raise ValueError(f"build_app args: {sorted(args)} next to 'config'; pass either "
+                             "'config' (a path or a mapping) or the config's keys inline")
+        cfg = load_deploy_config(src) if isinstance(src, str) else parse_deploy_config(src)
+    else:
+        cfg = parse_deploy_config(args, "build_app args")
+    return deployment_for(cfg)
+
+
+# ---- one replica in this process, without Ray ---------------------------------------------------
+class LocalServer:
+    """A replica served by uvicorn on a thread of this process (a stock-only pool for tests and
+    development). The socket is bound before start, so the URL is valid at once; clients that
+    connect while the model loads wait in the listen backlog."""
+
+    def __init__(self, cfg: DeployConfig, executor_factory=None, host: str = "127.0.0.1",
+                 port: int = 0):
+        import contextlib
+
+        import uvicorn
+
+        self.cfg = cfg
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.core: CoordinatorCore | None = None
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            await self.core.start()
+            yield
+            await self.core.close()
+
+        self.core = CoordinatorCore(cfg, executor_factory)
+        app = make_app(LocalBackend(self.core), ServingContext.from_config(cfg), lifespan)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True, name="raydecode-local-server")
+
+    def start(self) -> str:
+        self.sock.listen(128)
+        self.thread.start()
+        return self.url
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        self.sock.close()

@@ -1,0 +1,290 @@
+"""Rank side of DSpark speculative decoding: draft, verify, accept and roll back in one step.
+
+A `SpecStepPlan` (a StepPlan plus the speculating sequences) is identical on every rank. For each
+speculating sequence (`SpecSeq`; its anchor = newest token, at position p = tokens cached):
+  1. draft   the drafter runs [anchor, mask × (k-1)] at p … p+k-1 over its context rows (< p)
+             and samples d_1 … d_k left to right with the Markov bias, under the request's
+             sampling params (greedy: argmax); q_j is the distribution d_j was drawn from;
+  2. verify  ONE target step runs [anchor, d_1 … d_k] at p … p+k (a slice of length k+1)
+             together with the step's other sequences (prefill chunks, plain decodes). The
+             step's hidden taps write the drafter's context rows of every token; KDA layers
+             hand their inputs to `KDARollback`;
+  3. accept  greedy (verify_greedy), probabilistic (verify_rejection) or synthetic (benchmarks)
+             -> emitted e_1 … e_{a+1}: a accepted drafts + the correction or bonus token;
+  4. commit  positions p … p+a (anchor + accepted drafts) are now validly cached: each KDA
+             slot is recomputed from its pre-step state over exactly those a+1 tokens (nothing
+             to do when all k+1 were accepted). MLA rows and draft context rows at p+a+1 … p+k
+             are stale and are overwritten by later steps; the engine counts num_cached = p+a+1.
+All ranks see the same all-gathered logits and seed the same generators, so they agree on
+drafts and emitted tokens; with TP > 1 rank 0's values are broadcast anyway (two small
+all-reduces), so a divergence could never desynchronise the rollback.
+
+The reference path samples on the host (per row); a GPU path would keep rejection sampling on
+the device — it is the same math.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from raydecode.models.cache import KDAStateCache, SeqSlice, StepBatch
+from raydecode.models.kda import kda_recurrent
+
+from .request import SamplingParams
+from .runner import ModelRunner
+from .sampling import filter_logits
+from .scheduler import StepPlan
+from .spec import SyntheticAcceptance, verify_greedy, verify_rejection
+
+
+@dataclass(frozen=True)
+class SpecSeq:
+    request_id: str
+    slot: int
+    start: int                 # flat offset of its k+1 verify tokens [anchor, d_1 … d_k]
+    pos: int                   # anchor position = tokens already cached
+    params: SamplingParams
+    seed: int                  # seeds its drafting/acceptance generator (same on every rank)
+
+
+@dataclass
+class SpecStepPlan(StepPlan):
+    """A StepPlan whose `spec` sequences verify k drafts each. Their slices in `batch` have
+    length k+1 and their `tokens` hold the anchor then k placeholders the ranks fill with the
+    drafts; `sample_rows` are the rows of the other (plain) sequences only."""
+    spec: list[SpecSeq] = field(default_factory=list)
+    num_drafts: int = 0
+    synthetic_length: float | None = None      # benchmarks only: outputs are meaningless
+    synthetic_seed: int = 0
+    release_ids: list[str] = field(default_factory=list)   # finished: drop their generators
+
+    @property
+    def spec_k(self) -> int | None:
+        """Drafts per verifying sequence (envelope input); None when nothing speculates."""
+        return self.num_drafts if self.spec else None
+
+    @property
+    def verify_tokens(self) -> int:
+        return len(self.spec) * (self.num_drafts + 1)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence is a verify slice or a one-token decode (no prefill chunk)."""
+        starts = {s.start for s in self.spec}
+        return all(s.length == 1 or s.start in starts for s in self.batch.seqs)
+
+
+@dataclass
+class SpecStepResult:
+    logits: torch.Tensor                 # (len(sample_rows), V) fp32, plain rows
+    emitted: list[list[int]]             # per plan.spec: accepted drafts + correction/bonus
+
+    def cpu(self) -> "SpecStepResult":
+        return SpecStepResult(self.logits.cpu(), self.emitted)
+
+
+class KDARollback:
+    """Keeps, per (KDA state row, slot) of the verifying slots, the step's conv input xs, the
+    per-token (q, k, v, g, beta) and a copy of the pre-step state S0; `rollback(n)` makes the
+    slot hold the state after only the first n tokens:
+        conv = xs[n : n + W-1]ᵀ,   S = kda_recurrent(first n tokens, S0)."""
+
+    def __init__(self, slots: set[int]):
+        self.slots = slots
+        self.records: dict[tuple[int, int], tuple] = {}
+
+    def __call__(self, row: int, s: SeqSlice, xs: torch.Tensor, qkvgb: tuple,
+                 state: torch.Tensor) -> None:
+        if s.slot in self.slots:
+            self.records[(row, s.slot)] = (xs, qkvgb, state.clone())
+
+    def rollback(self, cache: KDAStateCache, slot: int, n: int) -> None:
+        for (row, sl), (xs, (q, k, v, g, beta), S0) in self.records.items():
+            L = q.shape[0]
+            if sl != slot or n == L:      # all kept: the step already left the right state
+                continue
+            assert 1 <= n < L, (n, L)
+            w1 = xs.shape[0] - L
+            cache.conv[row, slot] = xs[n:n + w1].t().to(cache.conv.dtype)
+            _, S = kda_recurrent(q[:n], k[:n], v[:n], g[:n], beta[:n], q.shape[-1] ** -0.5, S0)
+            cache.rec[row, slot] = S
+
+
+class SpecRunner:
+    """`run(plan)`: a SpecStepPlan -> SpecStepResult; a plain StepPlan -> logits, as
+    ModelRunner.run (both also write the drafter's context rows). Drop-in for the runner a
+    RankWorker or LocalExecutor holds."""
+
+    def __init__(self, runner: ModelRunner, drafter):
+        self.runner, self.drafter = runner, drafter
+        self.model, self.caches, self.device = runner.model, runner.caches, runner.device
+        self._gens: dict[str, torch.Generator] = {}
+        self._synthetic: tuple[tuple, SyntheticAcceptance] | None = None
+
+    def release(self, slots: list[int]) -> None:
+        self.runner.release(slots)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan):
+        tokens = self.runner.prepare(plan)
+        spec = plan.spec if isinstance(plan, SpecStepPlan) else []
+        for rid in getattr(plan, "release_ids", ()):
+            self._gens.pop(rid, None)
+        rollback = None
+        if spec:
+            k = plan.num_drafts
+            drafts, q = self._draft(plan, k)                                   # (B, k)
+            at = torch.tensor([s.start + 1 + j for s in spec for j in range(k)],
+                              device=tokens.device)
+            tokens[at] = drafts.flatten().to(tokens.device)
+            rollback = KDARollback({s.slot for s in spec})
+        hidden = self._target(tokens, plan, rollback)
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        if not isinstance(plan, SpecStepPlan):
+            return logits
+        if not spec:
+            return SpecStepResult(logits, [])
+        vrows = torch.tensor([s.start + j for s in spec for j in range(k + 1)],
+                             device=hidden.device)
+        vlogits = self.model.compute_logits(hidden.index_select(0, vrows)).float()
+        vlogits = vlogits.view(len(spec), k + 1, -1)
+        dl = drafts.tolist()
+        emitted = [self._accept(plan, s, dl[i], q[i], vlogits[i]) for i, s in enumerate(spec)]
+        emitted = self._agree(emitted, k)
+        if self.caches.kda is not None:
+            for s, e in zip(spec, emitted):
+                rollback.rollback(self.caches.kda, s.slot, len(e))
+        return SpecStepResult(logits, emitted)
+
+    # ---- the three stages -----------------------------------------------------------------
+    def _target(self, tokens: torch.Tensor, plan: StepPlan, observer) -> torch.Tensor:
+        """The target step with the drafter's taps; writes the context rows of every token."""
+        self.caches.kda_observer = observer
+        try:
+            hidden, tapped = self.model(tokens, plan.batch, self.caches, path=plan.path,
+                                        taps=self.drafter.taps)
+        finally:
+            self.caches.kda_observer = None
+        self.drafter.write_context(tapped, plan.batch, self.caches)
+        return hidden
+
+    def _draft(self, plan: SpecStepPlan, k: int) -> tuple[torch.Tensor, list[list]]:
+        """One non-causal drafter pass, then left-to-right Markov sampling.
+        -> drafts (B, k) long, q[i][j] (V,) draft distribution (None where greedy)."""
+        spec, dev = plan.spec, self.device
+        B = len(spec)
+        anchors = torch.tensor([plan.tokens[s.start] for s in spec], dtype=torch.long, device=dev)
+        toks = torch.full((B, k), self.drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+        toks[:, 0] = anchors
+        batch = StepBatch([SeqSlice(s.slot, i * k, k, s.pos) for i, s in enumerate(spec)])
+        base = self.drafter.base_logits(self.drafter(toks.flatten(), batch, self.caches))
+        base = base.view(B, k, -1)
+        greedy = [plan.synthetic_length is not None or s.params.greedy for s in spec]
+        drafts = torch.empty(B, k, dtype=torch.long, device=dev)
+        q: list[list] = [[None] * k for _ in spec]
+        prev = anchors
+        for j in range(k):
+            logits = base[:, j] + self.drafter.markov_bias(prev)                 # (B, V)
+            tok = logits.argmax(-1)
+            if not all(greedy):
+                host = logits.cpu()
+                for i, s in enumerate(spec):
+                    if not greedy[i]:
+                        p = torch.softmax(filter_logits(host[i], s.params), -1)
+                        q[i][j] = p
+                        tok[i] = int(torch.multinomial(p, 1, generator=self._gen(s)))
+            drafts[:, j] = tok
+            prev = tok
+        return self._from_rank0(drafts), q
+
+    def _accept(self, plan: SpecStepPlan, s: SpecSeq, drafts: list[int], q: list,
+                logits: torch.Tensor) -> list[int]:
+        if plan.synthetic_length is not None:
+            return self._synthetic_for(plan).emit(drafts, logits)
+        if s.params.greedy:
+            return verify_greedy(drafts, logits)
+        p = torch.softmax(torch.stack([filter_logits(r, s.params) for r in logits.cpu()]), -1)
+        return verify_rejection(drafts, torch.stack(q), p, self._gen(s))
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _gen(self, s: SpecSeq) -> torch.Generator:
+        g = self._gens.get(s.request_id)
+        if g is None:
+            g = self._gens[s.request_id] = torch.Generator().manual_seed(s.seed)
+        return g
+
+    def _synthetic_for(self, plan: SpecStepPlan) -> SyntheticAcceptance:
+        key = (plan.synthetic_length, plan.num_drafts, plan.synthetic_seed)
+        if self._synthetic is None or self._synthetic[0] != key:
+            self._synthetic = (key, SyntheticAcceptance(*key))
+        return self._synthetic[1]
+
+    def _from_rank0(self, t: torch.Tensor) -> torch.Tensor:
+        par, comm = self.model.par, self.model.comm
+        if par.tp_size == 1:
+            return t
+        return comm.all_reduce(t if par.tp_rank == 0 else torch.zeros_like(t))
+
+    def _agree(self, emitted: list[list[int]], k: int) -> list[list[int]]:
+        if self.model.par.tp_size == 1:
+            return emitted
+        t = torch.zeros(len(emitted), k + 2, dtype=torch.long, device=self.device)
+        for i, e in enumerate(emitted):
+            t[i, 0] = len(e)
+            t[i, 1:1 + len(e)] = torch.tensor(e)
+        t = self._from_rank0(t).tolist()
+        return [row[1:1 + row[0]] for row in t]
+
+
+# ---- building one rank's runner ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpecShardSpec:
+    """What every rank of a speculating replica loads (picklable)."""
+    model: str
+    draft: str | None = None             # None: resolve_drafter(model)
+    dtype: str = "float32"
+    num_slots: int = 16
+    num_blocks: int = 256
+    block_size: int = 16
+    seed: int = 0                        # random weights of a preset drafter
+
+
+def resolve_drafter(draft: str | None, model: str) -> str:
+    """The drafter spec: given, else `tiny` for the tiny target, else `<model>/dspark`."""
+    from raydecode.models.config import ConfigError
+
+    if draft is not None:
+        return str(draft)
+    if str(model) == "tiny":
+        return "tiny"
+    p = Path(str(model)) / "dspark"
+    if (p / "config.json").is_file():
+        return str(p)
+    raise ConfigError(f"no drafter given and none ships with model {model!r} (looked for "
+                      f"{p}/config.json); pass --draft PATH or 'tiny'")
+
+
+def load_spec_runner(spec: SpecShardSpec, par, comm, device: str = "cpu") -> SpecRunner:
+    """RunnerFactory for a speculating replica: target shard + drafter shard + caches whose MLA
+    pool carries the drafter's layers as extra rows."""
+    from raydecode.models.dspark_checkpoint import load_drafter
+    from raydecode.models.k3 import make_caches
+    from raydecode.models.weights import load_model
+
+    from .loader import parse_dtype, resolve_checkpoint
+
+    dt = parse_dtype(spec.dtype)
+    cfg, model = load_model(resolve_checkpoint(spec.model), par, comm, dt, device)
+    drafter = load_drafter(resolve_drafter(spec.draft, spec.model), model, par, comm, dt, device,
+                           seed=spec.seed)
+    caches = make_caches(cfg, par, spec.num_slots, spec.num_blocks, spec.block_size, dt, device,
+                         extra_mla_layers=drafter.cfg.num_layers)
+    return SpecRunner(ModelRunner(model, caches, device), drafter)
+
+
+__all__ = ["SpecSeq", "SpecStepPlan", "SpecStepResult", "KDARollback", "SpecRunner",
+           "SpecShardSpec", "load_spec_runner", "resolve_drafter"]

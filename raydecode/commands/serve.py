@@ -1,0 +1,88 @@
+"""`raydecode serve CONFIG.yaml [--host H] [--port N]`: deploy the OpenAI-compatible endpoint on
+Ray Serve (a local Ray instance, or the cluster at $RAY_ADDRESS), print its URL, block until
+Ctrl-C."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="deployment YAML (model, tensor_parallel_size, …)")
+    p.add_argument("--host", default=None, help="HTTP listen address (overrides serve.host)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (overrides serve.port)")
+
+
+def with_overrides(cfg, host: str | None = None, port: int | None = None):
+    """The config with CLI overrides applied (validated like the file)."""
+    from raydecode.actors.config import parse_deploy_config
+
+    data = cfg.model_dump()
+    if host is not None:
+        data["serve"]["host"] = host
+    if port is not None:
+        data["serve"]["port"] = port
+    return parse_deploy_config(data, "command line")
+
+
+def check_servable(cfg) -> str | None:
+    """Why this build cannot serve the config, or None."""
+    from raydecode.actors.coordinator import executor_supports
+
+    if cfg.speculative_config is not None:
+        return (f"speculative_config.method = {cfg.speculative_config.method!r}: speculative "
+                "decoding is not available yet in this build; remove speculative_config")
+    if not executor_supports(cfg):
+        return (f"tensor_parallel_size = {cfg.tensor_parallel_size}: the TP rank-worker executor "
+                "is not in this build yet; accepted here: tensor_parallel_size = 1")
+    return None
+
+
+def start_serving(cfg, executor_factory=None, app_name: str = "raydecode",
+                  **ray_init) -> str:
+    """Start (or join) Ray and Serve, deploy the replica app; returns the OpenAI base URL."""
+    import ray
+    from ray import serve
+
+    from raydecode.actors.serve import deployment_for
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", **ray_init)
+    s = cfg.serve
+    serve.start(http_options={"host": s.host, "port": s.port})
+    serve.run(deployment_for(cfg, executor_factory), name=app_name, route_prefix=s.route_prefix)
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
+    return f"http://{host}:{s.port}{s.route_prefix.rstrip('/')}/v1"
+
+
+def run(args: argparse.Namespace) -> int:
+    from raydecode.actors.config import DeployConfigError, load_deploy_config
+
+    try:
+        cfg = with_overrides(load_deploy_config(args.config), args.host, args.port)
+    except DeployConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    why = check_servable(cfg)
+    if why:
+        print(f"error: {args.config}: {why}", file=sys.stderr)
+        return 2
+    import ray
+    from ray import serve
+
+    try:
+        url = start_serving(cfg)
+        print(f"raydecode: serving {cfg.model_name!r} at {url} (Ctrl-C stops)", flush=True)
+        if cfg.profile == "development":
+            from raydecode.actors.envelope import DEVELOPMENT_NOTE
+            print(f"raydecode: {DEVELOPMENT_NOTE}", flush=True)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("raydecode: stopping", file=sys.stderr)
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+    return 0

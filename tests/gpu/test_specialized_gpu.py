@@ -1,0 +1,34 @@
+"""The specialized step on one CUDA GPU (TP = 1): the kernels/ dispatch (CuTe GEMV where
+nvidia-cutlass-dsl is installed, the references elsewhere) gives the stock step's logits and
+cache contents. Not run in CI; needs a CUDA device."""
+import pytest
+import torch
+
+from raydecode.kernels._cute import cute_available
+from raydecode.models.cache import SeqSlice, StepBatch
+from raydecode.models.config import load_config
+from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_specialized_step_equals_stock_on_cuda(dtype, tol):
+    cfg = load_config("tiny")
+    with torch.device("cuda"):
+        model = init_random_(K3ForCausalLM(cfg, dtype=dtype), seed=5)
+    toks = torch.randint(0, cfg.vocab_size, (12,), device="cuda")
+    logits, caches = {}, {}
+    with torch.inference_mode():
+        for path in ("stock", "specialized"):
+            c = caches[path] = make_caches(cfg, model.par, 2, 8, 4, dtype, device="cuda")
+            c.mla.block_tables[0] = [5, 1, 7, 3]
+            outs = [model(toks[:7], StepBatch([SeqSlice(0, 0, 7, 0)]), c, path)]
+            outs += [model(toks[t:t + 1], StepBatch.decode([0], [t]), c, path)
+                     for t in range(7, 12)]
+            logits[path] = model.compute_logits(torch.cat(outs))
+    rel = float((logits["specialized"] - logits["stock"]).abs().max()
+                / logits["stock"].abs().max())
+    assert rel < tol, (rel, "cute" if cute_available() else "reference")
+    s, p = caches["stock"].kda.rec, caches["specialized"].kda.rec
+    assert float((p - s).abs().max() / s.abs().max()) < tol
