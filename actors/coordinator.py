@@ -73,26 +73,53 @@ class LocalReplicaExecutor(LocalExecutor):
 
 
 def executor_supports(config: DeployConfig) -> bool:
-    """Whether `build_executor` can build this config (the rank-worker change extends both)."""
-    return config.tensor_parallel_size == 1
+    """Whether `build_executor` can build this config: any TP the model shards into (the
+    envelope, not this, decides which steps run specialized)."""
+    from raydecode.models.parallel import Parallel
+
+    try:
+        Parallel(0, config.tensor_parallel_size, config.decode_context_parallel_size)
+    except ValueError:
+        return False
+    return True
 
 
 def build_executor(config: DeployConfig) -> ReplicaExecutor:
-    """The replica's executor: TP = 1 runs the model here; TP > 1 needs the RankWorker group."""
-    if not executor_supports(config):
-        raise NotImplementedError(
-            f"tensor_parallel_size = {config.tensor_parallel_size}: the TP rank-worker executor "
-            "is not in this build yet; accepted here: tensor_parallel_size = 1")
-    from raydecode.engine.loader import load_shard
-    from raydecode.engine.runner import ModelRunner
-
+    """The replica's executor. TP = 1 and DCP = 1: the model runs in this process. Otherwise a
+    group of TP rank actors; on a cluster with GPUs the group is placed by the cluster layer
+    (one NVLink domain in the production profile, one node in the development profile), on a
+    CPU-only cluster the ranks are plain actors (gloo) and the replica says so in its stats."""
     mcfg = _model_config(config.model)
     ecfg = config.engine_config(mcfg.max_position_embeddings)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    shard = load_shard(config.model, dtype=config.resolved_dtype(), device=device,
-                       num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
-                       block_size=ecfg.block_size)
-    return LocalReplicaExecutor(ModelRunner(shard.model, shard.caches, device))
+    tp, dcp = config.tensor_parallel_size, config.decode_context_parallel_size
+    if tp == 1 and dcp == 1:
+        from raydecode.engine.loader import load_shard
+        from raydecode.engine.runner import ModelRunner
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            torch.set_num_threads(1)    # a busy intra-op pool stalls small decode steps
+        shard = load_shard(config.model, dtype=config.resolved_dtype(), device=device,
+                           num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
+                           block_size=ecfg.block_size)
+        return LocalReplicaExecutor(ModelRunner(shard.model, shard.caches, device))
+
+    import ray
+
+    from .rank_group import make_rank_group_executor
+
+    placement, verified, rank_cpus = None, False, 1.0
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        from raydecode.cluster.placement import plan_replica_placement
+
+        placement = plan_replica_placement(tp, dcp, options=config.placement)
+        verified = placement.profile == "production" and placement.domain is not None
+        rank_cpus = config.placement.rank_cpus
+    return make_rank_group_executor(
+        config.model, tp, dcp, config.resolved_dtype(), num_slots=ecfg.max_num_seqs,
+        num_blocks=ecfg.blocks, block_size=ecfg.block_size,
+        step_timeout_s=config.rank_step_timeout_s, placement=placement,
+        domain_verified=verified, num_cpus_per_rank=rank_cpus)
 
 
 def _model_config(spec: str):

@@ -44,7 +44,7 @@ class GroupOptions:
     init_timeout_s: float = 180.0
     num_gpus_per_rank: float = 0.0     # 1 on GPU hosts
     num_cpus_per_rank: float = 1.0
-    placement_group: object | None = None     # from cluster/placement.py; bundle i = rank i
+    placement: object | None = None    # cluster.placement.ReplicaPlacement: rank_strategy(r)
     domain_verified: bool = False      # the group lies in one verified NVLink domain
 
     def __post_init__(self) -> None:
@@ -69,10 +69,8 @@ class RankGroupExecutor:
                 o = {"num_cpus": opts.num_cpus_per_rank, "num_gpus": opts.num_gpus_per_rank,
                      "max_restarts": 0, "max_task_retries": 0,
                      "name": f"raydecode-rank-{self.replica_id}-{rank}"}
-                if opts.placement_group is not None:
-                    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-                    o["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                        opts.placement_group, placement_group_bundle_index=rank)
+                if opts.placement is not None:
+                    o["scheduling_strategy"] = _rank_strategy(opts.placement, rank)
                 self.workers.append(remote.options(**o).remote(
                     rank, opts.tp_size, opts.dcp_size, factory, self.replica_id))
             t = opts.init_timeout_s
@@ -115,6 +113,11 @@ class RankGroupExecutor:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:     # already dead
+                pass
+        if hasattr(self.opts.placement, "remove"):        # a ReplicaPlacement we own
+            try:
+                self.opts.placement.remove()
+            except Exception:
                 pass
 
     shutdown = close
@@ -207,9 +210,18 @@ def _summary(e: Exception) -> str:
     return f"{type(e).__name__}: {line[:300]}"
 
 
+def _rank_strategy(placement, rank: int):
+    """A ReplicaPlacement lays ranks out node-major after Ray placed the bundles, so rank r runs
+    in the bundle it was assigned; a bare placement group means bundle r hosts rank r."""
+    if hasattr(placement, "rank_strategy"):
+        return placement.rank_strategy(rank)
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    return PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank)
+
+
 def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slots: int,
                              num_blocks: int, block_size: int, step_timeout_s: float,
-                             placement_group=None, *, init_timeout_s: float = 180.0,
+                             placement=None, *, init_timeout_s: float = 180.0,
                              domain_verified: bool = False, num_cpus_per_rank: float = 1.0,
                              num_gpus_per_rank: float | None = None) -> RankGroupExecutor:
     """A started TP group of `tp` rank actors for `model` (preset or checkpoint folder).
@@ -217,7 +229,7 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
     Each rank loads only its shard and owns caches for num_slots sequences and num_blocks
     latent blocks of block_size rows (its DCP share: use the engine's block count for the same
     dcp). num_gpus_per_rank None: 1 when the Ray cluster has GPUs, else 0 (CPU ranks, gloo).
-    placement_group: bundle i hosts rank i. Raises RankFailure when the group does not come up
+    placement: a cluster.placement.ReplicaPlacement (rank r in its assigned bundle). Raises RankFailure when the group does not come up
     within init_timeout_s, ValueError for sizes that cannot shard."""
     from raydecode.models.parallel import Parallel
 
@@ -228,7 +240,7 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
                      block_size=block_size)
     opts = GroupOptions(tp_size=tp, dcp_size=dcp, step_timeout_s=step_timeout_s,
                         init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
-                        num_cpus_per_rank=num_cpus_per_rank, placement_group=placement_group,
+                        num_cpus_per_rank=num_cpus_per_rank, placement=placement,
                         domain_verified=domain_verified)
     return RankGroupExecutor(functools.partial(load_runner, spec), opts)
 

@@ -93,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config(args.tp, args.dcp)
     if not executor_supports(cfg):
-        print(f"note: TP={args.tp}/DCP={args.dcp} needs the rank-worker executor, which is not "
-              "in this build yet; running TP=1/DCP=1", file=sys.stderr)
-        cfg = config(1, 1)
+        print(f"error: TP={args.tp}/DCP={args.dcp} cannot shard the tiny model; accepted: TP in "
+              "{1, 2, 4} with DCP dividing TP", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
         url = start_serving(cfg, num_cpus=2, include_dashboard=False,

@@ -35,8 +35,10 @@ def check_servable(cfg) -> str | None:
         return (f"speculative_config.method = {cfg.speculative_config.method!r}: speculative "
                 "decoding is not available yet in this build; remove speculative_config")
     if not executor_supports(cfg):
-        return (f"tensor_parallel_size = {cfg.tensor_parallel_size}: the TP rank-worker executor "
-                "is not in this build yet; accepted here: tensor_parallel_size = 1")
+        return (f"tensor_parallel_size = {cfg.tensor_parallel_size} with "
+                f"decode_context_parallel_size = {cfg.decode_context_parallel_size} cannot shard "
+                f"{cfg.model!r}: TP must divide the model's head counts, vocabulary and widths, "
+                "and DCP must divide TP")
     return None
 
 
