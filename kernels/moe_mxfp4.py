@@ -1,0 +1,566 @@
+"""Fused grouped MoE over MXFP4 routed-expert weights: the STOCK path's expert kernel (Triton).
+
+This is how stock vLLM runs routed experts: the (token, expert) pairs are grouped by expert and
+each expert GEMM is ONE launch over all pairs, dequantizing e2m1 + ue8m0 on the fly, so every
+touched expert's weights stream from HBM once per step (not a Python loop over experts).
+
+T tokens, top-k: P = T·k pairs, pair p = t·k + j (row-major flatten of the (T, k) routing).
+    runs      pairs sorted by expert id; run r = the pairs of the r-th distinct expert e_r
+    gate_up   a[p] = SiTU(W1_e z[t], W3_e z[t])            (P, I)  bf16 values   e = ids[p]
+    down      y[p] = w[p] · W2_e a[p]                      (P, L)  fp32
+    out[t]    = Σ_j y[t·k + j]                             (T, L)  fp32
+Rounding points follow models/moe.py `RoutedExperts`: W1 z and W3 z are rounded to bf16 before
+SiTU, SiTU's output to bf16, W2 a to bf16 before the routing weight.
+
+Weights (one rank's slice; I = this rank's expert intermediate, L = latent width):
+    w13 (E, 2I, L/2) uint8 + s13 (E, 2I, L/32) uint8   rows [0, I) gate (w1), [I, 2I) up (w3)
+    w2  (E, L, I/2)  uint8 + s2  (E, L, I/32)  uint8
+in the models/mxfp4.py layout (low nibble = even k; w = e2m1 · 2**(s − 127)).
+
+Launches per call (all capturable in a CUDA graph, no host sync): runs (1 program: sort by
+expert, run boundaries, and CHUNKS of ≤ BLOCK_M pairs of one expert) → gate_up (grid: chunks ×
+I/BN) → down (grid: chunks × L/BN) → Σ over k (torch). Programs whose chunk index ≥ the number
+of chunks exit at once, so the grid is sized for the worst case (min(P, E) + P / BLOCK_M
+chunks) and never depends on the routing; each program has one loop, over K.
+
+Decodes (`MoEConfig.decode`; all exact, chosen per shape by the sweep → `TUNED`):
+  elementwise  each code's 3 magnitude bits at fp16 bits 11..9 (+ sign at bit 15) give exactly
+               e2m1 · 2**-14 (code 1, e2m1's subnormal 0.5, lands on fp16's subnormal 2**-15);
+               × 2**(s − 113) in fp32 (fp32 bits (s + 14) << 23), to bf16; bf16 dot
+  pairs        the same bit placement on int32 words, two codes per integer op; fp16 dot per
+               32-group, the group scale applied to the fp32 partial
+  split        the 16 bytes of a group as two K=16 fp16 tiles (low / high nibbles, dotted with
+               the even / odd activation columns), no interleave; scale on the partial
+Scales up to s = 240 decode (`MAX_SCALE`; checked once by `MXFP4Experts.validate`). The
+activations enter the fp16 dots as fp16 (exact for bf16 values of magnitude ≥ 2**-14).
+
+`fused_moe_mxfp4` dispatches: Triton when it is importable and the tensors are on CUDA (or
+TRITON_INTERPRET=1 on CPU tensors), else `moe_mxfp4_reference` (PyTorch, models/mxfp4.py
+`unpack_mxfp4`, the math of models/moe.py with a host sync on the unique experts).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raydecode.models.layers import situ
+from raydecode.models.mxfp4 import GROUP_SIZE, SCALE_BIAS, MXFP4Error, unpack_mxfp4
+
+try:  # CPU-only installs have no Triton: the reference serves them
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError, or a broken install
+    triton = tl = None
+
+MAX_SCALE = 240          # (s + 14) << 23 must stay a finite fp32 exponent
+BLOCK_M = 16             # pair rows per dot (tl.dot's minimum M)
+RUNS_MIN_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class MXFP4Experts:
+    """One layer's routed experts on one rank, MXFP4-packed (see the module docstring)."""
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    beta: float
+    linear_beta: float | None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate(self) -> int:     # I (this rank's slice)
+        return self.w13.shape[1] // 2
+
+    @property
+    def latent(self) -> int:           # L
+        return self.w2.shape[1]
+
+    def expert_bytes(self) -> int:
+        """HBM bytes of one expert's packed weights + scales (what a touched expert costs)."""
+        per = [t[0].numel() * t.element_size() for t in (self.w13, self.s13, self.w2, self.s2)]
+        return sum(per)
+
+    def validate(self) -> "MXFP4Experts":
+        """Shape/dtype checks and the scale range the kernel decodes (one host sync)."""
+        E, I2, Lh = self.w13.shape
+        L, I = Lh * 2, I2 // 2
+        want = {"w13": (E, 2 * I, L // 2), "s13": (E, 2 * I, L // GROUP_SIZE),
+                "w2": (E, L, I // 2), "s2": (E, L, I // GROUP_SIZE)}
+        for name, shape in want.items():
+            t = getattr(self, name)
+            if t.dtype != torch.uint8 or tuple(t.shape) != shape:
+                raise MXFP4Error(f"MXFP4Experts.{name}: {t.dtype} {tuple(t.shape)}; expected "
+                                 f"uint8 {shape} for E={E}, I={I}, L={L}")
+            if not t.is_contiguous():
+                raise MXFP4Error(f"MXFP4Experts.{name} must be contiguous")
+        if L % GROUP_SIZE or I % GROUP_SIZE or I2 % 2:
+            raise MXFP4Error(f"latent {L} and intermediate {I} must be multiples of the "
+                             f"MXFP4 group {GROUP_SIZE}")
+        hi = max(int(self.s13.max()), int(self.s2.max()))
+        if hi > MAX_SCALE:
+            raise MXFP4Error(f"MXFP4 scale byte {hi} > {MAX_SCALE} (2**{hi - SCALE_BIAS}): "
+                             f"the fused kernel decodes scales up to {MAX_SCALE}")
+        return self
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16):
+        """(w1 (E, I, L), w3 (E, I, L), w2 (E, L, I)) as models/moe.py `RoutedExperts` holds them."""
+        w13 = unpack_mxfp4(self.w13, self.s13, dtype)
+        return w13[:, :self.intermediate], w13[:, self.intermediate:], \
+            unpack_mxfp4(self.w2, self.s2, dtype)
+
+    @staticmethod
+    def random(num_experts: int, latent: int, intermediate: int, beta: float,
+               linear_beta: float | None, *, fan_in_13: int | None = None,
+               fan_in_2: int | None = None, device=None, seed: int = 0) -> "MXFP4Experts":
+        """Uniform random codes; per-group scales near 1/(rms(e2m1) · sqrt(fan_in)) so that the
+        dequantized weights are ~N(0, 1/fan_in)-sized (fan-ins default to the local K)."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        E, L, I = num_experts, latent, intermediate
+        rms_e2m1 = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)
+
+        def scales(shape, fan_in):
+            base = SCALE_BIAS + round(math.log2(1.0 / (rms_e2m1 * math.sqrt(fan_in))))
+            jitter = torch.randint(-1, 1, shape, generator=gen, device=device)
+            return (base + jitter).to(torch.uint8)
+
+        def codes(shape):
+            return torch.randint(0, 256, shape, generator=gen, device=device,
+                                 dtype=torch.uint8)
+
+        return MXFP4Experts(
+            w13=codes((E, 2 * I, L // 2)), s13=scales((E, 2 * I, L // GROUP_SIZE), fan_in_13 or L),
+            w2=codes((E, L, I // 2)), s2=scales((E, L, I // GROUP_SIZE), fan_in_2 or I),
+            beta=beta, linear_beta=linear_beta)
+
+
+# ---- PyTorch reference ---------------------------------------------------------------------
+
+def moe_mxfp4_reference(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        experts: MXFP4Experts) -> torch.Tensor:
+    """z (T, L), topk_weights (T, k) fp32, topk_ids (T, k) -> Σ_k w·expert(z) (T, L) fp32.
+
+    models/moe.py `RoutedExperts.forward` with each selected expert dequantized by
+    `unpack_mxfp4` (same ops in the same order; host sync on the unique expert ids)."""
+    I = experts.intermediate
+    out = z.new_zeros(z.shape, dtype=torch.float32)
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        w13 = unpack_mxfp4(experts.w13[e], experts.s13[e], z.dtype)       # (2I, L)
+        w2 = unpack_mxfp4(experts.w2[e], experts.s2[e], z.dtype)          # (L, I)
+        h = z[tok]
+        a = situ(F.linear(h, w13[:I]), F.linear(h, w13[I:]), experts.beta, experts.linear_beta)
+        y = F.linear(a, w2)
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].unsqueeze(-1))
+    return out
+
+
+# ---- Triton kernels ------------------------------------------------------------------------
+#
+# Work unit: a CHUNK = up to BLOCK_M consecutive pairs of one run (one expert). The runs kernel
+# lists them; every GEMM program handles one chunk × one BN-wide slab of output columns and has
+# a single loop, over K, which Triton software-pipelines. Chunks past `num_chunks` exit at once;
+# the grid is sized for the worst case, min(P, E) + P // BLOCK_M chunks.
+
+if triton is not None:
+
+    @triton.jit
+    def _max2(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _runs_kernel(ids_ptr, P, pairs_ptr, sorted_e_ptr, run_start_ptr, num_runs_ptr,
+                     chunk_start_ptr, chunk_end_ptr, num_chunks_ptr,
+                     BLOCK: tl.constexpr, BM: tl.constexpr):
+        """One program: sort the P pairs by (expert, pair index), write the runs (run_start,
+        runs + 1 entries, the last = P) and the chunks (≤ BM pairs of one run each)."""
+        i = tl.arange(0, BLOCK)
+        ok = i < P
+        e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+        key = tl.where(ok, e * BLOCK + i, 2147483647)
+        key = tl.sort(key, 0)
+        se = key // BLOCK
+        tl.store(pairs_ptr + i, key % BLOCK, mask=ok)
+        tl.store(sorted_e_ptr + i, se, mask=ok)
+        tl.debug_barrier()                       # sorted_e written by every thread of the CTA
+        prev = tl.load(sorted_e_ptr + i - 1, mask=ok & (i > 0), other=-1)
+        first = ok & (se != prev)
+        rid = tl.cumsum(first.to(tl.int32), 0) - 1
+        tl.store(run_start_ptr + rid, i, mask=first)
+        n = tl.sum(first.to(tl.int32), 0)
+        tl.store(run_start_ptr + n, P)
+        tl.store(num_runs_ptr, n)
+        tl.debug_barrier()                       # run_start complete
+        s_i = tl.associative_scan(tl.where(first, i, 0), 0, _max2)   # start of i's run
+        run_end = tl.load(run_start_ptr + rid + 1, mask=ok, other=0)
+        cs = ok & ((i - s_i) % BM == 0)
+        cid = tl.cumsum(cs.to(tl.int32), 0) - 1
+        tl.store(chunk_start_ptr + cid, i, mask=cs)
+        tl.store(chunk_end_ptr + cid, tl.minimum(i + BM, run_end), mask=cs)
+        tl.store(num_chunks_ptr, tl.sum(cs.to(tl.int32), 0))
+
+    @triton.jit
+    def _chunk(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr, sorted_e_ptr, BM: tl.constexpr):
+        """(pair ids (BM,), valid (BM,), expert) of chunk c."""
+        start = tl.load(chunk_start_ptr + c)
+        end = tl.load(chunk_end_ptr + c)
+        m = start + tl.arange(0, BM)
+        m_ok = m < end
+        pair = tl.load(pairs_ptr + m, mask=m_ok, other=0)
+        e = tl.load(sorted_e_ptr + start).to(tl.int64)
+        return pair, m_ok, e
+
+    @triton.jit
+    def _tanh(x):
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+    @triton.jit
+    def _dot(a, b, acc, DOT_F32: tl.constexpr):
+        """acc + a·b with fp32 accumulation. DOT_F32: fp32 operands, exact products (only under
+        TRITON_INTERPRET, whose bf16 dot reads raw bits as values in Triton 3.9)."""
+        if DOT_F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    # ---- decode "elementwise": each code to fp32, times its scale, to bf16; bf16 dot -------
+
+    @triton.jit
+    def _dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr):
+        """(BN, BK) bf16 tile of an MXFP4 (N, K) matrix: rows `rows`, columns [k0, k0 + BK).
+        fp16 bits ((c & 7) << 9 | (c & 8) << 12) are exactly e2m1 · 2**-14 (code 1, e2m1's
+        subnormal 0.5, lands on fp16's subnormal 2**-15); the scale adds 2**(s − 113)."""
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None],
+                    other=0)
+        ks = k0 // 32 + tl.arange(0, BK // 32)
+        s = tl.load(s_ptr + rows[:, None] * (K // 32) + ks[None, :], mask=row_ok[:, None],
+                    other=127)
+        c = tl.join(p & 15, p >> 4).reshape(BN, BK).to(tl.int32)    # k order: lo, hi, lo, ...
+        bits = ((c & 7) << 9) | ((c & 8) << 12)
+        v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)   # 2**(s − 113)
+        v = v.reshape(BN, BK // 32, 32) * sc[:, :, None]
+        return v.reshape(BN, BK).to(tl.bfloat16)
+
+    @triton.jit
+    def _ew_acc(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok, k0,
+                K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, acc, DOT_F32: tl.constexpr):
+        x = tl.load(x_ptr + x_rows[:, None] * x_stride + k0 + tl.arange(0, BK)[None, :],
+                    mask=x_ok[:, None], other=0.0)
+        w = _dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, K, BN, BK)
+        return _dot(x, tl.trans(w), acc, DOT_F32)
+
+    # ---- decode "pairs": two codes per 32-bit op, fp16 dot, scale on the accumulator -------
+
+    @triton.jit
+    def _e2m1_group(v, BN: tl.constexpr):
+        """v (BN, 4) int32 = one MXFP4 group (32 codes) per row -> (BN, 32) fp16 holding
+        e2m1 · 2**-14 exactly, columns in the order π(c) = c with its two lowest bits swapped.
+        Code q of word v sits at bits 4q..4q+3; for i = 0..3 one shift-and-mask places code i
+        in the low fp16 half and code i + 4 in the high half (2 codes per integer op)."""
+        M1 = 0x0E000E00
+        M2 = -2147450880                       # 0x80008000 as int32
+        p0 = ((v << 9) & M1) | ((v << 12) & M2)
+        p1 = ((v << 5) & M1) | ((v << 8) & M2)
+        p2 = ((v << 1) & M1) | ((v << 4) & M2)
+        p3 = ((v >> 3) & M1) | (v & M2)
+        j0 = tl.join(p0.to(tl.int16), (p0 >> 16).to(tl.int16))   # (BN, 4, 2): 8w + 0 + 4p
+        j1 = tl.join(p1.to(tl.int16), (p1 >> 16).to(tl.int16))   # 8w + 1 + 4p
+        j2 = tl.join(p2.to(tl.int16), (p2 >> 16).to(tl.int16))
+        j3 = tl.join(p3.to(tl.int16), (p3 >> 16).to(tl.int16))
+        t = tl.join(tl.join(j0, j1), tl.join(j2, j3))            # [w, p, b, a]: 8w+4p+2a+b
+        return t.reshape(BN, 32).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _pairs_acc(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok, kk,
+                   K: tl.constexpr, BN: tl.constexpr, acc, DOT_F32: tl.constexpr):
+        """acc + (x[:, kk:kk+32] · W[rows, kk:kk+32]ᵀ) · 2**(s − 127), x fp16, W int32 words."""
+        v = tl.load(w_ptr + rows[:, None] * (K // 8) + kk // 8 + tl.arange(0, 4)[None, :],
+                    mask=row_ok[:, None], other=0)
+        s = tl.load(s_ptr + rows * (K // 32) + kk // 32, mask=row_ok, other=127)
+        c = tl.arange(0, 32)
+        perm = (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
+        x = tl.load(x_ptr + x_rows[:, None] * x_stride + kk + perm[None, :],
+                    mask=x_ok[:, None], other=0.0)
+        d = _dot(x, tl.trans(_e2m1_group(v, BN)), tl.zeros(acc.shape, dtype=tl.float32),
+                 DOT_F32)
+        sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)   # 2**(s − 113)
+        return acc + d * sc[None, :]
+
+    # ---- decode "split": low and high nibbles as two K=16 tiles, no interleave; fp16 dot ---
+
+    @triton.jit
+    def _split_acc(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok, kk,
+                   K: tl.constexpr, BN: tl.constexpr, acc, DOT_F32: tl.constexpr):
+        """acc + (x[:, kk:kk+32] · W[rows, kk:kk+32]ᵀ) · 2**(s − 127): the 16 bytes of a group
+        give the even columns (low nibbles) and the odd ones (high nibbles) as two tiles, each
+        dotted with the matching x columns."""
+        j = tl.arange(0, 16)
+        p = tl.load(w_ptr + rows[:, None] * (K // 2) + kk // 2 + j[None, :],
+                    mask=row_ok[:, None], other=0).to(tl.int32)
+        s = tl.load(s_ptr + rows * (K // 32) + kk // 32, mask=row_ok, other=127)
+        lo = (((p & 7) << 9) | ((p & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        xe = tl.load(x_ptr + x_rows[:, None] * x_stride + kk + 2 * j[None, :],
+                     mask=x_ok[:, None], other=0.0)
+        xo = tl.load(x_ptr + x_rows[:, None] * x_stride + kk + 1 + 2 * j[None, :],
+                     mask=x_ok[:, None], other=0.0)
+        d = _dot(xe, tl.trans(lo), tl.zeros(acc.shape, dtype=tl.float32), DOT_F32)
+        d = _dot(xo, tl.trans(hi), d, DOT_F32)
+        sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)   # 2**(s − 113)
+        return acc + d * sc[None, :]
+
+    @triton.jit
+    def _acc_step(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok, k0,
+                  K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, acc,
+                  DECODE: tl.constexpr, DOT_F32: tl.constexpr):
+        """acc + x[:, k0:k0+BK] · W[rows, k0:k0+BK]ᵀ with W MXFP4 (DECODE 0 elementwise,
+        1 pairs (W as int32 words), 2 split)."""
+        if DECODE == 0:
+            acc = _ew_acc(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok, k0, K, BN,
+                          BK, acc, DOT_F32)
+        else:
+            for g in tl.static_range(BK // 32):
+                if DECODE == 1:
+                    acc = _pairs_acc(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok,
+                                     k0 + 32 * g, K, BN, acc, DOT_F32)
+                else:
+                    acc = _split_acc(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok,
+                                     k0 + 32 * g, K, BN, acc, DOT_F32)
+        return acc
+
+    @triton.jit
+    def _gate_up_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                        chunk_end_ptr, num_chunks_ptr, a_ptr, top_k, beta, lin_beta,
+                        L: tl.constexpr, I: tl.constexpr, HAS_LIN: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        WPR: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr):
+        """a[p, n] = SiTU(W1_e z[t], W3_e z[t])[n] for the pairs of chunk program_id(0).
+        WPR: elements of w per row (L/2 bytes, or L/8 int32 words for the pairs decode)."""
+        c = tl.program_id(0)
+        if c >= tl.load(num_chunks_ptr):
+            return
+        pair, m_ok, e = _chunk(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr, sorted_e_ptr, BM)
+        tok = pair // top_k
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = n < I
+        w_e = w_ptr + e * (2 * I * WPR)
+        s_e = s_ptr + e * (2 * I * (L // 32))
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, L, BK):
+            acc_g = _acc_step(z_ptr, tok, m_ok, L, w_e, s_e, n, n_ok, k0, L, BN, BK, acc_g,
+                              DECODE, DOT_F32)
+            acc_u = _acc_step(z_ptr, tok, m_ok, L, w_e, s_e, n + I, n_ok, k0, L, BN, BK, acc_u,
+                              DECODE, DOT_F32)
+        g = acc_g.to(tl.bfloat16).to(tl.float32)
+        u = acc_u.to(tl.bfloat16).to(tl.float32)
+        act = beta * _tanh(g / beta) * tl.sigmoid(g)
+        if HAS_LIN:
+            u = lin_beta * _tanh(u / lin_beta)
+        tl.store(a_ptr + pair[:, None] * I + n[None, :],
+                 (act * u).to(tl.bfloat16).to(a_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(a_ptr, w_ptr, s_ptr, topw_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                     chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr, I: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     WPR: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr):
+        """y[p, n] = w[p] · bf16(W2_e a[p])[n] for the pairs of chunk program_id(0)."""
+        c = tl.program_id(0)
+        if c >= tl.load(num_chunks_ptr):
+            return
+        pair, m_ok, e = _chunk(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr, sorted_e_ptr, BM)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = n < L
+        w_e = w_ptr + e * (L * WPR)
+        s_e = s_ptr + e * (L * (I // 32))
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            acc = _acc_step(a_ptr, pair, m_ok, I, w_e, s_e, n, n_ok, k0, I, BN, BK, acc,
+                            DECODE, DOT_F32)
+        wt = tl.load(topw_ptr + pair, mask=m_ok, other=0.0)
+        y = acc.to(tl.bfloat16).to(tl.float32) * wt[:, None]
+        tl.store(y_ptr + pair[:, None] * L + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---- launch configuration ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes of the two expert GEMMs (compile-time constants).
+
+    decode "elementwise": `_dequant_tile` (each code to fp32, scaled, to bf16; bf16 dot);
+    "pairs": `_e2m1_group` (two codes per integer op on int32 words, fp16 dot, the group scale
+    on the accumulator); "split": `_split_acc` (low / high nibbles as two K=16 fp16 tiles, no
+    interleave, scale on the accumulator). BK (a multiple of 32) must divide K (the latent for
+    gate/up, I for down); pairs/split step BK / 32 groups per loop iteration."""
+    gate_up_bn: int
+    gate_up_bk: int
+    down_bn: int
+    down_bk: int
+    num_warps: int = 4
+    num_stages: int = 3
+    decode: str = "elementwise"
+
+
+# Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
+# scripts/bench/layer_moe_sweep.py run in bench/results/layer-h200-2026-11-29.json (H200, Triton
+# 3.6; batch 1 for the small key, 64 for the large one). K3 per-rank experts at TP8 (I = 384)
+# and TP16 (I = 192). Missing keys: the `default_config` rule.
+SMALL_PAIRS = 64
+TUNED: dict[tuple[bool, int, int, int], MoEConfig] = {
+    (True, 896, 384, 3584): MoEConfig(16, 64, 128, 64, num_stages=4, decode="pairs"),
+    (False, 896, 384, 3584): MoEConfig(64, 64, 128, 64, num_stages=4, decode="split"),
+    (True, 896, 192, 3584): MoEConfig(16, 256, 128, 64, decode="elementwise"),
+    (False, 896, 192, 3584): MoEConfig(64, 64, 128, 64, num_stages=4, decode="split"),
+}
+
+
+def _largest_block(k: int, cap: int) -> int:
+    """Largest power of two ≤ cap dividing k, at least one MXFP4 group (32)."""
+    b = cap
+    while b > GROUP_SIZE and k % b:
+        b //= 2
+    return b
+
+
+def default_config(pairs: int, num_experts: int, intermediate: int, latent: int,
+                   sm_count: int = 132, tuned: bool = True) -> MoEConfig:
+    """TUNED entry if any; else the elementwise decode with gate/up: the widest BN (≤ 64) that
+    still gives ≥ 2 programs per SM at the worst-case run count min(P, E), BK ≤ 256; down:
+    BN = 128 over the latent, BK ≤ 128."""
+    hit = TUNED.get((pairs <= SMALL_PAIRS, num_experts, intermediate, latent)) if tuned else None
+    if hit is not None:
+        return hit
+    runs = min(pairs, num_experts)
+    bn = 64
+    while bn > 16 and runs * -(-intermediate // bn) < 2 * sm_count:
+        bn //= 2
+    return MoEConfig(gate_up_bn=bn, gate_up_bk=_largest_block(latent, 256),
+                     down_bn=128 if latent >= 128 else 64,
+                     down_bk=_largest_block(intermediate, 128), decode="elementwise")
+
+
+def _runs_block(pairs: int) -> int:
+    """Sort width of the runs kernel: a few buckets, so a batch sweep compiles it ≤ 3 times."""
+    for b in (RUNS_MIN_BLOCK, 256, 1024):
+        if pairs <= b:
+            return b
+    return triton.next_power_of_2(pairs)
+
+
+def _use_triton(*ts: torch.Tensor) -> bool:
+    if triton is None:
+        return False
+    if all(t.is_cuda for t in ts):
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1" and not any(t.is_cuda for t in ts)
+
+
+def moe_runs(topk_ids: torch.Tensor, num_experts: int):
+    """From topk_ids (T, k), int32 tensors: pairs (P,) grouped by expert, sorted_e (P,),
+    run_start (min(P, E) + 1,), num_runs (1,), chunk_start / chunk_end (max_chunks,),
+    num_chunks (1,) — the pairs grouped by expert and cut into ≤ BLOCK_M chunks (one program)."""
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    P = ids.numel()
+    dev = ids.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    out = (torch.empty(P, **i32), torch.empty(P, **i32),
+           torch.empty(min(P, num_experts) + 1, **i32), torch.empty(1, **i32),
+           torch.empty(max_chunks(P, num_experts), **i32),
+           torch.empty(max_chunks(P, num_experts), **i32), torch.empty(1, **i32))
+    _runs_kernel[(1,)](ids, P, *out, BLOCK=_runs_block(P), BM=BLOCK_M, num_warps=4)
+    return out
+
+
+def max_chunks(pairs: int, num_experts: int) -> int:
+    """Worst-case chunk count: one per run plus one per BLOCK_M pairs."""
+    return min(pairs, num_experts) + pairs // BLOCK_M
+
+
+def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts) -> None:
+    T, L = z.shape if z.dim() == 2 else (None, None)
+    if z.dim() != 2 or L != experts.latent or z.dtype != torch.bfloat16:
+        raise ValueError(f"z must be bf16 (T, {experts.latent}), got {z.dtype} "
+                         f"{tuple(z.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be (T={T}, k)")
+    if topk_weights.dtype != torch.float32 or topk_ids.is_floating_point():
+        raise ValueError(f"topk_weights must be fp32 and topk_ids integer, got "
+                         f"{topk_weights.dtype} / {topk_ids.dtype}")
+    P = topk_ids.numel()
+    if P > 1 << 16:
+        raise ValueError(f"{P} (token, expert) pairs: the runs kernel sorts at most 65536 "
+                         "in one program; split the batch")
+
+
+DECODES = {"elementwise": 0, "pairs": 1, "split": 2}
+
+
+def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor, experts: MXFP4Experts,
+                           config: MoEConfig | None = None) -> torch.Tensor:
+    """The fused path: runs → gate_up → down → Σ_k. -> (T, L) fp32. No host sync."""
+    _check_inputs(z, topk_weights, topk_ids, experts)
+    T, L = z.shape
+    k = topk_ids.shape[1]
+    P, E, I = T * k, experts.num_experts, experts.intermediate
+    cfg = config or default_config(P, E, I, L)
+    if cfg.decode not in DECODES:
+        raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of {list(DECODES)}")
+    if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:
+        raise ValueError(f"{cfg}: BK must be a multiple of 32 dividing L={L} / I={I}")
+    pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E)
+    dec = DECODES[cfg.decode]
+    x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
+    w13, w2 = ((experts.w13.view(torch.int32), experts.w2.view(torch.int32)) if dec == 1
+               else (experts.w13, experts.w2))
+    common = dict(BM=BLOCK_M, DECODE=dec, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    chunks = max_chunks(P, E)
+    a = torch.empty(P, I, dtype=x_dtype, device=z.device)
+    lin = experts.linear_beta
+    _gate_up_kernel[(chunks, triton.cdiv(I, cfg.gate_up_bn))](
+        z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
+        n_chunks, a, k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
+        HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, WPR=w13.shape[-1],
+        **common)
+    y = torch.empty(P, L, dtype=torch.float32, device=z.device)
+    _down_kernel[(chunks, triton.cdiv(L, cfg.down_bn))](
+        a, w2, experts.s2, topk_weights.contiguous(), pairs, sorted_e, c_start, c_end,
+        n_chunks, y, L=L, I=I, BN=cfg.down_bn, BK=cfg.down_bk, WPR=w2.shape[-1], **common)
+    return y.view(T, k, L).sum(1)
+
+
+def fused_moe_mxfp4(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    experts: MXFP4Experts, config: MoEConfig | None = None) -> torch.Tensor:
+    """Σ_k w·expert(z) (T, L) fp32: the fused Triton kernels when Triton can run on these
+    tensors (CUDA, or CPU under TRITON_INTERPRET=1), else `moe_mxfp4_reference`."""
+    if _use_triton(z, experts.w13):
+        return fused_moe_mxfp4_triton(z, topk_weights, topk_ids, experts, config)
+    _check_inputs(z, topk_weights, topk_ids, experts)
+    return moe_mxfp4_reference(z, topk_weights, topk_ids, experts)
+
+
+def touched_expert_bytes(topk_ids: torch.Tensor, experts: MXFP4Experts) -> int:
+    """HBM bytes the fused kernel streams for this routing: distinct experts × expert bytes
+    (host sync; for reporting only)."""
+    return int(torch.unique(topk_ids).numel()) * experts.expert_bytes()
+
+
+__all__ = ["MXFP4Experts", "MoEConfig", "TUNED", "default_config", "fused_moe_mxfp4",
+           "fused_moe_mxfp4_triton", "moe_mxfp4_reference", "moe_runs", "touched_expert_bytes",
+           "MAX_SCALE"]

@@ -1,0 +1,166 @@
+"""Triton fused grouped MoE over MXFP4 vs its PyTorch reference (needs CUDA + Triton; on a CPU
+with Triton, TRITON_INTERPRET=1 runs the small cases through the interpreter).
+
+Fresh random weights, inputs and routing per case (seed from os.urandom, printed on failure);
+the caching allocator is poisoned with NaN first, so an output row the kernels never write
+shows up as NaN; error ‖out − ref‖ / ‖ref‖ against `moe_mxfp4_reference` (cuBLAS bf16 with
+fp32 accumulation and the same rounding points) and, for one case, against an fp64 evaluation
+with no intermediate rounding.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from raydecode.kernels import moe_mxfp4 as M
+
+ON_GPU = torch.cuda.is_available() and M.triton is not None
+INTERPRET = (not torch.cuda.is_available() and M.triton is not None
+             and os.environ.get("TRITON_INTERPRET") == "1")
+pytestmark = pytest.mark.skipif(not (ON_GPU or INTERPRET),
+                                reason="needs CUDA + Triton (or Triton with TRITON_INTERPRET=1)")
+DEV = "cuda" if ON_GPU else "cpu"
+
+# (E, L, I, top_k): K3 per-rank experts at TP16 and TP8 (GPU only), small shapes everywhere
+K3_SHAPES = [(896, 3584, 192, 16), (896, 3584, 384, 16)]
+SMALL_SHAPES = [(32, 128, 128, 4), (16, 256, 96, 2)]
+# GPU: same rounding points as the reference, differences only from accumulation order.
+# Interpreter: Triton 3.9's interpreter truncates fp32 -> bf16 instead of rounding (1 ulp more).
+REL_TOL = 1e-2 if ON_GPU else 2.5e-2
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _poison_allocator(nbytes: int = 1 << 28) -> None:
+    if DEV == "cuda":
+        torch.empty(nbytes // 4, device=DEV).fill_(float("nan"))   # freed, then reused
+
+
+def _routing(T, E, k, gen, skew=False):
+    scores = torch.rand(T, E, generator=gen, device=DEV)
+    if skew:       # every token's first choice is expert 3: one run longer than BLOCK_M
+        scores[:, 3] = 2.0
+    w, ids = scores.topk(k, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).float(), ids
+
+
+def _case(E, L, I, k, T, seed, skew=False, lin=25.0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    ex = M.MXFP4Experts.random(E, L, I, 4.0, lin, device=DEV, seed=seed).validate()
+    z = torch.randn(T, L, generator=gen, device=DEV).to(torch.bfloat16)
+    w, ids = _routing(T, E, k, gen, skew)
+    return ex, z, w, ids
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _shapes():
+    return (K3_SHAPES if ON_GPU else []) + SMALL_SHAPES
+
+
+@pytest.mark.parametrize("E,L,I,k", _shapes())
+@pytest.mark.parametrize("T", [1, 4, 64])
+def test_fused_matches_reference(E, L, I, k, T):
+    if not ON_GPU and T == 64:
+        pytest.skip("interpreter: 64 tokens take minutes")   # the GPU runs them
+    seed = _seed()
+    ex, z, w, ids = _case(E, L, I, k, T, seed)
+    _poison_allocator()
+    out = M.fused_moe_mxfp4(z, w, ids, ex)
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    assert out.shape == (T, L) and out.dtype == torch.float32
+    assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
+    assert _rel(out, ref) < REL_TOL, f"seed {seed}: rel err {_rel(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_runs_group_every_pair_once(skew):
+    seed = _seed()
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    T, E, k = 37, 64, 8
+    _, ids = _routing(T, E, k, gen, skew)
+    pairs, sorted_e, run_start, num_runs, c_start, c_end, n_chunks = M.moe_runs(ids, E)
+    P, flat = T * k, ids.reshape(-1).cpu()
+    pairs, sorted_e = pairs.cpu().long(), sorted_e.cpu().long()
+    n = int(num_runs)
+    assert sorted(pairs.tolist()) == list(range(P)), f"seed {seed}"
+    assert torch.equal(flat[pairs], sorted_e)                 # sorted_e[i] = expert of pair
+    assert torch.equal(sorted_e, sorted_e.sort().values)      # grouped by expert
+    assert n == flat.unique().numel()
+    rs = run_start.cpu().long()[:n + 1].tolist()
+    assert rs[0] == 0 and rs[-1] == P and rs == sorted(rs)
+    for r in range(n):                                         # one expert per run
+        assert sorted_e[rs[r]:rs[r + 1]].unique().numel() == 1
+    # chunks: ≤ BLOCK_M consecutive pairs inside one run, covering every pair once, in order
+    nc = int(n_chunks)
+    cs, ce = c_start.cpu().long()[:nc].tolist(), c_end.cpu().long()[:nc].tolist()
+    assert nc <= M.max_chunks(P, E) and cs[0] == 0 and ce[-1] == P
+    assert all(ce[j] == cs[j + 1] for j in range(nc - 1))
+    assert all(0 < ce[j] - cs[j] <= M.BLOCK_M for j in range(nc))
+    assert all(sorted_e[cs[j]:ce[j]].unique().numel() == 1 for j in range(nc))
+    assert nc == sum(-(-(rs[r + 1] - rs[r]) // M.BLOCK_M) for r in range(n))
+
+
+@pytest.mark.parametrize("decode", list(M.DECODES))
+def test_decodes_long_run_and_no_linear_beta(decode):
+    """Every decode on a run longer than BLOCK_M (several chunks of one expert)."""
+    seed = _seed()
+    ex, z, w, ids = _case(32, 128, 64, 4, 40, seed, skew=True, lin=None)
+    cfg = M.MoEConfig(16, 64, 64, 64, decode=decode)
+    _poison_allocator()
+    out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    assert torch.isfinite(out).all() and _rel(out, ref) < REL_TOL, f"seed {seed}"
+
+
+def _fp64(z, w, ids, ex):
+    """Σ_k w · W2 SiTU(W1 z, W3 z) in fp64 with no intermediate rounding."""
+    w1, w3, w2 = (t.double() for t in ex.dequantized(torch.float32))
+    out = torch.zeros(z.shape, dtype=torch.float64, device=z.device)
+    x = z.double()
+    for t in range(z.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = w1[e] @ x[t], w3[e] @ x[t]
+            a = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+            out[t] += float(w[t, j]) * (w2[e] @ a)
+    return out
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter's bf16 truncation makes this moot")
+def test_error_vs_fp64_is_the_references():
+    seed = _seed()
+    ex, z, w, ids = _case(64, 512, 128, 8, 3, seed)
+    ideal = _fp64(z, w, ids, ex)
+    e_k = _rel(M.fused_moe_mxfp4(z, w, ids, ex), ideal)
+    e_r = _rel(M.moe_mxfp4_reference(z, w, ids, ex), ideal)
+    assert e_k <= 1.5 * e_r + 1e-3, f"seed {seed}: kernel {e_k:.2e} vs reference {e_r:.2e}"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+def test_graph_capture_replays_new_routing():
+    """One capture serves any routing: the grid never depends on the routing, no host sync."""
+    seed = _seed()
+    E, L, I, k, T = 128, 256, 128, 8, 16
+    ex, z, w, ids = _case(E, L, I, k, T, seed)
+    fused = M.fused_moe_mxfp4
+    fused(z, w, ids, ex)                           # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fused(z, w, ids, ex)
+    for _ in range(2):
+        gen = torch.Generator(device=DEV).manual_seed(_seed())
+        w2, ids2 = _routing(T, E, k, gen)
+        z.copy_(torch.randn(T, L, generator=gen, device=DEV).to(torch.bfloat16))
+        w.copy_(w2), ids.copy_(ids2)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = M.moe_mxfp4_reference(z, w, ids, ex)
+        assert _rel(out, ref) < REL_TOL, f"seed {seed}"
