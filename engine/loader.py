@@ -97,6 +97,7 @@ def build_local_engine(spec: str | Path, dtype: str = "float32", max_num_seqs: i
     from .engine import EngineConfig, LLMEngine, LocalExecutor
     from .runner import ModelRunner
 
+    torch.set_num_threads(1)    # tiny decode ops: a busy intra-op pool costs more than it gives
     cfg = load_config(resolve_checkpoint(spec))
     mml = max_model_len or min(cfg.max_position_embeddings, 4096)
     ecfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=mml,
