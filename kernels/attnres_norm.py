@@ -15,9 +15,10 @@ two small matmuls.
 
 Layers (STYLE §6): `*_reference` are the PyTorch references and round where the stock path
 rounds (so in fp32 the specialized step reproduces stock to the last bits of the reduction
-order); `attnres_mix_norm` / `attnres_add_mix_norm` are the public ops and the dispatch point.
-The CuTe DSL kernel (one CTA per token, the n+1 rows of H in shared memory) is future work of
-the kernels issue; until it registers here, every device runs the reference.
+order); `attnres_mix_norm` / `attnres_add_mix_norm` are the public ops and the dispatch point:
+a registered CuTe DSL kernel first (future work), else the Triton kernel of
+kernels/attnres_norm_triton.py on CUDA tensors (`USE_TRITON`), else the reference (CPU, or no
+Triton).
 """
 from __future__ import annotations
 
@@ -25,11 +26,17 @@ from typing import Callable, Sequence
 
 import torch
 
+from raydecode.kernels import attnres_norm_triton as _tri
 from raydecode.kernels._cute import cute_available
 
 # Set by the CuTe kernel when it lands (same signatures as the public ops). None: reference.
 CUTE_MIX_NORM: Callable | None = None
 CUTE_ADD_MIX_NORM: Callable | None = None
+USE_TRITON = True        # the Triton kernel on CUDA tensors (False: the reference everywhere)
+
+
+def _use_triton(prefix: torch.Tensor) -> bool:
+    return USE_TRITON and prefix.is_cuda and _tri.available(prefix)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,6 +85,9 @@ def attnres_mix_norm(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps
     _check(blocks, prefix, res_proj_w)
     if CUTE_MIX_NORM is not None and cute_available() and prefix.is_cuda:
         return CUTE_MIX_NORM(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps, out_eps)
+    if _use_triton(prefix):
+        return _tri.mix_norm_triton(blocks, prefix, res_norm_w, res_proj_w, out_norm_w,
+                                    res_eps, out_eps)
     return attnres_mix_norm_reference(blocks, prefix, res_norm_w, res_proj_w, out_norm_w,
                                       res_eps, out_eps)
 
@@ -92,6 +102,11 @@ def attnres_add_mix_norm(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w
     if CUTE_ADD_MIX_NORM is not None and cute_available() and prefix.is_cuda:
         return CUTE_ADD_MIX_NORM(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w,
                                  res_eps, out_eps)
+    if _use_triton(prefix):
+        new_prefix = torch.empty_like(prefix)
+        h = _tri.mix_norm_triton(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,
+                                 out_eps, out=out, new_prefix=new_prefix)
+        return new_prefix, h
     return attnres_add_mix_norm_reference(blocks, prefix, out, res_norm_w, res_proj_w,
                                           out_norm_w, res_eps, out_eps)
 

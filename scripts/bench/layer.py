@@ -58,8 +58,11 @@ VARIANTS = {
                     "latent up 1/TP columns (all-gathers of qkv_a, router logits and z; latent "
                     "up partial joins the shared experts' all-reduce); bf16 projections through "
                     "kernels.gemv.linear (CuTe GEMV where available, else F.linear) for "
-                    "batch <= gemv_max_batch; the same Triton MXFP4 MoE (no expert-GEMV kernel "
-                    "yet), the same norm/AttnRes/attention ops (no fused kernels yet)"),
+                    "batch <= gemv_max_batch; round 2 fused kernels (Triton): AttnRes mix + "
+                    "RMSNorm x2 (the second with the residual add), router sigmoid+bias+top-k+"
+                    "renormalize, few-token MXFP4 expert GEMV for T*k <= 64 (2 launches; the "
+                    "stock grouped kernel above that), latent RMSNorm, shared-expert SiTU; KDA/"
+                    "MLA internals as stock"),
 }
 
 
@@ -182,6 +185,14 @@ def run(args) -> dict:
         report["moe_tuned"] = {str(k): dataclasses.asdict(v)
                                for k, v in moe_mxfp4.TUNED.items()}
         print(f"MoE sweep done (t={time.time() - t0:.0f}s)", flush=True)
+    if args.moe_decode_sweep:
+        from raydecode.kernels import moe_mxfp4_decode
+        from .layer_moe_decode_sweep import sweep as decode_sweep
+        report["moe_decode_sweep"] = decode_sweep(cfg.moe, tps=args.tps, batches=(1, 4),
+                                                  log=lambda m: print(m, flush=True))
+        report["moe_decode_tuned"] = {str(k): dataclasses.asdict(v)
+                                      for k, v in moe_mxfp4_decode.TUNED.items()}
+        print(f"MoE decode sweep done (t={time.time() - t0:.0f}s)", flush=True)
     timer = GraphTimer(replays=args.replays)
     for tp in args.tps:
         report["shapes"][f"tp{tp}"] = {p: decode_gemv_shapes(cfg, tp, p)
@@ -266,6 +277,9 @@ def main(argv=None) -> int:
                     help="also profile one eager step at the smallest and largest batch")
     ap.add_argument("--moe-sweep", action="store_true",
                     help="tune the MXFP4 MoE kernel (kernels.moe_mxfp4.TUNED) before timing")
+    ap.add_argument("--moe-decode-sweep", action="store_true",
+                    help="tune the specialized few-token MoE kernel (moe_mxfp4_decode.TUNED) "
+                         "and time it beside the stock kernel at batch 1 and 4")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

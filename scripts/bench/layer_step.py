@@ -23,7 +23,13 @@ Variants (`make_step(..., variant)`):
   specialized  the four replicated projections read 1/TP (+ all-gathers; latent up K-split, its
                partial sum joining the shared experts' all-reduce); bf16 projections through
                `kernels.gemv.linear` (CuTe GEMV where it is available and supports the shape,
-               F.linear otherwise) for batches ≤ `gemv_max_batch`; everything else as stock.
+               F.linear otherwise) for batches ≤ `gemv_max_batch`; round 2 fused kernels
+               (Triton on CUDA, the PyTorch references elsewhere): AttnRes mix + RMSNorm
+               (kernels/attnres_norm.py, the second in its residual-add form), the router
+               top-k (kernels/router.py), the few-token MXFP4 expert GEMV
+               (kernels/moe_mxfp4_decode.py, T·k ≤ 64; the stock grouped kernel above),
+               latent norm and shared-expert SiTU (kernels/decode_elementwise_triton.py);
+               KDA / MLA internals as stock.
 """
 from __future__ import annotations
 
@@ -33,7 +39,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
+from raydecode.kernels.decode_elementwise_triton import rms_norm_cast, situ_mul
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
+from raydecode.kernels.moe_mxfp4_decode import moe_mxfp4_decode, use_decode_kernel
+from raydecode.kernels.router import route_topk
 from raydecode.models.attnres import attn_res_mix
 from raydecode.models.kda import l2_normalize
 from raydecode.models.layers import situ
@@ -101,6 +111,9 @@ class DecodeStep:
     def step(self) -> None:
         W, S, T, n, eps = self.W, self.S, self.T, self.n, self.eps
         t = W.t
+        if self.spec:
+            self._step_fused()
+            return
         mix = attn_res_mix(S.bank_in[:T], t["self_attention_res_norm"],
                            t["self_attention_res_proj"][None], eps)
         h = rms(mix, t["input_layernorm"], eps)
@@ -115,6 +128,24 @@ class DecodeStep:
             self.trace.update(h=h, attn=attn, h2=h2, ffn=ffn)
 
     __call__ = step
+
+    def _step_fused(self) -> None:
+        """The specialized step: each AttnRes mix + RMSNorm one fused op (the second one in
+        its residual-add form, which also writes the new prefix), same rounding points."""
+        W, S, T, n, eps = self.W, self.S, self.T, self.n, self.eps
+        t = W.t
+        bank = S.bank_in[:T]
+        blocks = [bank[:, j] for j in range(n)]          # one strided view for the kernel
+        h = attnres_mix_norm(blocks, bank[:, n], t["self_attention_res_norm"],
+                             t["self_attention_res_proj"][None], t["input_layernorm"], eps, eps)
+        attn = self.kda(h) if W.kind == "kda" else self.mla(h)
+        prefix, h2 = attnres_add_mix_norm(blocks, bank[:, n], attn, t["mlp_res_norm"],
+                                          t["mlp_res_proj"][None],
+                                          t["post_attention_layernorm"], eps, eps)
+        ffn = self.moe(h2)
+        torch.add(prefix, ffn, out=S.prefix_out[:T])
+        if self.trace is not None:
+            self.trace.update(h=h, attn=attn, h2=h2, ffn=ffn)
 
     # ---- KDA -----------------------------------------------------------------------------
     def kda(self, h: torch.Tensor) -> torch.Tensor:
@@ -179,15 +210,26 @@ class DecodeStep:
         else:
             logits = mm_f32(h2, W.stock["router"])
             z = self.lin(h2, W.stock["latent_down"])
-        weights, ids = route(logits, t["router_bias"], mc.top_k, mc.num_expert_group,
-                             mc.topk_group, mc.renormalize, mc.routed_scaling_factor)
+        if self.spec and mc.num_expert_group == 1:                # fused router kernel
+            weights, ids = route_topk(logits, t["router_bias"], mc.top_k, mc.renormalize,
+                                      mc.routed_scaling_factor)
+        else:
+            weights, ids = route(logits, t["router_bias"], mc.top_k, mc.num_expert_group,
+                                 mc.topk_group, mc.renormalize, mc.routed_scaling_factor)
         S.last_ids = ids
-        lat = fused_moe_mxfp4(z, weights, ids, W.experts)       # (T, L) fp32 [all-reduce]
-        lat = rms(lat.to(h2.dtype), t["latent_norm"], self.eps)
+        if self.spec and use_decode_kernel(z, ids, W.experts):     # few-token expert GEMV
+            lat = moe_mxfp4_decode(z, weights, ids, W.experts)  # (T, L) fp32 [all-reduce]
+        else:
+            lat = fused_moe_mxfp4(z, weights, ids, W.experts)   # (T, L) fp32 [all-reduce]
         sh = self.lin(h2, t["shared_gate_up"])
         si = w["shared"]
-        sd = self.lin(situ(sh[:, :si], sh[:, si:], W.cfg.situ_beta, W.cfg.situ_linear_beta),
-                      t["shared_down"])
+        if self.spec:       # one kernel each for the latent norm and the shared SiTU
+            lat = rms_norm_cast(lat, t["latent_norm"], self.eps, h2.dtype)
+            a = situ_mul(sh, W.cfg.situ_beta, W.cfg.situ_linear_beta)
+        else:
+            lat = rms(lat.to(h2.dtype), t["latent_norm"], self.eps)
+            a = situ(sh[:, :si], sh[:, si:], W.cfg.situ_beta, W.cfg.situ_linear_beta)
+        sd = self.lin(a, t["shared_down"])
         if self.spec:   # K-split up-projection: a partial sum, reduced with the shared experts
             up = self.lin(lat[:, :W.spec["latent_up_local"].shape[1]], W.spec["latent_up_local"])
             return up + sd                                       # [all-reduce]

@@ -1,0 +1,77 @@
+"""Triton kernel of the fused MoE router: sigmoid + correction bias + top-k of E + renormalize
+(kernels/router.py has the math and the reference).
+
+One program per token, the E scores in registers (BLOCK_E = next pow2 ≥ E):
+
+    s   = sigmoid(logits)                     sel = s + bias (−inf past E)
+    key = ord(sel) << 32 | (BLOCK_E − 1 − e)  int64; ord() maps fp32 to int32 monotonically
+    k rounds: one max-reduction of key gives the best expert (lowest index among equal
+              scores), its weight s[e] is recomputed from its logit, its key set to int64 min
+    w   = s[ids] / Σ s[ids] · scaling          written (T, k) fp32; ids (T, k) int64, best first
+One reduction per selected expert (k = 16 of E = 896 for K3). Triton version for round 2 of
+issue 6 (the CuTe DSL kernel is the follow-up).
+"""
+from __future__ import annotations
+
+import torch
+
+from raydecode.kernels.attnres_norm_triton import available, tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _route_topk_kernel(logits_ptr, l_st, bias_ptr, w_ptr, ids_ptr, E, scaling,
+                           K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        m = offs < E
+        x = tl.load(logits_ptr + t * l_st + offs, mask=m, other=0.0).to(tl.float32)
+        sel = tl.sigmoid(x)
+        if HAS_BIAS:
+            sel = sel + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        bits = sel.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)       # monotone in sel
+        key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
+        lowest = -9223372036854775807                               # below every valid key
+        key = tl.where(m, key, lowest)
+        kk = tl.arange(0, KP)
+        ids = tl.zeros((KP,), tl.int64)
+        w = tl.zeros((KP,), tl.float32)
+        for j in tl.static_range(K):
+            best = tl.max(key, 0)
+            e = (BLOCK_E - 1) - (best & 0xFFFFFFFF)
+            xe = tl.load(logits_ptr + t * l_st + e).to(tl.float32)
+            ids = tl.where(kk == j, e, ids)
+            w = tl.where(kk == j, tl.sigmoid(xe), w)
+            key = tl.where(offs == e, lowest, key)
+        if RENORM:
+            w = w / tl.sum(w, 0)                                    # padding entries are 0
+        kok = kk < K
+        tl.store(w_ptr + t * K + kk, w * scaling, mask=kok)
+        tl.store(ids_ptr + t * K + kk, ids, mask=kok)
+
+
+def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                      renormalize: bool = True, scaling: float = 1.0,
+                      weights: torch.Tensor | None = None, ids: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (T, E) (last dim contiguous), bias (E,) or None -> (weights (T, k) fp32,
+    ids (T, k) int64), into `weights` / `ids` when given (contiguous). No host sync."""
+    T, E = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if weights is None:
+        weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    if ids is None:
+        ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    block_e = triton.next_power_of_2(E)
+    _route_topk_kernel[(T,)](
+        logits, logits.stride(0), bias if bias is not None else logits, weights, ids, E,
+        float(scaling), K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+        HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        num_warps=max(1, min(8, block_e // 256)))
+    return weights, ids
+
+
+__all__ = ["available", "route_topk_triton"]

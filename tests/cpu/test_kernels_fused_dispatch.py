@@ -1,0 +1,96 @@
+"""Round-2 fused kernels on a CPU-only machine: every public op falls back to its PyTorch
+reference (bit for bit), the bank-view detection the AttnRes kernel relies on, and the MoE
+decode kernel's tile validation. The kernels themselves are tested in
+tests/gpu/test_fused_triton.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydecode.kernels import attnres_norm as A
+from raydecode.kernels import attnres_norm_triton as AT
+from raydecode.kernels import decode_elementwise_triton as X
+from raydecode.kernels import moe_mxfp4 as M
+from raydecode.kernels import moe_mxfp4_decode as D
+from raydecode.kernels import router as R
+
+torch.set_num_threads(1)
+BF = torch.bfloat16
+
+
+def _bank(T=3, n=4, H=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    bank = torch.randn(T, n + 1, H, generator=g).to(BF)
+    w = [1 + 0.1 * torch.randn(H, generator=g), torch.randn(1, H, generator=g),
+         1 + 0.1 * torch.randn(H, generator=g)]
+    return bank, w
+
+
+def test_attnres_ops_fall_back_to_reference_on_cpu():
+    bank, (wr, wp, wo) = _bank()
+    blocks, pre = [bank[:, j] for j in range(4)], bank[:, 4]
+    out = torch.randn(3, 64).to(BF)
+    assert torch.equal(A.attnres_mix_norm(blocks, pre, wr, wp, wo, 1e-6, 1e-5),
+                       A.attnres_mix_norm_reference(blocks, pre, wr, wp, wo, 1e-6, 1e-5))
+    p, h = A.attnres_add_mix_norm(blocks, pre, out, wr, wp, wo, 1e-6, 1e-5)
+    rp, rh = A.attnres_add_mix_norm_reference(blocks, pre, out, wr, wp, wo, 1e-6, 1e-5)
+    assert torch.equal(p, rp) and torch.equal(h, rh)
+    assert not A._use_triton(pre)
+
+
+def test_attnres_bad_shapes_are_named():
+    bank, (wr, wp, wo) = _bank()
+    with pytest.raises(ValueError, match="projection"):
+        A.attnres_mix_norm([bank[:, 0]], bank[:, 4], wr, wp[:, :10], wo, 1e-6, 1e-5)
+    with pytest.raises(ValueError, match="sublayer output"):
+        A.attnres_add_mix_norm([bank[:, 0]], bank[:, 4], bank[:2, 1], wr, wp, wo, 1e-6, 1e-5)
+
+
+def test_bank_view_detects_uniform_slots_only():
+    bank, _ = _bank(n=4)
+    blocks = [bank[:, j] for j in range(4)]
+    v = AT.bank_view(blocks, bank[:, 4])
+    assert v is not None and torch.equal(v, bank[:, :4])
+    assert v.data_ptr() == bank.data_ptr()                   # a view, no copy
+    assert AT.bank_view([bank[:, 0], bank[:, 2]], bank[:, 4]) is not None   # stride 2 slots
+    assert AT.bank_view([bank[:, 0], bank[:, 2], bank[:, 3]], bank[:, 4]) is None
+    assert AT.bank_view([b.clone() for b in blocks], bank[:, 4]) is None
+    assert AT.bank_view([], bank[:, 4]) is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_route_topk_falls_back_to_reference_on_cpu(bias):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 96, generator=g)
+    b = 0.1 * torch.randn(96, generator=g) if bias else None
+    w, ids = R.route_topk(logits, b, 8, True, 2.0)
+    rw, rid = R.route_topk_reference(logits, b, 8, True, 2.0)
+    assert torch.equal(w, rw) and torch.equal(ids, rid)
+    with pytest.raises(ValueError, match="top_k"):
+        R.route_topk(logits, b, 97)
+
+
+def test_elementwise_ops_fall_back_to_reference_on_cpu():
+    g = torch.Generator().manual_seed(2)
+    gu = (3 * torch.randn(2, 64, generator=g)).to(BF)
+    assert torch.equal(X.situ_mul(gu, 4.0, 25.0), X.situ_mul_reference(gu, 4.0, 25.0))
+    x, w = torch.randn(2, 48, generator=g), 1 + 0.1 * torch.randn(48, generator=g)
+    y = X.rms_norm_cast(x, w, 1e-6)
+    assert y.dtype == BF and torch.equal(y, X.rms_norm_cast_reference(x, w, 1e-6))
+    with pytest.raises(ValueError, match="2I"):
+        X.situ_mul(gu[:, :63], 4.0, None)
+    with pytest.raises(ValueError, match="rms_norm_cast"):
+        X.rms_norm_cast(x, w[:10], 1e-6)
+
+
+def test_moe_decode_not_used_on_cpu_and_tiles_validate():
+    ex = M.MXFP4Experts.random(8, 128, 64, 4.0, None, seed=0)
+    z = torch.randn(1, 128).to(BF)
+    ids = torch.arange(4).view(1, 4)
+    assert not D.use_decode_kernel(z, ids, ex)
+    for I in (192, 384, 128, 64):            # K3 TP16 / TP8 and small shapes
+        D.default_decode_config(896, I, 3584).validate(I, 3584)
+    with pytest.raises(ValueError, match="gate_up BN 40"):
+        D.DecodeConfig(gate_up_bn=40).validate(192, 3584)
+    with pytest.raises(ValueError, match="down BN"):
+        D.DecodeConfig(down_bn=96).validate(192, 3584)
