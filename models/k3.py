@@ -198,9 +198,10 @@ def _random_full(name: str, shape: tuple[int, ...], cfg: K3Config, gen: torch.Ge
     O(1): norms ~1, linear weights ~N(0, 1/fan_in), AttnRes logits ~N(0, 1)."""
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    randn = torch.randn(shape, generator=gen)
+    # drawn on the host whatever device context is active: the same seed gives the same weights
+    randn = torch.randn(shape, generator=gen, device="cpu")
     if leaf == "A_log":   # exp(A) in [1, 4] for the heads, zero tail padding as in K3
-        full = torch.rand(shape, generator=gen) * math.log(4.0)
+        full = torch.rand(shape, generator=gen, device="cpu") * math.log(4.0)
         full[cfg.kda.num_heads:] = 0
         return full
     if leaf == "dt_bias":
