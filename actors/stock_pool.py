@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from raydecode.engine.engine import LLMEngine, StepOutput
-from raydecode.engine.request import Request, SamplingParams, Status
+from raydecode.engine.request import SamplingParams
 
 
 class StockPoolError(RuntimeError):
@@ -73,18 +73,14 @@ class StockPoolClient:
 
 class Continuation:
     """A request's output continued from the ids and text its client already has, token by
-    token, through `LLMEngine`'s own `_append` (the same stop/EOS/length rules, detokenization
-    and text hold-back), on an engine that never runs a step. (`_append`/`_emitted` are private
-    to LLMEngine; a public "append a token" API there would let this drop the access.)"""
+    token, through `LLMEngine.append_token` (the same stop/EOS/length rules, detokenization
+    and text hold-back), on an engine that never runs a step."""
 
     def __init__(self, engine: LLMEngine, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, ids: list[int], emitted: str):
         self.engine = engine
-        self.req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id,
-                           output_ids=list(ids[:-1]), status=Status.RUNNING)
-        engine.requests[request_id] = self.req
-        engine._emitted[request_id] = len(emitted)
-        self._pending = engine._append(self.req, ids[-1]) if ids else None   # rebuilds the text
+        self.req = engine.resume_request(request_id, prompt_ids, params, ids[:-1], len(emitted))
+        self._pending = engine.append_token(self.req, ids[-1]) if ids else None  # rebuilds text
 
     @property
     def done(self) -> bool:
@@ -92,13 +88,13 @@ class Continuation:
 
     def push(self, tok: int) -> StepOutput:
         assert not self.done, "token after the request finished"
-        return self._merge(self.engine._append(self.req, tok))
+        return self._merge(self.engine.append_token(self.req, tok))
 
     def finish(self, reason: str) -> StepOutput:
         """The pool ended the request (its own stop or length) before the local rules did."""
         self.req.finish_reason = reason
-        self.engine._finish(self.req)
-        return self._merge(self.engine._delta(self.req, []))
+        self.engine.finish_request(self.req)
+        return self._merge(self.engine.delta(self.req, []))
 
     def _merge(self, out: StepOutput) -> StepOutput:
         first, self._pending = self._pending, None

@@ -99,7 +99,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
             req.finish_reason = "abort"
-            self._finish(req)
+            self.finish_request(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -123,11 +123,13 @@ class LLMEngine:
             toks = self.sampler.sample(rows, [r.params for _, r in sampling],
                                        [r.request_id for _, r in sampling])   # host sync
             for (_, req), tok in zip(sampling, toks):
-                outputs.append(self._append(req, tok))
+                outputs.append(self.append_token(req, tok))
         self.stats["tokens"] += len(sampling)
         return outputs
 
-    def _append(self, req: Request, tok: int) -> StepOutput:
+    def append_token(self, req: Request, tok: int) -> StepOutput:
+        """Add one sampled token to a request: stop token/string, max_tokens and context
+        checks, detokenization; returns the delta a client has not seen yet."""
         p = req.params
         stop_tok = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
         if not stop_tok:
@@ -146,10 +148,12 @@ class LLMEngine:
         req.output_text = text
         if reason is not None:
             req.finish_reason = reason
-            self._finish(req)
-        return self._delta(req, [] if stop_tok else [tok])
+            self.finish_request(req)
+        return self.delta(req, [] if stop_tok else [tok])
 
-    def _delta(self, req: Request, new_ids: list[int]) -> StepOutput:
+    def delta(self, req: Request, new_ids: list[int]) -> StepOutput:
+        """The request's text not yet returned (holding back a possible stop-string prefix or
+        an incomplete UTF-8 sequence until it finishes), marked as returned."""
         text, done = req.output_text, req.finished
         end = len(text)
         if not done:
@@ -162,9 +166,19 @@ class LLMEngine:
         self._emitted[req.request_id] = end
         return StepOutput(req.request_id, new_ids, delta, done, req.finish_reason)
 
-    def _finish(self, req: Request) -> None:
+    def finish_request(self, req: Request) -> None:
         self.scheduler.finish(req)
         self.sampler.release(req.request_id)
+
+    def resume_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       output_ids: list[int], emitted_chars: int) -> Request:
+        """Track a request generated elsewhere (e.g. continued on the stock pool) so its next
+        tokens go through the same `append_token` rules; it never enters the scheduler."""
+        req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id,
+                      output_ids=list(output_ids), status=Status.RUNNING)
+        self.requests[request_id] = req
+        self._emitted[request_id] = emitted_chars
+        return req
 
     def pop_finished(self, request_id: str) -> Request:
         self._emitted.pop(request_id, None)

@@ -97,7 +97,7 @@ class SpecEngine(LLMEngine):
             toks = self.sampler.sample(result.logits[[i for i, _ in sampling]],
                                        [r.params for _, r in sampling],
                                        [r.request_id for _, r in sampling])   # host sync
-            outputs += [self._append(r, t) for (_, r), t in zip(sampling, toks)]
+            outputs += [self.append_token(r, t) for (_, r), t in zip(sampling, toks)]
         n_spec = 0
         self.last_acceptance = {rid: len(e) for rid, e in emitted.items()}
         for r in reqs:
@@ -153,15 +153,15 @@ class SpecEngine(LLMEngine):
     def _append_many(self, req: Request, toks: list[int]) -> StepOutput:
         ids, text, out = [], "", None
         for t in toks:
-            out = self._append(req, t)
+            out = self.append_token(req, t)
             ids += out.new_token_ids
             text += out.delta_text
             if req.finished:
                 break
         return StepOutput(req.request_id, ids, text, out.finished, out.finish_reason)
 
-    def _finish(self, req: Request) -> None:
-        super()._finish(req)
+    def finish_request(self, req: Request) -> None:
+        super().finish_request(req)
         self._seeds.pop(req.request_id, None)
         self._released.append(req.request_id)
 
