@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raydecode.engine.engine import EngineConfig
+from raydecode.engine.spec_engine import SpecConfig
 
 from .envelope import EnvelopePolicy
 
@@ -33,12 +34,21 @@ class _Model(BaseModel):
 
 
 class SpeculativeConfig(_Model):
+    """The same choices as `raydecode generate --spec dspark --num-draft K [--draft PATH|tiny]
+    [--synthetic-acceptance L]`."""
     method: str = Field(description="Speculative decoding method; accepted: 'dspark'.")
     num_speculative_tokens: int = Field(
-        description="Draft tokens proposed per step, 3..7 (the DSpark block holds 7).")
+        description="Draft tokens proposed per step (K), 3..7 and at most the drafter's block "
+                    "size (7 for K3's DSpark).")
     model: str | None = Field(
-        default=None, description="Drafter checkpoint folder; null: the drafter that ships in "
-                                  "the target checkpoint folder.")
+        default=None, description="Drafter: a DSpark checkpoint folder or the preset 'tiny'; "
+                                  "null: 'tiny' for the tiny target, else the 'dspark' folder "
+                                  "inside the target checkpoint folder.")
+    synthetic_acceptance_length: float | None = Field(
+        default=None, description="Benchmarks only: accept the earliest drafts to this fixed "
+                                  "mean acceptance length L in [1, K+1] (it counts the bonus "
+                                  "token). The generated text is then meaningless; responses "
+                                  "and metrics say so. null: real acceptance.")
 
     @field_validator("method")
     @classmethod
@@ -54,6 +64,18 @@ class SpeculativeConfig(_Model):
         if not lo <= v <= hi:
             raise ValueError(f"num_speculative_tokens = {v}; accepted: {lo}..{hi}")
         return v
+
+    @model_validator(mode="after")
+    def _synthetic(self) -> "SpeculativeConfig":
+        L, k = self.synthetic_acceptance_length, self.num_speculative_tokens
+        if L is not None and not 1.0 <= L <= k + 1:
+            raise ValueError(f"synthetic_acceptance_length = {L}; accepted: 1 <= L <= "
+                             f"num_speculative_tokens + 1 = {k + 1}")
+        return self
+
+    @property
+    def synthetic(self) -> bool:
+        return self.synthetic_acceptance_length is not None
 
 
 class EnvelopeOptions(_Model):
@@ -200,6 +222,69 @@ class DeployConfig(_Model):
     def envelope_policy(self) -> EnvelopePolicy:
         return EnvelopePolicy(enabled=self.envelope.enabled, max_batch=self.envelope.max_batch,
                               profile=self.profile)
+
+    @property
+    def drafter(self) -> str | None:
+        """The drafter spec (preset or folder) a speculating replica loads; None: no
+        speculation. Default: 'tiny' for the tiny target, else <model>/dspark."""
+        sc = self.speculative_config
+        if sc is None:
+            return None
+        if sc.model is not None:
+            return sc.model
+        return "tiny" if self.model == "tiny" else str(Path(self.model) / "dspark")
+
+    def spec_config(self) -> SpecConfig | None:
+        sc = self.speculative_config
+        if sc is None:
+            return None
+        return SpecConfig(num_drafts=sc.num_speculative_tokens,
+                          synthetic_length=sc.synthetic_acceptance_length)
+
+    @property
+    def synthetic_warning(self) -> str | None:
+        """The warning every response carries in synthetic-acceptance mode (benchmarks)."""
+        sc = self.speculative_config
+        if sc is None or not sc.synthetic:
+            return None
+        return (f"synthetic acceptance (speculative_config.synthetic_acceptance_length = "
+                f"{sc.synthetic_acceptance_length:g}) is on: this deployment is for benchmarks "
+                "and its generated text is meaningless")
+
+
+def check_speculative(cfg: DeployConfig, source: str = "deployment config",
+                      require_drafter: bool = True) -> int | None:
+    """DESIGN §6: acceptance collapses when more drafts are requested than the drafter's block
+    size (7 drafts on a 5-token-block drafter: ~4 % acceptance), so the check reads the
+    drafter's config (a preset, or DRAFTER/config.json) and rejects
+    num_speculative_tokens > block_size. -> the drafter's block size; None without
+    speculative_config, or when require_drafter is False and the drafter's folder is not on
+    this machine (a client deploying to a remote cluster: the replica checks it at start)."""
+    from raydecode.models.config import ConfigError
+    from raydecode.models.dspark import DSPARK_PRESETS, check_num_drafts, load_dspark_config
+
+    sc, spec = cfg.speculative_config, cfg.drafter
+    pre = f"{source}: " if source else ""
+    if sc is None:
+        return None
+    if not require_drafter and spec not in DSPARK_PRESETS and not Path(spec).exists():
+        return None
+    try:
+        dcfg = load_dspark_config(spec)
+    except ConfigError as e:
+        raise DeployConfigError(f"{pre}speculative_config.model: drafter {spec!r}: {e}") \
+            from None
+    k, bs = sc.num_speculative_tokens, dcfg.block_size
+    try:
+        check_num_drafts(k, dcfg)
+    except ConfigError:
+        lo, hi = SPEC_TOKENS
+        accepted = f"{lo}..{min(hi, bs)}" if bs >= lo else f"none (at least {lo} are needed)"
+        raise DeployConfigError(
+            f"{pre}speculative_config.num_speculative_tokens = {k} exceeds the block size "
+            f"{bs} of drafter {spec!r} (more drafts than its block collapse acceptance); "
+            f"accepted with this drafter: {accepted}") from None
+    return bs
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -7,6 +7,10 @@ aborts arriving meanwhile are queued and applied between steps, so the scheduler
 mutated while a step runs. When a step raises or times out, the replica turns unhealthy: every
 request in flight continues on the stock pool from its generated prefix (none lost, none
 duplicated), the executor is rebuilt by the injected factory, and new requests are taken again.
+
+With `speculative_config` the engine is a `SpecEngine` (DSpark draft → verify → accept run on
+the ranks); each verification step is one envelope decision on k and batch·(k+1), and the
+acceptance statistics live here, so they outlast executor rebuilds.
 """
 from __future__ import annotations
 
@@ -25,9 +29,11 @@ import torch
 from raydecode.engine.engine import LLMEngine, LocalExecutor, StepOutput
 from raydecode.engine.request import RequestError, SamplingParams
 from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.spec import AcceptanceStats
+from raydecode.engine.spec_engine import SpecEngine
 
 from . import envelope
-from .config import DeployConfig, parse_deploy_config
+from .config import DeployConfig, check_speculative, parse_deploy_config
 from .stock_pool import Continuation, StockPoolClient, StockPoolError, merge
 
 log = logging.getLogger("raydecode.coordinator")
@@ -48,7 +54,8 @@ class StepFailed(RuntimeError):
 # ---- the executor interface ----------------------------------------------------------------
 class ReplicaExecutor(Protocol):
     """What the coordinator drives. `execute` runs `plan` on `plan.path` (set by the
-    coordinator) and returns (len(plan.sample_rows), V) logits."""
+    coordinator) and returns (len(plan.sample_rows), V) logits; for a speculating replica the
+    plan is a SpecStepPlan and the result a SpecStepResult (engine/spec_runner.py)."""
     tp_size: int
     dcp_size: int
     domain_verified: bool          # the TP group lies in one verified NVLink domain
@@ -88,10 +95,13 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
     """The replica's executor. TP = 1 and DCP = 1: the model runs in this process. Otherwise a
     group of TP rank actors; on a cluster with GPUs the group is placed by the cluster layer
     (one NVLink domain in the production profile, one node in the development profile), on a
-    CPU-only cluster the ranks are plain actors (gloo) and the replica says so in its stats."""
+    CPU-only cluster the ranks are plain actors (gloo) and the replica says so in its stats.
+    With speculative_config every runner is a SpecRunner (target shard + drafter shard, the
+    drafter's latent rows in the target's MLA pool)."""
     mcfg = _model_config(config.model)
     ecfg = config.engine_config(mcfg.max_position_embeddings)
     tp, dcp = config.tensor_parallel_size, config.decode_context_parallel_size
+    spec = _spec_shard(config, ecfg)
     if tp == 1 and dcp == 1:
         from raydecode.engine.loader import load_shard
         from raydecode.engine.runner import ModelRunner
@@ -99,6 +109,11 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
             torch.set_num_threads(1)    # a busy intra-op pool stalls small decode steps
+        if spec is not None:
+            from raydecode.engine.spec_runner import load_spec_runner
+            from raydecode.models.parallel import LocalComm, Parallel
+
+            return LocalReplicaExecutor(load_spec_runner(spec, Parallel(), LocalComm(), device))
         shard = load_shard(config.model, dtype=config.resolved_dtype(), device=device,
                            num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
                            block_size=ecfg.block_size)
@@ -106,7 +121,7 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
 
     import ray
 
-    from .rank_group import make_rank_group_executor
+    from .rank_group import make_rank_group_executor, spec_runner_factory
 
     placement, verified, rank_cpus = None, False, 1.0
     if ray.cluster_resources().get("GPU", 0) > 0:
@@ -119,7 +134,19 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
         config.model, tp, dcp, config.resolved_dtype(), num_slots=ecfg.max_num_seqs,
         num_blocks=ecfg.blocks, block_size=ecfg.block_size,
         step_timeout_s=config.rank_step_timeout_s, placement=placement,
-        domain_verified=verified, num_cpus_per_rank=rank_cpus)
+        domain_verified=verified, num_cpus_per_rank=rank_cpus,
+        runner_factory=None if spec is None else spec_runner_factory(spec))
+
+
+def _spec_shard(config: DeployConfig, ecfg):
+    """What every rank of a speculating replica loads; None without speculative_config."""
+    if config.speculative_config is None:
+        return None
+    from raydecode.engine.spec_runner import SpecShardSpec
+
+    return SpecShardSpec(model=config.model, draft=config.drafter,
+                         dtype=config.resolved_dtype(), num_slots=ecfg.max_num_seqs,
+                         num_blocks=ecfg.blocks, block_size=ecfg.block_size)
 
 
 def _model_config(spec: str):
@@ -164,14 +191,19 @@ class EnvelopeExecutor:
         self.current = "no step yet"
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        shape = envelope.StepShape(num_seqs=plan.num_seqs,
-                                   decode_only=plan.batch.is_decode_only,
+        # a verification step (SpecStepPlan with drafts): k and batch·(k+1) decide, and its
+        # k+1-token verify slices count as decode
+        spec_k = getattr(plan, "spec_k", None)
+        decode_only = plan.decode_only if spec_k is not None else plan.batch.is_decode_only
+        shape = envelope.StepShape(num_seqs=plan.num_seqs, decode_only=decode_only,
                                    tp_size=self.tp_size, domain_verified=self.domain_verified,
-                                   kernels_ready=bool(self._ready(plan.num_seqs)))
+                                   kernels_ready=bool(self._ready(plan.num_seqs)),
+                                   spec_k=spec_k)
         d = envelope.decide(shape, self.policy)
         plan.path = d.path
+        verify = f", verify k={spec_k}" if spec_k is not None else ""
         self.current = (f"step {plan.step_id} ({d.path}, {plan.num_seqs} seqs, "
-                        f"{plan.batch.num_tokens} tokens)")
+                        f"{plan.batch.num_tokens} tokens{verify})")
         t0 = time.perf_counter()
         logits = self.inner.execute(plan)
         self.counters.record(d, plan.batch.num_tokens, time.perf_counter() - t0)
@@ -206,10 +238,7 @@ class _Stream:
 class CoordinatorCore:
     def __init__(self, config: DeployConfig,
                  executor_factory: Callable[[], ReplicaExecutor] | None = None):
-        if config.speculative_config is not None:
-            raise NotImplementedError(
-                f"speculative_config.method = {config.speculative_config.method!r}: speculative "
-                "decoding is not available yet in this build; remove speculative_config")
+        check_speculative(config)           # K <= the drafter's block size (DESIGN §6)
         from raydecode.engine.loader import load_tokenizer
 
         self.config = config
@@ -223,6 +252,8 @@ class CoordinatorCore:
         # never steps: continues requests on the stock pool with the engine's text rules
         self._text_engine = LLMEngine(None, self.tokenizer, self.engine_cfg, self.eos_ids)
         self.counters = PathCounters()
+        self.spec = config.spec_config()
+        self.acceptance = AcceptanceStats(self.spec.num_drafts) if self.spec else None
         sp = config.stock_pool
         self.stock = None if sp is None or not config.envelope.enabled else StockPoolClient(
             sp.base_url, sp.model or config.model_name, sp.timeout_s, sp.api_key_env)
@@ -264,7 +295,13 @@ class CoordinatorCore:
     def _build_engine(self) -> None:
         self._path_exec = EnvelopeExecutor(self.factory(), self.policy, self.counters,
                                            self.config.tensor_parallel_size)
-        self.engine = LLMEngine(self._path_exec, self.tokenizer, self.engine_cfg, self.eos_ids)
+        if self.spec is None:
+            self.engine = LLMEngine(self._path_exec, self.tokenizer, self.engine_cfg,
+                                    self.eos_ids)
+        else:
+            self.engine = SpecEngine(self._path_exec, self.tokenizer, self.engine_cfg,
+                                     self.eos_ids, self.spec)
+            self.engine.acceptance = self.acceptance     # one series across rebuilds
         # one thread per engine generation: a hung step keeps its thread, not the next engine's
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step")
 
@@ -486,7 +523,26 @@ class CoordinatorCore:
             "waiting": self.num_waiting,
             "on_stock": sum(1 for s in self.streams.values() if s.where == "stock" and not s.done),
             "preemptions": sched.num_preemptions if sched else 0,
+            "speculative": self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict | None:
+        """Acceptance over every verified sequence-step: the length L ∈ [1, k+1] counts the
+        bonus token; rate[i] = P(draft i+1 accepted); length_counts[j-1] = #steps with L = j,
+        from #(L >= j) = steps for j = 1, accepted_at[j-2] for j >= 2."""
+        if self.spec is None:
+            return None
+        a, k = self.acceptance, self.spec.num_drafts
+        at_least = [a.steps, *a.accepted_at, 0]                   # #(L >= j), j = 1 .. k+2
+        return {"method": self.config.speculative_config.method, "num_drafts": k,
+                "drafter": self.config.drafter, "steps": a.steps, "emitted_tokens": a.emitted,
+                "mean_acceptance_length": a.mean_length,
+                "acceptance_rate_per_position": a.position_rates,
+                "acceptance_length_counts": [at_least[j] - at_least[j + 1]
+                                             for j in range(k + 1)],
+                "synthetic": self.spec.synthetic_length is not None,
+                "synthetic_acceptance_length": self.spec.synthetic_length,
+                "warning": self.config.synthetic_warning}
 
 
 def _close_quietly(executor: ReplicaExecutor) -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raydecode.engine.spec_engine import MAX_VERIFY_TOKENS, SPEC_K_RANGE as SPEC_K
+
 PRODUCTION_TP = (8, 16)
 DEVELOPMENT_TP = (1, 2, 4, 8, 16)
-SPEC_K = (3, 7)
-MAX_TOKENS_PER_STEP = 64       # batch·(k+1) bound of the specialized verify step
+MAX_TOKENS_PER_STEP = MAX_VERIFY_TOKENS    # batch·(k+1) bound of the specialized verify step
 
 DEVELOPMENT_NOTE = ("development profile: the specialized path is allowed at TP 1/2/4 and "
                     "without a verified NVLink domain; its numbers are not production numbers")

@@ -2,12 +2,14 @@
 
 Request-level series (TTFT, TPOT, tokens, requests by status) are measured where the client is,
 in the ingress; step-level series (steps and tokens by path, fall-back reasons, fail-overs, queue
-depth, health) come from the coordinator's `stats()` snapshot, rendered at scrape time.
+depth, health) come from the coordinator's `stats()` snapshot, rendered at scrape time; so do
+the speculative-decoding series of a DSpark replica (mean acceptance length, the acceptance
+length histogram over 1..k+1, per-position acceptance rates, the synthetic-acceptance flag).
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -90,3 +92,36 @@ class _StatsCollector:
         g.add_metric([s["profile"], str(s["tensor_parallel_size"]),
                       str(s["decode_context_parallel_size"])], 1.0)
         yield g
+        if s.get("speculative"):
+            yield from _spec_families(s["speculative"])
+
+
+def _spec_families(sp: dict):
+    """DSpark acceptance: L = tokens emitted per verified sequence-step ∈ [1, k+1] (the bonus
+    token counts), rate_i = P(draft i accepted), i = 1..k."""
+    k = sp["num_drafts"]
+    yield GaugeMetricFamily("raydecode_spec_num_drafts", "Drafts proposed per sequence and "
+                            "verification step (k)", value=k)
+    yield GaugeMetricFamily("raydecode_spec_mean_acceptance_length", "Mean acceptance length "
+                            "(tokens emitted per verified sequence-step, in [1, k+1]; 0 before "
+                            "the first)", value=sp["mean_acceptance_length"])
+    cum, buckets = 0, []
+    for j, n in enumerate(sp["acceptance_length_counts"], start=1):
+        cum += n
+        buckets.append((str(float(j)), cum))
+    buckets.append(("+Inf", cum))
+    yield HistogramMetricFamily("raydecode_spec_acceptance_length", "Acceptance length per "
+                                "verified sequence-step (1..k+1)", buckets=buckets,
+                                sum_value=sp["emitted_tokens"])
+    rate = GaugeMetricFamily("raydecode_spec_acceptance_rate", "Fraction of verified "
+                             "sequence-steps whose draft at this position (1..k) was accepted",
+                             labels=["position"])
+    for i, r in enumerate(sp["acceptance_rate_per_position"], start=1):
+        rate.add_metric([str(i)], r)
+    yield rate
+    flag = GaugeMetricFamily("raydecode_spec_synthetic_acceptance", "1 when synthetic "
+                             "acceptance is on (benchmarks only: generated text is meaningless)",
+                             labels=["length"])
+    L = sp["synthetic_acceptance_length"]
+    flag.add_metric(["" if L is None else f"{L:g}"], 1.0 if sp["synthetic"] else 0.0)
+    yield flag

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class APIError(Exception):
@@ -62,7 +62,8 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # torch generators take 64-bit seeds; a wider one would fail the whole batch's step
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None

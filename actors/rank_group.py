@@ -223,14 +223,17 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
                              num_blocks: int, block_size: int, step_timeout_s: float,
                              placement=None, *, init_timeout_s: float = 180.0,
                              domain_verified: bool = False, num_cpus_per_rank: float = 1.0,
-                             num_gpus_per_rank: float | None = None) -> RankGroupExecutor:
+                             num_gpus_per_rank: float | None = None,
+                             runner_factory: RunnerFactory | None = None) -> RankGroupExecutor:
     """A started TP group of `tp` rank actors for `model` (preset or checkpoint folder).
 
     Each rank loads only its shard and owns caches for num_slots sequences and num_blocks
     latent blocks of block_size rows (its DCP share: use the engine's block count for the same
     dcp). num_gpus_per_rank None: 1 when the Ray cluster has GPUs, else 0 (CPU ranks, gloo).
     placement: a cluster.placement.ReplicaPlacement (rank r in its assigned bundle). Raises RankFailure when the group does not come up
-    within init_timeout_s, ValueError for sizes that cannot shard."""
+    within init_timeout_s, ValueError for sizes that cannot shard. runner_factory: what each
+    rank builds (default: load_runner of this model; a speculating replica passes
+    spec_runner_factory(...))."""
     from raydecode.models.parallel import Parallel
 
     Parallel(0, tp, dcp)          # validates tp >= 1 and dcp | tp with a clear message
@@ -242,7 +245,17 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
                         init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
                         num_cpus_per_rank=num_cpus_per_rank, placement=placement,
                         domain_verified=domain_verified)
-    return RankGroupExecutor(functools.partial(load_runner, spec), opts)
+    return RankGroupExecutor(runner_factory or functools.partial(load_runner, spec), opts)
 
 
-__all__ = ["RankFailure", "GroupOptions", "RankGroupExecutor", "make_rank_group_executor"]
+def spec_runner_factory(spec) -> RunnerFactory:
+    """RunnerFactory of a speculating replica: each rank loads its target shard, its drafter
+    shard and caches with the drafter's MLA rows (engine.spec_runner.load_spec_runner).
+    spec: an engine.spec_runner.SpecShardSpec (picklable)."""
+    from raydecode.engine.spec_runner import load_spec_runner
+
+    return functools.partial(load_spec_runner, spec)
+
+
+__all__ = ["RankFailure", "GroupOptions", "RankGroupExecutor", "make_rank_group_executor",
+           "spec_runner_factory"]

@@ -23,12 +23,13 @@ from raydecode.engine.engine import StepOutput
 from raydecode.engine.request import RequestError, SamplingParams
 
 from . import openai_api as oa
-from .config import DeployConfig, load_deploy_config, parse_deploy_config
+from .config import DeployConfig, check_speculative, load_deploy_config, parse_deploy_config
 from .coordinator import CoordinatorCore, Overloaded, ReplicaExecutor, _model_config
 from .metrics import CONTENT_TYPE, RequestMetrics
 from .stock_pool import StockPoolError
 
 RETRY_AFTER_S = 5
+WARNING_HEADER = "X-Raydecode-Warning"     # set on every completion in synthetic-acceptance mode
 
 
 class Backend(Protocol):
@@ -85,6 +86,7 @@ class ServingContext:
     vocab_size: int
     tokenizer: object
     created: int
+    warning: str | None = None      # synthetic acceptance: outputs are meaningless
 
     @staticmethod
     def from_config(cfg: DeployConfig) -> "ServingContext":
@@ -92,7 +94,7 @@ class ServingContext:
         mcfg = _model_config(cfg.model)
         return ServingContext(cfg.model_name, cfg.resolved_max_model_len(
             mcfg.max_position_embeddings), mcfg.vocab_size, load_tokenizer(cfg.model),
-            int(time.time()))
+            int(time.time()), cfg.synthetic_warning)
 
 
 # ---- request → (prompt ids, sampling params) -----------------------------------------------
@@ -177,6 +179,30 @@ def _map_error(e: BaseException) -> oa.APIError:
                        "server_error", None, "internal_error")
 
 
+def max_body_bytes(max_model_len: int) -> int:
+    """Largest request body read: 1 MiB of parameters and messages plus 32 bytes per context
+    token (a prompt token in JSON takes ≤ 8 bytes as an id, ~4-12 as text)."""
+    return 2**20 + 32 * max_model_len
+
+
+async def _read_body(request: Request, max_model_len: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed max_body_bytes: from Content-Length
+    before reading anything, else while a chunked body arrives."""
+    limit = max_body_bytes(max_model_len)
+    err = oa.APIError(413, f"The request body exceeds {limit} bytes, the most this server "
+                           f"reads for a context of {max_model_len} tokens; send a shorter "
+                           "prompt.", "invalid_request_error", None, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise err
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise err
+    return bytes(buf)
+
+
 def _error_response(e: oa.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -206,6 +232,8 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
             return _error_response(_map_error(e))
         body = {"status": "ok" if s["healthy"] else "degraded", "profile": s["profile"],
                 "note": s["profile_note"], "last_failure": s["last_failure"]}
+        if ctx.warning:
+            body["warning"] = ctx.warning
         if not s["healthy"] and s.get("stock_pool") is False:
             return JSONResponse(body, 503, {"Retry-After": str(RETRY_AFTER_S)})
         return body
@@ -229,12 +257,15 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
     async def _serve(request: Request, cls, endpoint: str):
         t0 = time.perf_counter()
         try:
-            req = oa.parse_request(cls, await request.body())
+            raw = await _read_body(request, ctx.max_model_len)
+            req = oa.parse_request(cls, raw)
             if req.model != ctx.model_name:
                 raise oa.APIError(404, f"The model `{req.model}` does not exist; this server "
                                        f"serves `{ctx.model_name}`.", "invalid_request_error",
                                   "model", "model_not_found")
-            ids, blame = _prompt_ids(req, ctx)
+            # a long prompt is tokenized off the event loop: other streams keep flowing
+            ids, blame = await asyncio.to_thread(_prompt_ids, req, ctx) \
+                if len(raw) > 2**16 else _prompt_ids(req, ctx)
             params = _sampling(req, len(ids), blame, ctx)
             rid = oa.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
             gen = backend.generate(rid, ids, params)
@@ -243,10 +274,13 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
             err = _map_error(e)
             metrics.requests.labels(endpoint, str(err.status)).inc()
             return _error_response(err)
-        run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name)
+        run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name,
+                   ctx.warning)
+        headers = {WARNING_HEADER: ctx.warning} if ctx.warning else None
         if req.stream:
-            return StreamingResponse(run.sse(), media_type="text/event-stream")
-        return await run.collect()
+            return StreamingResponse(run.sse(), media_type="text/event-stream", headers=headers)
+        out = await run.collect()
+        return JSONResponse(out, headers=headers) if headers and isinstance(out, dict) else out
 
     return app
 
@@ -254,9 +288,10 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
 class _Run:
     """One admitted request: its stream of deltas → SSE chunks or one response body."""
 
-    def __init__(self, endpoint, rid, req, ids, gen, backend, metrics, t0, model):
+    def __init__(self, endpoint, rid, req, ids, gen, backend, metrics, t0, model, warning=None):
         self.endpoint, self.rid, self.req, self.n_prompt = endpoint, rid, req, len(ids)
         self.gen, self.backend, self.metrics, self.t0, self.model = gen, backend, metrics, t0, model
+        self.warning = warning
         self.created = int(time.time())
         self.t_first = self.t_last = None
         self.ids: list[int] = []
@@ -294,7 +329,8 @@ class _Run:
         use = oa.usage(self.n_prompt, len(self.ids))
         tids = self.ids if self.req.return_token_ids else None
         body = oa.chat_body if self.endpoint == "chat" else oa.completion_body
-        return body(self.rid, self.model, "".join(text), self.finish, use, tids, self.created)
+        out = body(self.rid, self.model, "".join(text), self.finish, use, tids, self.created)
+        return {**out, "warning": self.warning} if self.warning else out
 
     async def sse(self):
         chat, tids = self.endpoint == "chat", self.req.return_token_ids
@@ -362,11 +398,10 @@ def _ingress_class():
 
 def deployment_for(cfg: DeployConfig,
                    executor_factory: Callable[[], ReplicaExecutor] | None = None):
-    """The bound Serve application of a deployment config."""
-    if cfg.speculative_config is not None:
-        raise NotImplementedError(
-            f"speculative_config.method = {cfg.speculative_config.method!r}: speculative decoding "
-            "is not available yet in this build; remove speculative_config to serve")
+    """The bound Serve application of a deployment config. A drafter whose files are on this
+    machine is checked here (num_speculative_tokens <= its block size); else each replica's
+    coordinator checks it at start."""
+    check_speculative(cfg, require_drafter=False)
     s = cfg.serve
     return _ingress_class().options(
         num_replicas=s.num_replicas, max_ongoing_requests=s.max_ongoing_requests,

@@ -27,13 +27,17 @@ def with_overrides(cfg, host: str | None = None, port: int | None = None):
     return parse_deploy_config(data, "command line")
 
 
-def check_servable(cfg) -> str | None:
-    """Why this build cannot serve the config, or None."""
+def check_servable(cfg, local: bool = True) -> str | None:
+    """Why this build cannot serve the config, or None. A speculating config's drafter is read
+    here (num_speculative_tokens <= its block size): always for a local Ray (local=True), else
+    when its files are on this machine (a remote cluster's replicas check it at start)."""
+    from raydecode.actors.config import DeployConfigError, check_speculative
     from raydecode.actors.coordinator import executor_supports
 
-    if cfg.speculative_config is not None:
-        return (f"speculative_config.method = {cfg.speculative_config.method!r}: speculative "
-                "decoding is not available yet in this build; remove speculative_config")
+    try:
+        check_speculative(cfg, "", require_drafter=local)
+    except DeployConfigError as e:
+        return str(e)
     if not executor_supports(cfg):
         return (f"tensor_parallel_size = {cfg.tensor_parallel_size} with "
                 f"decode_context_parallel_size = {cfg.decode_context_parallel_size} cannot shard "
@@ -51,6 +55,11 @@ def start_serving(cfg, executor_factory=None, app_name: str = "raydecode",
     from raydecode.actors.serve import deployment_for
 
     if not ray.is_initialized():
+        from raydecode.actors import proxy_guard
+
+        # the Serve proxy answers requests whose replica died with 503 / an SSE error event
+        # (set before ray.init: a local Ray's workers inherit this environment)
+        os.environ.setdefault(proxy_guard.ENV_VAR, proxy_guard.IMPORT_PATH)
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", **ray_init)
     s = cfg.serve
     serve.start(http_options={"host": s.host, "port": s.port})
@@ -67,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     except DeployConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    why = check_servable(cfg)
+    why = check_servable(cfg, local=not os.environ.get("RAY_ADDRESS"))
     if why:
         print(f"error: {args.config}: {why}", file=sys.stderr)
         return 2
@@ -80,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         if cfg.profile == "development":
             from raydecode.actors.envelope import DEVELOPMENT_NOTE
             print(f"raydecode: {DEVELOPMENT_NOTE}", flush=True)
+        if cfg.synthetic_warning:
+            print(f"raydecode: WARNING: {cfg.synthetic_warning}", file=sys.stderr, flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
         print("raydecode: stopping", file=sys.stderr)

@@ -2,6 +2,7 @@
 and the stock-pool Serve YAML checked against Ray Serve's own schemas."""
 import ast
 import importlib.util
+import json
 import textwrap
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from pydantic import BaseModel
 
 from raydecode.actors.config import DeployConfig, DeployConfigError, load_deploy_config
 from raydecode.cli import main as cli
+from raydecode.models.dspark import load_dspark_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
@@ -101,19 +103,22 @@ def test_build_app_import_path_and_serve_time_rejections(tmp_path):
         build_app({"model": "tiny", "tensr_parallel_size": 2})
     spec = {"model": "tiny", "speculative_config": {"method": "dspark",
                                                     "num_speculative_tokens": 7}}
-    with pytest.raises(NotImplementedError, match="not available yet"):
-        build_app(spec)
+    assert isinstance(build_app(spec), Application)
 
 
 def test_serve_command_refuses_what_this_build_cannot_serve(tmp_path, capsys):
     from raydecode.commands.serve import check_servable, with_overrides
 
-    spec = write(tmp_path, """
+    drafter = tmp_path / "dspark-block4"        # a drafter whose blocks hold 4 tokens
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(load_dspark_config("tiny").raw
+                                                    | {"block_size": 4}))
+    spec = write(tmp_path, f"""
         model: tiny
-        speculative_config: {method: dspark, num_speculative_tokens: 5}
+        speculative_config: {{method: dspark, num_speculative_tokens: 5, model: {drafter}}}
     """, "spec.yaml")
     assert cli(["serve", str(spec)]) == 2
-    assert "not available yet" in capsys.readouterr().err
+    assert "num_speculative_tokens = 5 exceeds the block size 4" in capsys.readouterr().err
     assert cli(["serve", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
     assert cli(["serve", str(write(tmp_path, "model: tiny\n")), "--port", "0"]) == 2
