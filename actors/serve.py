@@ -278,6 +278,12 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
                    ctx.warning)
         headers = {WARNING_HEADER: ctx.warning} if ctx.warning else None
         if req.stream:
+            try:
+                await run.first()
+            except Exception as e:  # noqa: BLE001 — failed before any output: an HTTP error
+                err = _map_error(e)
+                run.abandon(err.status)
+                return _error_response(err)
             return StreamingResponse(run.sse(), media_type="text/event-stream", headers=headers)
         out = await run.collect()
         return JSONResponse(out, headers=headers) if headers and isinstance(out, dict) else out
@@ -296,6 +302,30 @@ class _Run:
         self.t_first = self.t_last = None
         self.ids: list[int] = []
         self.finish: str | None = None
+        self._head: list[StepOutput] = []        # deltas taken by first(), replayed by sse()
+        self._it: AsyncIterator[StepOutput] | None = None
+
+    async def first(self) -> None:
+        """Wait for the first delta with output (or the end) before a stream's HTTP status is
+        sent, so a request that fails before its first token (the replica failed and the stock
+        pool is down, the coordinator died) is a 503 + Retry-After, not a 200 stream that ends
+        in an error event."""
+        self._it = self._deltas()
+        async for out in self._it:
+            self._head.append(out)
+            if out.new_token_ids or out.delta_text or out.finished:
+                return
+
+    def abandon(self, status: int) -> None:
+        if self.finish is None:
+            self.backend.abort(self.rid)
+        self._done(status)
+
+    async def _replay(self) -> AsyncIterator[StepOutput]:
+        for out in self._head:
+            yield out
+        async for out in self._it or self._deltas():
+            yield out
 
     async def _deltas(self) -> AsyncIterator[StepOutput]:
         async for out in self.gen:
@@ -339,7 +369,7 @@ class _Run:
             if chat:
                 yield oa.sse(oa.chat_chunk(self.rid, self.model, self.created,
                                            {"role": "assistant", "content": ""}, None))
-            async for out in self._deltas():
+            async for out in self._replay():
                 if not (out.delta_text or out.finished or (tids and out.new_token_ids)):
                     continue
                 ids = out.new_token_ids if tids else None
