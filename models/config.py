@@ -494,19 +494,25 @@ def _tiny() -> K3Config:
 PRESETS = {"tiny": _tiny, "k3": _k3}
 
 
-def load_config(spec: str | Path) -> K3Config:
-    """`tiny`, `k3`, a `config.json` path, or a checkpoint folder holding one."""
+def load_from_spec(spec: str | Path, presets: dict, parse, what: str):
+    """A preset name, a `config.json` path, or a folder holding one → `parse(dict, name=...)`.
+    Shared by the target (`load_config`) and the drafter (`models.dspark`) configs."""
     s = str(spec)
-    if s in PRESETS:
-        return PRESETS[s]()
+    if s in presets:
+        return presets[s]()
     p = Path(s)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise ConfigError(f"model {s!r}: not a preset ({', '.join(PRESETS)}) and no config.json "
+        raise ConfigError(f"{what} {s!r}: not a preset ({', '.join(presets)}) and no config.json "
                           f"at {p}")
     try:
         d = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: malformed JSON ({e})") from None
-    return parse_hf_config(d, name=p.parent.name or "custom")
+    return parse(d, name=p.parent.name or "custom")
+
+
+def load_config(spec: str | Path) -> K3Config:
+    """`tiny`, `k3`, a `config.json` path, or a checkpoint folder holding one."""
+    return load_from_spec(spec, PRESETS, parse_hf_config, "model")

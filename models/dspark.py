@@ -40,7 +40,6 @@ Choices where the public sources are silent or where this port differs (document
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import ModelCaches, StepBatch
-from .config import ConfigError, K3Config
+from .config import ConfigError, K3Config, load_from_spec
 from .layers import Linear, RMSNorm, column_linear, replicated_linear, row_linear
 from .mla import merge_attn_partials, mla_absorbed_attention
 from .parallel import Comm, LocalComm, Parallel
@@ -326,20 +325,7 @@ DSPARK_PRESETS = {"tiny": _tiny_dspark, "k3": _k3_dspark}
 
 def load_dspark_config(spec: str | Path) -> DSparkConfig:
     """`tiny`, `k3`, a DSpark `config.json`, or a folder holding one."""
-    s = str(spec)
-    if s in DSPARK_PRESETS:
-        return DSPARK_PRESETS[s]()
-    p = Path(s)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ConfigError(f"drafter {s!r}: not a preset ({', '.join(DSPARK_PRESETS)}) and no "
-                          f"config.json at {p}")
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: malformed JSON ({e})") from None
-    return parse_dspark_config(d, name=p.parent.name or "custom")
+    return load_from_spec(spec, DSPARK_PRESETS, parse_dspark_config, "drafter")
 
 
 def check_against_target(dcfg: DSparkConfig, tcfg: K3Config) -> None:
