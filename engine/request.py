@@ -31,8 +31,10 @@ class SamplingParams:
             raise RequestError(f"top_p = {self.top_p!r}; expected 0 < top_p <= 1")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise RequestError(f"top_k = {self.top_k!r}; expected an integer >= 0 (0 = off)")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise RequestError(f"seed = {self.seed!r}; expected an integer")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            # torch.Generator.manual_seed raises past 64 bits, inside the step of every request
+            raise RequestError(f"seed = {self.seed!r}; expected an integer in [-2**63, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop = {self.stop!r}; expected non-empty strings")
 

@@ -57,7 +57,7 @@ def test_temperature_sampling_matches_distribution():
 @pytest.mark.parametrize("kw,needle", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"stop": ("",)}, "stop"),
-    ({"seed": "x"}, "seed")])
+    ({"seed": "x"}, "seed"), ({"seed": 2**64}, "seed")])
 def test_bad_sampling_params_name_the_field(kw, needle):
     with pytest.raises(RequestError, match=needle):
         SamplingParams(**kw)
