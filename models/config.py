@@ -258,10 +258,11 @@ _WRAPPER_KEYS = {"architectures", "bos_token_id", "eos_token_id", "media_placeho
                  "vision_config", "dtype", "torch_dtype", "quantization_config"}
 
 
-def _check_keys(d: dict, required, optional, where: str) -> None:
+def check_keys(d: dict, required, optional, where: str, kind: str = "kimi_linear") -> None:
+    """Missing or unknown fields of a config dict → ConfigError naming them and what is accepted."""
     missing = [k for k in required if k not in d]
     if missing:
-        raise ConfigError(f"{where}: missing field(s) {missing}; a kimi_linear config needs "
+        raise ConfigError(f"{where}: missing field(s) {missing}; a {kind} config needs "
                           f"{sorted(required)}")
     unknown = sorted(set(d) - set(required) - set(optional))
     if unknown:
@@ -323,7 +324,7 @@ def parse_hf_config(d: dict[str, Any], name: str = "custom") -> K3Config:
     else:
         text, wrapper = d, {}
     where = "text_config"
-    _check_keys(text, _TEXT_REQUIRED, _TEXT_OPTIONAL, where)
+    check_keys(text, _TEXT_REQUIRED, _TEXT_OPTIONAL, where)
     if text.get("model_type", "kimi_linear") != "kimi_linear":
         raise ConfigError(f"{where}.model_type = {text['model_type']!r}; expected 'kimi_linear'")
     if text.get("hidden_act", "situ") != "situ":
@@ -331,7 +332,7 @@ def parse_hf_config(d: dict[str, Any], name: str = "custom") -> K3Config:
     lin = text["linear_attn_config"]
     if not isinstance(lin, dict):
         raise ConfigError(f"{where}.linear_attn_config must be an object")
-    _check_keys(lin, _LINEAR_REQUIRED, _LINEAR_OPTIONAL, f"{where}.linear_attn_config")
+    check_keys(lin, _LINEAR_REQUIRED, _LINEAR_OPTIONAL, f"{where}.linear_attn_config")
     opt = {**_TEXT_OPTIONAL, **text}
     lopt = {**_LINEAR_OPTIONAL, **lin}
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import ModelCaches, StepBatch
-from .config import ConfigError, K3Config, load_from_spec
+from .config import ConfigError, K3Config, check_keys, load_from_spec
 from .layers import Linear, RMSNorm, column_linear, replicated_linear, row_linear
 from .mla import merge_attn_partials, mla_absorbed_attention
 from .parallel import Comm, LocalComm, Parallel
@@ -197,14 +197,7 @@ def parse_dspark_config(d: dict, name: str = "custom") -> DSparkConfig:
     """A DSpark `config.json` dict (the published `k3_dspark` layout) -> DSparkConfig."""
     if not isinstance(d, dict):
         raise ConfigError(f"DSpark config must be a JSON object, got {type(d).__name__}")
-    missing = [k for k in _REQUIRED if k not in d]
-    if missing:
-        raise ConfigError(f"DSpark config: missing field(s) {missing}; a k3_dspark config needs "
-                          f"{sorted(_REQUIRED)}")
-    unknown = sorted(set(d) - set(_REQUIRED) - set(_OPTIONAL))
-    if unknown:
-        raise ConfigError(f"DSpark config: unknown field(s) {unknown}; accepted: "
-                          f"{sorted(set(_REQUIRED) | set(_OPTIONAL))}")
+    check_keys(d, _REQUIRED, _OPTIONAL, "DSpark config", "k3_dspark")
     o = {**_OPTIONAL, **d}
     if o["model_type"] != "k3_dspark":
         raise ConfigError(f"model_type = {o['model_type']!r}; expected 'k3_dspark'")
