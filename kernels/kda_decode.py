@@ -1,0 +1,145 @@
+"""Fused KDA decode step (one token per sequence): everything between the in_proj and o_proj
+GEMVs of a KDA layer, the f_b GEMV included (scripts/bench/layer_step.py `DecodeStep.kda`).
+
+Per sequence t and head (h heads, d = head_dim, C = h·d, W conv taps):
+
+    proj (T, P)  columns [q C | k C | v C | g_out C | b h | f_a d | pad]   model dtype (bf16)
+    fb    = bf16(f_a · fb_wᵀ)  (fp32 accumulation, F.linear)              (T, h, d)
+    g     = lower_bound · sigmoid(exp_a[h] · (fb + dt_bias))               (T, h, d) fp32
+    β     = sigmoid(b)                                                      (T, h)    fp32
+    xs    = [conv_state | q k v in]                                         (T, 3C, W)
+    y     = bf16(SiLU(Σ_w xs · conv_w)) as fp32,  conv_state ← xs[..., 1:]  (in place)
+    q, k  ← x · rsqrt(Σx² + 1e-6)                                           per head
+    S'    = Diag(e^g) S;  u = β (v − kᵀS');  S ← S' + k uᵀ  (rec_state (T, h, d, d) fp32, in place)
+    o     = d^-½ · qᵀS                                                      (T, h, d) fp32
+    out   = bf16(RMSNorm(o; o_norm_w, eps) · sigmoid(g_out))                (T, C)
+
+Layers (STYLE §6): `kda_decode_reference` is the PyTorch reference with the stock step's op
+chain and rounding points (bit for bit equal to DecodeStep.kda between its two GEMVs, on the
+same device); `kda_decode` is the public op and the dispatch point: the Triton kernel of
+kernels/kda_decode_triton.py on CUDA tensors in bf16 (`USE_TRITON`), else the reference (CPU,
+no Triton, or another model dtype). Any strides are accepted (proj is typically a column slice
+of a wider GEMV output); `out` is allocated only when not given.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from raydecode.kernels import kda_decode_triton as _tri
+
+USE_TRITON = True        # the Triton kernel on CUDA tensors (False: the reference everywhere)
+L2_EPS = 1e-6            # models/kda.py `l2_normalize`
+
+
+def _use_triton(proj: torch.Tensor) -> bool:
+    return (USE_TRITON and proj.is_cuda and proj.dtype == torch.bfloat16
+            and _tri.available(proj))
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
+
+
+def _delta_rule(q, k, v, g, beta, S: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k, g, v (T, h, d), beta (T, h) fp32; S (T, h, d, d) fp32 updated in place -> o
+    (T, h, d). o = scale · (qᵀS' + (q·k) u) = scale · qᵀS_new, the stock step's pass order
+    (one bmm read of S, one scale, one rank-1 update)."""
+    T, h, d = q.shape
+    eg = g.exp()
+    Sc = S if S.is_contiguous() else S.contiguous()         # strided state: work on a copy
+    Sf = Sc.view(T * h, d, d)
+    r = torch.bmm(torch.stack([k * eg, q * eg], 2).view(T * h, 2, d), Sf)     # (Th, 2, d)
+    u = beta.reshape(T * h, 1) * (v.reshape(T * h, d) - r[:, 0])
+    Sf.mul_(eg.reshape(T * h, d, 1))
+    Sf.baddbmm_(k.reshape(T * h, d, 1), u.view(T * h, 1, d))
+    o = scale * (r[:, 1] + (q * k).sum(-1).reshape(T * h, 1) * u)
+    if Sc is not S:
+        S.copy_(Sc)
+    return o.view(T, h, d)
+
+
+def kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state,
+                         *, heads: int, head_dim: int, lower_bound: float, eps: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The op in PyTorch (see module docstring); conv_state and rec_state updated in place.
+    -> out (T, C) in proj's dtype."""
+    T, h, d = proj.shape[0], heads, head_dim
+    C = h * d
+    qkv_in, g_out = proj[:, :3 * C], proj[:, 3 * C:4 * C]
+    b = proj[:, 4 * C:4 * C + h]
+    fa = proj[:, 4 * C + h:4 * C + h + d]
+    fb = F.linear(fa, fb_w).view(T, h, d)
+    g = lower_bound * torch.sigmoid(exp_a.view(h, 1) * (fb.float() + dt_bias.view(h, d)))
+    beta = torch.sigmoid(b.float())                                        # (T, h)
+    xs = torch.cat([conv_state, qkv_in.unsqueeze(-1)], -1)                 # (T, 3C, W)
+    y = F.silu((xs.float() * conv_w).sum(-1)).to(proj.dtype).float()
+    conv_state.copy_(xs[..., 1:])
+    q, k, v = y.view(T, 3, h, d).unbind(1)
+    q, k = _l2(q), _l2(k)
+    o = _delta_rule(q, k, v, g, beta, rec_state, d ** -0.5)               # (T, h, d) fp32
+    gate = torch.sigmoid(g_out.float()).view(T, h, d)
+    res = (F.rms_norm(o, (d,), o_norm_w, eps) * gate).to(proj.dtype).view(T, C)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, heads,
+           head_dim, out) -> None:
+    """Shapes, dtypes and devices of the op's inputs; ValueError naming the offending one."""
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads={heads!r}: expected a positive int")
+    if head_dim not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim={head_dim!r}: expected a power of two in 16..128")
+    if proj.dim() != 2:
+        raise ValueError(f"proj of shape {tuple(proj.shape)}: expected (T, P)")
+    if not proj.dtype.is_floating_point:
+        raise ValueError(f"proj dtype {proj.dtype}: expected a floating model dtype")
+    T, h, d = proj.shape[0], heads, head_dim
+    C = h * d
+    if proj.shape[1] < 4 * C + h + d:
+        raise ValueError(f"proj of shape {tuple(proj.shape)}: heads={h}, head_dim={d} need at "
+                         f"least 4·C + heads + head_dim = {4 * C + h + d} columns "
+                         "[q | k | v | g | b | f_a]")
+    if conv_w.dim() != 2 or conv_w.shape[0] != 3 * C or conv_w.shape[1] < 2:
+        raise ValueError(f"conv_w of shape {tuple(conv_w.shape)}: expected (3·C, W) = "
+                         f"({3 * C}, W) with W ≥ 2")
+    W = conv_w.shape[1]
+    want = {"fb_w": (fb_w, (C, d), proj.dtype),
+            "conv_state": (conv_state, (T, 3 * C, W - 1), proj.dtype),
+            "conv_w": (conv_w, (3 * C, W), torch.float32),
+            "exp_a": (exp_a, (h,), torch.float32),
+            "dt_bias": (dt_bias, (C,), torch.float32),
+            "o_norm_w": (o_norm_w, (d,), torch.float32),
+            "rec_state": (rec_state, (T, h, d, d), torch.float32)}
+    if out is not None:
+        want["out"] = (out, (T, C), proj.dtype)
+    for name, (x, shape, dtype) in want.items():
+        if tuple(x.shape) != shape or x.dtype != dtype:
+            raise ValueError(f"{name} of shape {tuple(x.shape)} dtype {x.dtype}: expected "
+                             f"{shape} {dtype} (T={T}, heads={h}, head_dim={d}, W={W})")
+        if x.device != proj.device:
+            raise ValueError(f"{name} on {x.device}: expected proj's device {proj.device}")
+
+
+def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, *,
+               heads: int, head_dim: int, lower_bound: float, eps: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused op (module docstring) -> out (T, heads·head_dim) in proj's dtype; conv_state
+    and rec_state updated in place. On CUDA bf16: one kernel, no host sync, no allocation when
+    `out` is given (CUDA-graph capturable)."""
+    _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, heads,
+           head_dim, out)
+    kw = dict(heads=heads, head_dim=head_dim, lower_bound=lower_bound, eps=eps)
+    if _use_triton(proj):
+        if out is None:
+            out = proj.new_empty(proj.shape[0], heads * head_dim)
+        return _tri.kda_decode_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias,
+                                      o_norm_w, rec_state, out, **kw)
+    return kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w,
+                                rec_state, out=out, **kw)
+
+
+__all__ = ["kda_decode", "kda_decode_reference", "USE_TRITON"]

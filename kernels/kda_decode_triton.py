@@ -1,0 +1,180 @@
+"""Triton kernel of the fused KDA decode step (kernels/kda_decode.py has the math and contract).
+
+Grid (T, heads): one program per (sequence t, head hh), head_dim D (constexpr, power of two
+16..128). Everything between the in_proj and o_proj GEMVs:
+
+    f_b     fb[c] = Σ_k fb_w[hh·D + c, k] · f_a[k]        (D,)  fp32 acc over KB-wide k chunks
+            rounded to bf16 (F.linear's output)
+    gate    g = lb · sigmoid(exp_a[hh] · (fb + dt_bias)),  β = sigmoid(b[hh])
+    conv    per part p ∈ {q, k, v}, channels p·C + hh·D + c:
+            xs (D, WP) = [conv_state (W−1 taps, oldest first) | proj current]   WP = pow2 ≥ W
+            y = bf16(SiLU(Σ_w xs·conv_w)) as fp32;  q, k ← y · rsqrt(Σy² + 1e-6)
+    delta   loop over NV = D / BV column blocks of S (columns are independent given q, k, g, β):
+            S (D, BV) fp32 loaded; v (BV,) from its conv channels;
+            S' = e^g ⊙_rows S;  u = β (v − kᵀS');  S_new = S' + k uᵀ;  o_blk = scale · qᵀS_new
+            barrier, S_new stored in place (each element read once, written once), v conv taps
+            shifted in place; o_blk kept in a (NV, BV) register tile
+    out     bf16(RMSNorm(o; o_norm_w, eps) · sigmoid(g_out))    written to out[t, hh·D:(hh+1)·D]
+    state   barrier, then q/k xs[:, 1:W] → conv_state (in place)
+
+`launch_config` picks BV = D (one step, D/16 warps) for small grids and BV = 32 with 4 warps
+once batch·heads ≥ 128 (more programs resident per SM). H200, L2-cold (inputs rotated over
+200 MB), CUDA graph of 50 calls, µs per call, D = 128:
+    T × heads     1×6   4×6  16×6  64×6   1×12  16×12  64×12
+    BV128 w8      7.7   9.1  10.9  30.9   9.0   19.8   56.8
+    BV32  w4      9.6  11.5  12.8  21.8  11.3   16.0   40.4
+    torch chain  80.7              141.8  92.9         217.4   (kda_decode_reference)
+64×12 moves 106 MB: 2.6 TB/s. At batch 1 only `heads` SMs work; the floor of an empty-ish
+launch in a graph here is ~2.9 µs (4 × 32 heads).
+
+The barrier (`tl.debug_barrier`, one bar.sync) orders every thread's loads of the in-place
+buffers before any thread's stores: a (D,)-vector or small tile can be replicated across
+threads, and without it a fast warp could overwrite a conv tap another warp has not read yet.
+
+bf16 rounding points are done by hand (round to nearest even on the fp32 bits, `_rne_bf16`)
+so the interpreter (which truncates on .to(bf16)) and the GPU round identically; the value is
+then exactly representable and the final cast is exact. Hence the kernel supports bf16 model
+dtype only (the dispatcher sends other dtypes to the reference).
+
+Bytes per call (K3, TP16: heads 6, D 128, W 4), batch T: state 2·T·6·64 KiB, fb_w 192 KiB
+(once; L2 across t), conv state 2·T·13.5 KiB, conv_w 36 KiB, proj/out ≈ 8 KiB per token
+(T = 1: 1.06 MB).
+No host sync, no allocation: capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from raydecode.kernels.attnres_norm_triton import available, tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _rne_bf16(x):
+        """fp32 -> the nearest bf16 value (ties to even), kept in fp32 (finite x)."""
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch,
+                   W: tl.constexpr, WP: tl.constexpr):
+        """Channels ch (D,): xs (D, WP) [W−1 state taps | current input | 0 pad] and
+        y = bf16(SiLU(Σ_w xs·w)) in fp32."""
+        taps = tl.arange(0, WP)[None, :]
+        old = tl.load(cbase + ch[:, None] * c_sc + taps * c_sw, mask=taps < W - 1, other=0.0)
+        cur = tl.load(prow + ch * p_sc)
+        xs = tl.where(taps == W - 1, cur[:, None], old)
+        w = tl.load(cw_ptr + ch[:, None] * cw_sc + taps * cw_sw, mask=taps < W, other=0.0)
+        y = tl.sum(xs.to(tl.float32) * w, 1)
+        return _rne_bf16(y * tl.sigmoid(y)), xs
+
+    @triton.jit
+    def _l2(x):
+        return x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
+
+    @triton.jit
+    def _kda_decode_kernel(
+            proj_ptr, p_st, p_sc, fbw_ptr, fbw_sr, fbw_sc,
+            conv_ptr, c_st, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
+            expa_ptr, expa_s, dtb_ptr, dtb_s, onw_ptr, onw_s,
+            rec_ptr, r_st, r_sh, r_sk, r_sv, out_ptr, o_st, o_sc,
+            NH, lower_bound, eps, scale,
+            D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, KB: tl.constexpr,
+            BV: tl.constexpr, NV: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        hh = tl.program_id(1)
+        C = NH * D
+        i = tl.arange(0, D)                                  # dk / channel index
+        srow = rec_ptr + t * r_st + hh * r_sh
+        prow = proj_ptr + t * p_st
+
+        # f_b GEMV slice + gate: fb (D,) = fb_w[hh·D + i, :] · f_a, bf16-rounded
+        acc = tl.zeros((D,), tl.float32)
+        for k0 in tl.static_range(0, D, KB):
+            kk = k0 + tl.arange(0, KB)
+            fa = tl.load(prow + (4 * C + NH + kk) * p_sc).to(tl.float32)
+            wt = tl.load(fbw_ptr + (hh * D + i)[:, None] * fbw_sr + kk[None, :] * fbw_sc)
+            acc += tl.sum(wt.to(tl.float32) * fa[None, :], 1)
+        fb = _rne_bf16(acc)
+        ea = tl.load(expa_ptr + hh * expa_s)
+        g = lower_bound * tl.sigmoid(ea * (fb + tl.load(dtb_ptr + (hh * D + i) * dtb_s)))
+        beta = tl.sigmoid(tl.load(prow + (4 * C + hh) * p_sc).to(tl.float32))
+
+        # short conv + SiLU + L2 norms (q, k whole; v per dv block below)
+        cbase = conv_ptr + t * c_st
+        ch = hh * D + i
+        q, xq = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, W, WP)
+        k, xk = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch + C, W, WP)
+        q = _l2(q)
+        k = _l2(k)
+        eg = tl.exp(g)
+
+        # gated delta rule, one (D, BV) column block of S per iteration (columns independent)
+        taps = tl.arange(0, WP)[None, :]
+        keep = (taps >= 1) & (taps < W)                      # xs[:, 1:W] -> taps 0..W−2
+        nb = tl.arange(0, NV)[:, None]                       # o kept as (NV, BV) blocks
+        o2 = tl.zeros((NV, BV), tl.float32)
+        for jb in tl.range(0, NV):
+            jj = jb * BV + tl.arange(0, BV)
+            s_ptrs = srow + i[:, None] * r_sk + jj[None, :] * r_sv
+            S = tl.load(s_ptrs)                              # (D, BV) fp32
+            chv = 2 * C + hh * D + jj
+            v, xv = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, chv,
+                               W, WP)
+            Sp = S * eg[:, None]                             # Diag(e^g) S
+            u = beta * (v - tl.sum(k[:, None] * Sp, 0))      # (BV,)
+            Sn = Sp + k[:, None] * u[None, :]
+            o2 = tl.where(nb == jb, (scale * tl.sum(q[:, None] * Sn, 0))[None, :], o2)
+            tl.debug_barrier()                               # loads of S, v taps before stores
+            tl.store(s_ptrs, Sn)
+            tl.store(cbase + chv[:, None] * c_sc + (taps - 1) * c_sw, xv, mask=keep)
+
+        # gated RMSNorm over dv, rounded once
+        jo = nb * BV + tl.arange(0, BV)[None, :]             # (NV, BV) column index
+        r = tl.rsqrt(tl.sum(tl.sum(o2 * o2, 1), 0) / D + eps)
+        gate = tl.sigmoid(tl.load(prow + (3 * C + hh * D + jo) * p_sc).to(tl.float32))
+        y = _rne_bf16(o2 * r * tl.load(onw_ptr + jo * onw_s) * gate)
+        tl.store(out_ptr + t * o_st + (hh * D + jo) * o_sc, y.to(out_ptr.dtype.element_ty))
+
+        # q, k conv state in place, after every thread's loads
+        tl.debug_barrier()
+        tl.store(cbase + ch[:, None] * c_sc + (taps - 1) * c_sw, xq, mask=keep)
+        tl.store(cbase + (ch + C)[:, None] * c_sc + (taps - 1) * c_sw, xk, mask=keep)
+
+
+def launch_config(head_dim: int, programs: int) -> tuple[int, int]:
+    """(block_v, num_warps). Fewer programs (batch·heads) than ~one per SM: the whole (D, D)
+    tile in one step, D/16 warps (8 at D = 128: 64 state values per thread, 255 registers, no
+    spills). More: (D, 32) column blocks, 4 warps, several programs per SM. H200 sweep in the
+    module docstring."""
+    if programs < 128 or head_dim <= 32:
+        return head_dim, max(1, head_dim // 16)
+    return 32, 4
+
+
+def kda_decode_triton(proj: torch.Tensor, fb_w: torch.Tensor, conv_state: torch.Tensor,
+                      conv_w: torch.Tensor, exp_a: torch.Tensor, dt_bias: torch.Tensor,
+                      o_norm_w: torch.Tensor, rec_state: torch.Tensor, out: torch.Tensor,
+                      heads: int, head_dim: int, lower_bound: float, eps: float,
+                      block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """Launch on validated inputs (kda_decode.py `_check`); any strides; writes `out`,
+    rec_state and conv_state. No host sync, no allocation. block_v / num_warps override the
+    defaults (`launch_config`) for sweeps."""
+    T, D, W = proj.shape[0], head_dim, conv_w.shape[1]
+    if T == 0:
+        return out
+    bv, nw = launch_config(D, T * heads)
+    bv, nw = block_v or bv, num_warps or nw
+    _kda_decode_kernel[(T, heads)](
+        proj, proj.stride(0), proj.stride(1), fb_w, fb_w.stride(0), fb_w.stride(1),
+        conv_state, *conv_state.stride(), conv_w, conv_w.stride(0), conv_w.stride(1),
+        exp_a, exp_a.stride(0), dt_bias, dt_bias.stride(0), o_norm_w, o_norm_w.stride(0),
+        rec_state, *rec_state.stride(), out, out.stride(0), out.stride(1),
+        heads, float(lower_bound), float(eps), float(D) ** -0.5,
+        D=D, W=W, WP=triton.next_power_of_2(W), KB=min(D, 64), BV=bv, NV=D // bv,
+        num_warps=nw)
+    return out
+
+
+__all__ = ["available", "kda_decode_triton", "launch_config"]

@@ -1,0 +1,161 @@
+"""Fused KDA decode op on a CPU-only machine: its reference is the benchmark's stock KDA step
+between the two GEMVs (scripts/bench/layer_step.py `DecodeStep.kda`, run for real on a
+hand-built layer, bit for bit) and the model's math (models/kda.py, fp32 tolerance); the
+public op falls back to the reference on CPU; bad input is named. The Triton kernel itself is
+tested in tests/gpu/test_kda_decode.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raydecode.kernels import kda_decode as K
+from raydecode.models import kda as model_kda
+from raydecode.models.config import load_config
+from raydecode.models.layers import rms_norm
+from raydecode.models.parallel import Parallel
+from raydecode.scripts.bench.layer_step import DecodeStep
+from raydecode.scripts.bench.layer_weights import LayerState, LayerWeights
+
+torch.set_num_threads(1)
+BF = torch.bfloat16
+LB, EPS = -5.0, 1e-5
+
+
+def _inputs(T, h, d, W=4, seed=0, pad=16):
+    """Random op inputs at layer_weights.py scales; proj is a column slice of a wider buffer
+    (row stride P + pad) like a GEMV output view."""
+    g = torch.Generator().manual_seed(seed)
+    C = h * d
+    P = 4 * C + h + d
+    rn = lambda *s: torch.randn(*s, generator=g)                 # noqa: E731
+    return dict(
+        proj=rn(T, P + pad).to(BF)[:, :P],
+        fb_w=(rn(C, d) / d ** 0.5).to(BF),
+        conv_state=rn(T, 3 * C, W - 1).to(BF),
+        conv_w=0.5 * rn(3 * C, W),
+        exp_a=(torch.rand(h, generator=g) * 1.386).exp(),
+        dt_bias=0.5 * rn(C) - 1.0,
+        o_norm_w=1.0 + 0.1 * rn(d),
+        rec_state=0.05 * rn(T, h, d, d))
+
+
+def _clone(x):
+    return {k: v.clone() for k, v in x.items()}
+
+
+def _ref(x, h, d, **kw):
+    return K.kda_decode_reference(**x, heads=h, head_dim=d, lower_bound=LB, eps=EPS, **kw)
+
+
+@pytest.mark.parametrize("T,h,d,W", [(1, 3, 16, 4), (3, 2, 32, 4), (2, 4, 16, 2)])
+def test_reference_equals_layer_step_kda(T, h, d, W):
+    """DecodeStep.kda on a hand-built layer (real LayerWeights/LayerState, F.linear GEMVs);
+    its in_proj output and o_proj input are recorded around the op."""
+    g = torch.Generator().manual_seed(T * 100 + d)
+    C, Hd = h * d, 64
+    cfg = load_config("tiny")
+    assert cfg.kda.gate_lower_bound == LB and cfg.rms_norm_eps == EPS
+    x = _inputs(T, h, d, W, seed=5)
+    P = -(-(4 * C + h + d) // 16) * 16
+    Wt = LayerWeights("kda", cfg, Parallel())
+    Wt.t.update(kda_in_proj=(torch.randn(P, Hd, generator=g) / Hd ** 0.5).to(BF),
+                kda_f_b=x["fb_w"], kda_conv=x["conv_w"], kda_exp_A=x["exp_a"],
+                kda_dt_bias=x["dt_bias"], kda_o_norm=x["o_norm_w"],
+                kda_o_proj=(torch.randn(Hd, C, generator=g) / C ** 0.5).to(BF))
+    Wt.widths.update(heads=h, head_dim=d, inner=C, b=h, f_a=d)
+    bank = torch.randn(T, 2, Hd, generator=g).to(BF)
+    St = LayerState(bank_in=bank, bank_mid=bank.clone(), prefix_out=torch.empty(T, Hd),
+                    kda_conv=x["conv_state"].clone(), kda_rec=x["rec_state"].clone())
+    seen = {}
+
+    def lin(a, w):
+        if w is Wt.t["kda_in_proj"]:
+            seen["proj"] = F.linear(a, w)
+            return seen["proj"]
+        if w is Wt.t["kda_o_proj"]:
+            seen["o"] = a.clone()
+        return F.linear(a, w)
+
+    hin = torch.randn(T, Hd, generator=g).to(BF)
+    DecodeStep(Wt, St, "stock", T, linear=lin).kda(hin)
+    x["proj"] = seen["proj"]
+    out = _ref(x, h, d)
+    assert torch.equal(out, seen["o"])
+    assert torch.equal(x["conv_state"], St.kda_conv)
+    assert torch.equal(x["rec_state"], St.kda_rec)
+
+
+def test_reference_matches_model_math():
+    """One token through models/kda.py's functions (conv, L2, gate, kda_recurrent, o_norm)."""
+    T, h, d, W = 3, 2, 32, 4
+    x = _inputs(T, h, d, W, seed=7)
+    x0 = _clone(x)
+    out = _ref(x, h, d)
+    C = h * d
+    p = x0["proj"]
+    for t in range(T):
+        xs = torch.cat([x0["conv_state"][t].t(), p[t:t + 1, :3 * C]], 0)        # (W, 3C)
+        y = model_kda.causal_conv_silu(xs, x0["conv_w"]).to(BF).float()
+        q, k, v = (z.reshape(1, h, d) for z in y.split(C, -1))
+        q, k = model_kda.l2_normalize(q), model_kda.l2_normalize(k)
+        fb = F.linear(p[t:t + 1, 4 * C + h:4 * C + h + d], x0["fb_w"]).view(1, h, d)
+        gt = model_kda.kda_gate(fb, x0["exp_a"].log(), x0["dt_bias"], LB)
+        beta = torch.sigmoid(p[t:t + 1, 4 * C:4 * C + h].float())
+        o, S = model_kda.kda_recurrent(q, k, v, gt, beta, d ** -0.5, x0["rec_state"][t])
+        gate = torch.sigmoid(p[t, 3 * C:4 * C].float()).view(1, h, d)
+        ref = (rms_norm(o, x0["o_norm_w"], EPS) * gate).to(BF).view(C)
+        torch.testing.assert_close(x["rec_state"][t], S, rtol=1e-5, atol=1e-6)
+        assert torch.equal(x["conv_state"][t], xs[1:].t())
+        assert (out[t].float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+
+
+def test_public_op_falls_back_to_reference_on_cpu():
+    T, h, d = 2, 3, 16
+    x = _inputs(T, h, d, seed=3)
+    xr = _clone(x)
+    assert not K._use_triton(x["proj"])
+    out = torch.full((T, h * d), float("nan"), dtype=BF)
+    got = K.kda_decode(**x, heads=h, head_dim=d, lower_bound=LB, eps=EPS, out=out)
+    ref = _ref(xr, h, d)
+    assert got is out and torch.equal(out, ref)
+    assert torch.equal(x["rec_state"], xr["rec_state"])
+    assert torch.equal(x["conv_state"], xr["conv_state"])
+    assert not torch.equal(x["rec_state"], _inputs(T, h, d, seed=3)["rec_state"])  # updated
+
+
+def test_strided_state_is_updated_in_place():
+    """rec_state a non-contiguous view (every other sequence slot): updated through the view."""
+    T, h, d = 2, 2, 16
+    x = _inputs(T, h, d, seed=4)
+    xr = _clone(x)
+    big = torch.zeros(2 * T, h, d, d)
+    big[::2] = x["rec_state"]
+    x["rec_state"] = big[::2]
+    out = K.kda_decode(**x, heads=h, head_dim=d, lower_bound=LB, eps=EPS)
+    assert torch.equal(out, _ref(xr, h, d))
+    assert torch.equal(big[::2], xr["rec_state"]) and not big[1::2].any()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(head_dim=48), "head_dim=48"),
+    (dict(heads=0), "heads=0"),
+    (dict(proj=lambda x: x["proj"][:, :100]), "columns"),
+    (dict(rec_state=lambda x: x["rec_state"].half()), "rec_state"),
+    (dict(conv_state=lambda x: x["conv_state"][:, :, :2]), "conv_state"),
+    (dict(conv_w=lambda x: x["conv_w"][:-1]), "conv_w"),
+    (dict(fb_w=lambda x: x["fb_w"].float()), "fb_w"),
+    (dict(exp_a=lambda x: x["exp_a"][:1]), "exp_a"),
+    (dict(out=lambda x: torch.empty(2, 48)), "out"),
+])
+def test_bad_input_is_named(change, match):
+    h, d = 3, 16
+    x = _inputs(2, h, d, seed=1)
+    kw = dict(heads=h, head_dim=d, lower_bound=LB, eps=EPS)
+    for k, v in change.items():
+        if callable(v):
+            (x if k in x else kw)[k] = v(x)
+        else:
+            kw[k] = v
+    with pytest.raises(ValueError, match=match):
+        K.kda_decode(**x, **kw)
