@@ -1,0 +1,269 @@
+"""Triton kernels of the fused MLA absorbed decode (kernels/mla_decode.py has the math, the
+references and the public ops). Launchers here write into caller-allocated outputs, take
+strided views as they come (last dim contiguous) and never synchronise with the host.
+
+  _prep_kernel    grid (T,): q_out = bf16(RMSNorm(qkv[:q_lora]; w_q)); the latent row
+                  [bf16(RMSNorm(qkv[q_lora:q_lora+c]; w_kv)), qkv[q_lora+c:]] stored at
+                  cache[block_table[t, p // bs], p % bs], p = positions[t] (p < 0: no store)
+  _absorb_kernel  grid (⌈T/16⌉, h, ⌈c/64⌉):
+                  q_abs[:, h, cb] = bf16(q_nope[:, h] · w_uk[h][:, cb])
+                  (tl.dot, fp32 accumulate); the cb = 0 programs copy q_pe into q_abs[..., c:]
+  _split_kernel   grid (T, S): all heads of token t (padded to HP ≥ 16) against rows
+                  [s·chunk, min(L, (s+1)·chunk)), L = seq_lens[t],
+                  chunk = max(MIN_CHUNK, ⌈⌈L/S⌉/BN⌉·BN). Each BN-row tile is gathered once
+                  through the block table and used as K ([c ‖ rope]) and V (c):
+                      s  = (q_c·K_cᵀ + q_r·K_rᵀ) · scale·log2e          (HP, BN) fp32
+                      m' = max(m, max s);  p = 2^(s − m');  α = 2^(m − m')
+                      l  = α·l + Σ p;      acc = α·acc + bf16(p)·K_c     (HP, c) fp32
+                  writes o_part = acc / l, lse_part = (m + log2 l)·ln2; an empty split writes
+                  o 0, lse −inf (so every partial element is written: no zero-init needed)
+  _merge_kernel   grid (⌈T/16⌉, h, ⌈v/BV⌉): over the S partials of (t, h)
+                      w_s = exp(lse_s − max lse),  o_lat = Σ w_s o_s / Σ w_s
+                  PROJECT: y = bf16(bf16(o_lat)·w_uv_t[h][:, vb]) (tl.dot, fp32 acc),
+                           out = bf16(y · sigmoid(gate));  else: o_lat fp32 and
+                           lse = max + log Σ w_s are stored (the standalone op 3 merge)
+p is rounded to bf16 before p·V, as the stock path does (there after normalisation, here
+relative to the running max: both are one bf16 rounding of each weight).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from raydecode.kernels.attnres_norm_triton import available, tl, triton
+
+LOG2E = 1.0 / math.log(2.0)
+MIN_CHUNK = 64            # never fewer rows per KV split (a split's fixed cost ≈ 64 rows)
+
+if triton is not None:
+
+    @triton.jit
+    def _mm(a, b, DOT_F32: tl.constexpr):
+        """a·b, fp32 accumulation. DOT_F32 (CPU interpreter only: its Triton 3.9 bf16 dot reads
+        raw bits as values): fp32 operands, ieee, exact bf16 products as on the GPU."""
+        if DOT_F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _prep_kernel(qkv_ptr, qkv_st, wq_ptr, wkv_ptr, q_ptr, q_st, c_ptr, c_sb, c_sr,
+                     bt_ptr, bt_st, pos_ptr, QL, KL, R, BS, eps,
+                     BQ: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        row = qkv_ptr + t * qkv_st
+        oq = tl.arange(0, BQ)
+        mq = oq < QL
+        x = tl.load(row + oq, mask=mq, other=0.0).to(tl.float32)
+        w = tl.load(wq_ptr + oq, mask=mq, other=0.0).to(tl.float32)
+        y = x * tl.rsqrt(tl.sum(x * x, 0) / QL + eps) * w
+        tl.store(q_ptr + t * q_st + oq, y.to(q_ptr.dtype.element_ty), mask=mq)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        if pos >= 0:
+            blk = tl.load(bt_ptr + t * bt_st + pos // BS).to(tl.int64)
+            dst = c_ptr + blk * c_sb + (pos % BS) * c_sr
+            oc = tl.arange(0, BC)
+            mc = oc < KL
+            x = tl.load(row + QL + oc, mask=mc, other=0.0).to(tl.float32)
+            w = tl.load(wkv_ptr + oc, mask=mc, other=0.0).to(tl.float32)
+            y = x * tl.rsqrt(tl.sum(x * x, 0) / KL + eps) * w
+            tl.store(dst + oc, y.to(c_ptr.dtype.element_ty), mask=mc)
+            orr = tl.arange(0, BR)
+            mr = orr < R
+            pe = tl.load(row + QL + KL + orr, mask=mr, other=0.0)
+            tl.store(dst + KL + orr, pe.to(c_ptr.dtype.element_ty), mask=mr)
+
+    @triton.jit
+    def _absorb_kernel(q_ptr, q_st, q_sh, w_ptr, w_sh, w_sn, o_ptr, o_st, o_sh, T, NOPE, KL, R,
+                       BT: tl.constexpr, BNP: tl.constexpr, BC: tl.constexpr,
+                       BR: tl.constexpr, DOT_F32: tl.constexpr):
+        tb, hd, cb = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        tt = (tb * BT + tl.arange(0, BT)).to(tl.int64)
+        mt = tt < T
+        on = tl.arange(0, BNP)
+        mn = on < NOPE
+        qb = q_ptr + tt[:, None] * q_st + hd * q_sh
+        qn = tl.load(qb + on[None, :], mask=mt[:, None] & mn[None, :], other=0.0)
+        oc = cb * BC + tl.arange(0, BC)
+        mc = oc < KL
+        w = tl.load(w_ptr + hd * w_sh + on[:, None] * w_sn + oc[None, :],
+                    mask=mn[:, None] & mc[None, :], other=0.0)
+        y = _mm(qn, w, DOT_F32)                                         # (BT, BC) fp32
+        ob = o_ptr + tt[:, None] * o_st + hd * o_sh
+        tl.store(ob + oc[None, :], y.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+        if cb == 0:
+            orr = tl.arange(0, BR)
+            m2 = mt[:, None] & (orr < R)[None, :]
+            pe = tl.load(qb + NOPE + orr[None, :], mask=m2, other=0.0)
+            tl.store(ob + KL + orr[None, :], pe.to(o_ptr.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _split_kernel(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
+                      o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                      H, KL, R, BS, qk_scale, NS, MINC,
+                      HP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+        t, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        L = tl.load(len_ptr + t).to(tl.int32)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(L, NS), BN) * BN, MINC)
+        start = s * chunk
+        end = tl.minimum(L, start + chunk)
+        hh = tl.arange(0, HP)
+        mh = hh < H
+        oc = tl.arange(0, BC)
+        mc = oc < KL
+        orr = tl.arange(0, BR)
+        mr = orr < R
+        qb = q_ptr + t * q_st + hh[:, None] * q_sh
+        qc = tl.load(qb + oc[None, :], mask=mh[:, None] & mc[None, :], other=0.0)   # (HP, BC)
+        qr = tl.load(qb + KL + orr[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+        m_i = tl.full((HP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((HP,), tl.float32)
+        acc = tl.zeros((HP, BC), tl.float32)
+        for n0 in range(start, end, BN):
+            rows = n0 + tl.arange(0, BN)
+            mn = rows < end
+            blk = tl.load(bt_ptr + t * bt_st + rows // BS, mask=mn, other=0).to(tl.int64)
+            base = c_ptr + blk * c_sb + (rows % BS).to(tl.int64) * c_sr            # (BN,)
+            kc = tl.load(base[:, None] + oc[None, :], mask=mn[:, None] & mc[None, :],
+                         other=0.0)                                                 # (BN, BC)
+            kr = tl.load(base[:, None] + KL + orr[None, :], mask=mn[:, None] & mr[None, :],
+                         other=0.0)                                                 # (BN, BR)
+            sc = _mm(qc, tl.trans(kc), DOT_F32) + _mm(qr, tl.trans(kr), DOT_F32)   # (HP, BN)
+            sc = sc * qk_scale
+            sc = tl.where(mn[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))          # finite: row n0 < end is valid
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _mm(p.to(kc.dtype), kc, DOT_F32)
+            m_i = m_new
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634,
+                       float("-inf"))
+        tl.store(o_ptr + t * o_st + s * o_ss + hh[:, None] * o_sh + oc[None, :], o,
+                 mask=mh[:, None] & mc[None, :])
+        tl.store(l_ptr + t * l_st + s * l_ss + hh * l_sh, lse, mask=mh)
+
+    @triton.jit
+    def _merge_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                      w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st,
+                      ol_ptr, ol_st, ol_sh, lo_ptr, lo_st, lo_sh, T, NS, KL, V,
+                      BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+                      PROJECT: tl.constexpr, DOT_F32: tl.constexpr):
+        tb, hd, vb = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        tt = (tb * BT + tl.arange(0, BT)).to(tl.int64)
+        mt = tt < T
+        oc = tl.arange(0, BC)
+        mc = oc < KL
+        lb = l_ptr + tt * l_st + hd * l_sh
+        mx = tl.full((BT,), float("-inf"), tl.float32)
+        for s in range(NS):
+            mx = tl.maximum(mx, tl.load(lb + s * l_ss, mask=mt, other=float("-inf")))
+        safe = tl.where(mx == float("-inf"), 0.0, mx)
+        den = tl.zeros((BT,), tl.float32)
+        acc = tl.zeros((BT, BC), tl.float32)
+        ob = o_ptr + tt[:, None] * o_st + hd * o_sh + oc[None, :]
+        for s in range(NS):
+            w = tl.exp(tl.load(lb + s * l_ss, mask=mt, other=float("-inf")) - safe)  # −inf → 0
+            den += w
+            o = tl.load(ob + s * o_ss, mask=mt[:, None] & mc[None, :], other=0.0)
+            acc += w[:, None] * o
+        o_lat = acc / tl.where(den > 0.0, den, 1.0)[:, None]       # (BT, BC); no rows: 0
+        if PROJECT:
+            vv = vb * BV + tl.arange(0, BV)
+            mv = vv < V
+            wv = tl.load(w_ptr + hd * w_sh + oc[:, None] * w_sc + vv[None, :],
+                         mask=mc[:, None] & mv[None, :], other=0.0)      # (BC, BV)
+            y = _mm(o_lat.to(wv.dtype), wv, DOT_F32)                           # (BT, BV) fp32
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+            mo = mt[:, None] & mv[None, :]
+            g = tl.load(g_ptr + tt[:, None] * g_st + hd * V + vv[None, :], mask=mo, other=0.0)
+            y = y * tl.sigmoid(g.to(tl.float32))
+            tl.store(y_ptr + tt[:, None] * y_st + hd * V + vv[None, :],
+                     y.to(y_ptr.dtype.element_ty), mask=mo)
+        else:
+            tl.store(ol_ptr + tt[:, None] * ol_st + hd * ol_sh + oc[None, :], o_lat,
+                     mask=mt[:, None] & mc[None, :])
+            lse = tl.where(den > 0.0, safe + tl.log(tl.where(den > 0.0, den, 1.0)),
+                           float("-inf"))
+            tl.store(lo_ptr + tt * lo_st + hd * lo_sh, lse, mask=mt)
+
+
+def _p2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+# ---- launchers (caller-allocated outputs; inputs validated by kernels/mla_decode.py) --------
+
+def prep_triton(qkv, q_norm_w, kv_norm_w, cache, block_table, positions, q_lora: int,
+                kv_lora: int, eps: float, q_out: torch.Tensor) -> torch.Tensor:
+    T = qkv.shape[0]
+    R = qkv.shape[1] - q_lora - kv_lora
+    _prep_kernel[(T,)](qkv, qkv.stride(0), q_norm_w, kv_norm_w, q_out, q_out.stride(0),
+                       cache, cache.stride(0), cache.stride(1), block_table,
+                       block_table.stride(0), positions, q_lora, kv_lora, R, cache.shape[1],
+                       float(eps), BQ=_p2(q_lora), BC=_p2(kv_lora), BR=_p2(R),
+                       num_warps=4 if q_lora <= 2048 else 8)
+    return q_out
+
+
+def absorb_triton(q, w_uk, nope: int, out: torch.Tensor) -> torch.Tensor:
+    T, h, d = q.shape
+    kl, R = w_uk.shape[2], d - nope
+    BC = 64
+    grid = (triton.cdiv(T, 16), h, triton.cdiv(kl, BC))
+    _absorb_kernel[grid](q, q.stride(0), q.stride(1), w_uk, w_uk.stride(0), w_uk.stride(1),
+                         out, out.stride(0), out.stride(1), T, nope, kl, R,
+                         BT=16, BNP=_p2(nope), BC=BC, BR=_p2(R), DOT_F32=not q.is_cuda,
+                         num_warps=4)
+    return out
+
+
+def split_triton(q_abs, cache, block_table, seq_lens, kv_lora: int, scale: float,
+                 o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+    """o_part (T, S, h, c) fp32, lse_part (T, S, h) fp32: every element written."""
+    T, h, d = q_abs.shape
+    S = o_part.shape[1]
+    R = d - kv_lora
+    BN = 32 if kv_lora >= 256 else 64
+    _split_kernel[(T, S)](q_abs, q_abs.stride(0), q_abs.stride(1), cache, cache.stride(0),
+                          cache.stride(1), block_table, block_table.stride(0), seq_lens,
+                          o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                          lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+                          h, kv_lora, R, cache.shape[1], float(scale) * LOG2E, S, MIN_CHUNK,
+                          HP=_p2(h), BC=_p2(kv_lora), BR=_p2(R), BN=BN,
+                          DOT_F32=not q_abs.is_cuda, num_warps=4 if kv_lora <= 256 else 8,
+                          num_stages=2)
+
+
+def merge_triton(o_part, lse_part, o_lat: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge (T, S, h, c) / (T, S, h) partials into o_lat (T, h, c), lse (T, h) fp32."""
+    T, S, h, kl = o_part.shape
+    _merge_kernel[(triton.cdiv(T, 16), h, 1)](
+        o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        o_part, 0, 0, o_part, 0, o_part, 0,
+        o_lat, o_lat.stride(0), o_lat.stride(1), lse, lse.stride(0), lse.stride(1),
+        T, S, kl, 1, BT=16, BC=_p2(kl), BV=16, PROJECT=False, DOT_F32=not o_part.is_cuda,
+        num_warps=4)
+
+
+def output_triton(o_part, lse_part, w_uv_t, gate, out: torch.Tensor) -> torch.Tensor:
+    """Merge + bf16 + w_uv + sigmoid gate: out (T, h·v)."""
+    T, S, h, kl = o_part.shape
+    V = w_uv_t.shape[2]
+    BV = 32 if V >= 32 else 16
+    _merge_kernel[(triton.cdiv(T, 16), h, triton.cdiv(V, BV))](
+        o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        w_uv_t, w_uv_t.stride(0), w_uv_t.stride(1), gate, gate.stride(0), out, out.stride(0),
+        o_part, 0, 0, lse_part, 0, 0, T, S, kl, V,
+        BT=16, BC=_p2(kl), BV=BV, PROJECT=True, DOT_F32=not o_part.is_cuda,
+        num_warps=4 if kl <= 256 else 8)
+    return out
+
+
+__all__ = ["available", "prep_triton", "absorb_triton", "split_triton", "merge_triton",
+           "output_triton", "MIN_CHUNK"]

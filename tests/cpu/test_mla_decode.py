@@ -1,0 +1,234 @@
+"""MLA absorbed decode over the paged latent cache (kernels/mla_decode.py) on the CPU: the
+references agree with the models/ functions (fp32 where exact) and with the benchmark's stock
+`DecodeStep.mla` composition (bf16 tolerance: the stock path rounds p to bf16), paged indexing
+through shuffled block tables, the public ops fall back to the references bit for bit, and bad
+inputs raise ValueError naming the value. The Triton kernels: tests/gpu/test_mla_decode.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raydecode.kernels import mla_decode as M
+from raydecode.models.cache import MLALatentCache
+from raydecode.models.layers import rms_norm
+from raydecode.models.mla import merge_attn_partials, mla_absorbed_attention
+
+torch.set_num_threads(1)
+BF = torch.bfloat16
+KL, R, NOPE, V, QL, H = 64, 16, 32, 32, 64, 4           # the bench small config
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _paged(T, max_blocks, bs, seed, extra=3):
+    """A random pool with more blocks than needed and a shuffled block table (T, max_blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = T * max_blocks + extra
+    cache = torch.randn(nb, bs, KL + R, generator=g).to(BF)
+    bt = torch.randperm(nb, generator=g)[:T * max_blocks].view(T, max_blocks).int()
+    return cache, bt, g
+
+
+def test_prep_reference_writes_the_paged_row_and_norms():
+    T, bs = 4, 16
+    cache, bt, g = _paged(T, 3, bs, seed=1)
+    before = cache.clone()
+    qkv = torch.randn(T, QL + KL + R + 8, generator=g).to(BF)[:, :QL + KL + R]   # row stride
+    wq, wkv = 1 + 0.1 * torch.randn(QL, generator=g), 1 + 0.1 * torch.randn(KL, generator=g)
+    pos = torch.tensor([0, 17, 47, -1])                                   # −1: not written
+    q = M.mla_prep_reference(qkv, wq, wkv, cache, bt, pos, q_lora=QL, kv_lora=KL, eps=1e-5)
+    # models/layers.py rms_norm (an op chain) vs F.rms_norm: same math, ≤ 1 bf16 ulp apart
+    assert (q.float() - rms_norm(qkv[:, :QL], wq, 1e-5).float()).abs().max() <= 2 ** -7 * 4
+    row = torch.cat([rms_norm(qkv[:, QL:QL + KL], wkv, 1e-5), qkv[:, QL + KL:]], -1)
+    for t, p in enumerate(pos.tolist()[:3]):
+        got = cache[bt[t, p // bs], p % bs]
+        assert torch.equal(got[KL:], qkv[t, QL + KL:])
+        assert _rel(got, row[t]) < 4e-3
+    changed = (cache != before).any(-1).sum()
+    assert int(changed) == 3                                               # nothing else
+
+
+def test_attention_reference_equals_models_mla_over_the_engine_cache():
+    """The same pool read through models/cache.py MLALatentCache.read + models/mla.py."""
+    T, bs, mb = 3, 16, 4
+    cache, bt, g = _paged(T, mb, bs, seed=2)
+    q_abs = torch.randn(T, H, KL + R, generator=g).to(BF)
+    seq = torch.tensor([1, 23, 64], dtype=torch.int32)       # 1, non-multiple, full table
+    o, lse = M.mla_attention_reference(q_abs, cache, bt, seq, kv_lora=KL, scale=0.1)
+    eng = MLALatentCache(1, cache.shape[0], bs, KL + R, BF)
+    eng.pool[0].copy_(cache)
+    for t in range(T):
+        eng.block_tables[t] = bt[t].tolist()
+        rows, rpos = eng.read(0, t, int(seq[t]))
+        ro, rl = mla_absorbed_attention(q_abs[t:t + 1], rows, rpos, rpos[-1:], KL, 0.1)
+        assert torch.allclose(o[t], ro[0], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(lse[t], rl[0], rtol=1e-6, atol=1e-6)
+
+
+def test_empty_sequence_gives_zero_and_minus_inf():
+    cache, bt, g = _paged(2, 2, 16, seed=3)
+    q_abs = torch.randn(2, H, KL + R, generator=g).to(BF)
+    o, lse = M.mla_attention_reference(q_abs, cache, bt, torch.tensor([0, 5]), kv_lora=KL,
+                                       scale=0.1)
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and bool((lse[0] == float("-inf")).all())
+    assert bool(torch.isfinite(lse[1]).all())
+
+
+def test_output_reference_merges_partials_like_models_mla():
+    """Partials over disjoint row sets (some empty) -> the same output as the full attention;
+    the merge itself equals models/mla.py merge_attn_partials."""
+    T, bs = 2, 16
+    cache, bt, g = _paged(T, 4, bs, seed=4)
+    q_abs = torch.randn(T, H, KL + R, generator=g).to(BF)
+    w_uv = (torch.randn(H, KL, V, generator=g) / 8).to(BF)
+    gate = torch.randn(T, H * V + 5, generator=g).to(BF)[:, :H * V]
+    seq = torch.tensor([50, 3])
+    rows, idx = M.paged_rows(cache, bt, T)
+    parts_o, parts_l = [], []
+    for lo, hi in ((0, 16), (16, 40), (40, 64)):                 # seq 3: splits 2, 3 empty
+        o_p, l_p = [], []
+        for t in range(T):
+            r = rows[t, lo:min(hi, int(seq[t]))]
+            pos = torch.arange(lo, lo + r.shape[0])
+            o1, l1 = mla_absorbed_attention(q_abs[t:t + 1], r, pos, torch.tensor([10 ** 6]),
+                                            KL, 0.1)
+            o_p.append(o1[0]), l_p.append(l1[0])
+        parts_o.append(torch.stack(o_p)), parts_l.append(torch.stack(l_p))
+    po, pl = torch.stack(parts_o, 1), torch.stack(parts_l, 1)                  # (T, 3, h, ·)
+    full_o, full_l = M.mla_attention_reference(q_abs, cache, bt, seq, kv_lora=KL, scale=0.1)
+    mo, ml = merge_attn_partials(po.transpose(0, 1), pl.transpose(0, 1))
+    assert torch.allclose(mo, full_o, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ml, full_l, rtol=1e-6, atol=1e-6)
+    a = M.mla_output_reference(po, pl, w_uv, gate)
+    b = M.mla_output_reference(full_o, full_l, w_uv, gate)
+    assert _rel(a, b) < 4e-3                                   # bf16(o_lat) flips only
+
+
+def _layer(T, ctx, seed):
+    from raydecode.models.parallel import Parallel
+    from raydecode.scripts.bench.layer_check import small_config
+    from raydecode.scripts.bench.layer_weights import LayerState, LayerWeights, random_params
+    cfg = small_config()
+    idx = next(i for i in range(cfg.num_layers) if cfg.layer_kinds[i] == "mla"
+               and i % cfg.attn_res_block_size)
+    W = LayerWeights.build(cfg, idx, Parallel(), random_params(cfg, idx, Parallel(), seed,
+                                                                "cpu"), None)
+    return cfg, W, LayerState.random(W, idx, T, ctx, seed + 1, "cpu")
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_composition_matches_layer_step_mla(fold):
+    """DecodeStep.mla (stock, dense cache) vs prep → q_b → absorb → attention → output over
+    a paged copy of the same cache (block 16, shuffled)."""
+    from raydecode.scripts.bench.layer_step import DecodeStep
+    T, ctx, bs = 3, 48, 16
+    cfg, W, S = _layer(T, ctx, seed=5)
+    m, t = cfg.mla, W.t
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(T, cfg.hidden_size, generator=g).to(BF)
+    nb = ctx // bs
+    perm = torch.randperm(T * nb + 2, generator=g)
+    bt = perm[:T * nb].view(T, nb).int()
+    cache = torch.randn(T * nb + 2, bs, m.latent_dim, generator=g).to(BF)
+    cache[bt.long()] = S.mla_cache[:T].view(T, nb, bs, -1)
+    ref = DecodeStep(W, S, "stock", T).mla(h)                  # writes S.mla_cache[:, -1]
+
+    qkv = F.linear(h, W.stock["fused_qkv_a"])
+    pos = torch.full((T,), ctx - 1)
+    q_n = M.mla_prep(qkv, t["q_a_norm"], t["kv_a_norm"], cache, bt, pos, q_lora=m.q_lora_rank,
+                     kv_lora=m.kv_lora_rank, eps=cfg.rms_norm_eps)
+    rows, _ = M.paged_rows(cache, bt, T)
+    assert torch.equal(rows, S.mla_cache[:T])                 # the written row, bit for bit
+    hl = W.widths["heads"]
+    if fold:
+        wq = M.absorbed_q_weight(t["q_b"], t["w_uk"], hl, m.qk_nope_head_dim,
+                                 m.qk_rope_head_dim)
+        q_abs = F.linear(q_n, wq).view(T, hl, -1)
+    else:
+        q = F.linear(q_n, t["q_b"]).view(T, hl, m.qk_head_dim)
+        q_abs = M.mla_absorb(q, t["w_uk"], nope=m.qk_nope_head_dim)
+    gate = F.linear(h, t["g_proj"])
+    o = M.mla_decode(q_abs, cache, bt, torch.full((T,), ctx, dtype=torch.int32), t["w_uv_t"],
+                     gate, kv_lora=m.kv_lora_rank, scale=m.qk_head_dim ** -0.5)
+    out = F.linear(o, t["o_proj"])
+    assert _rel(out, ref) < (1.5e-2 if fold else 1e-2)
+
+
+def test_absorbed_q_weight_equals_two_step_form():
+    g = torch.Generator().manual_seed(7)
+    q_b = (torch.randn(H * (NOPE + R), QL, generator=g) / QL ** 0.5).to(BF)
+    w_uk = (torch.randn(H, NOPE, KL, generator=g) / KL ** 0.5).to(BF)
+    x = torch.randn(5, QL, generator=g).to(BF)
+    two = M.mla_absorb_reference(F.linear(x, q_b).view(5, H, -1), w_uk, nope=NOPE)
+    one = F.linear(x, M.absorbed_q_weight(q_b, w_uk, H, NOPE, R)).view(5, H, -1)
+    assert _rel(one, two) < 1e-2
+    assert torch.equal(one[..., KL:], two[..., KL:])           # q_pe rows copied, not mixed
+    with pytest.raises(ValueError, match="q_b weight"):
+        M.absorbed_q_weight(q_b[:-1], w_uk, H, NOPE, R)
+
+
+def test_public_ops_fall_back_to_reference_on_cpu():
+    T, bs = 3, 16
+    cache, bt, g = _paged(T, 2, bs, seed=8)
+    q_abs = torch.randn(T, H, KL + R, generator=g).to(BF)
+    seq = torch.tensor([1, 17, 32], dtype=torch.int32)
+    o, lse = M.mla_attention(q_abs, cache, bt, seq, kv_lora=KL, scale=0.2)
+    ro, rl = M.mla_attention_reference(q_abs, cache, bt, seq, kv_lora=KL, scale=0.2)
+    assert torch.equal(o, ro) and torch.equal(lse, rl)
+    w_uv = torch.randn(H, KL, V, generator=g).to(BF)
+    gate = torch.randn(T, H * V, generator=g).to(BF)
+    out = torch.empty(T, H * V, dtype=BF)
+    assert M.mla_output(o, lse, w_uv, gate, out=out) is out
+    assert torch.equal(out, M.mla_output_reference(ro, rl, w_uv, gate))
+    assert torch.equal(M.mla_decode(q_abs, cache, bt, seq, w_uv, gate, kv_lora=KL, scale=0.2),
+                       out)
+    q = torch.randn(T, H, NOPE + R, generator=g).to(BF)
+    w_uk = torch.randn(H, NOPE, KL, generator=g).to(BF)
+    assert torch.equal(M.mla_absorb(q, w_uk, nope=NOPE),
+                       M.mla_absorb_reference(q, w_uk, nope=NOPE))
+    assert not M._use_triton(q)
+
+
+def test_num_splits_heuristic():
+    assert M.default_num_splits(1, 1024) == 16              # 64 rows per split
+    assert M.default_num_splits(1, 128 * 1024) == 132        # every SM
+    assert M.default_num_splits(64, 1024) == 3
+    assert M.default_num_splits(64, 10) == 1
+    assert M.default_num_splits(200, 1 << 17) == 1
+
+
+def test_bad_inputs_are_named():
+    T = 2
+    cache, bt, g = _paged(T, 2, 16, seed=9)
+    q_abs = torch.randn(T, H, KL + R, generator=g).to(BF)
+    seq = torch.tensor([3, 4], dtype=torch.int32)
+    kw = dict(kv_lora=KL, scale=0.1)
+    with pytest.raises(ValueError, match="q_abs of shape"):
+        M.mla_attention(q_abs.float(), cache, bt, seq, **kw)
+    with pytest.raises(ValueError, match=r"cache row width 80; expected 96"):
+        M.mla_attention(torch.randn(T, H, 96).to(BF), cache, bt, seq, **kw)
+    with pytest.raises(ValueError, match="block_table of shape"):
+        M.mla_attention(q_abs, cache, bt.float(), seq, **kw)
+    with pytest.raises(ValueError, match="seq_lens of shape"):
+        M.mla_attention(q_abs, cache, bt, seq[:1], **kw)
+    with pytest.raises(ValueError, match="num_splits = 0"):
+        M.mla_attention(q_abs, cache, bt, seq, num_splits=0, **kw)
+    qkv = torch.randn(T, QL + KL + R).to(BF)
+    w = torch.ones(QL), torch.ones(KL)
+    with pytest.raises(ValueError, match="positions of shape"):
+        M.mla_prep(qkv, *w, cache, bt, torch.zeros(T, 1), q_lora=QL, kv_lora=KL, eps=1e-5)
+    with pytest.raises(ValueError, match="norm weights"):
+        M.mla_prep(qkv, torch.ones(3), w[1], cache, bt, seq, q_lora=QL, kv_lora=KL, eps=1e-5)
+    with pytest.raises(ValueError, match="w_uk of shape"):
+        M.mla_absorb(torch.randn(T, H, NOPE + R).to(BF), torch.randn(H, 7, KL).to(BF), nope=NOPE)
+    o, lse = M.mla_attention(q_abs, cache, bt, seq, **kw)
+    w_uv = torch.randn(H, KL, V).to(BF)
+    with pytest.raises(ValueError, match="partials"):
+        M.mla_output(o.to(BF), lse, w_uv, torch.randn(T, H * V).to(BF))
+    with pytest.raises(ValueError, match="gate of shape"):
+        M.mla_output(o, lse, w_uv, torch.randn(T, H * V + 1).to(BF))
+    with pytest.raises(ValueError, match="w_uv_t of shape"):
+        M.mla_output(o, lse, w_uv[:, :10], torch.randn(T, H * V).to(BF))

@@ -1,0 +1,260 @@
+"""MLA absorbed decode kernels (kernels/mla_decode_triton.py) vs references, over the paged
+latent cache. On CUDA (the H200) every case; on a CPU under TRITON_INTERPRET=1 the small ones:
+
+    cd /work/main && TRITON_INTERPRET=1 /work/venv-triton/bin/python -m pytest \
+        tests/gpu/test_mla_decode.py -q -x
+
+Fresh random inputs per case (seed from os.urandom, in every failure message); outputs are
+preallocated NaN, so an element a kernel never writes fails; block tables are shuffled over a
+pool with spare blocks; seq_lens vary per sequence (1, non-multiples of the block size, full).
+Tolerances `TOL` (‖out − ref‖ / ‖ref‖, fp64): the kernel rounds p to bf16 before p·V, so
+o_lat is checked against an fp64 reference at bf16-level tolerance; outputs against the stock
+composition (layer_step: p bf16 after softmax) at bf16 tolerance. The interpreter truncates
+fp32 -> bf16 (1 ulp), the tolerances cover both.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from raydecode.kernels import mla_decode as M
+from raydecode.kernels import mla_decode_triton as MT
+
+ON_GPU = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(MT.triton is None or not (ON_GPU or INTERP),
+                                reason="needs Triton and CUDA (or TRITON_INTERPRET=1)")
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="large shape: GPU only (interpreter too slow)")
+DEV = "cuda" if ON_GPU else "cpu"
+BF = torch.bfloat16
+TOL = {
+    "q": 8e-3,        # one bf16 rounding (reduction order / interpreter truncation)
+    "row": 8e-3,
+    "absorb": 8e-3,
+    "o_lat": 6e-3,    # vs fp64: p rounded to bf16 (relative 2^-9 per weight)
+    "lse": 1e-5,      # absolute / max|lse|, fp32 reductions
+    "out": 1.5e-2,    # vs the stock composition: bf16 p there, here; o_lat, o, out rounded
+}
+# (h, kv_lora, rope, nope, v, q_lora)
+SHAPES = {"small": (4, 64, 16, 32, 32, 64), "tp16": (6, 512, 64, 128, 128, 1536),
+          "tp8": (12, 512, 64, 128, 128, 1536)}
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _nan(*shape, dtype=BF):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+class Case:
+    """Random weights/cache for one shape: paged cache (bs rows per block, spare blocks,
+    shuffled table), seq_lens with 1 and non-multiples of bs."""
+
+    def __init__(self, shape: str, T: int, ctx: int, bs: int, seed: int):
+        self.h, self.kl, self.r, self.nope, self.v, self.ql = SHAPES[shape]
+        self.T, self.ctx, self.bs, self.seed = T, ctx, bs, seed
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        rn = lambda *s, sc=1.0: (sc * torch.randn(*s, generator=g, device=DEV)).to(BF)  # noqa
+        mb = -(-ctx // bs)
+        nb = T * mb + 5
+        self.cache = rn(nb, bs, self.kl + self.r)
+        self.bt = torch.randperm(nb, generator=g, device=DEV)[:T * mb].view(T, mb).int()
+        lens = torch.randint(1, ctx + 1, (T,), generator=g, device=DEV)
+        fixed = [1, ctx, max(1, ctx - bs // 2 - 1), min(ctx, bs + 3)]
+        lens[:min(T, 4)] = torch.tensor(fixed[:min(T, 4)], device=DEV)
+        self.seq = lens.int()
+        self.q_abs = rn(T, self.h, self.kl + self.r)
+        self.scale = (self.nope + self.r) ** -0.5
+        self.w_uv = rn(self.h, self.kl, self.v, sc=self.kl ** -0.5)
+        big = rn(T, 3 * self.h * self.v)
+        self.gate = big[:, self.h * self.v:2 * self.h * self.v]        # strided column slice
+
+    @property
+    def msg(self) -> str:
+        return f"seed {self.seed} h {self.h} c {self.kl} T {self.T} ctx {self.ctx} bs {self.bs}"
+
+
+def _attn_fp64(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, idx = M.paged_rows(c.cache, c.bt, c.T)
+    r = rows.double()
+    s = torch.bmm(c.q_abs.double(), r.transpose(1, 2)) * c.scale
+    s = s.masked_fill((idx[None] >= c.seq[:, None].long())[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.bmm(torch.softmax(s, -1), r[..., :c.kl]), lse
+
+
+def _stock_o_lat(c: Case) -> torch.Tensor:
+    """layer_step's rounding: fp32 scores and softmax, p to bf16, p·V fp32."""
+    rows, idx = M.paged_rows(c.cache, c.bt, c.T)
+    s = torch.bmm(c.q_abs.float(), rows.float().transpose(1, 2)) * c.scale
+    s = s.masked_fill((idx[None] >= c.seq[:, None].long())[:, None], float("-inf"))
+    p = s.softmax(-1).to(BF)
+    return torch.bmm(p.float(), rows[..., :c.kl].float())
+
+
+def _attention(c: Case, S: int | None):
+    """Split kernel + merge kernel (or the split kernel alone at S = 1), NaN workspaces."""
+    S = S or M.default_num_splits(c.T, c.bt.shape[1] * c.bs)
+    o_p, l_p = _nan(c.T, S, c.h, c.kl, dtype=torch.float32), _nan(c.T, S, c.h,
+                                                                  dtype=torch.float32)
+    M.attention_partials(c.q_abs, c.cache, c.bt, c.seq, kv_lora=c.kl, scale=c.scale,
+                         o_part=o_p, lse_part=l_p)
+    o, lse = _nan(c.T, c.h, c.kl, dtype=torch.float32), _nan(c.T, c.h, dtype=torch.float32)
+    MT.merge_triton(o_p, l_p, o, lse)
+    return o, lse, o_p, l_p
+
+
+SMALL_CASES = [("small", 1, 40, 16), ("small", 4, 150, 16), ("small", 3, 200, 64)]
+BIG_CASES = [(s, T, ctx, 64) for s in ("tp16", "tp8") for T in (1, 2, 4, 64)
+             for ctx in (1024, 8192)]
+CASES = SMALL_CASES + [("tp16", 2, 100, 64)] + [pytest.param(*a, marks=gpu_only)
+                                                for a in BIG_CASES]
+
+
+@pytest.mark.parametrize("shape,T,ctx,bs", CASES)
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_attention_and_output(shape, T, ctx, bs, splits):
+    c = Case(shape, T, ctx, bs, _seed())
+    o, lse, o_p, l_p = _attention(c, splits)
+    assert not o.isnan().any() and not lse.isnan().any(), c.msg
+    assert not o_p.isnan().any() and not l_p.isnan().any(), c.msg      # empty splits written
+    ro, rl = _attn_fp64(c)
+    assert _rel(o, ro) <= TOL["o_lat"], c.msg
+    assert float((lse - rl).abs().max() / rl.abs().max()) <= TOL["lse"], c.msg
+    stock = M.mla_output_reference(_stock_o_lat(c), rl.float(), c.w_uv, c.gate)
+    out = _nan(T, c.h * c.v)
+    MT.output_triton(o_p, l_p, c.w_uv, c.gate, out)                  # merge fused in
+    assert not out.isnan().any(), c.msg
+    assert _rel(out, stock) <= TOL["out"], c.msg
+    assert _rel(out, M.mla_output_reference(o_p, l_p, c.w_uv, c.gate)) <= TOL["out"], c.msg
+    if ON_GPU:   # the public ops dispatch to the kernels on CUDA
+        po, pl = M.mla_attention(c.q_abs, c.cache, c.bt, c.seq, kv_lora=c.kl, scale=c.scale,
+                                 num_splits=splits)
+        assert _rel(po, ro) <= TOL["o_lat"], c.msg
+        d = M.mla_decode(c.q_abs, c.cache, c.bt, c.seq, c.w_uv, c.gate, kv_lora=c.kl,
+                         scale=c.scale, num_splits=splits)
+        assert _rel(d, stock) <= TOL["out"], c.msg
+
+
+def test_many_splits_empty_sequence_and_dcp_layout():
+    """More splits than rows (empty splits), a 0-row sequence (o 0, lse −inf), and partials
+    handed to the output kernel in DCP's gathered (S, T, h, c) layout, permuted (strided)."""
+    c = Case("small", 3, 70, 16, _seed())
+    c.seq[2] = 0
+    o, lse, o_p, l_p = _attention(c, 40)
+    assert torch.equal(o[2], torch.zeros_like(o[2])), c.msg
+    assert bool((lse[2] == float("-inf")).all()), c.msg
+    ro, rl = _attn_fp64(c)
+    assert _rel(o[:2], ro[:2]) <= TOL["o_lat"], c.msg
+    gathered_o = o_p.transpose(0, 1).contiguous()                       # (S, T, h, c)
+    gathered_l = l_p.transpose(0, 1).contiguous()
+    out = _nan(c.T, c.h * c.v)
+    MT.output_triton(gathered_o.transpose(0, 1), gathered_l.transpose(0, 1), c.w_uv, c.gate, out)
+    ref = M.mla_output_reference(o_p, l_p, c.w_uv, c.gate)
+    assert torch.equal(out[2], torch.zeros_like(out[2])), c.msg
+    assert _rel(out, ref) <= TOL["out"], c.msg
+
+
+PREP = [("small", 1, 16), ("small", 5, 16), ("tp16", 2, 64),
+        pytest.param("tp16", 64, 64, marks=gpu_only), pytest.param("tp8", 4, 64, marks=gpu_only)]
+
+
+@pytest.mark.parametrize("shape,T,bs", PREP)
+def test_prep(shape, T, bs):
+    seed = _seed()
+    c = Case(shape, T, 3 * bs, bs, seed)
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    w = c.ql + c.kl + c.r
+    qkv = torch.randn(T, w + 24, generator=g, device=DEV).to(BF)[:, 8:8 + w]  # row stride
+    wq = 1 + 0.1 * torch.randn(c.ql, generator=g, device=DEV)
+    wkv = 1 + 0.1 * torch.randn(c.kl, generator=g, device=DEV)
+    pos = torch.randint(0, 3 * bs, (T,), generator=g, device=DEV)
+    pos[0] = bs - 1
+    if T > 1:
+        pos[1] = -1                                                      # not written
+    ref_cache = c.cache.clone()
+    rq = M.mla_prep_reference(qkv, wq, wkv, ref_cache, c.bt, pos, q_lora=c.ql, kv_lora=c.kl,
+                              eps=1e-6)
+    q = _nan(T, c.ql)
+    MT.prep_triton(qkv, wq, wkv, c.cache, c.bt, pos, c.ql, c.kl, 1e-6, q)
+    assert _rel(q, rq) <= TOL["q"], f"seed {seed}"
+    diff = (c.cache != ref_cache).any(-1)
+    written = (ref_cache != Case(shape, T, 3 * bs, bs, seed).cache).any(-1)
+    assert int(written.sum()) == T - (T > 1), f"seed {seed}"
+    assert _rel(c.cache[written], ref_cache[written]) <= TOL["row"], f"seed {seed}"
+    assert not bool((diff & ~written).any()), f"seed {seed}: a row outside the positions"
+
+
+@pytest.mark.parametrize("shape,T", [("small", 1), ("small", 20), ("tp16", 3),
+                                     pytest.param("tp8", 64, marks=gpu_only)])
+def test_absorb(shape, T):
+    seed = _seed()
+    h, kl, r, nope, _, _ = SHAPES[shape]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(T, h, nope + r, generator=g, device=DEV).to(BF)
+    w_uk = (torch.randn(h, nope, kl, generator=g, device=DEV) / nope ** 0.5).to(BF)
+    out = _nan(T, h, kl + r)
+    MT.absorb_triton(q, w_uk, nope, out)
+    ref = M.mla_absorb_reference(q, w_uk, nope=nope)
+    assert not out.isnan().any(), f"seed {seed}"
+    assert _rel(out, ref) <= TOL["absorb"], f"seed {seed}"
+    assert torch.equal(out[..., kl:], q[..., nope:]), f"seed {seed}"
+
+
+@gpu_only
+@pytest.mark.parametrize("shape,T,ctx", [("tp16", 1, 1024), ("tp8", 64, 8192), ("small", 4, 300)])
+def test_graph_capture_and_replay(shape, T, ctx):
+    """prep → absorb → decode (4 kernels) captured once, replayed with new inputs."""
+    c = Case(shape, T, ctx, 64, _seed())
+    g = torch.Generator(device=DEV).manual_seed(c.seed + 7)
+    w = c.ql + c.kl + c.r
+    qkv = torch.randn(T, w, generator=g, device=DEV).to(BF)
+    wq = 1 + 0.1 * torch.randn(c.ql, generator=g, device=DEV)
+    wkv = 1 + 0.1 * torch.randn(c.kl, generator=g, device=DEV)
+    q = torch.randn(T, c.h, c.nope + c.r, generator=g, device=DEV).to(BF)
+    w_uk = (torch.randn(c.h, c.nope, c.kl, generator=g, device=DEV) / c.nope ** 0.5).to(BF)
+    pos = (c.seq - 1).long()
+    q_n, q_abs, out = _nan(T, c.ql), _nan(T, c.h, c.kl + c.r), _nan(T, c.h * c.v)
+
+    def step():
+        M.mla_prep(qkv, wq, wkv, c.cache, c.bt, pos, q_lora=c.ql, kv_lora=c.kl, eps=1e-6,
+                   q_out=q_n)
+        M.mla_absorb(q, w_uk, nope=c.nope, out=q_abs)
+        M.mla_decode(q_abs, c.cache, c.bt, c.seq, c.w_uv, c.gate, kv_lora=c.kl,
+                     scale=c.scale, out=out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()                                                         # compile / warm up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):      # new inputs in the static buffers, new lengths
+        qkv.copy_(torch.randn(T, w, generator=g, device=DEV))
+        q.copy_(torch.randn(T, c.h, c.nope + c.r, generator=g, device=DEV))
+        c.gate.copy_(torch.randn(T, c.h * c.v, generator=g, device=DEV))
+        c.seq.copy_(torch.randint(1, ctx + 1, (T,), generator=g, device=DEV))
+        pos.copy_(c.seq - 1)
+        ref_cache = c.cache.clone()
+        q_n.fill_(float("nan")), q_abs.fill_(float("nan")), out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        rq = M.mla_prep_reference(qkv, wq, wkv, ref_cache, c.bt, pos, q_lora=c.ql,
+                                  kv_lora=c.kl, eps=1e-6)
+        assert _rel(q_n, rq) <= TOL["q"] and _rel(c.cache, ref_cache) <= TOL["row"], c.msg
+        ra = M.mla_absorb_reference(q, w_uk, nope=c.nope)
+        assert _rel(q_abs, ra) <= TOL["absorb"], c.msg
+        c.q_abs = q_abs.clone()
+        ro, rl = _attn_fp64(c)
+        stock = M.mla_output_reference(_stock_o_lat(c), rl.float(), c.w_uv, c.gate)
+        assert _rel(out, stock) <= TOL["out"], c.msg
