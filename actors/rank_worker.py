@@ -108,8 +108,17 @@ class RankWorker:
         self.runner = self.factory(self.par, self.comm, self.device)
         support = getattr(self.runner.model, "specialized_support", (False, "model has no "
                                                                      "specialized step"))
+        kernels = None
+        if support[0] and str(self.device).startswith("cuda"):
+            # compile (or load from the node's $RAYDECODE_KERNEL_CACHE) before any capture, so
+            # the ranks of a node JIT each kernel once between them (docs/KERNEL_CACHE.md)
+            from raydecode.kernels.aot import prepare_kernel_cache
+            events = prepare_kernel_cache(self.runner.model.cfg, self.par)
+            kernels = None if events is None else {
+                "compiled": sum(e.get("action") == "compiled" for e in events),
+                "loaded": sum(e.get("action") == "loaded" for e in events)}
         return {"rank": self.par.tp_rank, "dcp_rank": self.par.dcp_rank, "device": self.device,
-                "specialized": support}
+                "specialized": support, "kernel_cache": kernels}
 
     def step(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the plan on this shard (on plan.path); rank 0 returns the (rows, V) logits on

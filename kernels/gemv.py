@@ -253,7 +253,8 @@ def supports(x: torch.Tensor, w: torch.Tensor, max_m: int = MAX_M) -> bool:
 
 
 class GemvKernel:
-    """One compiled GEMV for fixed (M, N, K, config); bf16 in, bf16 out, fp32 accumulation."""
+    """One compiled GEMV for fixed (M, N, K, config); bf16 in, fp32 accumulation, y in the
+    output tensor's dtype (bf16, or fp32 for consumers that keep full precision: the router)."""
 
     def __init__(self, M: int, N: int, K: int, cfg: GemvConfig):
         cfg.validate(M, N, K)
@@ -381,12 +382,15 @@ _TORCH_TO_CUTE = {}
 def _cute_dtype(dtype: torch.dtype):
     if not _TORCH_TO_CUTE:
         _TORCH_TO_CUTE[torch.bfloat16] = cutlass.BFloat16
+        _TORCH_TO_CUTE[torch.float32] = cutlass.Float32
     return _TORCH_TO_CUTE[dtype]
 
 
-def compile_gemv(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig, ffi: bool | None = None):
+def compile_gemv(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig, ffi: bool | None = None,
+                 out_dtype: torch.dtype | None = None):
     """cute.compile one GEMV for static (M, N, K); returns `launch(x, w, out)` that enqueues on the
-    current torch stream (so it can be captured in a CUDA graph).
+    current torch stream (so it can be captured in a CUDA graph). out_dtype: y's dtype (default
+    `dtype`; torch.float32 keeps the fp32 accumulator unrounded).
 
     ffi=True: TVM-FFI entry (torch tensors passed straight through, microseconds of host time);
     ffi=False: DLPack wrappers + an explicit stream per call. None: `FFI_DEFAULT`."""
@@ -395,7 +399,7 @@ def compile_gemv(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig, ff
     fake = cute.runtime.make_fake_compact_tensor
     mx = fake(el, (M, K), stride_order=(1, 0), assumed_align=16)
     mw = fake(el, (N, K), stride_order=(1, 0), assumed_align=16)
-    my = fake(el, (M, N), stride_order=(1, 0), assumed_align=16)
+    my = fake(_cute_dtype(out_dtype or dtype), (M, N), stride_order=(1, 0), assumed_align=16)
     kernel = GemvKernel(M, N, K, cfg)
     if ffi:
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -416,12 +420,25 @@ def compile_gemv(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig, ff
 FFI_DEFAULT = os.environ.get("RAYDECODE_CUTE_TVM_FFI", "1") != "0"
 
 
-def _compiled(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig):
-    return _CACHE.get((dtype, M, N, K, cfg, FFI_DEFAULT), lambda: compile_gemv(dtype, M, N, K, cfg))
+def _compiled(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig,
+              out_dtype: torch.dtype | None = None):
+    out_dtype = out_dtype or dtype
+
+    def build():
+        if FFI_DEFAULT:  # persistent node cache ($RAYDECODE_KERNEL_CACHE; kernels/aot_store.py)
+            from raydecode.kernels.aot_store import load_or_compile_gemv
+
+            hit = load_or_compile_gemv(dtype, M, N, K, cfg, compile_gemv, out_dtype=out_dtype)
+            if hit is not None:
+                return hit
+        return compile_gemv(dtype, M, N, K, cfg, out_dtype=out_dtype)
+
+    return _CACHE.get((dtype, M, N, K, cfg, FFI_DEFAULT, out_dtype), build)
 
 
 def gemv_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """out (M, N) ← x (M, K) · Wᵀ with the CuTe kernel; no allocation, no host sync."""
+    """out (M, N) ← x (M, K) · Wᵀ with the CuTe kernel; no allocation, no host sync. `out` is
+    x's dtype (rounded once) or torch.float32 (the accumulator as is)."""
     if not cute_available():
         raise RuntimeError("gemv_into needs CUDA and nvidia-cutlass-dsl; use linear() to fall back")
     if not supports(x, w):
@@ -431,25 +448,47 @@ def gemv_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemvC
         )
     M, K = x.shape
     N = w.shape[0]
-    if out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"gemv: out must be a contiguous {x.dtype} tensor of shape ({M}, {N}) on {x.device}")
+    if (out.shape != (M, N) or out.dtype not in (x.dtype, torch.float32) or not out.is_contiguous()
+            or out.device != x.device or out.data_ptr() % 16):
+        raise ValueError(f"gemv: out must be a contiguous 16-byte-aligned {x.dtype} or torch.float32 "
+                         f"tensor of shape ({M}, {N}) on {x.device}; got {tuple(out.shape)} {out.dtype}")
     cfg = config or config_for(M, N, K)
-    _compiled(x.dtype, M, N, K, cfg)(x, w, out)
+    _compiled(x.dtype, M, N, K, cfg, out.dtype)(x, w, out)
     return out
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """y (M, N) = x (M, K) · Wᵀ on the CuTe kernel (allocates `out` when not given)."""
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config: GemvConfig | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y (M, N) = x (M, K) · Wᵀ on the CuTe kernel (allocates `out` of `out_dtype`, default x's,
+    when not given)."""
     if out is None:
-        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
     return gemv_into(x, w, out, config)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (..., K) · Wᵀ: the CuTe GEMV where it beats cuBLAS (`linear_uses_cute`), else F.linear."""
+def linear_f32_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x · Wᵀ with bf16 products accumulated in fp32 and returned unrounded (fp32)."""
+    if x.is_cuda:
+        try:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # torch without out_dtype for bf16 mm
+            pass
+    return F.linear(x.float(), w.float())
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (..., K) · Wᵀ: the CuTe GEMV where it beats cuBLAS (`linear_uses_cute`), else F.linear.
+
+    out_dtype=torch.float32 returns the fp32 accumulator unrounded (router logits: a GEMV whose
+    rows also feed bf16 consumers rounds per consumer, which equals F.linear's single rounding)."""
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    f32 = out_dtype == torch.float32
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"linear: out_dtype={out_dtype}; accepted: None, {x.dtype}, torch.float32")
     if cute_available() and supports(x2, w, max_m=2) and linear_uses_cute(x2.shape[0], w.shape[0], w.shape[1]):
-        return gemv(x2, w).reshape(*x.shape[:-1], w.shape[0])
+        return gemv(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    if f32:
+        return linear_f32_reference(x2, w).reshape(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)
 
 
@@ -473,6 +512,7 @@ __all__ = [
     "gemv_into",
     "gemv_reference",
     "linear",
+    "linear_f32_reference",
     "linear_uses_cute",
     "predicted_us",
     "row_index",

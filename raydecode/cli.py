@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify-domain": ("verify_domain", "check that a TP group fits in one healthy NVLink domain"),
     "node-labels": ("node_labels", "print the Ray node labels for `ray start --labels`"),
     "plan": ("plan", "capacity planner: memory, speed, replicas and cost"),
+    "kernels-warmup": ("kernels_warmup", "compile a replica's kernels into the node kernel cache"),
 }
 
 

@@ -144,3 +144,23 @@ def test_linear_dispatch_rule():
     assert G.linear_uses_cute(2, 1152, 1536)  # M = 2, 3.5 MB: GEMV
     assert not G.linear_uses_cute(2, 2112, 7168)  # M = 2, 30 MB: cuBLAS measured faster
     assert not G.linear_uses_cute(8, 1152, 1536)  # M > 2: FMA-bound on CUDA cores
+
+
+def test_linear_fp32_out_is_the_unrounded_product():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    y = G.linear(x, w, torch.float32)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, F.linear(x.float(), w.float()))
+    assert torch.equal(y.to(torch.bfloat16), F.linear(x, w))      # one rounding = F.linear's
+    assert torch.equal(G.linear(x, w, torch.bfloat16), F.linear(x, w))
+    with pytest.raises(ValueError, match="out_dtype"):
+        G.linear(x, w, torch.float16)
+
+
+@pytest.mark.parametrize("N,K", [(1048, 7168), (2096, 7168), (7168, 640), (7168, 1280)])
+def test_round3_fused_gemv_shapes_tile(N, K):
+    for M in (1, 2):
+        cfg = G.config_for(M, N, K)
+        cfg.validate(M, N, K)

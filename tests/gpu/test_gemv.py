@@ -159,3 +159,29 @@ def test_gemv_rejects_bad_out():
         G.gemv(x, w, out=torch.empty(1, 1151, device="cuda", dtype=x.dtype))
     with pytest.raises(ValueError, match="unsupported"):
         G.gemv(x.float(), w.float())
+
+
+# Round-3 fused GEMVs of the specialized step: [router ‖ latent down ‖ shared gate|up] rows with
+# fp32 output (TP16 1048, TP8 2096 rows) and [latent up ‖ shared down ‖ 0] over a padded K.
+@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("N,K", [(1048, 7168), (2096, 7168), (7168, 640), (7168, 1280)])
+def test_gemv_fp32_out_and_fused_shapes(M: int, N: int, K: int):
+    x, w, seed = _inputs(M, N, K)
+    y32 = torch.full((M, N), float("nan"), device="cuda")
+    G.gemv(x, w, out=y32)
+    ref = x.double() @ w.double().t()
+    assert torch.isfinite(y32).all(), f"seed {seed}"
+    rel = ((y32.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-5, f"fp32 out rel err {rel:.2e} (seed {seed})"     # no bf16 rounding
+    y16 = G.gemv(x, w)
+    assert (y16.float() - y32.to(torch.bfloat16).float()).abs().max() <= \
+        2.0**-7 * y32.abs().max(), f"bf16 out is not the rounded fp32 out (seed {seed})"
+    l32 = G.linear(x, w, torch.float32)
+    assert l32.dtype == torch.float32 and torch.equal(l32, y32), f"seed {seed}"
+
+
+def test_linear_fp32_out_above_kernel_batches_is_cublas_fp32():
+    x, w, seed = _inputs(8, 1048, 7168)
+    y = G.linear(x, w, torch.float32)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, G.linear_f32_reference(x, w)), f"seed {seed}"

@@ -1,0 +1,177 @@
+"""Ahead-of-time kernel plan for one replica, and the start-up hook that fills the node cache.
+
+    plan_kernels(cfg, tp, buckets, arch)  -> KernelPlan: every CuTe GEMV `linear` sends to CuTe
+        for this (model, TP, M bucket) — `decode_gemv_shapes` × M ∈ buckets with
+        `linear_uses_cute(M, N, K)` and `config_for(M, N, K)` — plus the Triton launches whose
+        signature the config fixes (`aot_triton.triton_specs`); shapes that go to cuBLAS or have
+        no GEMV mapping are listed in `skipped` with the reason.
+    warm(plan, root)  -> compiles what the cache dir lacks (one process per kernel per node, the
+        others wait on the kernel's flock and load), returns per-kernel events.
+    prepare_kernel_cache(cfg, par, buckets) -> the rank-worker hook: run before CUDA-graph capture
+        so capture never meets a compile; a no-op returning None when RAYDECODE_KERNEL_CACHE is
+        unset.
+
+The store (objects, locks, manifest) is kernels/aot_store.py; the CuTe GEMV loads from it via
+`kernels.gemv._compiled`, so a rank that warmed the cache (or found it warm) never JITs a GEMV.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from raydecode.kernels.aot_store import (
+    ENV, STATS, KernelCacheError, _store, cache_dir, check_arch, current_arch, digest,
+    file_lock, load_or_compile_gemv, use_triton_cache, versions,
+)
+from raydecode.kernels.aot_triton import TritonSpec, compile_spec, triton_specs
+
+DEFAULT_BUCKETS = (1, 2)
+
+
+@dataclass(frozen=True)
+class GemvItem:
+    name: str                         # decode_gemv_shapes key, e.g. "q_b"
+    M: int
+    N: int
+    K: int
+    config: object                    # kernels.gemv.GemvConfig
+    dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    model: str
+    tp: int
+    buckets: tuple[int, ...]
+    arch: str
+    gemvs: tuple[GemvItem, ...]
+    triton: tuple[TritonSpec, ...]
+    skipped: tuple[tuple[str, int, int, int, str], ...]   # (name, M, N, K, why)
+
+    def describe(self) -> list[str]:
+        lines = [f"{g.name:16s} gemv  M={g.M} N={g.N} K={g.K} {g.config}" for g in self.gemvs]
+        lines += [f"{t.name:16s} triton {t.kernel}" for t in self.triton]
+        lines += [f"{n:16s} skip  M={m} N={nn} K={k}: {why}" for n, m, nn, k, why in self.skipped]
+        return lines
+
+
+def check_buckets(buckets) -> tuple[int, ...]:
+    b = tuple(int(x) for x in buckets)
+    if not b or any(x < 1 for x in b):
+        raise KernelCacheError(f"batch buckets {buckets!r}: expected positive integers, e.g. 1,2")
+    return tuple(sorted(set(b)))
+
+
+def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
+                 path: str = "specialized") -> KernelPlan:
+    """What one rank of a (cfg, TP) replica compiles for decode at these M buckets on `arch`."""
+    from raydecode.kernels.gemv import config_for, linear_uses_cute
+    from raydecode.models.params import ShardError, decode_gemv_shapes
+
+    buckets, arch = check_buckets(buckets), check_arch(arch)
+    try:
+        shapes = decode_gemv_shapes(cfg, tp, path)
+    except ShardError as e:
+        raise KernelCacheError(f"TP = {tp} does not shard model {cfg.name!r}: {e}") from e
+    gemvs, skipped, seen = [], [], set()
+    for name, (N, K) in shapes.items():
+        for M in buckets:
+            if not linear_uses_cute(M, N, K):
+                skipped.append((name, M, N, K, "cuBLAS (linear_uses_cute is False)"))
+                continue
+            try:
+                cfg_m = config_for(M, N, K)
+            except ValueError as e:
+                skipped.append((name, M, N, K, f"no GEMV mapping: {e}"))
+                continue
+            if (M, N, K, cfg_m) not in seen:      # two weights of one shape share a kernel
+                seen.add((M, N, K, cfg_m))
+                gemvs.append(GemvItem(name, M, N, K, cfg_m))
+    return KernelPlan(cfg.name, tp, buckets, arch, tuple(gemvs), tuple(triton_specs(cfg)),
+                      tuple(skipped))
+
+
+def _arch_or_none() -> str | None:
+    try:
+        return current_arch()
+    except KernelCacheError:
+        return None
+
+
+def _triton_key(spec: TritonSpec, arch: str) -> dict:
+    return {**spec.key(), "arch": arch, "triton": versions()["triton"]}
+
+
+def warm(plan: KernelPlan, root: Path, triton: bool = True, log=None) -> list[dict]:
+    """Compile every kernel of `plan` the cache at `root` lacks; returns one event per kernel
+    ({"name", "kind", "action": compiled|loaded, "seconds"}). Needs CUTE_DSL_ARCH = plan.arch on
+    a GPU-less host (the caller sets it before cutlass is imported)."""
+    from raydecode.kernels import gemv
+
+    store, events = _store(root), []
+    # through gemv._compiled when it would pick the same cache and arch, so this process's
+    # in-memory cache holds the loaded kernels too (no second load at the first launch)
+    via_compiled = gemv.FFI_DEFAULT and cache_dir() == store.root and _arch_or_none() == plan.arch
+    for g in plan.gemvs:
+        n0, t0 = len(store.events), time.monotonic()
+        if not gemv.FFI_DEFAULT or gemv.cute is None:
+            why = "nvidia-cutlass-dsl missing" if gemv.cute is None else \
+                "RAYDECODE_CUTE_TVM_FFI=0: export needs TVM-FFI"
+            ev = {"name": g.name, "kind": "cute_gemv", "M": g.M, "N": g.N, "K": g.K,
+                  "action": f"skipped ({why})", "seconds": 0.0}
+        else:
+            if via_compiled:
+                gemv._compiled(g.dtype, g.M, g.N, g.K, g.config)
+            else:
+                load_or_compile_gemv(g.dtype, g.M, g.N, g.K, g.config, gemv.compile_gemv, root,
+                                     plan.arch)
+            action = store.events[n0]["action"] if len(store.events) > n0 else "in-process"
+            ev = {"name": g.name, "kind": "cute_gemv", "M": g.M, "N": g.N, "K": g.K,
+                  "action": action, "seconds": time.monotonic() - t0}
+        events.append(ev)
+        if log:
+            log(ev)
+    if triton and plan.triton and importlib.util.find_spec("triton") is None:
+        events += [{"name": t.name, "kind": "triton", "action": "skipped (triton missing)",
+                    "seconds": 0.0} for t in plan.triton]
+    elif triton and plan.triton:
+        tdir = use_triton_cache(root)
+        for spec in plan.triton:
+            key = _triton_key(spec, plan.arch)
+            dg, t0 = digest(key), time.monotonic()
+            with file_lock(root / "locks" / f"{dg}.lock"):
+                known = dg in store.manifest()["entries"]
+                h = compile_spec(spec, plan.arch, tdir)   # a Triton disk-cache hit when known
+                if not known:
+                    store.record(dg, {"key": key, "file": None, "triton_hash": h,
+                                      "triton_cache": str(tdir), "pid": os.getpid(),
+                                      "host": os.uname().nodename, "time": time.time(),
+                                      "compile_s": round(time.monotonic() - t0, 3)})
+            STATS["loaded" if known else "compiled"] += 1
+            ev = {"name": spec.name, "kind": "triton", "action": "loaded" if known else "compiled",
+                  "seconds": time.monotonic() - t0}
+            events.append(ev)
+            if log:
+                log(ev)
+    return events
+
+
+def prepare_kernel_cache(cfg, par, buckets=DEFAULT_BUCKETS, root=None) -> list[dict] | None:
+    """Rank start-up hook (compile before capture): warm the node cache for this replica's
+    kernels, so the GEMVs load from it and Triton's JIT hits its shared disk cache. None when no
+    cache is configured ($RAYDECODE_KERNEL_CACHE unset) — the kernels then JIT as before."""
+    root = cache_dir(root)
+    if root is None:
+        return None
+    use_triton_cache(root)
+    plan = plan_kernels(cfg, par.tp_size, buckets, current_arch())
+    return warm(plan, root)
+
+
+__all__ = ["DEFAULT_BUCKETS", "ENV", "GemvItem", "KernelPlan", "check_buckets", "plan_kernels",
+           "prepare_kernel_cache", "warm"]

@@ -1,0 +1,113 @@
+"""Offline (GPU-less) Triton compiles that land in the cache a later JIT launch reads.
+
+Triton's JIT keys its on-disk cache (TRITON_CACHE_DIR) by (kernel source, signature
+specialization, constexprs, options, target, backend/ptxas version, cache-invalidating env).
+Running the JIT's own binder on meta tensors for an explicit `GPUTarget("cuda", 90, 32)` produces
+the same specialization a CUDA launch produces when
+
+  * every pointer argument is 16-byte aligned at launch (the caching allocator gives 512 B),
+  * every integer argument has the value it will have at launch (value % 16 and == 1 specialize),
+  * constexprs and launch options (num_warps, ...) are the launch's,
+
+so `triton.compile` with that source writes the very entry the launch then finds. Version-coupled
+to Triton's binder (`create_function_from_signature`, `JITFunction._pack_args`); a mismatch only
+costs a JIT compile at the first launch (Triton re-derives the key), never a wrong kernel.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int64": torch.int64, "int32": torch.int32}
+
+
+@dataclass(frozen=True)
+class TritonSpec:
+    """One Triton launch signature. args: ("ptr", dtype name) | ("int", value) | ("float", value);
+    kwargs: constexprs and launch options, as passed at the launch site."""
+    name: str
+    kernel: str                      # "module:attribute" of the @triton.jit function
+    args: tuple[tuple[str, object], ...]
+    kwargs: tuple[tuple[str, object], ...]
+
+    def key(self) -> dict:
+        return {"kind": "triton", "name": self.name, "kernel": self.kernel,
+                "args": [list(a) for a in self.args], "kwargs": dict(self.kwargs)}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def triton_specs(cfg) -> list[TritonSpec]:
+    """The decode-path Triton launches whose signature follows from the model config alone
+    (TP-independent): the fused router top-k and the routed latent's RMSNorm cast. Kernels with
+    data-dependent specializations (AttnRes bank count per layer, MoE runs) are left to the JIT,
+    which shares TRITON_CACHE_DIR across the node's ranks."""
+    out = []
+    if cfg.moe is not None and any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        E, k = cfg.moe.num_experts, cfg.moe.top_k
+        be = _next_pow2(E)
+        out.append(TritonSpec(   # kernels/router_triton.py route_topk_triton, fp32 logits + bias
+            "route_topk", "raydecode.kernels.router_triton:_route_topk_kernel",
+            (("ptr", "float32"), ("int", E), ("ptr", "float32"), ("ptr", "float32"),
+             ("ptr", "int64"), ("int", E), ("float", 1.0)),
+            (("K", k), ("KP", _next_pow2(k)), ("BLOCK_E", be), ("HAS_BIAS", True),
+             ("RENORM", True), ("num_warps", max(1, min(8, be // 256))))))
+        D = cfg.moe.latent_size
+        bd = _next_pow2(D)
+        out.append(TritonSpec(   # kernels/decode_elementwise_triton.py rms_norm_cast, (T, D) fp32
+            "latent_rms_norm_cast", "raydecode.kernels.decode_elementwise_triton:_rms_cast_kernel",
+            (("ptr", "float32"), ("int", D), ("ptr", "bfloat16"), ("ptr", "bfloat16"),
+             ("int", D), ("int", D), ("float", 1e-6)),
+            (("BLOCK", bd), ("num_warps", max(1, min(16, bd // 512))))))
+    return out
+
+
+def _arg(a):
+    kind, v = a
+    if kind == "ptr":
+        return torch.empty(1, dtype=_DTYPES[v], device="meta")   # data_ptr 0: 16-byte aligned
+    return int(v) if kind == "int" else float(v)
+
+
+def compile_spec(spec: TritonSpec, arch: str, cache: str | os.PathLike) -> str:
+    """triton.compile `spec` for `arch` into Triton cache dir `cache`; returns the kernel hash.
+    Needs no GPU (ptxas ships with Triton)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    mod, attr = spec.kernel.split(":")
+    fn = getattr(importlib.import_module(mod), attr)
+    cc = int(arch[3:].rstrip("af"))
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kw = dict(spec.kwargs)
+    # the keyword options JITFunction.run adds before binding (same knobs → same cache key)
+    kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
+    kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kw["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    bound, special, options = binder(*(_arg(a) for a in spec.args), **kw)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, special, options)
+    old = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = os.fspath(cache)
+    try:
+        k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                           options=options.__dict__)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old
+    return k.hash
+
+
+__all__ = ["TritonSpec", "compile_spec", "triton_specs"]

@@ -1,0 +1,61 @@
+"""`raydecode kernels-warmup`: compile a replica's decode kernels into the node's kernel cache
+(run once per node before the ranks start: KubeRay init container / `ray up` setup command)."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="k3", help="model: preset (tiny, k3), a config.json or a "
+                   "checkpoint folder")
+    p.add_argument("--tp", type=int, default=16, help="tensor-parallel size of the replica")
+    p.add_argument("--batch-buckets", default="1,2", help="comma-separated decode batch (M) "
+                   "buckets; GEMVs are compiled for the buckets `linear` sends to CuTe (M <= 2)")
+    p.add_argument("--arch", default="sm_90a", help="target arch (CUTE_DSL_ARCH form): sm_90a "
+                   "for H100/H200, sm_100a for B200")
+    p.add_argument("--cache-dir", default=None, help="cache directory (default: "
+                   "$RAYDECODE_KERNEL_CACHE)")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton offline compiles")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, compile nothing")
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    from raydecode.kernels.aot import KernelCacheError, check_buckets
+
+    try:
+        return check_buckets(x for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise KernelCacheError(f"--batch-buckets {text!r}: expected comma-separated positive "
+                               "integers such as 1,2") from e
+
+
+def run(args: argparse.Namespace) -> int:
+    from raydecode.kernels.aot import ENV, cache_dir, check_arch, plan_kernels, warm
+    from raydecode.models.config import load_config
+
+    arch = check_arch(args.arch)
+    plan = plan_kernels(load_config(args.config), args.tp, _buckets(args.batch_buckets), arch)
+    print(f"# {plan.model} TP{plan.tp} buckets {list(plan.buckets)} {arch}: {len(plan.gemvs)} "
+          f"CuTe GEMVs, {len(plan.triton) * (not args.no_triton)} Triton kernels, "
+          f"{len(plan.skipped)} shapes left to cuBLAS / unsupported")
+    if args.dry_run:
+        print("\n".join(plan.describe()))
+        return 0
+    root = cache_dir(args.cache_dir)
+    if root is None:
+        print(f"error: no cache directory: pass --cache-dir or set {ENV}")
+        return 2
+    os.environ[ENV] = str(root)                  # gemv._compiled stores into this cache
+    prev = os.environ.setdefault("CUTE_DSL_ARCH", arch)   # before cutlass is imported
+    if prev != arch:
+        print(f"error: CUTE_DSL_ARCH={prev} in the environment but --arch {arch}")
+        return 2
+    t0 = time.monotonic()
+    warm(plan, root, triton=not args.no_triton,
+         log=lambda ev: print(f"{ev['action']:9s} {ev['seconds']:7.2f}s  {ev['kind']:9s} "
+                              f"{ev['name']}" + (f" M={ev['M']} N={ev['N']} K={ev['K']}"
+                                                 if "M" in ev else ""), flush=True))
+    print(f"# done in {time.monotonic() - t0:.1f}s; cache {root} (manifest.json)")
+    return 0
