@@ -5,6 +5,9 @@ issue 6), each replacing a chain of PyTorch kernels:
                   (models/layers.py `situ`: β·tanh(g/β)·sigmoid(g) · β_l·tanh(u/β_l) in fp32)
     rms_norm_cast x (T, D) fp32 -> RMSNorm(bf16(x); w) rounded to bf16 (the routed latent's
                   norm after the latent all-reduce: layer_step `rms(lat.to(bf16), w, eps)`)
+    latent_norm_situ  both of the above in ONE kernel, written side by side into the input of
+                  the fused [latent up ‖ shared down] GEMV (round 3):
+                  out (T, Kc) = [RMSNorm(bf16(lat))[:, c0:c0+n] ‖ SiTU(bf16(gu)) ‖ 0 pad]
 
 tanh(x) is computed as 2·sigmoid(2x) − 1 (as the MoE kernels do). `*_reference` are the
 PyTorch references; the public functions dispatch to the kernels on CUDA tensors with Triton.
@@ -46,6 +49,35 @@ if triton is not None:
         r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + t * y_st + offs, (x * r * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+    @triton.jit
+    def _norm_situ_kernel(lat_ptr, lat_st, w_ptr, D, eps, c0, n_cols, gu_ptr, gu_st, I,
+                          beta, lin_beta, out_ptr, out_st, K_out, HAS_LIN: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+        # program (t, 0): the latent norm slice; (t, j ≥ 1): SiTU columns and the zero pad
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        dt = out_ptr.dtype.element_ty
+        if j == 0:
+            offs = tl.arange(0, BLOCK_D)
+            m = offs < D
+            x = tl.load(lat_ptr + t * lat_st + offs, mask=m, other=0.0).to(dt).to(tl.float32)
+            r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            keep = m & (offs >= c0) & (offs < c0 + n_cols)
+            tl.store(out_ptr + t * out_st + (offs - c0), (x * r * w).to(dt), mask=keep)
+        else:
+            n = (j - 1) * BLOCK + tl.arange(0, BLOCK)
+            m = n < I
+            g = tl.load(gu_ptr + t * gu_st + n, mask=m, other=0.0).to(dt).to(tl.float32)
+            u = tl.load(gu_ptr + t * gu_st + I + n, mask=m, other=0.0).to(dt).to(tl.float32)
+            act = beta * _tanh(g / beta) * tl.sigmoid(g)
+            if HAS_LIN:
+                u = lin_beta * _tanh(u / lin_beta)
+            a = tl.where(m, act * u, 0.0)
+            col = n_cols + n                      # SiTU columns, then zeros up to K_out
+            tl.store(out_ptr + t * out_st + col, a.to(dt), mask=col < K_out)
 
 
 def _kernel_ok(*ts: torch.Tensor) -> bool:
@@ -100,4 +132,51 @@ def rms_norm_cast(x: torch.Tensor, w: torch.Tensor, eps: float,
     return y
 
 
-__all__ = ["situ_mul", "situ_mul_reference", "rms_norm_cast", "rms_norm_cast_reference"]
+def latent_norm_situ_reference(lat: torch.Tensor, w: torch.Tensor, eps: float, c0: int,
+                               n_cols: int, gu: torch.Tensor, beta: float,
+                               linear_beta: float | None, k_out: int) -> torch.Tensor:
+    dt = torch.bfloat16
+    ln = rms_norm_cast_reference(lat, w, eps, dt)[:, c0:c0 + n_cols]
+    a = situ_mul_reference(gu.to(dt), beta, linear_beta)
+    pad = ln.new_zeros(lat.shape[0], k_out - n_cols - a.shape[1])
+    return torch.cat([ln, a, pad], 1)
+
+
+def latent_norm_situ(lat: torch.Tensor, w: torch.Tensor, eps: float, c0: int, n_cols: int,
+                     gu: torch.Tensor, beta: float, linear_beta: float | None,
+                     out: torch.Tensor) -> torch.Tensor:
+    """out (T, K) bf16 ← [RMSNorm(bf16(lat); w)[:, c0:c0+n_cols] ‖ SiTU(bf16(gu)) ‖ zeros].
+
+    lat (T, D) fp32 (the all-reduced routed latent), w (D,), gu (T, 2I) shared gate ‖ up (any
+    float dtype, rounded to bf16 first as F.linear's output would be; may be a strided column
+    slice), K ≥ n_cols + I. One kernel: the input of the fused [latent up ‖ shared down] GEMV."""
+    T, D = lat.shape if lat.dim() == 2 else (None, None)
+    if (lat.dim() != 2 or tuple(w.shape) != (D,) or gu.dim() != 2 or gu.shape[0] != T
+            or gu.shape[1] % 2):
+        raise ValueError(f"latent_norm_situ: lat {tuple(lat.shape)}, w {tuple(w.shape)}, gu "
+                         f"{tuple(gu.shape)}; expected (T, D), (D,), (T, 2I)")
+    I = gu.shape[1] // 2
+    if not (0 <= c0 and c0 + n_cols <= D) or out.shape != (T, out.shape[1]) \
+            or out.shape[1] < n_cols + I or out.dtype != torch.bfloat16:
+        raise ValueError(f"latent_norm_situ: columns [{c0}, {c0 + n_cols}) of D={D} into out "
+                         f"{tuple(out.shape)} {out.dtype}; need a bf16 (T, ≥ {n_cols + I}) out")
+    if not _kernel_ok(lat, w, gu, out) or out.stride(1) != 1:
+        out.copy_(latent_norm_situ_reference(lat, w, eps, c0, n_cols, gu, beta, linear_beta,
+                                             out.shape[1]))
+        return out
+    if lat.stride(1) != 1:
+        lat = lat.contiguous()
+    if gu.stride(1) != 1:
+        gu = gu.contiguous()
+    block = min(1024, triton.next_power_of_2(out.shape[1] - n_cols))
+    grid = (T, 1 + triton.cdiv(out.shape[1] - n_cols, block))
+    _norm_situ_kernel[grid](
+        lat, lat.stride(0), w, D, float(eps), c0, n_cols, gu, gu.stride(0), I, float(beta),
+        float(linear_beta if linear_beta is not None else 1.0), out, out.stride(0),
+        out.shape[1], HAS_LIN=linear_beta is not None, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK=block, num_warps=8)
+    return out
+
+
+__all__ = ["situ_mul", "situ_mul_reference", "rms_norm_cast", "rms_norm_cast_reference",
+           "latent_norm_situ", "latent_norm_situ_reference"]

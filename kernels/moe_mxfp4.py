@@ -490,10 +490,12 @@ def max_chunks(pairs: int, num_experts: int) -> int:
     return min(pairs, num_experts) + pairs // BLOCK_M
 
 
-def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts) -> None:
+def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts,
+                  z_dtypes: tuple = (torch.bfloat16,)) -> None:
     T, L = z.shape if z.dim() == 2 else (None, None)
-    if z.dim() != 2 or L != experts.latent or z.dtype != torch.bfloat16:
-        raise ValueError(f"z must be bf16 (T, {experts.latent}), got {z.dtype} "
+    if z.dim() != 2 or L != experts.latent or z.dtype not in z_dtypes:
+        names = " or ".join({torch.bfloat16: "bf16", torch.float32: "fp32"}[d] for d in z_dtypes)
+        raise ValueError(f"z must be {names} (T, {experts.latent}), got {z.dtype} "
                          f"{tuple(z.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "

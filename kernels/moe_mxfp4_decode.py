@@ -79,8 +79,9 @@ if triton is not None:
         for g0 in range(0, KG, GB):
             grp = g0 + gi
             byte = grp[:, None] * 16 + j[None, :]                          # (GB, 16)
-            xe = tl.load(z_ptr + t * L + 2 * byte).to(tl.float32)
-            xo = tl.load(z_ptr + t * L + 2 * byte + 1).to(tl.float32)
+            # z bf16, or fp32 rounded to bf16 here (what a bf16 GEMV output would hold)
+            xe = tl.load(z_ptr + t * L + 2 * byte).to(tl.bfloat16).to(tl.float32)
+            xo = tl.load(z_ptr + t * L + 2 * byte + 1).to(tl.bfloat16).to(tl.float32)
             acc_g += _group_dot(w_e, s_e, n, byte, grp, xe, xo, KB, KG)
             acc_u += _group_dot(w_e, s_e, n + I, byte, grp, xe, xo, KB, KG)
         g = acc_g.to(tl.bfloat16).to(tl.float32)
@@ -167,8 +168,11 @@ def default_decode_config(num_experts: int, intermediate: int, latent: int,
 def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      experts: MXFP4Experts, config: DecodeConfig | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_k w·expert(z) (T, L) fp32 for few tokens (2 launches, see module docstring)."""
-    _check_inputs(z, topk_weights, topk_ids, experts)
+    """Σ_k w·expert(z) (T, L) fp32 for few tokens (2 launches, see module docstring).
+
+    z may also be fp32 (the specialized step's fused GEMV output): it is rounded to bf16 on
+    load, so the result equals the call with z.to(bf16)."""
+    _check_inputs(z, topk_weights, topk_ids, experts, (torch.bfloat16, torch.float32))
     T, L = z.shape
     k = topk_ids.shape[1]
     P, I = T * k, experts.intermediate

@@ -41,7 +41,8 @@ from raydecode.models.parallel import Parallel
 from raydecode.models.params import decode_gemv_shapes
 
 from .layer_report import markdown_table, plot, predicted_bytes
-from .layer_step import DecodeStep, gemv_linear
+from .layer_step import gemv_linear
+from .layer_step_spec import make_step
 from .layer_timing import GraphTimer, hbm_read_bandwidth, profile_kernel_count
 from .layer_weights import LayerState, LayerWeights, random_experts, random_params
 
@@ -54,15 +55,17 @@ VARIANTS = {
               "RMSNorm / AttnRes / residual / gate ops, KDA recurrence as bmm + in-place "
               "updates, MLA absorbed attention as fp32-accumulated bmm, routed experts by the "
               "Triton fused grouped MoE over MXFP4 (kernels/moe_mxfp4.py)"),
-    "specialized": ("stock, except: fused_qkv_a / router / latent down read 1/TP rows and "
-                    "latent up 1/TP columns (all-gathers of qkv_a, router logits and z; latent "
-                    "up partial joins the shared experts' all-reduce); bf16 projections through "
-                    "kernels.gemv.linear (CuTe GEMV where available, else F.linear) for "
-                    "batch <= gemv_max_batch; round 2 fused kernels (Triton): AttnRes mix + "
-                    "RMSNorm x2 (the second with the residual add), router sigmoid+bias+top-k+"
-                    "renormalize, few-token MXFP4 expert GEMV for T*k <= 64 (2 launches; the "
-                    "stock grouped kernel above that), latent RMSNorm, shared-expert SiTU; KDA/"
-                    "MLA internals as stock"),
+    "specialized": ("round 3 (scripts/bench/layer_step_spec.py): fused_qkv_a / router / "
+                    "latent down read 1/TP rows and latent up 1/TP columns (all-gathers of "
+                    "qkv_a, router logits and z as memcpy stand-ins); GEMVs sharing an input "
+                    "fused ([router|latent down|shared gate-up] fp32 out; [latent up|shared "
+                    "down] over a concatenated K; MLA [qkv_a|g_proj]); bf16 projections "
+                    "through kernels.gemv.linear (CuTe GEMV) for batch <= gemv_max_batch; "
+                    "fused kernels: AttnRes mix + RMSNorm x2, router top-k, KDA decode (f_b, "
+                    "gate, conv, L2 norms, delta rule, gated RMSNorm: one kernel), MLA prep "
+                    "(norms + paged cache write), q absorption, split-KV attention over the "
+                    "paged cache + merge/W_uv/gate, few-token MXFP4 expert GEMV for T*k <= 64 "
+                    "(the stock grouped kernel above), latent RMSNorm + shared SiTU in one"),
 }
 
 
@@ -122,7 +125,7 @@ def auto_copies(cfg, tp: int, kind: str, context: int) -> int:
 
 def bench_one(copies, kind, idx, tp, B, variant, timer, args, cfg) -> tuple[dict, list]:
     lin = gemv_linear() if (variant == "specialized" and B <= args.gemv_max_batch) else None
-    steps = [DecodeStep(W, S, variant, B, lin) for W, S in copies]
+    steps = [make_step(W, S, variant, B, lin) for W, S in copies]
     t = timer.run(steps)
     touched = [int(torch.unique(S.last_ids).numel()) for _, S in copies]
     W0, S0 = copies[0]

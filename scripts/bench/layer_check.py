@@ -4,7 +4,7 @@ On a small config of the K3 architecture (`small_config`), on one device: build 
 layer in bf16 with random weights and MXFP4-representable experts, fill its caches and an
 AttnRes bank with random values, run ONE decode step of B sequences through
 `K3DecoderLayer.forward` (the Python reference, host syncs and all) and through the
-benchmark's `DecodeStep` (stock and specialized) over the same parameters and the same state,
+benchmark's steps (`make_step`: stock and specialized) over the same parameters and the same state,
 and compare:
   h        the attention input (AttnRes mix + input RMSNorm)
   attn     the attention sublayer output
@@ -26,7 +26,7 @@ from raydecode.models.k3 import K3DecoderLayer
 from raydecode.models.moe import route
 from raydecode.models.parallel import LocalComm, Parallel
 
-from .layer_step import DecodeStep
+from .layer_step_spec import make_step
 from .layer_weights import BF16, LayerState, LayerWeights, ParamSpec, init_value, random_experts
 
 TOL = {"h": 1e-2, "attn": 2e-2, "moe": 2e-2, "layer": 3e-2, "state": 1e-2,
@@ -131,9 +131,12 @@ def check_layer(kind: str, batch: int = 4, context: int = 32, seed: int = 0, dev
     err, flips, deltas = {}, {}, {}
     for variant in ("stock", "specialized"):
         S = _clone_state(S0)
-        step = DecodeStep(W, S, variant, T, linear if variant == "specialized" else None)
+        S.ffn_prev.zero_()      # the folded residual of a previous layer: none here
+        step = make_step(W, S, variant, T, linear if variant == "specialized" else None)
         step.trace = {}
         step.step()
+        if hasattr(step, "finish"):
+            step.finish()
         tr = step.trace
         same = (S.last_ids.sort(-1).values == ids_model.sort(-1).values).all(-1)    # (T,)
         flips[variant] = int((~same).sum())

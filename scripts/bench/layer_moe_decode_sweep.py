@@ -30,6 +30,10 @@ def candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
            rep(d, gate_up_bn=8),
            rep(d, gate_up_bn=32, gate_up_gb=8, gate_up_warps=8, down_bn=128, down_warps=8),
            rep(d, down_bn=32, down_gb=gb_dn)]
+    # round 3: around the current pick, one kernel's tile at a time (the other kept)
+    b = D.default_decode_config(E, I, L)
+    out += [rep(b, gate_up_bn=bn, gate_up_warps=w) for bn, w in ((4, 2), (4, 4), (8, 2), (8, 8), (16, 4))]
+    out += [rep(b, down_bn=bn, down_warps=w) for bn, w in ((32, 2), (32, 4), (64, 2), (128, 4), (128, 8))]
     uniq = []
     for c in out:
         try:

@@ -16,20 +16,11 @@ accumulation, the scores and the softmax fp32). Collectives are no-ops on one GP
 `collectives()`; an all-gather of the specialized path is stood in for by one copy of rank 0's
 slice into a receive buffer whose other slices hold fixed random values (`LayerState.gather_*`).
 
-Variants (`make_step(..., variant)`):
-  stock        F.linear (cuBLAS) everywhere; replicated fused_qkv_a / router / latent down+up
-               read whole; the Triton fused grouped MoE over MXFP4; separate PyTorch ops for
-               norms, AttnRes, gates, KDA recurrence and MLA attention.
-  specialized  the four replicated projections read 1/TP (+ all-gathers; latent up K-split, its
-               partial sum joining the shared experts' all-reduce); bf16 projections through
-               `kernels.gemv.linear` (CuTe GEMV where it is available and supports the shape,
-               F.linear otherwise) for batches ≤ `gemv_max_batch`; round 2 fused kernels
-               (Triton on CUDA, the PyTorch references elsewhere): AttnRes mix + RMSNorm
-               (kernels/attnres_norm.py, the second in its residual-add form), the router
-               top-k (kernels/router.py), the few-token MXFP4 expert GEMV
-               (kernels/moe_mxfp4_decode.py, T·k ≤ 64; the stock grouped kernel above),
-               latent norm and shared-expert SiTU (kernels/decode_elementwise_triton.py);
-               KDA / MLA internals as stock.
+`DecodeStep` is the stock step: F.linear (cuBLAS) everywhere; replicated fused_qkv_a / router /
+latent down+up read whole; the Triton fused grouped MoE over MXFP4; separate PyTorch ops for
+norms, AttnRes, gates, KDA recurrence and MLA attention. The specialized step subclasses it
+(layer_step_spec.py `SpecializedStep`; `make_step(W, S, variant, B)` picks one), keeping its
+rounding points and `collectives()`.
 """
 from __future__ import annotations
 
@@ -39,11 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
-from raydecode.kernels.decode_elementwise_triton import rms_norm_cast, situ_mul
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
-from raydecode.kernels.moe_mxfp4_decode import moe_mxfp4_decode, use_decode_kernel
-from raydecode.kernels.router import route_topk
 from raydecode.models.attnres import attn_res_mix
 from raydecode.models.kda import l2_normalize
 from raydecode.models.layers import situ
@@ -88,8 +75,9 @@ def gemv_linear() -> Linear:
     """kernels.gemv.linear (the CuTe GEMV with its own F.linear fallback), contiguous inputs."""
     from raydecode.kernels import gemv
 
-    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return gemv.linear(x if x.is_contiguous() else x.contiguous(), w)
+    def lin(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None
+            ) -> torch.Tensor:
+        return gemv.linear(x if x.is_contiguous() else x.contiguous(), w, out_dtype)
     return lin
 
 
@@ -111,9 +99,6 @@ class DecodeStep:
     def step(self) -> None:
         W, S, T, n, eps = self.W, self.S, self.T, self.n, self.eps
         t = W.t
-        if self.spec:
-            self._step_fused()
-            return
         mix = attn_res_mix(S.bank_in[:T], t["self_attention_res_norm"],
                            t["self_attention_res_proj"][None], eps)
         h = rms(mix, t["input_layernorm"], eps)
@@ -128,24 +113,6 @@ class DecodeStep:
             self.trace.update(h=h, attn=attn, h2=h2, ffn=ffn)
 
     __call__ = step
-
-    def _step_fused(self) -> None:
-        """The specialized step: each AttnRes mix + RMSNorm one fused op (the second one in
-        its residual-add form, which also writes the new prefix), same rounding points."""
-        W, S, T, n, eps = self.W, self.S, self.T, self.n, self.eps
-        t = W.t
-        bank = S.bank_in[:T]
-        blocks = [bank[:, j] for j in range(n)]          # one strided view for the kernel
-        h = attnres_mix_norm(blocks, bank[:, n], t["self_attention_res_norm"],
-                             t["self_attention_res_proj"][None], t["input_layernorm"], eps, eps)
-        attn = self.kda(h) if W.kind == "kda" else self.mla(h)
-        prefix, h2 = attnres_add_mix_norm(blocks, bank[:, n], attn, t["mlp_res_norm"],
-                                          t["mlp_res_proj"][None],
-                                          t["post_attention_layernorm"], eps, eps)
-        ffn = self.moe(h2)
-        torch.add(prefix, ffn, out=S.prefix_out[:T])
-        if self.trace is not None:
-            self.trace.update(h=h, attn=attn, h2=h2, ffn=ffn)
 
     # ---- KDA -----------------------------------------------------------------------------
     def kda(self, h: torch.Tensor) -> torch.Tensor:
@@ -175,12 +142,7 @@ class DecodeStep:
         W, S, T = self.W, self.S, self.T
         t, m, w = W.t, W.cfg.mla, W.widths
         hl, ql, c = w["heads"], m.q_lora_rank, m.kv_lora_rank
-        if self.spec:
-            local = self.lin(h, W.spec["fused_qkv_a_local"])
-            qkv = S.gather_qkv_a[:T]
-            qkv[:, :local.shape[1]].copy_(local)                # [all-gather]
-        else:
-            qkv = self.lin(h, W.stock["fused_qkv_a"])          # (T, q_lora + latent)
+        qkv = self.lin(h, W.stock["fused_qkv_a"])              # (T, q_lora + latent)
         q = self.lin(rms(qkv[:, :ql], t["q_a_norm"], self.eps), t["q_b"])
         q = q.view(T, hl, m.qk_head_dim)
         row = torch.cat([rms(qkv[:, ql:ql + c], t["kv_a_norm"], self.eps), qkv[:, ql + c:]], -1)
@@ -198,41 +160,19 @@ class DecodeStep:
 
     # ---- latent MoE + shared experts --------------------------------------------------------
     def moe(self, h2: torch.Tensor) -> torch.Tensor:
-        W, S, T, mc = self.W, self.S, self.T, self.W.cfg.moe
+        W, S, mc = self.W, self.S, self.W.cfg.moe
         t, w = W.t, W.widths
-        if self.spec:
-            logits = S.gather_logits[:T]
-            logits[:, :W.spec["router_local"].shape[0]].copy_(
-                mm_f32(h2, W.spec["router_local"]))             # [all-gather]
-            z = S.gather_z[:T]
-            z[:, :W.spec["latent_down_local"].shape[0]].copy_(
-                self.lin(h2, W.spec["latent_down_local"]))      # [all-gather]
-        else:
-            logits = mm_f32(h2, W.stock["router"])
-            z = self.lin(h2, W.stock["latent_down"])
-        if self.spec and mc.num_expert_group == 1:                # fused router kernel
-            weights, ids = route_topk(logits, t["router_bias"], mc.top_k, mc.renormalize,
-                                      mc.routed_scaling_factor)
-        else:
-            weights, ids = route(logits, t["router_bias"], mc.top_k, mc.num_expert_group,
-                                 mc.topk_group, mc.renormalize, mc.routed_scaling_factor)
+        logits = mm_f32(h2, W.stock["router"])
+        z = self.lin(h2, W.stock["latent_down"])
+        weights, ids = route(logits, t["router_bias"], mc.top_k, mc.num_expert_group,
+                             mc.topk_group, mc.renormalize, mc.routed_scaling_factor)
         S.last_ids = ids
-        if self.spec and use_decode_kernel(z, ids, W.experts):     # few-token expert GEMV
-            lat = moe_mxfp4_decode(z, weights, ids, W.experts)  # (T, L) fp32 [all-reduce]
-        else:
-            lat = fused_moe_mxfp4(z, weights, ids, W.experts)   # (T, L) fp32 [all-reduce]
+        lat = fused_moe_mxfp4(z, weights, ids, W.experts)       # (T, L) fp32 [all-reduce]
         sh = self.lin(h2, t["shared_gate_up"])
         si = w["shared"]
-        if self.spec:       # one kernel each for the latent norm and the shared SiTU
-            lat = rms_norm_cast(lat, t["latent_norm"], self.eps, h2.dtype)
-            a = situ_mul(sh, W.cfg.situ_beta, W.cfg.situ_linear_beta)
-        else:
-            lat = rms(lat.to(h2.dtype), t["latent_norm"], self.eps)
-            a = situ(sh[:, :si], sh[:, si:], W.cfg.situ_beta, W.cfg.situ_linear_beta)
+        lat = rms(lat.to(h2.dtype), t["latent_norm"], self.eps)
+        a = situ(sh[:, :si], sh[:, si:], W.cfg.situ_beta, W.cfg.situ_linear_beta)
         sd = self.lin(a, t["shared_down"])
-        if self.spec:   # K-split up-projection: a partial sum, reduced with the shared experts
-            up = self.lin(lat[:, :W.spec["latent_up_local"].shape[1]], W.spec["latent_up_local"])
-            return up + sd                                       # [all-reduce]
         up = self.lin(lat, W.stock["latent_up"])
         return up + sd                                           # sd [all-reduce]
 
@@ -256,7 +196,7 @@ class DecodeStep:
         add("all_reduce", "attention o_proj", (T, H), 2)
         if self.spec:
             add("all_gather", "router logits (fp32)", (T, E), 4)
-            add("all_gather", "latent down (z)", (T, L), 2)
+            add("all_gather", "latent down (z, fp32 from the fused GEMV)", (T, L), 4)
         add("all_reduce", "routed latent sum (fp32, before the latent norm)", (T, L), 4)
         add("all_reduce", "latent up partial + shared experts" if self.spec else
             "shared experts down", (T, H), 2)

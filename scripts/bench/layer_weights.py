@@ -13,7 +13,12 @@ Routed experts are MXFP4 (`kernels.moe_mxfp4.MXFP4Experts`), never dequantized a
                models/params.py `decode_gemv_shapes` counts it
   stock        fused_qkv_a (q_a ‖ kv_a), router, latent down and up: WHOLE (replicated)
   specialized  the same four: rank 0's contiguous 1/TP slice (rows; latent up: columns, copied
-               contiguous), DESIGN §4 lever 1
+               contiguous), DESIGN §4 lever 1; and (round 3) GEMVs that share an input fused
+               into one weight: h2_proj = [router 1/TP ‖ latent down 1/TP ‖ shared gate|up]
+               rows (one fp32-out GEMV of h2), ffn_out = [latent up 1/TP ‖ shared down ‖ 0]
+               columns (one GEMV, the two partial sums accumulated together), MLA qkv_a_g =
+               [fused_qkv_a 1/TP ‖ g_proj] rows. `spec_drops` names the shared tensors the
+               specialized step reads only inside those (not counted twice).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from raydecode.models.parallel import LocalComm, Parallel
 from raydecode.models.params import FUSED_ROW_ALIGN
 
 BF16 = torch.bfloat16
+FFN_K_ALIGN = 128      # ffn_out K padded so 16 lanes × 16-byte chunks tile each row
 
 
 @dataclass(frozen=True)
@@ -108,9 +114,12 @@ class LayerWeights:
     spec: dict[str, torch.Tensor] = field(default_factory=dict)
     experts: MXFP4Experts | None = None
     widths: dict[str, int] = field(default_factory=dict)        # split points, local sizes
+    spec_drops: set[str] = field(default_factory=set)           # t keys fused into spec ones
 
     def read_by(self, variant: str) -> dict[str, torch.Tensor]:
-        return {**self.t, **(self.stock if variant == "stock" else self.spec)}
+        if variant == "stock":
+            return {**self.t, **self.stock}
+        return {**{k: v for k, v in self.t.items() if k not in self.spec_drops}, **self.spec}
 
     def weight_bytes(self, variant: str) -> int:
         """Bytes of the dense tensors one step of `variant` reads (experts excluded)."""
@@ -157,7 +166,10 @@ class LayerWeights:
             t["w_uv_t"] = kvb[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous()  # (h, c, v)
             t["g_proj"] = p[f"{a}.g_proj.weight"].contiguous()
             t["o_proj"] = p[f"{a}.o_proj.weight"].contiguous()
-            W.widths.update(heads=hl, qkv_a=qkv_a.shape[0], q_lora=m.q_lora_rank)
+            W.spec["qkv_a_g_local"] = torch.cat([W.spec.pop("fused_qkv_a_local"), t["g_proj"]])
+            W.spec_drops.add("g_proj")
+            W.widths.update(heads=hl, qkv_a=qkv_a.shape[0], q_lora=m.q_lora_rank,
+                            qkv_a_local=par.shard(qkv_a.shape[0]))
         mo = "block_sparse_moe"
         e, lat = cfg.moe.num_experts, cfg.moe.latent_size
         W.stock["router"] = p[f"{mo}.gate.weight"].contiguous()
@@ -174,6 +186,17 @@ class LayerWeights:
         t["shared_down"] = p[f"{sh}.down_proj.weight"].contiguous()
         W.widths.update(experts=e, latent=lat, tp=tp,
                         shared=p[f"{sh}.gate_proj.weight"].shape[0])
+        # round 3: GEMVs sharing an input, fused (one launch each, same bytes + K padding)
+        W.spec["h2_proj_local"] = torch.cat([W.spec.pop("router_local"),
+                                             W.spec.pop("latent_down_local"),
+                                             t["shared_gate_up"]]).contiguous()
+        up = W.spec.pop("latent_up_local")
+        k = up.shape[1] + t["shared_down"].shape[1]
+        k_pad = -(-k // FFN_K_ALIGN) * FFN_K_ALIGN
+        W.spec["ffn_out_local"] = torch.cat([up, t["shared_down"],
+                                             up.new_zeros(up.shape[0], k_pad - k)], 1).contiguous()
+        W.spec_drops |= {"shared_gate_up", "shared_down"}
+        W.widths.update(router_local=par.shard(e), latent_local=par.shard(lat), ffn_k=k_pad)
         return W
 
 
@@ -196,7 +219,19 @@ class LayerState:
     gather_logits: torch.Tensor | None = None
     gather_z: torch.Tensor | None = None
     gather_qkv_a: torch.Tensor | None = None
+    ffn_in: torch.Tensor | None = None         # (B, ffn_k) [latent norm ‖ SiTU ‖ 0] (spec)
+    ffn_prev: torch.Tensor | None = None       # (B, H) the previous layer's FFN output (spec)
+    mla_block_table: torch.Tensor | None = None  # (B, ctx / block) int32: the cache as pages
+    mla_block: int = 0                         # rows per page of that view
+    mla_positions: torch.Tensor | None = None  # (B,) int32 = ctx − 1 (the step's row)
+    mla_seq_lens: torch.Tensor | None = None   # (B,) int32 = ctx
     last_ids: torch.Tensor | None = None       # (B, k) routing of the last step (checks)
+
+    def mla_pages(self) -> torch.Tensor:
+        """The dense (B, ctx, latent) cache viewed as (B·ctx/block, block, latent) pages; the
+        block table maps sequence t to its own ctx/block pages in order (same rows)."""
+        B, ctx, lat = self.mla_cache.shape
+        return self.mla_cache.view(B * ctx // self.mla_block, self.mla_block, lat)
 
     @staticmethod
     def random(W: LayerWeights, layer_idx: int, max_batch: int, context: int, seed: int,
@@ -221,8 +256,17 @@ class LayerState:
         else:
             st.mla_cache = rnd(max_batch, context, cfg.mla.latent_dim)
             st.gather_qkv_a = rnd(max_batch, w["qkv_a"])
+            st.mla_block = next(b for b in (64, 32, 16, 8, 4, 2, 1) if context % b == 0)
+            pages = context // st.mla_block
+            st.mla_block_table = torch.arange(max_batch * pages, dtype=torch.int32,
+                                              device=device).view(max_batch, pages)
+            st.mla_positions = torch.full((max_batch,), context - 1, dtype=torch.int32,
+                                          device=device)
+            st.mla_seq_lens = st.mla_positions + 1
         st.gather_logits = rnd(max_batch, w["experts"], dt=torch.float32)
-        st.gather_z = rnd(max_batch, w["latent"])
+        st.gather_z = rnd(max_batch, w["latent"]).float()   # fp32: the fused GEMV's output
+        st.ffn_in = torch.zeros(max_batch, w["ffn_k"], dtype=BF16, device=device)
+        st.ffn_prev = rnd(max_batch, H, sc=0.1)
         return st
 
     def nbytes(self) -> dict[str, int]:

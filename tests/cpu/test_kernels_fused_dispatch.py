@@ -83,6 +83,22 @@ def test_elementwise_ops_fall_back_to_reference_on_cpu():
         X.rms_norm_cast(x, w[:10], 1e-6)
 
 
+def test_latent_norm_situ_falls_back_and_names_bad_shapes():
+    g = torch.Generator().manual_seed(3)
+    lat, w = torch.randn(2, 48, generator=g), 1 + 0.1 * torch.randn(48, generator=g)
+    gu = 3 * torch.randn(2, 40, generator=g)                      # fp32, rounded inside
+    out = torch.full((2, 40), float("nan")).to(BF)
+    X.latent_norm_situ(lat, w, 1e-6, 12, 12, gu, 4.0, 25.0, out)
+    ln = X.rms_norm_cast_reference(lat, w, 1e-6)[:, 12:24]
+    assert torch.equal(out[:, :12], ln)
+    assert torch.equal(out[:, 12:32], X.situ_mul_reference(gu.to(BF), 4.0, 25.0))
+    assert torch.equal(out[:, 32:], torch.zeros(2, 8, dtype=BF))
+    with pytest.raises(ValueError, match="columns"):
+        X.latent_norm_situ(lat, w, 1e-6, 40, 12, gu, 4.0, None, out)
+    with pytest.raises(ValueError, match="2I"):
+        X.latent_norm_situ(lat, w, 1e-6, 0, 12, gu[:, :39], 4.0, None, out)
+
+
 def test_moe_decode_not_used_on_cpu_and_tiles_validate():
     ex = M.MXFP4Experts.random(8, 128, 64, 4.0, None, seed=0)
     z = torch.randn(1, 128).to(BF)

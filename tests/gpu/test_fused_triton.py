@@ -202,6 +202,18 @@ def test_moe_decode_other_tiles(cfg):
     assert _rel(D.moe_mxfp4_decode(z, w, ids, ex, cfg), ref) <= TOL["moe"], f"seed {seed}"
 
 
+def test_moe_decode_fp32_z_rounds_like_bf16():
+    seed = _seed()
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ex = M.MXFP4Experts.random(896, 3584, 192, 4.0, 25.0, device=DEV, seed=seed)
+    z32 = torch.randn(2, 3584, generator=g, device=DEV)
+    w, ids = torch.rand(2, 896, generator=g, device=DEV).topk(16, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).float()
+    a = D.moe_mxfp4_decode(z32, w, ids, ex)
+    b = D.moe_mxfp4_decode(z32.to(BF), w, ids, ex)
+    assert _rel(a, b) <= 1e-6, f"seed {seed}: {_rel(a, b)}"   # atomics order only
+
+
 def test_moe_decode_graph_replays_new_routing():
     seed = _seed()
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -249,3 +261,23 @@ def test_rms_norm_cast(T, Dm):
     ref = X.rms_norm_cast_reference(x, w, 1e-6)
     assert y.dtype == BF and not y.isnan().any(), f"seed {seed}"
     assert _rel(y, ref) <= TOL["rms_cast"], f"seed {seed}"
+
+
+@pytest.mark.parametrize("T,D,c0,n,I,k_out", [(1, 3584, 0, 224, 384, 640), (64, 3584, 0, 448, 768, 1280),
+                                              (3, 3584, 224, 224, 384, 608), (2, 128, 32, 32, 96, 160)])
+@pytest.mark.parametrize("lin", [None, 25.0])
+def test_latent_norm_situ(T, D, c0, n, I, k_out, lin):
+    seed = _seed()
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    lat = 3 * torch.randn(T, D, generator=g, device=DEV)
+    w = 1 + 0.1 * torch.randn(D, generator=g, device=DEV)
+    big = 4 * torch.randn(T, 56 + 2 * I, generator=g, device=DEV)   # fp32 GEMV output block
+    gu = big[:, 56:]                                                 # strided column slice
+    out = _nan(T, k_out)
+    X.latent_norm_situ(lat, w, 1e-6, c0, n, gu, 4.0, lin, out)
+    ref = X.latent_norm_situ_reference(lat, w, 1e-6, c0, n, gu, 4.0, lin, k_out)
+    assert not out.isnan().any(), f"seed {seed}: unwritten columns {out.isnan().nonzero()[:4]}"
+    assert torch.equal(out[:, n + I:], torch.zeros_like(out[:, n + I:])), f"seed {seed}: pad"
+    assert _rel(out[:, :n], ref[:, :n]) <= TOL["rms_cast"], f"seed {seed}"
+    assert _rel(out[:, n:n + I], ref[:, n:n + I]) <= TOL["situ"], f"seed {seed}"
+

@@ -1,0 +1,77 @@
+"""The layer benchmark's steps on CPU (every kernels/ op falls back to its PyTorch reference):
+the round-3 specialized step (fused GEMV weights, KDA / MLA decode ops, the folded residual)
+against the model's K3DecoderLayer and the stock step, and the byte accounting of the fused
+weights. The same check runs with the real kernels in tests/gpu/test_layer_bench.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydecode.models.parallel import Parallel
+from raydecode.scripts.bench.layer_check import TOL, _model_layer, check_layer, small_config
+from raydecode.scripts.bench.layer_step_spec import make_step
+from raydecode.scripts.bench.layer_weights import LayerState, LayerWeights
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_specialized_step_matches_model_and_stock(kind, batch):
+    r = check_layer(kind, batch=batch, context=32, seed=7 + batch, device="cpu")
+    msg = f"{r['errors']} flips {r['routing_flips']}"
+    for variant in ("stock", "specialized"):
+        for what, err in r["errors"][variant].items():
+            assert err <= TOL[what], f"{variant} {what}: {msg}"
+    assert r["errors"]["specialized_vs_stock"] <= TOL["specialized_vs_stock"], msg
+    assert r["ok"], msg
+
+
+def _layer(kind: str, T: int, seed: int = 3):
+    cfg = small_config()
+    idx = next(i for i in range(cfg.num_layers) if cfg.layer_kinds[i] == kind
+               and cfg.is_moe_layer(i) and i % cfg.attn_res_block_size)
+    _, params, experts = _model_layer(cfg, idx, seed, "cpu")
+    W = LayerWeights.build(cfg, idx, Parallel(), params, experts)
+    return W, LayerState.random(W, idx, T, 32, seed + 1, "cpu")
+
+
+def _clone(S: LayerState) -> LayerState:
+    return LayerState(**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in S.__dict__.items()})
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_folded_residual_equals_the_explicit_add(kind):
+    """Folding the previous layer's FFN output into the first AttnRes op gives the same layer
+    as adding it to the prefix first and running the unfolded step."""
+    T = 2
+    W, S = _layer(kind, T)
+    S.ffn_prev.normal_(0, 0.3)
+    a, b = _clone(S), _clone(S)
+    n = S.bank_in.shape[1] - 1
+    folded = make_step(W, a, "specialized", T)
+    folded.step()
+    folded.finish()
+    b.bank_in[:, n] += b.ffn_prev                       # bf16 add, as the kernel rounds it
+    make_step(W, b, "specialized", T, fold_residual=False).step()
+    assert torch.equal(a.prefix_out, b.prefix_out)
+    assert torch.equal(a.last_ids, b.last_ids)
+
+
+def test_fused_weights_are_counted_once():
+    for kind in ("kda", "mla"):
+        W, _ = _layer(kind, 1)
+        spec = W.read_by("specialized")
+        assert not set(W.spec_drops) & set(spec), kind       # fused copies replace them
+        h2 = W.spec["h2_proj_local"]
+        assert h2.shape[0] == (W.widths["router_local"] + W.widths["latent_local"]
+                               + W.t["shared_gate_up"].shape[0])
+        ffn = W.spec["ffn_out_local"]
+        k = W.widths["latent_local"] + W.t["shared_down"].shape[1]
+        assert ffn.shape[1] == W.widths["ffn_k"] >= k and ffn.shape[1] % 128 == 0
+        assert torch.count_nonzero(ffn[:, k:]) == 0            # K padding is zeros
+        stock, sp = W.weight_bytes("stock"), W.weight_bytes("specialized")
+        pad = ffn[:, k:].numel() * 2
+        # at TP = 1 sharding saves nothing: spec = stock + the ffn K padding exactly
+        assert sp == stock + pad, (kind, stock, sp, pad)
