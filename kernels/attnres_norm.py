@@ -16,9 +16,10 @@ two small matmuls.
 Layers (STYLE §6): `*_reference` are the PyTorch references and round where the stock path
 rounds (so in fp32 the specialized step reproduces stock to the last bits of the reduction
 order); `attnres_mix_norm` / `attnres_add_mix_norm` are the public ops and the dispatch point:
-a registered CuTe DSL kernel first (future work), else the Triton kernel of
-kernels/attnres_norm_triton.py on CUDA tensors (`USE_TRITON`), else the reference (CPU, or no
-Triton).
+a registered CuTe DSL hook, else the CuTe DSL kernel of kernels/attnres_norm_cute.py where it
+supports the layout (`USE_CUTE`), else the Triton kernel of kernels/attnres_norm_triton.py on
+CUDA tensors (`USE_TRITON`), else the reference (CPU, or no Triton). USE_CUTE = False forces
+Triton; both False force the reference.
 """
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from raydecode.kernels import attnres_norm_cute as _cu
 from raydecode.kernels import attnres_norm_triton as _tri
 from raydecode.kernels._cute import cute_available
 
 # Set by the CuTe kernel when it lands (same signatures as the public ops). None: reference.
 CUTE_MIX_NORM: Callable | None = None
 CUTE_ADD_MIX_NORM: Callable | None = None
+USE_CUTE = True          # the CuTe DSL kernel where `_cu.problem` finds nothing unsupported
 USE_TRITON = True        # the Triton kernel on CUDA tensors (False: the reference everywhere)
 
 
@@ -85,6 +88,11 @@ def attnres_mix_norm(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps
     _check(blocks, prefix, res_proj_w)
     if CUTE_MIX_NORM is not None and cute_available() and prefix.is_cuda:
         return CUTE_MIX_NORM(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps, out_eps)
+    if USE_CUTE and prefix.is_cuda and cute_available():
+        h = _cu.mix_norm_cute(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,
+                              out_eps)
+        if h is not None:
+            return h
     if _use_triton(prefix):
         return _tri.mix_norm_triton(blocks, prefix, res_norm_w, res_proj_w, out_norm_w,
                                     res_eps, out_eps)
@@ -102,6 +110,12 @@ def attnres_add_mix_norm(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w
     if CUTE_ADD_MIX_NORM is not None and cute_available() and prefix.is_cuda:
         return CUTE_ADD_MIX_NORM(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w,
                                  res_eps, out_eps)
+    if USE_CUTE and prefix.is_cuda and cute_available():
+        new_prefix = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+        h = _cu.mix_norm_cute(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,
+                              out_eps, out=out, new_prefix=new_prefix)
+        if h is not None:
+            return new_prefix, h
     if _use_triton(prefix):
         new_prefix = torch.empty_like(prefix)
         h = _tri.mix_norm_triton(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,
