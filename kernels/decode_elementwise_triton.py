@@ -61,21 +61,21 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         if j == 0:
             offs = tl.arange(0, BLOCK_D)
-            m = offs < D
-            x = tl.load(lat_ptr + t * lat_st + offs, mask=m, other=0.0).to(dt).to(tl.float32)
+            in_d = offs < D
+            x = tl.load(lat_ptr + t * lat_st + offs, mask=in_d, other=0.0).to(dt).to(tl.float32)
             r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            keep = m & (offs >= c0) & (offs < c0 + n_cols)
+            w = tl.load(w_ptr + offs, mask=in_d, other=0.0).to(tl.float32)
+            keep = in_d & (offs >= c0) & (offs < c0 + n_cols)
             tl.store(out_ptr + t * out_st + (offs - c0), (x * r * w).to(dt), mask=keep)
         else:
             n = (j - 1) * BLOCK + tl.arange(0, BLOCK)
-            m = n < I
-            g = tl.load(gu_ptr + t * gu_st + n, mask=m, other=0.0).to(dt).to(tl.float32)
-            u = tl.load(gu_ptr + t * gu_st + I + n, mask=m, other=0.0).to(dt).to(tl.float32)
+            in_i = n < I
+            g = tl.load(gu_ptr + t * gu_st + n, mask=in_i, other=0.0).to(dt).to(tl.float32)
+            u = tl.load(gu_ptr + t * gu_st + I + n, mask=in_i, other=0.0).to(dt).to(tl.float32)
             act = beta * _tanh(g / beta) * tl.sigmoid(g)
             if HAS_LIN:
                 u = lin_beta * _tanh(u / lin_beta)
-            a = tl.where(m, act * u, 0.0)
+            a = tl.where(in_i, act * u, 0.0)
             col = n_cols + n                      # SiTU columns, then zeros up to K_out
             tl.store(out_ptr + t * out_st + col, a.to(dt), mask=col < K_out)
 

@@ -64,10 +64,10 @@ if triton is not None:
             dst = c_ptr + blk * c_sb + (pos % BS) * c_sr
             oc = tl.arange(0, BC)
             mc = oc < KL
-            x = tl.load(row + QL + oc, mask=mc, other=0.0).to(tl.float32)
-            w = tl.load(wkv_ptr + oc, mask=mc, other=0.0).to(tl.float32)
-            y = x * tl.rsqrt(tl.sum(x * x, 0) / KL + eps) * w
-            tl.store(dst + oc, y.to(c_ptr.dtype.element_ty), mask=mc)
+            xc = tl.load(row + QL + oc, mask=mc, other=0.0).to(tl.float32)   # own names: a
+            wc = tl.load(wkv_ptr + oc, mask=mc, other=0.0).to(tl.float32)    # branch may not
+            yc = xc * tl.rsqrt(tl.sum(xc * xc, 0) / KL + eps) * wc            # reshape x / w
+            tl.store(dst + oc, yc.to(c_ptr.dtype.element_ty), mask=mc)
             orr = tl.arange(0, BR)
             mr = orr < R
             pe = tl.load(row + QL + KL + orr, mask=mr, other=0.0)

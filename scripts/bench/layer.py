@@ -166,6 +166,7 @@ def run(args) -> dict:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "model": cfg.name, "context": args.context, "layer_idx": args.layer_idx,
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
+              "attnres_kernel": args.attnres,
               "method": __doc__.split("Method")[1].strip(), "results": [], "collectives": [],
               "shapes": {}}
     report["hbm_read_Bps"] = args.hbm = hbm_read_bandwidth()
@@ -285,7 +286,12 @@ def main(argv=None) -> int:
                          "and time it beside the stock kernel at batch 1 and 4")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attnres", choices=("cute", "triton"), default="cute",
+                    help="AttnRes mix + norm kernel of the specialized step (cute: the CuTe DSL "
+                         "kernel where it supports the layout, else Triton)")
     args = ap.parse_args(argv)
+    from raydecode.kernels import attnres_norm
+    attnres_norm.USE_CUTE = args.attnres == "cute"
     for name, conv in (("tps", int), ("kinds", str), ("batches", int)):
         vals = [conv(v) for v in getattr(args, name).split(",") if v]
         setattr(args, name, vals)

@@ -37,6 +37,13 @@ TOL = {                        # ‖out − ref‖ / ‖ref‖ (fp64)
 }
 
 
+@pytest.fixture(autouse=True)
+def _triton_attnres(monkeypatch):
+    """These tests compare the public AttnRes ops with the Triton kernel bit for bit: keep the
+    dispatch off the CuTe DSL kernel (tests/gpu/test_attnres_cute.py covers that one)."""
+    monkeypatch.setattr(A, "USE_CUTE", False)
+
+
 def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little") % (1 << 31)
 
