@@ -20,6 +20,12 @@ same device); `kda_decode` is the public op and the dispatch point: the Triton k
 kernels/kda_decode_triton.py on CUDA tensors in bf16 (`USE_TRITON`), else the reference (CPU,
 no Triton, or another model dtype). Any strides are accepted (proj is typically a column slice
 of a wider GEMV output); `out` is allocated only when not given.
+
+Slots: without `slots`, sequence t owns conv_state[t] and rec_state[t] (T rows each). With
+`slots` (T,) int32/int64, conv_state (S, 3C, W−1) and rec_state (S, h, d, d) are a whole slot
+pool and sequence t reads and writes row slots[t] (the model passes a layer's KDA cache,
+models/cache.py, with no gather/scatter copy); rows not named are untouched. Slots must be
+distinct and in [0, S): checked on CPU, a caller invariant on CUDA (a check would sync).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from raydecode.kernels import kda_decode_triton as _tri
 
 USE_TRITON = True        # the Triton kernel on CUDA tensors (False: the reference everywhere)
 L2_EPS = 1e-6            # models/kda.py `l2_normalize`
+HEAD_DIMS = (16, 32, 64, 128)   # head_dim values the op accepts (the kernel's D)
 
 
 def _use_triton(proj: torch.Tensor) -> bool:
@@ -61,9 +68,19 @@ def _delta_rule(q, k, v, g, beta, S: torch.Tensor, scale: float) -> torch.Tensor
 
 def kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state,
                          *, heads: int, head_dim: int, lower_bound: float, eps: float,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """The op in PyTorch (see module docstring); conv_state and rec_state updated in place.
-    -> out (T, C) in proj's dtype."""
+                         out: torch.Tensor | None = None,
+                         slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The op in PyTorch (see module docstring); conv_state and rec_state updated in place
+    (rows slots[t] when `slots` is given). -> out (T, C) in proj's dtype."""
+    if slots is not None:      # gather the named rows, step them, scatter them back
+        idx = slots.long()
+        cs, rs = conv_state.index_select(0, idx), rec_state.index_select(0, idx)
+        res = kda_decode_reference(proj, fb_w, cs, conv_w, exp_a, dt_bias, o_norm_w, rs,
+                                   heads=heads, head_dim=head_dim, lower_bound=lower_bound,
+                                   eps=eps, out=out)
+        conv_state.index_copy_(0, idx, cs)
+        rec_state.index_copy_(0, idx, rs)
+        return res
     T, h, d = proj.shape[0], heads, head_dim
     C = h * d
     qkv_in, g_out = proj[:, :3 * C], proj[:, 3 * C:4 * C]
@@ -87,11 +104,11 @@ def kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_
 
 
 def _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, heads,
-           head_dim, out) -> None:
+           head_dim, out, slots=None) -> None:
     """Shapes, dtypes and devices of the op's inputs; ValueError naming the offending one."""
     if not isinstance(heads, int) or heads < 1:
         raise ValueError(f"heads={heads!r}: expected a positive int")
-    if head_dim not in (16, 32, 64, 128):
+    if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim={head_dim!r}: expected a power of two in 16..128")
     if proj.dim() != 2:
         raise ValueError(f"proj of shape {tuple(proj.shape)}: expected (T, P)")
@@ -107,32 +124,49 @@ def _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, 
         raise ValueError(f"conv_w of shape {tuple(conv_w.shape)}: expected (3·C, W) = "
                          f"({3 * C}, W) with W ≥ 2")
     W = conv_w.shape[1]
+    S = T                                  # state rows: one per sequence, or the slot pool
+    if slots is not None:
+        if slots.dim() != 1 or slots.shape[0] != T or slots.dtype not in (torch.int32,
+                                                                         torch.int64):
+            raise ValueError(f"slots of shape {tuple(slots.shape)} dtype {slots.dtype}: "
+                             f"expected ({T},) int32 or int64 (one state row per sequence)")
+        if slots.device != proj.device:
+            raise ValueError(f"slots on {slots.device}: expected proj's device {proj.device}")
+        S = conv_state.shape[0] if conv_state.dim() == 3 else -1
     want = {"fb_w": (fb_w, (C, d), proj.dtype),
-            "conv_state": (conv_state, (T, 3 * C, W - 1), proj.dtype),
+            "conv_state": (conv_state, (S, 3 * C, W - 1), proj.dtype),
             "conv_w": (conv_w, (3 * C, W), torch.float32),
             "exp_a": (exp_a, (h,), torch.float32),
             "dt_bias": (dt_bias, (C,), torch.float32),
             "o_norm_w": (o_norm_w, (d,), torch.float32),
-            "rec_state": (rec_state, (T, h, d, d), torch.float32)}
+            "rec_state": (rec_state, (S, h, d, d), torch.float32)}
     if out is not None:
         want["out"] = (out, (T, C), proj.dtype)
     for name, (x, shape, dtype) in want.items():
         if tuple(x.shape) != shape or x.dtype != dtype:
+            what = "S state slots" if slots is not None else "state rows = T"
             raise ValueError(f"{name} of shape {tuple(x.shape)} dtype {x.dtype}: expected "
-                             f"{shape} {dtype} (T={T}, heads={h}, head_dim={d}, W={W})")
+                             f"{shape} {dtype} (T={T}, heads={h}, head_dim={d}, W={W}, "
+                             f"{what})")
         if x.device != proj.device:
             raise ValueError(f"{name} on {x.device}: expected proj's device {proj.device}")
+    if slots is not None and not slots.is_cuda and T:     # host values: no sync to read them
+        vals = slots.tolist()
+        if min(vals) < 0 or max(vals) >= S or len(set(vals)) != T:
+            raise ValueError(f"slots {vals}: expected distinct state rows in [0, {S})")
 
 
 def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, *,
                heads: int, head_dim: int, lower_bound: float, eps: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
     """The fused op (module docstring) -> out (T, heads·head_dim) in proj's dtype; conv_state
-    and rec_state updated in place. On CUDA bf16: one kernel, no host sync, no allocation when
-    `out` is given (CUDA-graph capturable)."""
+    and rec_state updated in place (rows slots[t] when `slots` is given, else row t). On CUDA
+    bf16: one kernel, no host sync, no allocation when `out` is given (CUDA-graph
+    capturable)."""
     _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, heads,
-           head_dim, out)
-    kw = dict(heads=heads, head_dim=head_dim, lower_bound=lower_bound, eps=eps)
+           head_dim, out, slots)
+    kw = dict(heads=heads, head_dim=head_dim, lower_bound=lower_bound, eps=eps, slots=slots)
     if _use_triton(proj):
         if out is None:
             out = proj.new_empty(proj.shape[0], heads * head_dim)
@@ -142,4 +176,4 @@ def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_sta
                                 rec_state, out=out, **kw)
 
 
-__all__ = ["kda_decode", "kda_decode_reference", "USE_TRITON"]
+__all__ = ["kda_decode", "kda_decode_reference", "USE_TRITON", "HEAD_DIMS"]

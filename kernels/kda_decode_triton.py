@@ -17,6 +17,9 @@ Grid (T, heads): one program per (sequence t, head hh), head_dim D (constexpr, p
     out     bf16(RMSNorm(o; o_norm_w, eps) · sigmoid(g_out))    written to out[t, hh·D:(hh+1)·D]
     state   barrier, then q/k xs[:, 1:W] → conv_state (in place)
 
+State row: r = slots[t] when HAS_SLOTS (conv_state / rec_state are a slot pool, e.g. one
+layer's KDA cache), else r = t. proj and out are always row t.
+
 `launch_config` picks BV = D (one step, D/16 warps) for small grids and BV = 32 with 4 warps
 once batch·heads ≥ 128 (more programs resident per SM). H200, L2-cold (inputs rotated over
 200 MB), CUDA graph of 50 calls, µs per call, D = 128:
@@ -78,15 +81,19 @@ if triton is not None:
             proj_ptr, p_st, p_sc, fbw_ptr, fbw_sr, fbw_sc,
             conv_ptr, c_st, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
             expa_ptr, expa_s, dtb_ptr, dtb_s, onw_ptr, onw_s,
-            rec_ptr, r_st, r_sh, r_sk, r_sv, out_ptr, o_st, o_sc,
+            rec_ptr, r_st, r_sh, r_sk, r_sv, out_ptr, o_st, o_sc, slot_ptr,
             NH, lower_bound, eps, scale,
             D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, KB: tl.constexpr,
-            BV: tl.constexpr, NV: tl.constexpr):
+            BV: tl.constexpr, NV: tl.constexpr, HAS_SLOTS: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1)
+        if HAS_SLOTS:
+            r = tl.load(slot_ptr + t).to(tl.int64)           # state row of sequence t
+        else:
+            r = t
         C = NH * D
         i = tl.arange(0, D)                                  # dk / channel index
-        srow = rec_ptr + t * r_st + hh * r_sh
+        srow = rec_ptr + r * r_st + hh * r_sh
         prow = proj_ptr + t * p_st
 
         # f_b GEMV slice + gate: fb (D,) = fb_w[hh·D + i, :] · f_a, bf16-rounded
@@ -102,7 +109,7 @@ if triton is not None:
         beta = tl.sigmoid(tl.load(prow + (4 * C + hh) * p_sc).to(tl.float32))
 
         # short conv + SiLU + L2 norms (q, k whole; v per dv block below)
-        cbase = conv_ptr + t * c_st
+        cbase = conv_ptr + r * c_st
         ch = hh * D + i
         q, xq = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, W, WP)
         k, xk = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch + C, W, WP)
@@ -157,10 +164,11 @@ def kda_decode_triton(proj: torch.Tensor, fb_w: torch.Tensor, conv_state: torch.
                       conv_w: torch.Tensor, exp_a: torch.Tensor, dt_bias: torch.Tensor,
                       o_norm_w: torch.Tensor, rec_state: torch.Tensor, out: torch.Tensor,
                       heads: int, head_dim: int, lower_bound: float, eps: float,
+                      slots: torch.Tensor | None = None,
                       block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Launch on validated inputs (kda_decode.py `_check`); any strides; writes `out`,
-    rec_state and conv_state. No host sync, no allocation. block_v / num_warps override the
-    defaults (`launch_config`) for sweeps."""
+    rec_state and conv_state (rows slots[t] when given, else row t). No host sync, no
+    allocation. block_v / num_warps override the defaults (`launch_config`) for sweeps."""
     T, D, W = proj.shape[0], head_dim, conv_w.shape[1]
     if T == 0:
         return out
@@ -171,9 +179,10 @@ def kda_decode_triton(proj: torch.Tensor, fb_w: torch.Tensor, conv_state: torch.
         conv_state, *conv_state.stride(), conv_w, conv_w.stride(0), conv_w.stride(1),
         exp_a, exp_a.stride(0), dt_bias, dt_bias.stride(0), o_norm_w, o_norm_w.stride(0),
         rec_state, *rec_state.stride(), out, out.stride(0), out.stride(1),
+        slots if slots is not None else out,                 # unread without slots
         heads, float(lower_bound), float(eps), float(D) ** -0.5,
         D=D, W=W, WP=triton.next_power_of_2(W), KB=min(D, 64), BV=bv, NV=D // bv,
-        num_warps=nw)
+        HAS_SLOTS=slots is not None, num_warps=nw)
     return out
 
 

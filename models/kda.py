@@ -27,9 +27,13 @@ Decays enter only as e^{G_t − G_i} with i ≤ t (≤ 1), so nothing overflows 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from raydecode.kernels import kda_decode as kda_decode_op
 
 from .cache import ModelCaches, StepBatch
 from .config import K3Config
@@ -126,6 +130,17 @@ class HeadPrefixShard:
         return full.narrow(0, par.tp_rank * hl, hl)
 
 
+@functools.lru_cache(maxsize=64)
+def slot_index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(T,) int64 state rows on `device`, built once per batch composition (every KDA layer of
+    a step and every step with the same sequences reuse it; never written). On CUDA the copy
+    goes through pinned memory, non-blocking: no host sync."""
+    idx = torch.tensor(slots, dtype=torch.int64)
+    if device.type == "cuda":
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx.to(device)
+
+
 class ShortConv(nn.Module):
     """Holds a depthwise causal conv weight (channels_local, 1, W), fp32 as in the checkpoint."""
 
@@ -173,10 +188,55 @@ class KDAAttention(nn.Module):
             return lin(x, self.g_proj.weight)
         return lin(lin(x, self.g_a_proj.weight), self.g_b_proj.weight)
 
+    def _fused_decode_ok(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
+                         path: str) -> bool:
+        """Whether this step runs `kda_decode` (kernels/kda_decode.py) over the slot pool:
+        specialized path, a cache, every sequence one token at pos > 0 (a sequence at pos 0
+        must ignore its slot's stale contents: the loop zeroes them), distinct slots, no speculative observer (it needs the per-token
+        conv input and q, k, v, g, β that the fused op never materializes), and shapes and
+        dtypes the op takes (cache conv state in the model dtype)."""
+        if path != "specialized" or caches is None or caches.kda is None:
+            return False
+        if caches.kda_observer is not None or not batch.seqs:
+            return False
+        if any(s.length != 1 or s.pos == 0 for s in batch.seqs):
+            return False
+        T = x.shape[0]       # one sequence per token row, distinct slots
+        if ({s.start for s in batch.seqs} != set(range(T)) or len(batch.seqs) != T
+                or len({s.slot for s in batch.seqs}) != T):
+            return False
+        return (self.dim in kda_decode_op.HEAD_DIMS and self.width >= 2
+                and x.dtype.is_floating_point and caches.kda.conv.dtype == x.dtype)
+
+    def _fused_decode(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches,
+                      lin) -> torch.Tensor:
+        """One token per sequence through the fused op; the layer's cache rows are updated in
+        place at the sequences' slots. -> o (T, h·d) in the model dtype (before o_proj)."""
+        cache, row = caches.kda, caches.kda_index[self.layer_idx]
+        # proj (T, [q C | k C | v C | g C | b h | f_a d]): the op's input layout. The cat copies
+        # T·(4C + h + d) model-dtype values (K3 TP16: 6.4 KB per token) on top of the six GEMVs;
+        # one fused in_proj weight would remove it but changes the parameter layout.
+        proj = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
+                          lin(x, self.v_proj.weight), self._out_gate(x, lin),
+                          lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight)], -1)
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,
+                            self.v_conv1d.weight]).squeeze(1)                      # (3·h·d, W)
+        by_row = [0] * x.shape[0]
+        for s in batch.seqs:
+            by_row[s.start] = s.slot
+        slots = slot_index(tuple(by_row), x.device)                                # (T,)
+        return kda_decode_op.kda_decode(
+            proj, self.f_b_proj.weight, cache.conv[row], conv_w, self.A_log.float().exp(),
+            self.dt_bias, self.o_norm.weight, cache.rec[row], heads=self.heads,
+            head_dim=self.dim, lower_bound=self.lower_bound, eps=self.o_norm.eps, slots=slots)
+
     def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock") -> torch.Tensor:
         T, h, d, W = x.shape[0], self.heads, self.dim, self.width
         lin = linear_for(path)    # specialized: the same math on the kernels/ GEMVs
+        if self._fused_decode_ok(x, batch, caches, path):
+            o = self._fused_decode(x, batch, caches, lin)                          # (T, h·d)
+            return self.comm.all_reduce(lin(o, self.o_proj.weight))
         qkv_in = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
                             lin(x, self.v_proj.weight)], -1)                      # (T, 3·h·d)
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,

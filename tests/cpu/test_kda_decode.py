@@ -137,6 +137,64 @@ def test_strided_state_is_updated_in_place():
     assert torch.equal(big[::2], xr["rec_state"]) and not big[1::2].any()
 
 
+def _pool(x, slots, S):
+    """x's per-sequence state rows placed at rows `slots` of an S-row pool; other rows NaN."""
+    conv = torch.full((S,) + tuple(x["conv_state"].shape[1:]), float("nan"), dtype=BF)
+    rec = torch.full((S,) + tuple(x["rec_state"].shape[1:]), float("nan"))
+    idx = torch.tensor(slots)
+    conv[idx], rec[idx] = x["conv_state"], x["rec_state"]
+    return conv, rec
+
+
+@pytest.mark.parametrize("slots,S", [([5, 0, 3], 7), ([2], 4), ([1, 0], 2), ([6, 2, 4, 0], 8)],
+                         ids=["shuffled", "one", "all-reversed", "subset"])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_slots_address_a_state_pool(slots, S, idx_dtype):
+    """With slots, sequence t steps pool row slots[t]: equal to the op on the gathered rows,
+    bit for bit; rows not named (NaN) untouched."""
+    T, h, d = len(slots), 2, 16
+    x = _inputs(T, h, d, seed=10 + S)
+    xr = _clone(x)
+    conv, rec = _pool(x, slots, S)
+    x["conv_state"], x["rec_state"] = conv, rec
+    out = K.kda_decode(**x, heads=h, head_dim=d, lower_bound=LB, eps=EPS,
+                       slots=torch.tensor(slots, dtype=idx_dtype))
+    ref = _ref(xr, h, d)
+    assert torch.equal(out, ref)
+    idx = torch.tensor(slots)
+    assert torch.equal(conv[idx], xr["conv_state"]) and torch.equal(rec[idx], xr["rec_state"])
+    rest = [i for i in range(S) if i not in slots]
+    assert conv[rest].isnan().all() and rec[rest].isnan().all()
+
+
+@pytest.mark.parametrize("slots,match", [
+    (lambda: torch.tensor([0, 1.0]), "slots .* dtype torch.float32"),
+    (lambda: torch.tensor([0, 1, 2]), r"slots of shape \(3,\)"),
+    (lambda: torch.tensor([[0, 1]]), r"slots of shape \(1, 2\)"),
+    (lambda: torch.tensor([0, 5]), r"slots \[0, 5\]: expected distinct state rows in \[0, 5\)"),
+    (lambda: torch.tensor([-1, 2]), r"slots \[-1, 2\]"),
+    (lambda: torch.tensor([3, 3]), r"slots \[3, 3\]: expected distinct"),
+])
+def test_bad_slots_are_named(slots, match):
+    T, h, d, S = 2, 2, 16, 5
+    x = _inputs(T, h, d, seed=2)
+    x["conv_state"], x["rec_state"] = _pool(x, [0, 1], S)
+    with pytest.raises(ValueError, match=match):
+        K.kda_decode(**x, heads=h, head_dim=d, lower_bound=LB, eps=EPS, slots=slots())
+
+
+def test_slot_pool_states_must_agree():
+    """conv_state and rec_state are one pool: their slot counts must match."""
+    T, h, d = 2, 2, 16
+    x = _inputs(T, h, d, seed=2)
+    conv, _ = _pool(x, [0, 1], 4)
+    _, rec = _pool(x, [0, 1], 3)
+    x["conv_state"], x["rec_state"] = conv, rec
+    with pytest.raises(ValueError, match=r"rec_state of shape \(3, 2, 16, 16\).*S state slots"):
+        K.kda_decode(**x, heads=h, head_dim=d, lower_bound=LB, eps=EPS,
+                     slots=torch.tensor([0, 1]))
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(head_dim=48), "head_dim=48"),
     (dict(heads=0), "heads=0"),
