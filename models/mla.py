@@ -21,17 +21,32 @@ D ranks' heads of its DCP group, attends over its own rows for all of them, all-
 TP: heads split (q_b, kv_b, g_proj column-parallel; o_proj row-parallel + all-reduce); q_a,
 kv_a and their norms are replicated, so every rank computes the full latent row. The specialized
 step computes [q_a; kv_a] (q_lora + kv_lora + rope rows) 1/TP per rank and all-gathers it.
+
+Specialized decode (path "specialized", caches given, every sequence one token, bf16 model and
+pool, output gate present): the fused ops of kernels/mla_decode.py replace the per-sequence
+PyTorch code — mla_prep (norms + row store), q_b, mla_absorb, then mla_decode (attention + W_uv
++ gate) at D = 1, or mla_attention over this rank's rows + the DCP exchange + mla_output at
+D > 1. Per-token paging (`decode_meta`): block table rows (T, max_blocks) int32, store index
+(T,) = p // D on the rank owning p (else −1: not stored), seq_lens (T,) = rows of positions
+≤ p on this rank = ⌊(p + D − r) / D⌋. Anything else runs the PyTorch code below.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
 
-from .cache import ModelCaches, StepBatch
+from raydecode.kernels.mla_decode import (mla_absorb, mla_attention, mla_decode, mla_output,
+                                          mla_prep)
+
+from .cache import MLALatentCache, ModelCaches, StepBatch
 from .config import K3Config
 from .layers import RMSNorm, column_linear, replicated_linear, row_linear
 from .parallel import Comm, LocalComm, Parallel
 from .specialized import linear_for, sharded_gemv
+
+BF16 = torch.bfloat16
 
 
 # ---- attention math (fp32) -----------------------------------------------------------------
@@ -75,6 +90,47 @@ def merge_attn_partials(outs: torch.Tensor, lses: torch.Tensor
     return (w.unsqueeze(-1) * outs.float()).sum(0), lse
 
 
+# ---- paging of a decode step for the fused ops -----------------------------------------------
+
+_META_MEMO: list = [None]    # (batch weakref, key, tensors): one step's, shared by its layers
+
+
+def decode_meta(batch: StepBatch, cache: MLALatentCache, device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Paging of a decode-only step on this DCP rank (r of D), token t at position p_t:
+    block_table (T, max_blocks) int32 (row t: t's sequence's blocks, 0-padded),
+    store (T,) int32 = p_t // D if p_t mod D == r else −1 (mla_prep: not stored here),
+    seq_lens (T,) int32 = #{p ≤ p_t : p mod D == r} = ⌊(p_t + D − r) / D⌋.
+
+    Built from the host-side tables once per step (one host-to-device copy) and reused by every
+    MLA layer of the step: memo keyed by the batch object, the cache, the device and each
+    sequence's (slot, start, pos, table object, table length) — the engine replaces or extends a
+    table between steps, never edits one in place during a step. A position beyond its
+    sequence's blocks raises RuntimeError, as cache.write does."""
+    seqs = batch.seqs
+    key = (id(cache), str(device), tuple((s.slot, s.start, s.pos, id(cache.block_tables[s.slot]),
+                                          len(cache.block_tables[s.slot])) for s in seqs))
+    memo = _META_MEMO[0]
+    if memo is not None and memo[0]() is batch and memo[1] == key:
+        return memo[2]
+    D, r, bs = cache.dcp_size, cache.dcp_rank, cache.block_size
+    order = sorted(seqs, key=lambda s: s.start)
+    assert [s.start for s in order] == list(range(len(order))), "decode step: one token each"
+    tables = [cache.block_tables[s.slot] for s in order]
+    lens = [(s.pos + D - r) // D for s in order]
+    for s, t, n in zip(order, tables, lens):
+        if -(-n // bs) > len(t):
+            raise RuntimeError(f"slot {s.slot}: position {s.pos} beyond its {len(t)} cache "
+                               "blocks")
+    T, width = len(order), max(1, max(len(t) for t in tables))
+    flat = [b for t in tables for b in t + [0] * (width - len(t))]
+    flat += [s.pos // D if s.pos % D == r else -1 for s in order] + lens
+    dev = torch.tensor(flat, dtype=torch.int32).to(device)    # [table | store | seq_lens]
+    out = (dev[:T * width].view(T, width), dev[T * width:T * width + T], dev[T * width + T:])
+    _META_MEMO[0] = (weakref.ref(batch), key, out)
+    return out
+
+
 # ---- the layer ---------------------------------------------------------------------------
 
 class MLAAttention(nn.Module):
@@ -98,6 +154,7 @@ class MLAAttention(nn.Module):
         self.g_proj = (column_linear(H, m.num_heads * self.vdim, par, dtype, "MLA heads · v")
                        if m.use_output_gate else None)
         self.o_proj = row_linear(m.num_heads * self.vdim, H, par, dtype, "MLA heads · v")
+        self._w_uv_t_memo: tuple | None = None     # (weight key, (h, kv_lora, v) copy)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk (h, nope, kv_lora), W_uv (h, v, kv_lora)) views of this rank's kv_b rows."""
@@ -111,6 +168,9 @@ class MLAAttention(nn.Module):
         if path == "specialized":   # fused qkv_a: 1/TP of [q_a; kv_a] rows per rank + gather
             qkv = sharded_gemv(x, [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight],
                                self.par, self.comm)
+            if self._fused_decode_ok(qkv, batch, caches):
+                o = self._fused_decode(x, qkv, batch, caches, lin)     # (T, h·v) gated
+                return self.comm.all_reduce(lin(o, self.o_proj.weight))
             q_a, kv = qkv.split([self.q_lora, qkv.shape[1] - self.q_lora], dim=-1)
         else:
             q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
@@ -125,6 +185,50 @@ class MLAAttention(nn.Module):
         if self.g_proj is not None:
             o = (o.float() * torch.sigmoid(lin(x, self.g_proj.weight).float())).to(x.dtype)
         return self.comm.all_reduce(lin(o, self.o_proj.weight))
+
+    # ---- specialized decode through kernels/mla_decode.py ------------------------------------
+
+    def _fused_decode_ok(self, qkv: torch.Tensor, batch: StepBatch,
+                         caches: ModelCaches | None) -> bool:
+        """The fused ops' envelope; outside it the PyTorch code below runs (same math)."""
+        return (caches is not None and caches.mla is not None and self.g_proj is not None
+                and batch.is_decode_only and qkv.dtype == BF16
+                and caches.mla.pool.dtype == BF16 and qkv.stride(-1) == 1)
+
+    def _fused_decode(self, x, qkv, batch: StepBatch, caches: ModelCaches, lin) -> torch.Tensor:
+        """One token per sequence: store this step's rows, attend, W_uv, gate.
+        x (T, H), qkv (T, q_lora + kv_lora + rope) bf16 -> o (T, h·v) bf16, before o_proj."""
+        assert self.q_a_layernorm.eps == self.kv_a_layernorm.eps     # mla_prep takes one eps
+        T, h, c = x.shape[0], self.heads, self.kv_lora
+        pool = caches.mla.pool[caches.mla_index[self.layer_idx]]      # (blocks, bs, c + rope)
+        table, store, seq_lens = decode_meta(batch, caches.mla, x.device)
+        q_n = mla_prep(qkv, self.q_a_layernorm.weight, self.kv_a_layernorm.weight, pool, table,
+                       store, q_lora=self.q_lora, kv_lora=c, eps=self.q_a_layernorm.eps)
+        q = lin(q_n, self.q_b_proj.weight).view(T, h, self.nope + self.rope)
+        q_abs = mla_absorb(q, self.absorbed_weights()[0], nope=self.nope)   # (T, h, c + rope)
+        gate = lin(x, self.g_proj.weight)                                   # (T, h·v)
+        D = self.par.dcp_size
+        if D == 1:
+            return mla_decode(q_abs, pool, table, seq_lens, self._w_uv_t(), gate, kv_lora=c,
+                              scale=self.scale)
+        q_all = self.comm.dcp_all_gather(q_abs, dim=1)                      # (T, D·h, c + rope)
+        o_lat, lse = mla_attention(q_all, pool, table, seq_lens, kv_lora=c, scale=self.scale)
+        part = torch.cat([o_lat, lse.unsqueeze(-1)], -1).unsqueeze(0)      # (1, T, D·h, c + 1)
+        parts = self.comm.dcp_all_gather(part, dim=0)                       # (D, T, D·h, c + 1)
+        r = self.par.dcp_rank
+        mine = parts[:, :, r * h:(r + 1) * h].transpose(0, 1)               # (T, D, h, c + 1)
+        return mla_output(mine[..., :c], mine[..., c], self._w_uv_t(), gate)
+
+    def _w_uv_t(self) -> torch.Tensor:
+        """W_uv as mla_output wants it, (h, kv_lora, v) contiguous (the kv_b view is
+        (h, v, kv_lora)): a copy, rebuilt when the kv_b weight's storage or version changes."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.device, w.dtype)
+        if self._w_uv_t_memo is None or self._w_uv_t_memo[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                t = self.absorbed_weights()[1].detach().transpose(1, 2).contiguous()
+            self._w_uv_t_memo = (key, t)
+        return self._w_uv_t_memo[1]
 
     def _naive(self, q, rows, batch: StepBatch) -> torch.Tensor:
         """Prefill from position 0 of every sequence, keys/values decompressed. -> (T, h, v)"""

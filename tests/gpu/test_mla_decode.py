@@ -258,3 +258,75 @@ def test_graph_capture_and_replay(shape, T, ctx):
         ro, rl = _attn_fp64(c)
         stock = M.mla_output_reference(_stock_o_lat(c), rl.float(), c.w_uv, c.gate)
         assert _rel(out, stock) <= TOL["out"], c.msg
+
+
+# ---- the served model's specialized MLA decode (models/mla.py) on these kernels --------------
+
+@pytest.fixture
+def kernels_dispatched(monkeypatch):
+    """The public ops run the kernels: on CUDA as shipped; under the interpreter also on CPU
+    tensors (the ops otherwise take their references off-GPU). Counts split-kernel launches."""
+    if not ON_GPU:
+        monkeypatch.setattr(M, "_use_triton", lambda x: M.USE_TRITON and MT.available(x))
+    launches = [0]
+    real = MT.split_triton
+
+    def counted(*a, **k):
+        launches[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(MT, "split_triton", counted)
+    return launches
+
+
+# (T sequences, longest prompt, block size): T = 1; a batch with S > 1 splits; batch 64
+MODEL_CASES = [(1, 5, 4), (3, 150, 16), pytest.param(64, 300, 64, marks=gpu_only)]
+
+
+@pytest.mark.parametrize("T,prompt,bs", MODEL_CASES)
+def test_model_layer_specialized_decode_equals_stock(T, prompt, bs, kernels_dispatched):
+    """tiny K3 in bf16: one MLA layer, prefill (stock) then 3 decode steps with sequences at
+    different positions in shuffled non-contiguous slots and blocks; path 'specialized' (the
+    kernels) vs 'stock' (PyTorch) on separate caches, same inputs: outputs and cache rows."""
+    from raydecode.models.cache import SeqSlice, StepBatch
+    from raydecode.models.config import load_config
+    from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
+
+    seed, steps = _seed(), 3
+    msg = f"seed {seed} T {T} prompt {prompt} bs {bs}"
+    cfg = load_config("tiny")
+    model = init_random_(K3ForCausalLM(cfg, dtype=BF), seed).to(DEV)
+    attn = model.model.layers[cfg.mla_layers[0]].self_attn
+    g = torch.Generator().manual_seed(seed)
+    lens = [max(1, prompt - 37 * i % prompt) for i in range(T)]       # prompt lengths
+    slots = torch.randperm(2 * T, generator=g)[:T].tolist()            # sparse, shuffled
+    per = [-(-(n + steps) // bs) for n in lens]
+    nb = sum(per) + 3
+    blocks = torch.randperm(nb, generator=g).tolist()
+    tables = {s: blocks[sum(per[:i]):sum(per[:i + 1])] for i, s in enumerate(slots)}
+    n_pre = sum(lens)
+    x = torch.randn(n_pre + steps * T, cfg.hidden_size, generator=g).to(BF).to(DEV)
+    starts = [sum(lens[:i]) for i in range(T)]
+    prefill = StepBatch([SeqSlice(s, st, n, 0) for s, st, n in zip(slots, starts, lens)])
+    out, pools = {}, {}
+    for path in ("stock", "specialized"):
+        c = make_caches(cfg, model.par, 2 * T, nb, bs, BF, DEV)
+        c.mla.block_tables.update({s: list(t) for s, t in tables.items()})
+        c.mla.pool.fill_(float("nan"))                  # rows never written stay NaN
+        with torch.inference_mode():
+            ys = []
+            attn(x[:n_pre], prefill, c, "stock")
+            for k in range(steps):
+                b = StepBatch.decode(slots, [n + k for n in lens])
+                ys.append(attn(x[n_pre + k * T:n_pre + (k + 1) * T], b, c, path))
+        out[path], pools[path] = torch.cat(ys), c.mla.pool
+    if ON_GPU:
+        torch.cuda.synchronize()
+    assert kernels_dispatched[0] == steps, msg                          # the kernels ran
+    assert not out["specialized"].isnan().any(), msg
+    for t in range(steps * T):
+        assert _rel(out["specialized"][t], out["stock"][t]) <= 3e-2, (msg, t)
+    ps, pf = pools["stock"], pools["specialized"]
+    assert torch.equal(ps.isnan(), pf.isnan()), msg                     # same rows written
+    written = ~ps.isnan().any(-1)
+    assert _rel(pf[written], ps[written]) <= TOL["row"], msg
