@@ -37,6 +37,17 @@ class SeqSlice:
 class StepBatch:
     seqs: list[SeqSlice]
 
+    def __post_init__(self) -> None:
+        # the flat step tensor is the sequences back to back in list order: `positions()` and
+        # every per-sequence slice (s.start, s.end) rely on it
+        at = 0
+        for s in self.seqs:
+            if s.start != at or s.length < 1:
+                raise ValueError(f"StepBatch: sequence at slot {s.slot} starts at {s.start} "
+                                 f"with length {s.length}; expected start {at}, length ≥ 1 "
+                                 "(sequences back to back in list order)")
+            at = s.end
+
     @property
     def num_tokens(self) -> int:
         return sum(s.length for s in self.seqs)

@@ -179,3 +179,12 @@ def _free_port() -> int:
 
 def test_tp2_and_dcp2_match_tp1_over_gloo():
     mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def test_step_batch_rejects_out_of_order_sequences():
+    ok = StepBatch([SeqSlice(slot=3, start=0, length=2, pos=5), SeqSlice(slot=1, start=2, length=1, pos=9)])
+    assert ok.positions().tolist() == [5, 6, 9]
+    with pytest.raises(ValueError, match="slot 3 starts at 1"):
+        StepBatch([SeqSlice(slot=3, start=1, length=1, pos=5), SeqSlice(slot=1, start=0, length=1, pos=9)])
+    with pytest.raises(ValueError, match="length 0"):
+        StepBatch([SeqSlice(slot=3, start=0, length=0, pos=5)])
