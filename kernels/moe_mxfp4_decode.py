@@ -22,6 +22,30 @@ No runs kernel and no Σ_k kernel: gate_up zeroes `out` (each program a slice; t
 starts after it) and the down programs add their pair's rows with fp32 atomics. 2 launches
 per call, no host sync, capturable. Triton (round 2 of issue 6); a CuTe DSL version is the
 follow-up.
+
+Split-K gate_up (`DecodeConfig.gate_up_ks` = KS > 1; the K3 default, KS = 7 at L = 3584):
+the looped gate_up program walks L/32/GB = 7 steps with one step's loads in flight, so at
+batch 1 the whole grid has ≈ 11.7 MB / 7 in flight and runs latency-bound (20.1 µs, 0.55
+TB/s on the H200). Split, program (p, nb, ks) does ONE step (groups [16·ks, 16·ks + 16)) with
+all its loads issued at once and writes fp32 partials, each element exactly once:
+
+    part[p, ks, n] = Σ_{k ∈ slice ks} W1_e[n, k] z[t, k]; [p, ks, I + n] with W3    (P, KS, 2I)
+    down input a[p, k] = bf16 SiTU(bf16 Σ_ks part[p, ks, k], bf16 Σ_ks part[p, ks, I + k])
+
+built by every down program from L2 (Σ in ks order: deterministic; same rounding points as
+KS = 1). Cost: P·KS·2I·4 bytes written (172 KB at TP16 batch 1) and each down program reads
+its pair's KS·2I·4 bytes (10.75 KB; × L/BN = 56 programs per pair at BN 64: 9.6 MB of L2
+reads at batch 1, half at BN 128). `down_unroll` issues all of the down kernel's I/32/GB
+K steps at once: with every program resident the bytes in flight are (total bytes) / (steps),
+whatever BN and the warps are, so at TP16 (3 steps of GB 2) only the unroll, not a new
+BN/warps mapping, can lift the down kernel; it is a sweep candidate, not the default.
+
+Prediction (H200, K3, unmeasured; HBM bytes = P × expert bytes, a duplicate expert read twice):
+    TP16 batch 1  gate_up 11.7 MB  20.1 µs → 5–6 µs;  down 5.9 MB  7.9 → 8–9 µs (≈ 5 unrolled)
+                  both ≈ 14 µs (28 µs today; 26.8 µs in the sweep's out-of-L2 timing)
+    TP16 batch 4  gate_up 47 MB → 12–14 µs;  down 23 MB → 7–9 µs;  both ≈ 21 µs (65.7 today)
+    TP8  batch 1  gate_up 23 MB → 7–8 µs;  down 12 MB → 6–8 µs;  both ≈ 15 µs (37.7 today)
+at 3.5–4 TB/s for the streamed weights plus ≈ 2 µs of launch and tail per kernel.
 """
 from __future__ import annotations
 
@@ -57,6 +81,29 @@ if triton is not None:
         return tl.sum(part * sc, 1)
 
     @triton.jit
+    def _situ_bf16(acc_g, acc_u, beta, lin_beta, HAS_LIN: tl.constexpr):
+        """bf16 SiTU(bf16 g, bf16 u) from fp32 sums: models/layers.py `situ` rounding points."""
+        g = acc_g.to(tl.bfloat16).to(tl.float32)
+        u = acc_u.to(tl.bfloat16).to(tl.float32)
+        act = beta * _tanh(g / beta) * tl.sigmoid(g)
+        if HAS_LIN:
+            u = lin_beta * _tanh(u / lin_beta)
+        return (act * u).to(tl.bfloat16)
+
+    @triton.jit
+    def _split_input(part_ptr, k, beta, lin_beta, I: tl.constexpr, KS: tl.constexpr,
+                     HAS_LIN: tl.constexpr):
+        """a[k] = bf16 SiTU(bf16 Σ_ks part[ks, k], bf16 Σ_ks part[ks, I + k]) as fp32, for
+        an index tensor k; part_ptr at (p, 0, 0) of the (P, KS, 2I) partials (read from L2).
+        Σ over ks in ks order: deterministic."""
+        sg = tl.load(part_ptr + k)
+        su = tl.load(part_ptr + I + k)
+        for s in tl.static_range(1, KS):
+            sg += tl.load(part_ptr + s * (2 * I) + k)
+            su += tl.load(part_ptr + s * (2 * I) + I + k)
+        return _situ_bf16(sg, su, beta, lin_beta, HAS_LIN).to(tl.float32)
+
+    @triton.jit
     def _gate_up_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, a_ptr, y_ptr, n_zero, top_k, beta,
                         lin_beta, L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                         KG: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
@@ -84,18 +131,67 @@ if triton is not None:
             xo = tl.load(z_ptr + t * L + 2 * byte + 1).to(tl.bfloat16).to(tl.float32)
             acc_g += _group_dot(w_e, s_e, n, byte, grp, xe, xo, KB, KG)
             acc_u += _group_dot(w_e, s_e, n + I, byte, grp, xe, xo, KB, KG)
-        g = acc_g.to(tl.bfloat16).to(tl.float32)
-        u = acc_u.to(tl.bfloat16).to(tl.float32)
-        act = beta * _tanh(g / beta) * tl.sigmoid(g)
-        if HAS_LIN:
-            u = lin_beta * _tanh(u / lin_beta)
-        tl.store(a_ptr + p * I + n, (act * u).to(tl.bfloat16))
+        tl.store(a_ptr + p * I + n, _situ_bf16(acc_g, acc_u, beta, lin_beta, HAS_LIN))
 
     @triton.jit
-    def _down_kernel(a_ptr, ids_ptr, topw_ptr, w_ptr, s_ptr, y_ptr, top_k,
+    def _gate_up_split_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, part_ptr, y_ptr, n_zero, top_k,
+                              L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
+                              KG: tl.constexpr, KS: tl.constexpr, KGS: tl.constexpr,
+                              BN: tl.constexpr, GB: tl.constexpr, ZB: tl.constexpr):
+        """Split-K gate_up: program (p, nb, ks) sums the KGS = KG/KS groups [ks·KGS, (ks+1)·KGS)
+        of BN gate and BN up rows (KGS/GB steps, unrolled: every load issued up front) and
+        writes them unrounded to part (P, KS, 2I) fp32: part[p, ks, n] gate, [.., I + n] up.
+        Each part element is written by exactly one program (no zeroing, deterministic)."""
+        p = tl.program_id(0)
+        nb = tl.program_id(1)
+        ks = tl.program_id(2)
+        prog = (p * tl.num_programs(1) + nb) * KS + ks
+        zo = prog * ZB + tl.arange(0, ZB)                              # zero out's slice
+        tl.store(y_ptr + zo, tl.zeros((ZB,), tl.float32), mask=zo < n_zero)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        t = p // top_k
+        w_e = w_ptr + e * (2 * I * KB)
+        s_e = s_ptr + e * (2 * I * KG)
+        n = nb * BN + tl.arange(0, BN)
+        gi = tl.arange(0, GB)
+        j = tl.arange(0, 16)
+        acc_g = tl.zeros((BN,), tl.float32)
+        acc_u = tl.zeros((BN,), tl.float32)
+        for st in tl.static_range(0, KGS, GB):
+            grp = ks * KGS + st + gi
+            byte = grp[:, None] * 16 + j[None, :]                          # (GB, 16)
+            xe = tl.load(z_ptr + t * L + 2 * byte).to(tl.bfloat16).to(tl.float32)
+            xo = tl.load(z_ptr + t * L + 2 * byte + 1).to(tl.bfloat16).to(tl.float32)
+            acc_g += _group_dot(w_e, s_e, n, byte, grp, xe, xo, KB, KG)
+            acc_u += _group_dot(w_e, s_e, n + I, byte, grp, xe, xo, KB, KG)
+        row = part_ptr + (p * KS + ks) * (2 * I)
+        tl.store(row + n, acc_g)
+        tl.store(row + I + n, acc_u)
+
+    @triton.jit
+    def _down_step(a_ptr, w_e, s_e, p, n, grp, j, beta, lin_beta, I: tl.constexpr,
+                   KB: tl.constexpr, KG: tl.constexpr, KS: tl.constexpr,
+                   HAS_LIN: tl.constexpr, GB: tl.constexpr):
+        """Σ over the groups `grp` of W2[n, k] a[p, k] -> (BN,) fp32."""
+        byte = grp[:, None] * 16 + j[None, :]                              # (GB, 16)
+        if KS == 1:
+            xe = tl.load(a_ptr + p * I + 2 * byte).to(tl.float32)
+            xo = tl.load(a_ptr + p * I + 2 * byte + 1).to(tl.float32)
+        else:       # k = 32·grp + [0, 32) contiguous (vector loads), then even/odd k apart
+            kk = grp[:, None] * 32 + tl.arange(0, 32)[None, :]                 # (GB, 32)
+            x = _split_input(a_ptr + p * (KS * 2 * I), kk, beta, lin_beta, I, KS, HAS_LIN)
+            xe, xo = tl.split(tl.reshape(x, (GB, 16, 2)))
+        return _group_dot(w_e, s_e, n, byte, grp, xe, xo, KB, KG)
+
+    @triton.jit
+    def _down_kernel(a_ptr, ids_ptr, topw_ptr, w_ptr, s_ptr, y_ptr, top_k, beta, lin_beta,
                      L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr, KG: tl.constexpr,
-                     BN: tl.constexpr, GB: tl.constexpr):
-        """KB = I/2 bytes and KG = I/32 groups per row of W2."""
+                     KS: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
+                     GB: tl.constexpr, UNROLL: tl.constexpr):
+        """KB = I/2 bytes and KG = I/32 groups per row of W2. KS == 1: a_ptr is a (P, I) bf16;
+        KS > 1: a_ptr is the gate_up partials (P, KS, 2I) fp32 and this program builds its
+        K input from them (`_split_input`). UNROLL: the K loop unrolled (all steps' loads
+        issued together) instead of a runtime loop; same sums in the same order."""
         p = tl.program_id(0)
         e = tl.load(ids_ptr + p).to(tl.int64)
         t = p // top_k
@@ -105,12 +201,14 @@ if triton is not None:
         gi = tl.arange(0, GB)
         j = tl.arange(0, 16)
         acc = tl.zeros((BN,), tl.float32)
-        for g0 in range(0, KG, GB):
-            grp = g0 + gi
-            byte = grp[:, None] * 16 + j[None, :]
-            xe = tl.load(a_ptr + p * I + 2 * byte).to(tl.float32)
-            xo = tl.load(a_ptr + p * I + 2 * byte + 1).to(tl.float32)
-            acc += _group_dot(w_e, s_e, n, byte, grp, xe, xo, KB, KG)
+        if UNROLL:
+            for g0 in tl.static_range(0, KG, GB):
+                acc += _down_step(a_ptr, w_e, s_e, p, n, g0 + gi, j, beta, lin_beta,
+                                  I, KB, KG, KS, HAS_LIN, GB)
+        else:
+            for g0 in range(0, KG, GB):
+                acc += _down_step(a_ptr, w_e, s_e, p, n, g0 + gi, j, beta, lin_beta,
+                                  I, KB, KG, KS, HAS_LIN, GB)
         y = acc.to(tl.bfloat16).to(tl.float32) * tl.load(topw_ptr + p)
         tl.atomic_add(y_ptr + t * L + n, y, sem="relaxed")
 
@@ -118,18 +216,26 @@ if triton is not None:
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tiles: BN output rows per program, GB MXFP4 groups (16 bytes per row each) per K step,
-    warps per program; GB must divide K/32 (L/32 for gate_up, I/32 for down), BN the N."""
+    warps per program; GB must divide K/32 (L/32 for gate_up, I/32 for down), BN the N.
+    gate_up_ks: K slices of gate_up (1: one program loops over all of L, writes a (P, I) bf16;
+    KS > 1: split-K into (P, KS, 2I) fp32 partials, the down kernel applies SiTU); KS must
+    divide L/32/GB. down_unroll: the down K loop unrolled (all I/32/GB steps in flight)."""
     gate_up_bn: int = 16
     gate_up_gb: int = 16
     gate_up_warps: int = 4
     down_bn: int = 64
     down_gb: int = 2
     down_warps: int = 4
+    gate_up_ks: int = 1
+    down_unroll: bool = False
 
     def validate(self, I: int, L: int) -> "DecodeConfig":
         bad = []
         if I % self.gate_up_bn or (L // 32) % self.gate_up_gb:
             bad.append(f"gate_up BN {self.gate_up_bn} | I={I}, GB {self.gate_up_gb} | L/32")
+        elif self.gate_up_ks < 1 or (L // 32 // self.gate_up_gb) % self.gate_up_ks:
+            bad.append(f"gate_up KS {self.gate_up_ks}: need KS ≥ 1 dividing "
+                       f"L/32/GB = {L // 32 // self.gate_up_gb}")
         if L % self.down_bn or (I // 32) % self.down_gb:
             bad.append(f"down BN {self.down_bn} | L={L}, GB {self.down_gb} | I/32")
         if bad:
@@ -137,12 +243,14 @@ class DecodeConfig:
         return self
 
 
-# Best of the `layer.py --moe-decode-sweep` candidates per (E, I, L), batch 1, from
-# bench/results/layer-h200-2026-11-29-r2.json (H200, Triton 3.6): K3 TP16 (I = 192) 26.8 µs,
-# TP8 (I = 384) 37.7 µs. The sweep overwrites these in-process; missing keys: the default rule.
+# Best of the `layer.py --moe-decode-sweep` candidates per (E, I, L), batch 1, from the round-4
+# run (H200, Triton 3.6, 26 candidates, 12 calls per graph over > 2 × L2 of experts): K3 TP16
+# (I = 192) 20.9 µs (KS = 1 best: 25.8), TP8 (I = 384) 33.4 µs (KS = 1 best: 37.1). The split
+# gate_up only pays with a 2-warp down kernel at TP16 (4 warps: 54–66 µs). The sweep overwrites
+# these in-process; missing keys: the default rule.
 TUNED: dict[tuple[int, int, int], DecodeConfig] = {
-    (896, 192, 3584): DecodeConfig(8, 16, 4, 64, 2, 4),
-    (896, 384, 3584): DecodeConfig(8, 16, 4, 64, 4, 4),
+    (896, 192, 3584): DecodeConfig(8, 16, 4, 64, 2, 2, gate_up_ks=7, down_unroll=True),
+    (896, 384, 3584): DecodeConfig(8, 8, 2, 64, 4, 4, gate_up_ks=7),
 }
 
 
@@ -155,14 +263,16 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def default_decode_config(num_experts: int, intermediate: int, latent: int,
                           tuned: bool = True) -> DecodeConfig:
-    """TUNED entry if any (and `tuned`); else BN 16 / 64 and the widest K steps dividing K."""
+    """TUNED entry if any (and `tuned`); else BN 16 / 64, the widest K steps dividing K, and
+    gate_up split into L/32/GB slices (one K step per program)."""
     hit = TUNED.get((num_experts, intermediate, latent)) if tuned else None
     if hit is not None:
         return hit
-    return DecodeConfig(gate_up_bn=_pow2_divisor(intermediate, 16),
-                        gate_up_gb=_pow2_divisor(latent // 32, 16),
+    gb = _pow2_divisor(latent // 32, 16)
+    return DecodeConfig(gate_up_bn=_pow2_divisor(intermediate, 16), gate_up_gb=gb,
                         down_bn=_pow2_divisor(latent, 64),
-                        down_gb=_pow2_divisor(intermediate // 32, 4))
+                        down_gb=_pow2_divisor(intermediate // 32, 4),
+                        gate_up_ks=latent // 32 // gb)
 
 
 def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -177,22 +287,31 @@ def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     k = topk_ids.shape[1]
     P, I = T * k, experts.intermediate
     cfg = (config or default_decode_config(experts.num_experts, I, L)).validate(I, L)
+    ks = cfg.gate_up_ks
     ids = topk_ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     if out is None:
         out = torch.empty(T, L, dtype=torch.float32, device=z.device)
-    a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
-    nprog = P * (I // cfg.gate_up_bn)
-    zb = triton.next_power_of_2(-(-(T * L) // nprog))
+    grid = (P, I // cfg.gate_up_bn, ks)
+    zb = triton.next_power_of_2(-(-(T * L) // (grid[0] * grid[1] * ks)))
     lin = experts.linear_beta
-    _gate_up_kernel[(P, I // cfg.gate_up_bn)](
-        z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k,
-        float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I, KB=L // 2,
-        KG=L // 32, HAS_LIN=lin is not None, BN=cfg.gate_up_bn, GB=cfg.gate_up_gb, ZB=zb,
-        num_warps=cfg.gate_up_warps)
+    beta, lin_beta = float(experts.beta), float(lin if lin is not None else 1.0)
+    if ks == 1:     # a (P, I) bf16
+        a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
+        _gate_up_kernel[grid[:2]](
+            z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k, beta, lin_beta,
+            L=L, I=I, KB=L // 2, KG=L // 32, HAS_LIN=lin is not None, BN=cfg.gate_up_bn,
+            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps)
+    else:           # partials (P, KS, 2I) fp32, every element written once
+        a = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
+        _gate_up_split_kernel[grid](
+            z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k, L=L, I=I,
+            KB=L // 2, KG=L // 32, KS=ks, KGS=L // 32 // ks, BN=cfg.gate_up_bn,
+            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps)
     _down_kernel[(P, L // cfg.down_bn)](
-        a, ids, topk_weights.contiguous(), experts.w2, experts.s2, out, k, L=L, I=I, KB=I // 2,
-        KG=I // 32, BN=cfg.down_bn, GB=cfg.down_gb, num_warps=cfg.down_warps)
+        a, ids, topk_weights.contiguous(), experts.w2, experts.s2, out, k, beta, lin_beta,
+        L=L, I=I, KB=I // 2, KG=I // 32, KS=ks, HAS_LIN=lin is not None, BN=cfg.down_bn,
+        GB=cfg.down_gb, UNROLL=cfg.down_unroll, num_warps=cfg.down_warps)
     return out
 
 

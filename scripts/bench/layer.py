@@ -192,7 +192,8 @@ def run(args) -> dict:
     if args.moe_decode_sweep:
         from raydecode.kernels import moe_mxfp4_decode
         from .layer_moe_decode_sweep import sweep as decode_sweep
-        report["moe_decode_sweep"] = decode_sweep(cfg.moe, tps=args.tps, batches=(1, 4),
+        report["moe_decode_sweep"] = decode_sweep(cfg.moe, tps=args.tps,
+                                                  batches=args.moe_decode_sweep_batches,
                                                   log=lambda m: print(m, flush=True))
         report["moe_decode_tuned"] = {str(k): dataclasses.asdict(v)
                                       for k, v in moe_mxfp4_decode.TUNED.items()}
@@ -286,13 +287,16 @@ def main(argv=None) -> int:
                          "and time it beside the stock kernel at batch 1 and 4")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moe-decode-sweep-batches", default="1,4",
+                    help="batches the MoE decode tile sweep times (it tunes per expert shape)")
     ap.add_argument("--attnres", choices=("cute", "triton"), default="cute",
                     help="AttnRes mix + norm kernel of the specialized step (cute: the CuTe DSL "
                          "kernel where it supports the layout, else Triton)")
     args = ap.parse_args(argv)
     from raydecode.kernels import attnres_norm
     attnres_norm.USE_CUTE = args.attnres == "cute"
-    for name, conv in (("tps", int), ("kinds", str), ("batches", int)):
+    for name, conv in (("tps", int), ("kinds", str), ("batches", int),
+                       ("moe_decode_sweep_batches", int)):
         vals = [conv(v) for v in getattr(args, name).split(",") if v]
         setattr(args, name, vals)
     args.layer_idx = {k: int(v) for k, v in (kv.split("=") for kv in args.layer_idx.split(","))}

@@ -34,6 +34,17 @@ def candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
     b = D.default_decode_config(E, I, L)
     out += [rep(b, gate_up_bn=bn, gate_up_warps=w) for bn, w in ((4, 2), (4, 4), (8, 2), (8, 8), (16, 4))]
     out += [rep(b, down_bn=bn, down_warps=w) for bn, w in ((32, 2), (32, 4), (64, 2), (128, 4), (128, 8))]
+    # round 4: gate_up split-K, one GB = 16 step per program (KS = L/32/16: 7 at L = 3584),
+    # looped (ks = 1) beside it; then the down K loop unrolled (all I/32/GB steps in flight)
+    # at the mappings that keep every program resident, and a 2-step slice (KS = 7 at GB 8)
+    ks1 = (L // 32) // 16
+    out += [rep(b, gate_up_gb=16, gate_up_ks=ks, gate_up_bn=bn, gate_up_warps=w)
+            for ks in (1, ks1) for bn in (4, 8, 16) for w in (2, 4)]
+    s = rep(b, gate_up_gb=16, gate_up_ks=ks1)
+    out += [rep(s, down_unroll=True, down_bn=bn, down_warps=w)
+            for bn, w in ((64, 4), (64, 2), (128, 4), (32, 2))]
+    out += [rep(s, gate_up_gb=8, gate_up_bn=8, gate_up_warps=2),
+            rep(s, gate_up_gb=8, gate_up_ks=2 * ks1, gate_up_bn=8, gate_up_warps=2)]
     uniq = []
     for c in out:
         try:

@@ -1,6 +1,7 @@
 """Round-2 fused decode kernels (Triton) vs their PyTorch references on the GPU (needs CUDA +
 Triton): AttnRes mix + RMSNorm (plain and residual-add), router top-k, few-token MXFP4 expert
-GEMV, shared SiTU, latent RMSNorm.
+GEMV, shared SiTU, latent RMSNorm. On a CPU the small test_moe_decode_* cases run through the
+interpreter: `TRITON_INTERPRET=1 python -m pytest tests/gpu/test_fused_triton.py -k moe_decode`.
 
 Fresh random inputs per case (seed from os.urandom, in every failure message); outputs are
 preallocated NaN (or −1 for ids) or the caching allocator is poisoned with NaN first, so an
@@ -10,6 +11,7 @@ order and the tanh/sigmoid forms). Run on an H200 in round 2: 47 passed.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -23,9 +25,13 @@ from raydecode.kernels import moe_mxfp4_decode as D
 from raydecode.kernels import router as R
 from raydecode.kernels import router_triton as RT
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and AT.triton is not None),
-                                reason="needs CUDA and Triton")
-DEV = "cuda"
+ON_GPU = torch.cuda.is_available() and AT.triton is not None
+INTERPRET = (not torch.cuda.is_available() and AT.triton is not None
+             and os.environ.get("TRITON_INTERPRET") == "1")
+pytestmark = pytest.mark.skipif(not (ON_GPU or INTERPRET),
+                                reason="needs CUDA and Triton (or TRITON_INTERPRET=1 for the "
+                                       "small test_moe_decode_* cases)")
+DEV = "cuda" if ON_GPU else "cpu"
 BF = torch.bfloat16
 TOL = {                        # ‖out − ref‖ / ‖ref‖ (fp64)
     "attnres_h": 6e-3,         # mix rounded to bf16 (1 ulp flips) then normed, rounded
@@ -35,6 +41,13 @@ TOL = {                        # ‖out − ref‖ / ‖ref‖ (fp64)
     "situ": 6e-3,
     "rms_cast": 4e-3,
 }
+
+
+@pytest.fixture(autouse=True)
+def _gpu_unless_moe_decode(request):
+    """Under TRITON_INTERPRET=1 (CPU) only the few-token MoE tests run, on their small shapes."""
+    if not ON_GPU and not request.node.name.startswith("test_moe_decode"):
+        pytest.skip("needs CUDA (the interpreter runs only the small test_moe_decode_* cases)")
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +66,8 @@ def _rel(a, b) -> float:
 
 
 def _poison(nbytes: int = 1 << 28) -> None:
-    torch.empty(nbytes // 4, device=DEV).fill_(float("nan"))   # freed, then reused
+    if ON_GPU:      # the CPU allocator does not reuse like this; NaN `out`s still catch misses
+        torch.empty(nbytes // 4, device=DEV).fill_(float("nan"))   # freed, then reused
 
 
 def _nan(*shape, dtype=BF):
@@ -173,14 +187,21 @@ def test_route_topk_negative_selection_scores_order():
 
 # ---- few-token MXFP4 experts ----------------------------------------------------------------
 
-MOE_SHAPES = [(896, 3584, 192, 16), (896, 3584, 384, 16), (32, 128, 128, 4)]
+# K3 per-rank experts at TP16 / TP8 (GPU only: minutes under the interpreter) + small shapes
+MOE_K3 = [(896, 3584, 192, 16), (896, 3584, 384, 16)]
+MOE_SHAPES = (MOE_K3 if ON_GPU else []) + [(32, 128, 128, 4)]
+MOE_T = [1, 2, 4] if ON_GPU else [1, 2]        # interpreter: T = 4 costs a minute per case
+# (E, L, I, k, T) for the split-K test (`_split_configs`): L = 256 has 8 groups: KS 1 / 2 / 4
+# at GB 2, KS 1 at GB 8 (the interpreter's two cases, ~15 s each); K3 (112 groups): KS 1 / 2 /
+# 7 / 56 at GB 2, KS 1 / 7 at GB 16
+MOE_SPLIT = ([(*s, T) for s in MOE_K3 for T in (1, 4)] if ON_GPU else []) \
+    + [(8, 256, 64, 4, 1), (8, 256, 128, 2, 2)]
+# the interpreter truncates fp32 -> bf16 (1 ulp more at each of the three rounding points)
+MOE_TOL = TOL["moe"] if ON_GPU else 2.5e-2
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="K3 shapes / CUDA graphs: GPU only")
 
 
-@pytest.mark.parametrize("E,L,I,k", MOE_SHAPES)
-@pytest.mark.parametrize("T", [1, 2, 4])
-@pytest.mark.parametrize("lin", [None, 25.0])
-def test_moe_decode_matches_reference(E, L, I, k, T, lin):
-    seed = _seed()
+def _moe_case(E, L, I, k, T, seed, lin=25.0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     ex = M.MXFP4Experts.random(E, L, I, 4.0, lin, device=DEV, seed=seed).validate()
     z = torch.randn(T, L, generator=g, device=DEV).to(BF)
@@ -188,58 +209,117 @@ def test_moe_decode_matches_reference(E, L, I, k, T, lin):
     w = (w / w.sum(-1, keepdim=True)).float()
     if T > 1:       # two tokens share their first expert: both pairs add into their own rows
         ids[1, 0] = ids[0, 0] if ids[0, 0] not in ids[1] else ids[1, 0]
+    return ex, z, w, ids, g
+
+
+def _split_configs(I: int, L: int) -> list:
+    """Every split factor KS of gate_up at two K-step widths (1 and 2+ unrolled steps per
+    slice), down looped and unrolled; ks = 1 is the looped gate_up kernel."""
+    kg = L // 32
+    out = []
+    for gb in sorted({D._pow2_divisor(kg, 16), D._pow2_divisor(kg, 2)}):
+        for ks in (d for d in range(1, kg // gb + 1) if (kg // gb) % d == 0):
+            if kg // gb > 16 and ks not in (1, 2, 7, kg // gb):   # K3 at GB 2: a few KS
+                continue
+            out.append(D.DecodeConfig(gate_up_bn=D._pow2_divisor(I, 8), gate_up_gb=gb,
+                                      gate_up_warps=2, down_bn=D._pow2_divisor(L, 32),
+                                      down_gb=D._pow2_divisor(I // 32, 2), gate_up_ks=ks,
+                                      down_unroll=ks % 2 == 0))
+    return out
+
+
+@pytest.mark.parametrize("E,L,I,k", MOE_SHAPES)
+@pytest.mark.parametrize("T", MOE_T)
+@pytest.mark.parametrize("lin", [None, 25.0])
+def test_moe_decode_matches_reference(E, L, I, k, T, lin):
+    """The default config (split-K gate_up at the K3 shapes, ks = 1 at the small ones)."""
+    seed = _seed()
+    ex, z, w, ids, _ = _moe_case(E, L, I, k, T, seed, lin)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     out = _nan(T, L, dtype=torch.float32)
     _poison()
     D.moe_mxfp4_decode(z, w, ids, ex, out=out)
     assert not out.isnan().any(), f"seed {seed}"
-    assert _rel(out, ref) <= TOL["moe"], f"seed {seed}: {_rel(out, ref)}"
+    assert _rel(out, ref) <= MOE_TOL, f"seed {seed}: {_rel(out, ref)}"
 
 
+@pytest.mark.parametrize("E,L,I,k,T", MOE_SPLIT)
+def test_moe_decode_split_k(E, L, I, k, T):
+    """Every gate_up split factor (and ks = 1) against the reference, `out` NaN-poisoned (the
+    split grid must zero all of it) and the allocator poisoned (an unwritten partial is NaN)."""
+    seed = _seed()
+    ex, z, w, ids, _ = _moe_case(E, L, I, k, T, seed, lin=None if T == 1 else 25.0)
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    cfgs = _split_configs(I, L)
+    assert any(c.gate_up_ks > 1 for c in cfgs) and any(c.gate_up_ks == 1 for c in cfgs)
+    for cfg in cfgs:
+        out = _nan(T, L, dtype=torch.float32)
+        _poison()
+        D.moe_mxfp4_decode(z, w, ids, ex, cfg, out=out)
+        assert not out.isnan().any(), f"seed {seed} {cfg}"
+        assert _rel(out, ref) <= MOE_TOL, f"seed {seed} {cfg}: {_rel(out, ref)}"
+
+
+def test_moe_decode_split_k_config_rejected():
+    """A split factor not dividing L/32/GB is refused before any launch."""
+    ex, z, w, ids, _ = _moe_case(8, 256, 64, 4, 1, 0)
+    with pytest.raises(ValueError, match="gate_up KS 3"):
+        D.moe_mxfp4_decode(z, w, ids, ex, D.DecodeConfig(8, 2, 2, 32, 2, 2, gate_up_ks=3))
+
+
+@gpu_only
 @pytest.mark.parametrize("cfg", [D.DecodeConfig(8, 16, 4, 32, 2, 4),
-                                 D.DecodeConfig(32, 8, 8, 128, 2, 8)])
+                                 D.DecodeConfig(32, 8, 8, 128, 2, 8),
+                                 D.DecodeConfig(4, 16, 2, 64, 2, 4, gate_up_ks=7),
+                                 D.DecodeConfig(16, 8, 4, 128, 2, 2, gate_up_ks=14,
+                                                down_unroll=True)])
 def test_moe_decode_other_tiles(cfg):
     seed = _seed()
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    ex = M.MXFP4Experts.random(896, 3584, 192, 4.0, 25.0, device=DEV, seed=seed)
-    z = torch.randn(1, 3584, generator=g, device=DEV).to(BF)
-    w, ids = torch.rand(1, 896, generator=g, device=DEV).topk(16, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).float()
+    ex, z, w, ids, _ = _moe_case(896, 3584, 192, 16, 1, seed)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     assert _rel(D.moe_mxfp4_decode(z, w, ids, ex, cfg), ref) <= TOL["moe"], f"seed {seed}"
 
 
-def test_moe_decode_fp32_z_rounds_like_bf16():
+@gpu_only
+@pytest.mark.parametrize("ks", [1, 7])
+def test_moe_decode_fp32_z_rounds_like_bf16(ks):
     seed = _seed()
     g = torch.Generator(device=DEV).manual_seed(seed)
     ex = M.MXFP4Experts.random(896, 3584, 192, 4.0, 25.0, device=DEV, seed=seed)
     z32 = torch.randn(2, 3584, generator=g, device=DEV)
     w, ids = torch.rand(2, 896, generator=g, device=DEV).topk(16, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).float()
-    a = D.moe_mxfp4_decode(z32, w, ids, ex)
-    b = D.moe_mxfp4_decode(z32.to(BF), w, ids, ex)
+    cfg = D.DecodeConfig(8, 16, 4, 64, 2, 4, gate_up_ks=ks)
+    a = D.moe_mxfp4_decode(z32, w, ids, ex, cfg)
+    b = D.moe_mxfp4_decode(z32.to(BF), w, ids, ex, cfg)
     assert _rel(a, b) <= 1e-6, f"seed {seed}: {_rel(a, b)}"   # atomics order only
 
 
-def test_moe_decode_graph_replays_new_routing():
+@gpu_only
+@pytest.mark.parametrize("I,ks", [(192, 1), (192, 7), (384, 7)])
+def test_moe_decode_graph_replays_new_routing(I, ks):
+    """Captured once (workspace allocated inside the capture), replayed with new routings."""
     seed = _seed()
     g = torch.Generator(device=DEV).manual_seed(seed)
-    ex = M.MXFP4Experts.random(896, 3584, 192, 4.0, 25.0, device=DEV, seed=seed)
+    ex = M.MXFP4Experts.random(896, 3584, I, 4.0, 25.0, device=DEV, seed=seed)
     z = torch.randn(2, 3584, generator=g, device=DEV).to(BF)
     w, ids = torch.rand(2, 896, generator=g, device=DEV).topk(16, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).float()
+    cfg = dataclasses.replace(D.default_decode_config(896, I, 3584), gate_up_ks=ks)
     out = torch.empty(2, 3584, device=DEV)
-    D.moe_mxfp4_decode(z, w, ids, ex, out=out)
+    D.moe_mxfp4_decode(z, w, ids, ex, cfg, out=out)
     torch.cuda.synchronize()
     gr = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gr):
-        D.moe_mxfp4_decode(z, w, ids, ex, out=out)
+        D.moe_mxfp4_decode(z, w, ids, ex, cfg, out=out)
     for _ in range(2):      # replays: new routing each time, out re-zeroed by the kernel
         w2, i2 = torch.rand(2, 896, generator=g, device=DEV).topk(16, dim=-1)
         w.copy_(w2 / w2.sum(-1, keepdim=True))
         ids.copy_(i2)
+        out.fill_(float("nan"))
         gr.replay()
         torch.cuda.synchronize()
+        assert not out.isnan().any(), f"seed {seed}"
         assert _rel(out, M.moe_mxfp4_reference(z, w, ids, ex)) <= TOL["moe"], f"seed {seed}"
 
 
