@@ -17,6 +17,8 @@ strided views as they come (last dim contiguous) and never synchronise with the 
                       l  = α·l + Σ p;      acc = α·acc + bf16(p)·K_c     (HP, c) fp32
                   writes o_part = acc / l, lse_part = (m + log2 l)·ln2; an empty split writes
                   o 0, lse −inf (so every partial element is written: no zero-init needed)
+  _output_token_kernel  grid (T, h, ⌈v/16⌉), T ≤ OUTPUT_TOKEN_MAX_T: the PROJECT merge below for
+                  one token per program (all S partials in one tile load, M = 1 product)
   _merge_kernel   grid (⌈T/16⌉, h, ⌈v/BV⌉): over the S partials of (t, h)
                       w_s = exp(lse_s − max lse),  o_lat = Σ w_s o_s / Σ w_s
                   PROJECT: y = bf16(bf16(o_lat)·w_uv_t[h][:, vb]) (tl.dot, fp32 acc),
@@ -191,6 +193,45 @@ if triton is not None:
             tl.store(lo_ptr + tt * lo_st + hd * lo_sh, lse, mask=mt)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _output_token_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                             w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V,
+                             SP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr):
+        """Small-batch form of the PROJECT merge: one token per program, all S partials of
+        (t, h) loaded as one (SP, BC) tile (no loop over splits, no 16-token padding), the
+        w_uv product as a broadcast-multiply + sum (M = 1: no tl.dot)."""
+        t, hd, vb = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), \
+            tl.program_id(2)
+        ss = tl.arange(0, SP)
+        ms = ss < NS
+        oc = tl.arange(0, BC)
+        mc = oc < KL
+        vv = vb * BV + tl.arange(0, BV)
+        mv = vv < V
+        wv = tl.load(w_ptr + hd * w_sh + oc[:, None] * w_sc + vv[None, :],
+                     mask=mc[:, None] & mv[None, :], other=0.0)              # (BC, BV) first
+        lse = tl.load(l_ptr + t * l_st + ss * l_ss + hd * l_sh, mask=ms, other=float("-inf"))
+        o = tl.load(o_ptr + t * o_st + ss[:, None] * o_ss + hd * o_sh + oc[None, :],
+                    mask=ms[:, None] & mc[None, :], other=0.0)              # (SP, BC) fp32
+        mx = tl.max(lse, 0)
+        w = tl.exp(lse - tl.where(mx == float("-inf"), 0.0, mx))             # −inf → 0
+        den = tl.sum(w, 0)
+        o_lat = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)    # (BC,)
+        o_lat = o_lat.to(wv.dtype).to(tl.float32)                            # stock's bf16
+        y = tl.sum(o_lat[:, None] * wv.to(tl.float32), 0)                     # (BV,) fp32
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        g = tl.load(g_ptr + t * g_st + hd * V + vv, mask=mv, other=0.0)
+        y = y * tl.sigmoid(g.to(tl.float32))
+        tl.store(y_ptr + t * y_st + hd * V + vv, y.to(y_ptr.dtype.element_ty), mask=mv)
+
+
+# token-per-program output kernel up to this batch (above it the 16-token tl.dot form reuses
+# each w_uv tile across tokens)
+OUTPUT_TOKEN_MAX_T = 8
+
+
 def _p2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -254,6 +295,15 @@ def output_triton(o_part, lse_part, w_uv_t, gate, out: torch.Tensor) -> torch.Te
     """Merge + bf16 + w_uv + sigmoid gate: out (T, h·v)."""
     T, S, h, kl = o_part.shape
     V = w_uv_t.shape[2]
+    if T <= OUTPUT_TOKEN_MAX_T and _p2(S, 2) * _p2(kl) <= 16384:   # tile fits registers
+        BV = 16
+        _output_token_kernel[(T, h, triton.cdiv(V, BV))](
+            o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+            w_uv_t, w_uv_t.stride(0), w_uv_t.stride(1), gate, gate.stride(0), out,
+            out.stride(0), S, kl, V, SP=_p2(S, 2), BC=_p2(kl), BV=BV,
+            num_warps=4 if _p2(S, 2) * _p2(kl) <= 8192 else 8)
+        return out
     BV = 32 if V >= 32 else 16
     _merge_kernel[(triton.cdiv(T, 16), h, triton.cdiv(V, BV))](
         o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),

@@ -6,9 +6,13 @@ One program per token, the E scores in registers (BLOCK_E = next pow2 ≥ E):
     s   = sigmoid(logits)                     sel = s + bias (−inf past E)
     key = ord(sel) << 32 | (BLOCK_E − 1 − e)  int64; ord() maps fp32 to int32 monotonically
     k rounds: one max-reduction of key gives the best expert (lowest index among equal
-              scores), its weight s[e] is recomputed from its logit, its key set to int64 min
-    w   = s[ids] / Σ s[ids] · scaling          written (T, k) fp32; ids (T, k) int64, best first
-One reduction per selected expert (k = 16 of E = 896 for K3). Triton version for round 2 of
+              scores), its key set to int64 min
+    w   = s[ids] / Σ s[ids] · scaling          s[ids] from one gather of the k logits after
+                                               the rounds; (T, k) fp32, ids (T, k) int64
+One block reduction per selected expert (k = 16 of E = 896 for K3, 4 warps). Round 2 also
+loaded each winner's logit inside its round (5.9 µs at batch 1); round 4 tried one warp for
+the whole row (in-warp rounds, no barriers) and measured 16.6 µs — the 32-deep per-lane
+compare chains cost more than the barriers — so 4 warps stay. Triton version for round 2 of
 issue 6 (the CuTe DSL kernel is the follow-up).
 """
 from __future__ import annotations
@@ -37,17 +41,17 @@ if triton is not None:
         key = tl.where(m, key, lowest)
         kk = tl.arange(0, KP)
         ids = tl.zeros((KP,), tl.int64)
-        w = tl.zeros((KP,), tl.float32)
         for j in tl.static_range(K):
             best = tl.max(key, 0)
             e = (BLOCK_E - 1) - (best & 0xFFFFFFFF)
-            xe = tl.load(logits_ptr + t * l_st + e).to(tl.float32)
             ids = tl.where(kk == j, e, ids)
-            w = tl.where(kk == j, tl.sigmoid(xe), w)
             key = tl.where(offs == e, lowest, key)
+        # the K weights in one gather after the loop (no dependent load per round)
+        kok = kk < K
+        xe = tl.load(logits_ptr + t * l_st + ids, mask=kok, other=0.0).to(tl.float32)
+        w = tl.where(kok, tl.sigmoid(xe), 0.0)
         if RENORM:
             w = w / tl.sum(w, 0)                                    # padding entries are 0
-        kok = kk < K
         tl.store(w_ptr + t * K + kk, w * scaling, mask=kok)
         tl.store(ids_ptr + t * K + kk, ids, mask=kok)
 
