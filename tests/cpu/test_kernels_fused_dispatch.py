@@ -114,10 +114,11 @@ def test_moe_decode_not_used_on_cpu_and_tiles_validate():
 
 def test_moe_decode_split_k_validates():
     """gate_up_ks must divide L/32/GB (3584: 112 groups, 7 steps of GB 16)."""
-    for I in (192, 384):                     # the K3 shapes default to one GB step per program
-        c = D.default_decode_config(896, I, 3584)
+    for I in (192, 384):    # untuned rule: one GB step per program; TUNED: measured splits
+        c = D.default_decode_config(896, I, 3584, tuned=False)
         assert c.gate_up_ks * c.gate_up_gb == 3584 // 32
-        assert D.default_decode_config(896, I, 3584, tuned=False).gate_up_ks > 1
+        t = D.default_decode_config(896, I, 3584)
+        assert t.gate_up_ks > 1 and t.validate(I, 3584) is t
     for ks in (1, 7):
         D.DecodeConfig(gate_up_gb=16, gate_up_ks=ks).validate(192, 3584)
     D.DecodeConfig(gate_up_gb=8, gate_up_ks=14).validate(192, 3584)
