@@ -125,7 +125,9 @@ def decode_meta(batch: StepBatch, cache: MLALatentCache, device
     T, width = len(order), max(1, max(len(t) for t in tables))
     flat = [b for t in tables for b in t + [0] * (width - len(t))]
     flat += [s.pos // D if s.pos % D == r else -1 for s in order] + lens
-    dev = torch.tensor(flat, dtype=torch.int32).to(device)    # [table | store | seq_lens]
+    host = torch.tensor(flat, dtype=torch.int32)               # [table | store | seq_lens]
+    dev = (host.pin_memory().to(device, non_blocking=True)     # no host sync on CUDA
+           if torch.device(device).type == "cuda" else host.to(device))
     out = (dev[:T * width].view(T, width), dev[T * width:T * width + T], dev[T * width + T:])
     _META_MEMO[0] = (weakref.ref(batch), key, out)
     return out
