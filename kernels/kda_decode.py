@@ -48,10 +48,20 @@ def _l2(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
 
 
-def _delta_rule(q, k, v, g, beta, S: torch.Tensor, scale: float) -> torch.Tensor:
-    """q, k, g, v (T, h, d), beta (T, h) fp32; S (T, h, d, d) fp32 updated in place -> o
-    (T, h, d). o = scale · (qᵀS' + (q·k) u) = scale · qᵀS_new, the stock step's pass order
-    (one bmm read of S, one scale, one rank-1 update)."""
+def kda_gate_exp(raw: torch.Tensor, exp_a: torch.Tensor, dt_bias: torch.Tensor,
+                 lower_bound: float) -> torch.Tensor:
+    """models/kda.py `kda_gate` with exp(A_log) precomputed: raw (T, h, d) -> (T, h, d) fp32."""
+    h, d = raw.shape[-2:]
+    return lower_bound * torch.sigmoid(exp_a.view(h, 1) * (raw.float() + dt_bias.view(h, d)))
+
+
+def delta_rule_step(q, k, v, g, beta, S: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token of the gated delta rule for every (sequence, head), S updated in place.
+
+    q, k, g, v (T, h, d), beta (T, h) fp32; S (T, h, d, d) fp32. With S' = Diag(e^g) S:
+    u = β (v − kᵀS'),  S ← S' + k uᵀ,  o = scale · (qᵀS' + (q·k) u) = scale · qᵀS_new
+    (models/kda.py `kda_recurrent`) -> o (T, h, d). Passes over S: one bmm read, one scale in
+    place, one rank-1 update in place (the stock benchmark step runs exactly this)."""
     T, h, d = q.shape
     eg = g.exp()
     Sc = S if S.is_contiguous() else S.contiguous()         # strided state: work on a copy
@@ -87,14 +97,14 @@ def kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_
     b = proj[:, 4 * C:4 * C + h]
     fa = proj[:, 4 * C + h:4 * C + h + d]
     fb = F.linear(fa, fb_w).view(T, h, d)
-    g = lower_bound * torch.sigmoid(exp_a.view(h, 1) * (fb.float() + dt_bias.view(h, d)))
+    g = kda_gate_exp(fb, exp_a, dt_bias, lower_bound)
     beta = torch.sigmoid(b.float())                                        # (T, h)
     xs = torch.cat([conv_state, qkv_in.unsqueeze(-1)], -1)                 # (T, 3C, W)
     y = F.silu((xs.float() * conv_w).sum(-1)).to(proj.dtype).float()
     conv_state.copy_(xs[..., 1:])
     q, k, v = y.view(T, 3, h, d).unbind(1)
     q, k = _l2(q), _l2(k)
-    o = _delta_rule(q, k, v, g, beta, rec_state, d ** -0.5)               # (T, h, d) fp32
+    o = delta_rule_step(q, k, v, g, beta, rec_state, d ** -0.5)               # (T, h, d) fp32
     gate = torch.sigmoid(g_out.float()).view(T, h, d)
     res = (F.rms_norm(o, (d,), o_norm_w, eps) * gate).to(proj.dtype).view(T, C)
     if out is None:
@@ -176,4 +186,5 @@ def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_sta
                                 rec_state, out=out, **kw)
 
 
-__all__ = ["kda_decode", "kda_decode_reference", "USE_TRITON", "HEAD_DIMS"]
+__all__ = ["kda_decode", "kda_decode_reference", "delta_rule_step", "kda_gate_exp", "USE_TRITON",
+           "HEAD_DIMS"]

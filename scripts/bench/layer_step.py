@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from raydecode.kernels.kda_decode import delta_rule_step, kda_gate_exp
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
 from raydecode.models.attnres import attn_res_mix
 from raydecode.models.kda import l2_normalize
@@ -132,7 +133,7 @@ class DecodeStep:
         conv.copy_(xs[..., 1:])
         q, k, v = y.view(T, 3, hl, d).unbind(1)
         q, k = l2_normalize(q), l2_normalize(k)
-        o = kda_decode_step(q, k, v, g, beta, S.kda_rec[:T], d ** -0.5)   # (T, h, d) fp32
+        o = delta_rule_step(q, k, v, g, beta, S.kda_rec[:T], d ** -0.5)   # (T, h, d) fp32
         gate = torch.sigmoid(g_out.float()).view(T, hl, d)
         o = (F.rms_norm(o, (d,), t["kda_o_norm"], self.eps) * gate).to(h.dtype)
         return self.lin(o.view(T, C), t["kda_o_proj"])          # [all-reduce]
@@ -203,31 +204,4 @@ class DecodeStep:
         return out
 
 
-def kda_gate_exp(raw: torch.Tensor, exp_a: torch.Tensor, dt_bias: torch.Tensor,
-                 lower_bound: float) -> torch.Tensor:
-    """models/kda.py `kda_gate` with exp(A_log) precomputed: raw (T, h, dk) -> (T, h, dk)."""
-    h, dk = raw.shape[-2:]
-    return lower_bound * torch.sigmoid(exp_a.view(h, 1) * (raw.float() + dt_bias.view(h, dk)))
-
-
-def kda_decode_step(q, k, v, g, beta, S: torch.Tensor, scale: float) -> torch.Tensor:
-    """One token of the gated delta rule for every (sequence, head), S updated in place.
-
-    q, k, g (T, h, dk), v (T, h, dv), beta (T, h) fp32; S (T, h, dk, dv) fp32. With
-    S' = Diag(e^g) S:  u = β (v − kᵀS'),  S ← S' + k uᵀ,  o = scale · (qᵀS' + (q·k) u)
-    (= scale · qᵀS_new, models/kda.py `kda_recurrent`). Passes over S: one bmm read, one
-    scale in place, one rank-1 update in place."""
-    T, h, dk = q.shape
-    dv = v.shape[-1]
-    eg = g.exp()
-    Sf = S.view(T * h, dk, dv)
-    r = torch.bmm(torch.stack([k * eg, q * eg], 2).view(T * h, 2, dk), Sf)   # (Th, 2, dv)
-    u = beta.reshape(T * h, 1) * (v.reshape(T * h, dv) - r[:, 0])
-    Sf.mul_(eg.reshape(T * h, dk, 1))
-    Sf.baddbmm_(k.reshape(T * h, dk, 1), u.view(T * h, 1, dv))
-    o = scale * (r[:, 1] + (q * k).sum(-1).reshape(T * h, 1) * u)
-    return o.view(T, h, dv)
-
-
-__all__ = ["DecodeStep", "kda_decode_step", "kda_gate_exp", "mm_f32", "bmm_f32", "rms",
-           "gemv_linear"]
+__all__ = ["DecodeStep", "mm_f32", "bmm_f32", "rms", "gemv_linear"]
