@@ -241,6 +241,21 @@ def test_clique_affinity_imex_claim_and_label_init_container(build):
             "namespace": sa["metadata"]["namespace"]} in binding["subjects"]
 
 
+def test_workers_share_a_node_local_kernel_cache(build):
+    """Every worker's RAYDECODE_KERNEL_CACHE is a mounted node-local hostPath (kernels/aot.py:
+    the first rank on a node compiles, the others load; flock needs local disk)."""
+    _, objs = build
+    for grp in _one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = grp["template"]["spec"]
+        ray_c = spec["containers"][0]
+        env = {e["name"]: e.get("value") for e in ray_c["env"]}
+        path = env["RAYDECODE_KERNEL_CACHE"]
+        (mount,) = [m for m in ray_c["volumeMounts"] if m["mountPath"] == path]
+        assert not mount.get("readOnly")
+        (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert vol["hostPath"]["type"] == "DirectoryOrCreate"
+
+
 def test_validators_catch_typos_and_wrong_types():
     objs = kustomize_build(MANIFESTS / "base")
     rs = copy.deepcopy(_one(objs, "RayService"))
