@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -14,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-buckets", default="1,2", help="comma-separated decode batch (M) "
                    "buckets; GEMVs are compiled for the buckets `linear` sends to CuTe (M <= 2)")
     p.add_argument("--arch", default="sm_90a", help="target arch (CUTE_DSL_ARCH form): sm_90a "
-                   "for H100/H200, sm_100a for B200")
+                   "for H100/H200, sm_100a for B200, sm_103a for GB300")
     p.add_argument("--cache-dir", default=None, help="cache directory (default: "
                    "$RAYDECODE_KERNEL_CACHE)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton offline compiles")
@@ -45,12 +46,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     root = cache_dir(args.cache_dir)
     if root is None:
-        print(f"error: no cache directory: pass --cache-dir or set {ENV}")
+        print(f"error: no cache directory: pass --cache-dir or set {ENV}", file=sys.stderr)
         return 2
     os.environ[ENV] = str(root)                  # gemv._compiled stores into this cache
     prev = os.environ.setdefault("CUTE_DSL_ARCH", arch)   # before cutlass is imported
     if prev != arch:
-        print(f"error: CUTE_DSL_ARCH={prev} in the environment but --arch {arch}")
+        print(f"error: CUTE_DSL_ARCH={prev} in the environment but --arch {arch}",
+              file=sys.stderr)
         return 2
     t0 = time.monotonic()
     warm(plan, root, triton=not args.no_triton,
