@@ -60,15 +60,10 @@ from dataclasses import dataclass
 import torch
 
 from raydecode.kernels._cute import CompileCache, cute_available
+from raydecode.kernels._cute_dsl import Float32, _dsl, _Stream, _Tensor, const_expr, cute, cutlass
 from raydecode.kernels.attnres_norm_triton import bank_view
 
-try:  # CPU-only machines have no cutlass: the kernel class is defined but never compiled there.
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, const_expr
-
-    _dsl = cute  # decorators must read `<name>.jit` / `<name>.kernel` for the DSL preprocessor
-    _Tensor = cute.Tensor
+if cutlass is not None:
     from cutlass._mlir.dialects import llvm as _llvm
     from cutlass.cutlass_dsl import T as _T, dsl_user_op as _user_op
 
@@ -82,26 +77,6 @@ try:  # CPU-only machines have no cutlass: the kernel class is defined but never
             "{ .reg .u32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }",
             "=f,r,r", has_side_effects=True, is_align_stack=False,
             asm_dialect=_llvm.AsmDialect.AD_ATT))
-    try:
-        from cuda.bindings.driver import CUstream as _Stream
-    except Exception:  # pragma: no cover - cuda-python missing
-        _Stream = object
-except Exception:  # ImportError, or a broken native library
-    cutlass = cute = Float32 = None
-
-    class _dsl:  # stand-in decorators so the kernel class still defines without cutlass
-        @staticmethod
-        def jit(fn):
-            return fn
-
-        @staticmethod
-        def kernel(fn):
-            return fn
-
-    _Tensor = _Stream = object
-
-    def const_expr(v):  # noqa: D103 - stand-in, never traced
-        return v
 
 
 WARP = 32

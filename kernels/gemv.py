@@ -39,34 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels._cute import CompileCache, cute_available
-
-try:  # CPU-only machines have no cutlass: the kernel class is defined but never compiled there.
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, const_expr
-
-    _dsl = cute  # decorators must read `<name>.jit` / `<name>.kernel` for the DSL preprocessor
-    _Tensor = cute.Tensor
-    try:
-        from cuda.bindings.driver import CUstream as _Stream
-    except Exception:  # pragma: no cover - cuda-python missing
-        _Stream = object
-except Exception:  # ImportError, or a broken native library
-    cutlass = cute = Float32 = None
-
-    class _dsl:  # stand-in decorators so the kernel class still defines without cutlass
-        @staticmethod
-        def jit(fn):
-            return fn
-
-        @staticmethod
-        def kernel(fn):
-            return fn
-
-    _Tensor = _Stream = object
-
-    def const_expr(v):  # noqa: D103 - stand-in, never traced
-        return v
+from raydecode.kernels._cute_dsl import Float32, _dsl, _Stream, _Tensor, const_expr, cute, cutlass
 
 
 WARP = 32
