@@ -11,15 +11,13 @@ recorded and skipped. Bytes = distinct experts per call × bytes per expert.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import torch
 
 from raydecode.kernels import moe_mxfp4 as M
 from raydecode.kernels import moe_mxfp4_decode as D
 
-from .layer_timing import GraphTimer
+from .layer_moe_sweep import check_and_time, expert_bank, random_calls
 
 
 def candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
@@ -56,31 +54,18 @@ def candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
     return uniq
 
 
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def sweep(cfg_moe, tps=(16, 8), batches=(1,), calls: int = 12, seed: int = 0,
           log=print) -> list[dict]:
     E, L, k = cfg_moe.num_experts, cfg_moe.latent_size, cfg_moe.top_k
     rows = []
     for tp in tps:
         I = cfg_moe.expert_intermediate // tp
-        bank = M.MXFP4Experts.random(E, L, I, 4.0, 25.0, fan_in_13=L,
-                                     fan_in_2=cfg_moe.expert_intermediate, device="cuda",
-                                     seed=seed + tp)
+        bank = expert_bank(cfg_moe, tp, seed)
         gen = torch.Generator(device="cuda").manual_seed(seed)
         for B in batches:
             if B * k > D.MAX_PAIRS:
                 continue
-            z = torch.randn(B, L, generator=gen, device="cuda").to(torch.bfloat16)
-            routes = []
-            for _ in range(calls):
-                w, ids = torch.rand(B, E, generator=gen, device="cuda").topk(k, dim=-1)
-                routes.append(((w / w.sum(-1, keepdim=True)).float(), ids))
-            touched = statistics.mean(int(torch.unique(r[1]).numel()) for r in routes)
-            nbytes = touched * bank.expert_bytes()
-            ref = M.moe_mxfp4_reference(z, *routes[0], bank)
+            z, routes, touched, nbytes, ref = random_calls(bank, B, k, calls, gen)
             best = None
             stock = M.default_config(B * k, E, I, L)
             runs = [("stock", stock)] + [("decode", c) for c in candidates(E, I, L)]
@@ -89,19 +74,9 @@ def sweep(cfg_moe, tps=(16, 8), batches=(1,), calls: int = 12, seed: int = 0,
                       else (lambda r, c=c: D.moe_mxfp4_decode(z, *r, bank, c)))
                 row = {"tp": tp, "batch": B, "kernel": kind, "config": dataclasses.asdict(c),
                        "touched_experts": touched, "bytes_per_call": nbytes}
-                try:
-                    t0 = time.time()
-                    err = _rel(fn(routes[0]), ref)
-                    row.update(first_call_s=time.time() - t0, rel_err=err)
-                    if not err < 1e-2:
-                        raise AssertionError(f"rel err {err:.3g} vs the reference")
-                    t = GraphTimer(replays=10, warm=2).run(
-                        [lambda r=r, fn=fn: fn(r) for r in routes], count_nodes=False)
-                    row.update(us=t.us_per_call, Bps=nbytes / (t.us_per_call * 1e-6))
-                    if kind == "decode" and (best is None or t.us_per_call < best[0]):
-                        best = (t.us_per_call, c)
-                except Exception as e:      # compile/run/accuracy failure: recorded, skipped
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                us = check_and_time(fn, routes, ref, nbytes, row)
+                if kind == "decode" and us is not None and (best is None or us < best[0]):
+                    best = (us, c)
                 rows.append(row)
                 log(f"moe-decode sweep TP{tp} B={B} {kind:6s} {c}: "
                     + (f"{row['us']:7.1f} us {row['Bps'] / 1e12:5.2f} TB/s" if "us" in row
