@@ -11,7 +11,6 @@ proposes what the target will say wherever the previous token determines it (hig
 with partial rejections where it does not).
 """
 import copy
-import socket
 import subprocess
 import sys
 
@@ -36,6 +35,8 @@ from raydecode.models.dspark_checkpoint import build_drafter, load_drafter
 from raydecode.models.k3 import make_caches
 from raydecode.models.parallel import Parallel, TorchComm
 from raydecode.models.weights import load_model
+
+from _net import free_port
 
 torch.set_num_threads(1)
 PROMPT = "The river ran past the old mill"
@@ -308,14 +309,8 @@ def _tp_worker(rank, world, port, prompt_ids, ref):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_and_dcp2_speculative_greedy_equals_tp1_stock(tok, reference):
-    mp.spawn(_tp_worker, args=(2, _free_port(), tok.encode(PROMPT), reference[:16]), nprocs=2,
+    mp.spawn(_tp_worker, args=(2, free_port(), tok.encode(PROMPT), reference[:16]), nprocs=2,
              join=True)
 
 

@@ -3,7 +3,6 @@ PyTorch references on CPU): the layer's outputs and cache rows equal the stock p
 batches with different positions and non-contiguous slots and blocks, after a prefill; DCP = 2
 over gloo; the fast path is taken exactly where it should be (a spy that calls the real op)."""
 import dataclasses
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,8 @@ from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 from raydecode.models.layers import shard_tensor
 from raydecode.models.parallel import Parallel, TorchComm
+
+from _net import free_port
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
@@ -253,11 +254,5 @@ def _dcp_worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_dcp1_and_dcp2_fused_decode_equal_stock_over_gloo():
-    mp.spawn(_dcp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_dcp_worker, args=(2, free_port()), nprocs=2, join=True)

@@ -1,6 +1,5 @@
 """Whole tiny K3: cached decode and chunked prefill == one prefill, batching, the parameter
 contract, AttnRes bookkeeping, and TP=2 (with and without DCP=2) == TP=1 over real gloo."""
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 from raydecode.models.layers import RMSNorm, shard_tensor
 from raydecode.models.parallel import Parallel, TorchComm
+
+from _net import free_port
 
 torch.set_num_threads(1)
 SEED, T = 1234, 12
@@ -171,14 +172,8 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_and_dcp2_match_tp1_over_gloo():
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def test_step_batch_rejects_out_of_order_sequences():

@@ -8,7 +8,6 @@ counters show it, and the replica rebuilds."""
 import asyncio
 import json
 import re
-import socket
 import sys
 
 import urllib.error
@@ -23,15 +22,11 @@ from raydecode.actors.serve import LocalServer, deployment_for
 from raydecode.engine.loader import build_local_engine
 from raydecode.engine.request import SamplingParams
 
+from _net import free_port
+
 torch.set_num_threads(1)
 MML = 128
 NAME = "tiny-k3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 POISON = 509        # '<|tool_call_end|>': never produced by text encoding or the chat template

@@ -15,7 +15,6 @@
 """
 import asyncio
 import json
-import socket
 import urllib.error
 import urllib.request
 
@@ -36,6 +35,8 @@ from raydecode.engine.request import SamplingParams
 from raydecode.models.dspark import load_dspark_config, parse_dspark_config
 from raydecode.models.dspark_checkpoint import write_dspark_checkpoint
 
+from _net import free_port
+
 torch.set_num_threads(1)
 MML = 128
 NAME = "tiny-k3-dspark"
@@ -43,12 +44,6 @@ K = 5
 MATCHED = "The river ran past the old mill"
 OTHER = "def fib(n):"
 N_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(url, body: bytes | None = None):

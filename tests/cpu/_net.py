@@ -1,0 +1,10 @@
+"""Shared test helper: a free local TCP port (gloo rendezvous, HTTP servers)."""
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
