@@ -37,7 +37,8 @@ from raydecode.kernels import kda_decode as kda_decode_op
 
 from .cache import ModelCaches, StepBatch
 from .config import K3Config
-from .layers import RMSNorm, column_linear, new_param, replicated_linear, rms_norm, row_linear
+from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, replicated_linear,
+                     rms_norm, row_linear)
 from .parallel import Comm, LocalComm, Parallel
 from .specialized import linear_for
 
@@ -182,6 +183,7 @@ class KDAAttention(nn.Module):
             self.g_b_proj = column_linear(c.head_dim, inner, par, dtype, what)
         self.o_norm = RMSNorm(c.head_dim, cfg.rms_norm_eps, torch.float32)
         self.o_proj = row_linear(inner, H, par, dtype, what)
+        self._derived = DerivedWeights()    # conv taps (3·h·d, W) and exp(A_log) for the kernel
 
     def _out_gate(self, x: torch.Tensor, lin) -> torch.Tensor:
         if hasattr(self, "g_proj"):
@@ -219,14 +221,16 @@ class KDAAttention(nn.Module):
         proj = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
                           lin(x, self.v_proj.weight), self._out_gate(x, lin),
                           lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight)], -1)
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,
-                            self.v_conv1d.weight]).squeeze(1)                      # (3·h·d, W)
+        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        conv_w = self._derived.get("conv_w", convs,
+                                   lambda: torch.cat(convs).squeeze(1))            # (3·h·d, W)
+        exp_a = self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
         by_row = [0] * x.shape[0]
         for s in batch.seqs:
             by_row[s.start] = s.slot
         slots = slot_index(tuple(by_row), x.device)                                # (T,)
         return kda_decode_op.kda_decode(
-            proj, self.f_b_proj.weight, cache.conv[row], conv_w, self.A_log.float().exp(),
+            proj, self.f_b_proj.weight, cache.conv[row], conv_w, exp_a,
             self.dt_bias, self.o_norm.weight, cache.rec[row], heads=self.heads,
             head_dim=self.dim, lower_bound=self.lower_bound, eps=self.o_norm.eps, slots=slots)
 

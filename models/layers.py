@@ -99,6 +99,26 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float |
     return (a * u).to(gate.dtype)
 
 
+class DerivedWeights:
+    """Tensors derived from parameters (a concatenation, a transposed contiguous copy, exp of a
+    log-parameter) for the decode kernels, built once and rebuilt only when a source's storage
+    or version changes (a loader's copy_, a new state dict): no per-step rebuild on the hot
+    path. Built without autograd (decode runs no backward)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[str, tuple] = {}
+
+    def get(self, name: str, sources, build) -> torch.Tensor:
+        key = tuple((t.data_ptr(), 0 if t.is_inference() else t._version, t.device, t.dtype)
+                    for t in sources)
+        hit = self._memo.get(name)
+        if hit is None or hit[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                hit = (key, build())
+            self._memo[name] = hit
+        return hit[1]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -42,7 +42,7 @@ from raydecode.kernels.mla_decode import (mla_absorb, mla_attention, mla_decode,
 
 from .cache import MLALatentCache, ModelCaches, StepBatch
 from .config import K3Config
-from .layers import RMSNorm, column_linear, replicated_linear, row_linear
+from .layers import DerivedWeights, RMSNorm, column_linear, replicated_linear, row_linear
 from .parallel import Comm, LocalComm, Parallel
 from .specialized import linear_for, sharded_gemv
 
@@ -156,7 +156,7 @@ class MLAAttention(nn.Module):
         self.g_proj = (column_linear(H, m.num_heads * self.vdim, par, dtype, "MLA heads · v")
                        if m.use_output_gate else None)
         self.o_proj = row_linear(m.num_heads * self.vdim, H, par, dtype, "MLA heads · v")
-        self._w_uv_t_memo: tuple | None = None     # (weight key, (h, kv_lora, v) copy)
+        self._derived = DerivedWeights()           # W_uv (h, kv_lora, v) for the fused decode
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk (h, nope, kv_lora), W_uv (h, v, kv_lora)) views of this rank's kv_b rows."""
@@ -224,13 +224,9 @@ class MLAAttention(nn.Module):
     def _w_uv_t(self) -> torch.Tensor:
         """W_uv as mla_output wants it, (h, kv_lora, v) contiguous (the kv_b view is
         (h, v, kv_lora)): a copy, rebuilt when the kv_b weight's storage or version changes."""
-        w = self.kv_b_proj.weight
-        key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.device, w.dtype)
-        if self._w_uv_t_memo is None or self._w_uv_t_memo[0] != key:
-            with torch.inference_mode(False), torch.no_grad():
-                t = self.absorbed_weights()[1].detach().transpose(1, 2).contiguous()
-            self._w_uv_t_memo = (key, t)
-        return self._w_uv_t_memo[1]
+        return self._derived.get("w_uv_t", [self.kv_b_proj.weight],
+                                 lambda: self.absorbed_weights()[1].detach()
+                                 .transpose(1, 2).contiguous())
 
     def _naive(self, q, rows, batch: StepBatch) -> torch.Tensor:
         """Prefill from position 0 of every sequence, keys/values decompressed. -> (T, h, v)"""
