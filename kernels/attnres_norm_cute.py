@@ -41,7 +41,9 @@ Prediction (before measuring; `predicted_us`, one CTA per token): batch 1 ≈ 2.
 round trip at one SM's request rate ≈ 1 µs + ~1.5 µs latency, barriers, launch), batch 64
 ≈ 2.8 µs, vs ~8 µs for the Triton kernel.
 Outcome (H200, 2026-11-29, residual form, H = 7168, per call in a CUDA graph of back-to-back
-calls over 128 MB of banks, tests/gpu/test_attnres_cute.py::test_timing_vs_triton):
+calls over 128 MB of banks, tests/gpu/test_attnres_cute.py::test_timing_vs_triton; printed by
+that test, not committed as JSON — indicative only; the committed in-layer figure is 4.4 µs per
+call in bench/results/layer-h200-2026-11-29-r3.json's profile):
   n = 4: T = 1 3.8 µs (k = 4; one CTA 4.3 µs), T = 64 5.4 µs (k = 1); Triton 7.9 / 8.7 µs;
   n = 8: T = 1 4.9 µs (k = 4; one CTA 7.2 µs), T = 64 7.1 µs (k = 2, 224 threads); Triton
   12.7 / 13.8 µs. One CTA streams ≈ 20–25 GB/s (marginal µs per extra row), so the prediction's

@@ -22,7 +22,9 @@ layer's KDA cache), else r = t. proj and out are always row t.
 
 `launch_config` picks BV = D (one step, D/16 warps) for small grids and BV = 32 with 4 warps
 once batch·heads ≥ 128 (more programs resident per SM). H200, L2-cold (inputs rotated over
-200 MB), CUDA graph of 50 calls, µs per call, D = 128:
+200 MB), CUDA graph of 50 calls, µs per call, D = 128 — a development sweep whose raw output
+was not committed (no JSON under bench/results/): indicative only; the committed in-layer
+figure is the layer benchmark's profile (bench/results/layer-h200-2026-11-29-r3.json, 7.9 µs):
     T × heads     1×6   4×6  16×6  64×6   1×12  16×12  64×12
     BV128 w8      7.7   9.1  10.9  30.9   9.0   19.8   56.8
     BV32  w4      9.6  11.5  12.8  21.8  11.3   16.0   40.4
