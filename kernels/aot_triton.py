@@ -39,6 +39,10 @@ class TritonSpec:
                 "args": [list(a) for a in self.args], "kwargs": dict(self.kwargs)}
 
 
+# what `kernels._triton.pdl_launch` adds on sm_90+ (compile_spec drops it for older targets)
+PDL_KW = (("PDL", True), ("launch_pdl", True))
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -57,14 +61,14 @@ def triton_specs(cfg) -> list[TritonSpec]:
             (("ptr", "float32"), ("int", E), ("ptr", "float32"), ("ptr", "float32"),
              ("ptr", "int64"), ("int", E), ("float", 1.0)),
             (("K", k), ("KP", _next_pow2(k)), ("BLOCK_E", be), ("HAS_BIAS", True),
-             ("RENORM", True), ("num_warps", max(1, min(8, be // 256))))))
+             ("RENORM", True), ("num_warps", max(1, min(8, be // 256)))) + PDL_KW))
         D = cfg.moe.latent_size
         bd = _next_pow2(D)
         out.append(TritonSpec(   # kernels/decode_elementwise_triton.py rms_norm_cast, (T, D) fp32
             "latent_rms_norm_cast", "raydecode.kernels.decode_elementwise_triton:_rms_cast_kernel",
             (("ptr", "float32"), ("int", D), ("ptr", "bfloat16"), ("ptr", "bfloat16"),
              ("int", D), ("int", D), ("float", 1e-6)),
-            (("BLOCK", bd), ("num_warps", max(1, min(16, bd // 512))))))
+            (("BLOCK", bd), ("num_warps", max(1, min(16, bd // 512)))) + PDL_KW))
     return out
 
 
@@ -91,6 +95,9 @@ def compile_spec(spec: TritonSpec, arch: str, cache: str | os.PathLike) -> str:
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kw = dict(spec.kwargs)
+    if cc < 90 and "PDL" in kw:        # pdl_launch: no programmatic launch before sm_90
+        kw.pop("launch_pdl", None)
+        kw["PDL"] = False
     # the keyword options JITFunction.run adds before binding (same knobs → same cache key)
     kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
     kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode

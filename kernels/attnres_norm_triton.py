@@ -15,25 +15,9 @@ This is the Triton version for round 2 of issue 6 (the CuTe DSL kernel is the fo
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # CPU-only installs have no Triton: the references serve them
-    import triton
-    import triton.language as tl
-except Exception:  # ImportError, or a broken install
-    triton = tl = None
-
-
-def available(*ts: torch.Tensor) -> bool:
-    """Triton can run on these tensors: all CUDA, or all CPU under TRITON_INTERPRET=1."""
-    if triton is None:
-        return False
-    if all(t.is_cuda for t in ts):
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1" and not any(t.is_cuda for t in ts)
-
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
 if triton is not None:
 
@@ -47,7 +31,8 @@ if triton is not None:
                          newp_ptr, newp_st, wres_ptr, wproj_ptr, wout_ptr, mix_ptr, mix_st,
                          h_ptr, h_st, H, res_eps, out_eps,
                          NB: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr,
-                         ADD: tl.constexpr, WRITE_MIX: tl.constexpr):
+                         ADD: tl.constexpr, WRITE_MIX: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_H)
         m = offs < H
@@ -143,7 +128,7 @@ def mix_norm_triton(blocks, prefix: torch.Tensor, res_norm_w: torch.Tensor,
         res_norm_w, res_proj_w.reshape(-1), out_norm_w, mx, mx.stride(0), h, h.stride(0),
         H, float(res_eps), float(out_eps), NB=nb, NP=max(2, triton.next_power_of_2(nb + 1)),
         BLOCK_H=block_h, ADD=out is not None, WRITE_MIX=mix is not None,
-        num_warps=max(1, min(16, block_h // 512)))
+        num_warps=max(1, min(16, block_h // 512)), **pdl_launch(h))
     return h
 
 

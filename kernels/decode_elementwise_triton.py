@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raydecode.kernels.attnres_norm_triton import available, tl, triton
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 from raydecode.models.layers import situ
 
 if triton is not None:
@@ -28,7 +28,8 @@ if triton is not None:
 
     @triton.jit
     def _situ_kernel(gu_ptr, gu_st, a_ptr, a_st, I, beta, lin_beta, HAS_LIN: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = n < I
@@ -40,7 +41,9 @@ if triton is not None:
         tl.store(a_ptr + t * a_st + n, (act * u).to(a_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rms_cast_kernel(x_ptr, x_st, w_ptr, y_ptr, y_st, D, eps, BLOCK: tl.constexpr):
+    def _rms_cast_kernel(x_ptr, x_st, w_ptr, y_ptr, y_st, D, eps, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < D
@@ -54,8 +57,9 @@ if triton is not None:
     @triton.jit
     def _norm_situ_kernel(lat_ptr, lat_st, w_ptr, D, eps, c0, n_cols, gu_ptr, gu_st, I,
                           beta, lin_beta, out_ptr, out_st, K_out, HAS_LIN: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # program (t, 0): the latent norm slice; (t, j ≥ 1): SiTU columns and the zero pad
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
         dt = out_ptr.dtype.element_ty
@@ -110,7 +114,7 @@ def situ_mul(gu: torch.Tensor, beta: float, linear_beta: float | None) -> torch.
     _situ_kernel[(T, triton.cdiv(I, block))](
         gu, gu.stride(0), a, a.stride(0), I, float(beta),
         float(linear_beta if linear_beta is not None else 1.0),
-        HAS_LIN=linear_beta is not None, BLOCK=block, num_warps=4)
+        HAS_LIN=linear_beta is not None, BLOCK=block, num_warps=4, **pdl_launch(a))
     return a
 
 
@@ -128,7 +132,7 @@ def rms_norm_cast(x: torch.Tensor, w: torch.Tensor, eps: float,
     y = torch.empty(T, D, dtype=dtype, device=x.device)
     block = triton.next_power_of_2(D)
     _rms_cast_kernel[(T,)](x, x.stride(0), w, y, y.stride(0), D, float(eps), BLOCK=block,
-                           num_warps=max(1, min(16, block // 512)))
+                           num_warps=max(1, min(16, block // 512)), **pdl_launch(y))
     return y
 
 
@@ -174,7 +178,7 @@ def latent_norm_situ(lat: torch.Tensor, w: torch.Tensor, eps: float, c0: int, n_
         lat, lat.stride(0), w, D, float(eps), c0, n_cols, gu, gu.stride(0), I, float(beta),
         float(linear_beta if linear_beta is not None else 1.0), out, out.stride(0),
         out.shape[1], HAS_LIN=linear_beta is not None, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK=block, num_warps=8)
+        BLOCK=block, num_warps=8, **pdl_launch(gu))
     return out
 
 

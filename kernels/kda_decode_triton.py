@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from raydecode.kernels.attnres_norm_triton import available, tl, triton
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
 if triton is not None:
 
@@ -86,7 +86,8 @@ if triton is not None:
             rec_ptr, r_st, r_sh, r_sk, r_sv, out_ptr, o_st, o_sc, slot_ptr,
             NH, lower_bound, eps, scale,
             D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, KB: tl.constexpr,
-            BV: tl.constexpr, NV: tl.constexpr, HAS_SLOTS: tl.constexpr):
+            BV: tl.constexpr, NV: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1)
         if HAS_SLOTS:
@@ -184,7 +185,7 @@ def kda_decode_triton(proj: torch.Tensor, fb_w: torch.Tensor, conv_state: torch.
         slots if slots is not None else out,                 # unread without slots
         heads, float(lower_bound), float(eps), float(D) ** -0.5,
         D=D, W=W, WP=triton.next_power_of_2(W), KB=min(D, 64), BV=bv, NV=D // bv,
-        HAS_SLOTS=slots is not None, num_warps=nw)
+        HAS_SLOTS=slots is not None, num_warps=nw, **pdl_launch(out))
     return out
 
 

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from raydecode.kernels.attnres_norm_triton import available, tl, triton
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
 LOG2E = 1.0 / math.log(2.0)
 MIN_CHUNK = 64            # never fewer rows per KV split (a split's fixed cost ≈ 64 rows)
@@ -51,7 +51,8 @@ if triton is not None:
     @triton.jit
     def _prep_kernel(qkv_ptr, qkv_st, wq_ptr, wkv_ptr, q_ptr, q_st, c_ptr, c_sb, c_sr,
                      bt_ptr, bt_st, pos_ptr, QL, KL, R, BS, eps,
-                     BQ: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr):
+                     BQ: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         row = qkv_ptr + t * qkv_st
         oq = tl.arange(0, BQ)
@@ -78,7 +79,8 @@ if triton is not None:
     @triton.jit
     def _absorb_kernel(q_ptr, q_st, q_sh, w_ptr, w_sh, w_sn, o_ptr, o_st, o_sh, T, NOPE, KL, R,
                        BT: tl.constexpr, BNP: tl.constexpr, BC: tl.constexpr,
-                       BR: tl.constexpr, DOT_F32: tl.constexpr):
+                       BR: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         tb, hd, cb = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
         tt = (tb * BT + tl.arange(0, BT)).to(tl.int64)
         mt = tt < T
@@ -104,7 +106,8 @@ if triton is not None:
                       o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
                       H, KL, R, BS, qk_scale, NS, MINC,
                       HP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
         L = tl.load(len_ptr + t).to(tl.int32)
         chunk = tl.maximum(tl.cdiv(tl.cdiv(L, NS), BN) * BN, MINC)
@@ -153,7 +156,8 @@ if triton is not None:
                       w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st,
                       ol_ptr, ol_st, ol_sh, lo_ptr, lo_st, lo_sh, T, NS, KL, V,
                       BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-                      PROJECT: tl.constexpr, DOT_F32: tl.constexpr):
+                      PROJECT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         tb, hd, vb = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
         tt = (tb * BT + tl.arange(0, BT)).to(tl.int64)
         mt = tt < T
@@ -198,10 +202,12 @@ if triton is not None:
     @triton.jit
     def _output_token_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
                              w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V,
-                             SP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr):
+                             SP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+                             PDL: tl.constexpr):
         """Small-batch form of the PROJECT merge: one token per program, all S partials of
         (t, h) loaded as one (SP, BC) tile (no loop over splits, no 16-token padding), the
         w_uv product as a broadcast-multiply + sum (M = 1: no tl.dot)."""
+        pdl_enter(PDL)
         t, hd, vb = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), \
             tl.program_id(2)
         ss = tl.arange(0, SP)
@@ -246,7 +252,7 @@ def prep_triton(qkv, q_norm_w, kv_norm_w, cache, block_table, positions, q_lora:
                        cache, cache.stride(0), cache.stride(1), block_table,
                        block_table.stride(0), positions, q_lora, kv_lora, R, cache.shape[1],
                        float(eps), BQ=_p2(q_lora), BC=_p2(kv_lora), BR=_p2(R),
-                       num_warps=4 if q_lora <= 2048 else 8)
+                       num_warps=4 if q_lora <= 2048 else 8, **pdl_launch(q_out))
     return q_out
 
 
@@ -258,7 +264,7 @@ def absorb_triton(q, w_uk, nope: int, out: torch.Tensor) -> torch.Tensor:
     _absorb_kernel[grid](q, q.stride(0), q.stride(1), w_uk, w_uk.stride(0), w_uk.stride(1),
                          out, out.stride(0), out.stride(1), T, nope, kl, R,
                          BT=16, BNP=_p2(nope), BC=BC, BR=_p2(R), DOT_F32=not q.is_cuda,
-                         num_warps=4)
+                         num_warps=4, **pdl_launch(out))
     return out
 
 
@@ -276,7 +282,7 @@ def split_triton(q_abs, cache, block_table, seq_lens, kv_lora: int, scale: float
                           h, kv_lora, R, cache.shape[1], float(scale) * LOG2E, S, MIN_CHUNK,
                           HP=_p2(h), BC=_p2(kv_lora), BR=_p2(R), BN=BN,
                           DOT_F32=not q_abs.is_cuda, num_warps=4 if kv_lora <= 256 else 8,
-                          num_stages=2)
+                          num_stages=2, **pdl_launch(o_part))
 
 
 def merge_triton(o_part, lse_part, o_lat: torch.Tensor, lse: torch.Tensor) -> None:
@@ -288,7 +294,7 @@ def merge_triton(o_part, lse_part, o_lat: torch.Tensor, lse: torch.Tensor) -> No
         o_part, 0, 0, o_part, 0, o_part, 0,
         o_lat, o_lat.stride(0), o_lat.stride(1), lse, lse.stride(0), lse.stride(1),
         T, S, kl, 1, BT=16, BC=_p2(kl), BV=16, PROJECT=False, DOT_F32=not o_part.is_cuda,
-        num_warps=4)
+        num_warps=4, **pdl_launch(o_lat))
 
 
 def output_triton(o_part, lse_part, w_uv_t, gate, out: torch.Tensor) -> torch.Tensor:
@@ -302,7 +308,7 @@ def output_triton(o_part, lse_part, w_uv_t, gate, out: torch.Tensor) -> torch.Te
             lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
             w_uv_t, w_uv_t.stride(0), w_uv_t.stride(1), gate, gate.stride(0), out,
             out.stride(0), S, kl, V, SP=_p2(S, 2), BC=_p2(kl), BV=BV,
-            num_warps=4 if _p2(S, 2) * _p2(kl) <= 8192 else 8)
+            num_warps=4 if _p2(S, 2) * _p2(kl) <= 8192 else 8, **pdl_launch(out))
         return out
     BV = 32 if V >= 32 else 16
     _merge_kernel[(triton.cdiv(T, 16), h, triton.cdiv(V, BV))](
@@ -311,7 +317,7 @@ def output_triton(o_part, lse_part, w_uv_t, gate, out: torch.Tensor) -> torch.Te
         w_uv_t, w_uv_t.stride(0), w_uv_t.stride(1), gate, gate.stride(0), out, out.stride(0),
         o_part, 0, 0, lse_part, 0, 0, T, S, kl, V,
         BT=16, BC=_p2(kl), BV=BV, PROJECT=True, DOT_F32=not o_part.is_cuda,
-        num_warps=4 if kl <= 256 else 8)
+        num_warps=4 if kl <= 256 else 8, **pdl_launch(out))
     return out
 
 

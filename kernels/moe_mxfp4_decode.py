@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raydecode.kernels.attnres_norm_triton import available, tl, triton
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
 
 MAX_PAIRS = 64           # T·k up to which the specialized step uses this kernel
@@ -107,9 +107,10 @@ if triton is not None:
     def _gate_up_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, a_ptr, y_ptr, n_zero, top_k, beta,
                         lin_beta, L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                         KG: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
-                        GB: tl.constexpr, ZB: tl.constexpr):
+                        GB: tl.constexpr, ZB: tl.constexpr, PDL: tl.constexpr):
         """KB = L/2 bytes and KG = L/32 groups per row of W13 (passed: constexpr arithmetic
         inside the kernel differs between the compiler and the interpreter)."""
+        pdl_enter(PDL)
         p = tl.program_id(0)
         nb = tl.program_id(1)
         zo = (p * tl.num_programs(1) + nb) * ZB + tl.arange(0, ZB)     # zero out's slice
@@ -137,11 +138,13 @@ if triton is not None:
     def _gate_up_split_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, part_ptr, y_ptr, n_zero, top_k,
                               L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                               KG: tl.constexpr, KS: tl.constexpr, KGS: tl.constexpr,
-                              BN: tl.constexpr, GB: tl.constexpr, ZB: tl.constexpr):
+                              BN: tl.constexpr, GB: tl.constexpr, ZB: tl.constexpr,
+                              PDL: tl.constexpr):
         """Split-K gate_up: program (p, nb, ks) sums the KGS = KG/KS groups [ks·KGS, (ks+1)·KGS)
         of BN gate and BN up rows (KGS/GB steps, unrolled: every load issued up front) and
         writes them unrounded to part (P, KS, 2I) fp32: part[p, ks, n] gate, [.., I + n] up.
         Each part element is written by exactly one program (no zeroing, deterministic)."""
+        pdl_enter(PDL)
         p = tl.program_id(0)
         nb = tl.program_id(1)
         ks = tl.program_id(2)
@@ -187,11 +190,12 @@ if triton is not None:
     def _down_kernel(a_ptr, ids_ptr, topw_ptr, w_ptr, s_ptr, y_ptr, top_k, beta, lin_beta,
                      L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr, KG: tl.constexpr,
                      KS: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
-                     GB: tl.constexpr, UNROLL: tl.constexpr):
+                     GB: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
         """KB = I/2 bytes and KG = I/32 groups per row of W2. KS == 1: a_ptr is a (P, I) bf16;
         KS > 1: a_ptr is the gate_up partials (P, KS, 2I) fp32 and this program builds its
         K input from them (`_split_input`). UNROLL: the K loop unrolled (all steps' loads
         issued together) instead of a runtime loop; same sums in the same order."""
+        pdl_enter(PDL)
         p = tl.program_id(0)
         e = tl.load(ids_ptr + p).to(tl.int64)
         t = p // top_k
@@ -296,22 +300,23 @@ def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     zb = triton.next_power_of_2(-(-(T * L) // (grid[0] * grid[1] * ks)))
     lin = experts.linear_beta
     beta, lin_beta = float(experts.beta), float(lin if lin is not None else 1.0)
+    pdl = pdl_launch(out)
     if ks == 1:     # a (P, I) bf16
         a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
         _gate_up_kernel[grid[:2]](
             z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k, beta, lin_beta,
             L=L, I=I, KB=L // 2, KG=L // 32, HAS_LIN=lin is not None, BN=cfg.gate_up_bn,
-            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps)
+            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps, **pdl)
     else:           # partials (P, KS, 2I) fp32, every element written once
         a = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
         _gate_up_split_kernel[grid](
             z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k, L=L, I=I,
             KB=L // 2, KG=L // 32, KS=ks, KGS=L // 32 // ks, BN=cfg.gate_up_bn,
-            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps)
+            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps, **pdl)
     _down_kernel[(P, L // cfg.down_bn)](
         a, ids, topk_weights.contiguous(), experts.w2, experts.s2, out, k, beta, lin_beta,
         L=L, I=I, KB=I // 2, KG=I // 32, KS=ks, HAS_LIN=lin is not None, BN=cfg.down_bn,
-        GB=cfg.down_gb, UNROLL=cfg.down_unroll, num_warps=cfg.down_warps)
+        GB=cfg.down_gb, UNROLL=cfg.down_unroll, num_warps=cfg.down_warps, **pdl)
     return out
 
 

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from raydecode.kernels.attnres_norm_triton import available, tl, triton
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
 if triton is not None:
 
     @triton.jit
     def _route_topk_kernel(logits_ptr, l_st, bias_ptr, w_ptr, ids_ptr, E, scaling,
                            K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         m = offs < E
@@ -74,7 +75,7 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
         logits, logits.stride(0), bias if bias is not None else logits, weights, ids, E,
         float(scaling), K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        num_warps=max(1, min(8, block_e // 256)))
+        num_warps=max(1, min(8, block_e // 256)), **pdl_launch(logits))
     return weights, ids
 
 

@@ -82,6 +82,8 @@ def _env() -> dict:
         env["triton"] = None
     from raydecode.kernels._cute import cute_available
     env["cute_available"] = cute_available()
+    from raydecode.kernels._triton import PDL_DEFAULT
+    env["triton_pdl"] = PDL_DEFAULT          # RAYDECODE_TRITON_PDL (kernels/_triton.py)
     return env
 
 
