@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raydecode.kernels.router_triton import SORT_DEFAULT
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "int32": torch.int32}
 
@@ -61,7 +63,8 @@ def triton_specs(cfg) -> list[TritonSpec]:
             (("ptr", "float32"), ("int", E), ("ptr", "float32"), ("ptr", "float32"),
              ("ptr", "int64"), ("int", E), ("float", 1.0)),
             (("K", k), ("KP", _next_pow2(k)), ("BLOCK_E", be), ("HAS_BIAS", True),
-             ("RENORM", True), ("num_warps", max(1, min(8, be // 256)))) + PDL_KW))
+             ("RENORM", True), ("SORT", SORT_DEFAULT),
+             ("num_warps", max(1, min(8, be // 256)))) + PDL_KW))
         D = cfg.moe.latent_size
         bd = _next_pow2(D)
         out.append(TritonSpec(   # kernels/decode_elementwise_triton.py rms_norm_cast, (T, D) fp32

@@ -21,12 +21,15 @@ import torch
 
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
+SORT_DEFAULT = False      # k max rounds (measured); True: bitonic top-k (round-5 candidate)
+
 if triton is not None:
 
     @triton.jit
     def _route_topk_kernel(logits_ptr, l_st, bias_ptr, w_ptr, ids_ptr, E, scaling,
                            K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr,
+                           PDL: tl.constexpr):
         pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
@@ -41,12 +44,15 @@ if triton is not None:
         lowest = -9223372036854775807                               # below every valid key
         key = tl.where(m, key, lowest)
         kk = tl.arange(0, KP)
-        ids = tl.zeros((KP,), tl.int64)
-        for j in tl.static_range(K):
-            best = tl.max(key, 0)
-            e = (BLOCK_E - 1) - (best & 0xFFFFFFFF)
-            ids = tl.where(kk == j, e, ids)
-            key = tl.where(offs == e, lowest, key)
+        if SORT:    # bitonic top-KP of the keys, descending: no per-expert block reduction
+            ids = (BLOCK_E - 1) - (tl.topk(key, KP) & 0xFFFFFFFF)
+        else:       # K rounds of one block-wide max each
+            ids = tl.zeros((KP,), tl.int64)
+            for j in tl.static_range(K):
+                best = tl.max(key, 0)
+                e = (BLOCK_E - 1) - (best & 0xFFFFFFFF)
+                ids = tl.where(kk == j, e, ids)
+                key = tl.where(offs == e, lowest, key)
         # the K weights in one gather after the loop (no dependent load per round)
         kok = kk < K
         xe = tl.load(logits_ptr + t * l_st + ids, mask=kok, other=0.0).to(tl.float32)
@@ -59,10 +65,12 @@ if triton is not None:
 
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                       renormalize: bool = True, scaling: float = 1.0,
-                      weights: torch.Tensor | None = None, ids: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                      sort: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) (last dim contiguous), bias (E,) or None -> (weights (T, k) fp32,
-    ids (T, k) int64), into `weights` / `ids` when given (contiguous). No host sync."""
+    ids (T, k) int64), into `weights` / `ids` when given (contiguous). No host sync.
+    sort: the bitonic `tl.topk` selection instead of k max rounds (None: `SORT_DEFAULT`);
+    both give the same ids (ties to the lower expert index)."""
     T, E = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -75,6 +83,7 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
         logits, logits.stride(0), bias if bias is not None else logits, weights, ids, E,
         float(scaling), K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        SORT=SORT_DEFAULT if sort is None else bool(sort),
         num_warps=max(1, min(8, block_e // 256)), **pdl_launch(logits))
     return weights, ids
 

@@ -8,6 +8,11 @@ come from one process.
         python3 -m raydecode.scripts.bench.probe_kernels --tp 16 --batch 1
 
 Configs: the TUNED one, then the `--config` JSON dicts of `DecodeConfig` fields (optional).
+
+`--mla-splits 8,16,32`: instead, times MLA split attention + output (`mla_decode`, 2 kernels)
+per KV split count S at the TP16 per-rank shape (6 heads, latent 512 + rope 64), context
+`--context`, 64-row pages, 8 copies of the cache in one graph (out of L2), and prints a JSON row
+per S (`--min-chunk` replaces the kernel's MIN_CHUNK = 64 floor for the probe).
 """
 from __future__ import annotations
 
@@ -17,11 +22,46 @@ import json
 
 import torch
 
+from raydecode.kernels import mla_decode as MLA
+from raydecode.kernels import mla_decode_triton as MT
 from raydecode.kernels import moe_mxfp4_decode as D
 from raydecode.kernels.router import route_topk
+from raydecode.kernels.router_triton import route_topk_triton
 from raydecode.models.config import load_config
 
 from .layer_moe_sweep import check_and_time, expert_bank, random_calls
+from .layer_timing import GraphTimer
+
+
+def mla_splits(splits: list[int], batch: int, context: int, min_chunk: int,
+               copies: int = 8) -> list[dict]:
+    h, kl, r, v, bs = 6, 512, 64, 128, 64
+    MT.MIN_CHUNK = min_chunk         # the kernel's floor on rows per split (module constant)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    rn = lambda *sh: torch.randn(*sh, generator=g, device="cuda").to(bf)   # noqa: E731
+    pages = -(-context // bs)
+    sets = []
+    for _ in range(copies):
+        cache = rn(batch * pages, bs, kl + r)
+        bt = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+        seq = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+        sets.append((rn(batch, h, kl + r), cache, bt, seq, rn(h, kl, v) * kl ** -0.5,
+                     rn(batch, h * v)))
+    ref = MLA.mla_decode(*sets[0][:4], sets[0][4], sets[0][5], kv_lora=kl, scale=0.07,
+                         num_splits=1).float()
+    rows = []
+    for S in splits:
+        fns = [lambda a=a, S=S: MLA.mla_decode(*a[:4], a[4], a[5], kv_lora=kl, scale=0.07,
+                                               num_splits=S) for a in sets]
+        err = float((fns[0]().float() - ref).norm() / ref.norm())
+        t = GraphTimer(replays=20, warm=3).run(fns, count_nodes=False)
+        rows.append({"probe": "mla_splits", "batch": batch, "context": context, "S": S,
+                     "min_chunk": min_chunk,
+                     "heuristic_S": MLA.default_num_splits(batch, pages * bs),
+                     "us": t.us_per_call, "rel_err_vs_S1": err})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -33,7 +73,17 @@ def main(argv=None) -> int:
                     help="extra DecodeConfig fields as JSON (repeatable)")
     ap.add_argument("--out", default=None, help="JSON of the graph timings")
     ap.add_argument("--no-time", action="store_true", help="eager launches only (under ncu)")
+    ap.add_argument("--mla-splits", default=None, help="comma list of S: MLA split probe")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--min-chunk", type=int, default=32, help="MLA split floor for the probe")
     a = ap.parse_args(argv)
+    if a.mla_splits:
+        rows = mla_splits([int(x) for x in a.mla_splits.split(",")], a.batch, a.context,
+                          a.min_chunk)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     cfg = load_config("k3").moe
     bank = expert_bank(cfg, a.tp, seed=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -52,11 +102,19 @@ def main(argv=None) -> int:
                            nbytes, row)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    logits = torch.randn(a.batch, bank.num_experts, device="cuda")
+    logits = torch.randn(16, a.batch, bank.num_experts, device="cuda")
     bias = torch.randn(bank.num_experts, device="cuda") * 0.1
     for _ in range(a.launches):
-        route_topk(logits, bias, cfg.top_k)
+        route_topk(logits[0], bias, cfg.top_k)
     torch.cuda.synchronize()
+    if not a.no_time:       # the router's two selection algorithms, 16 calls per graph
+        for sort in (False, True):
+            fns = [lambda x=x, s=sort: route_topk_triton(x, bias, cfg.top_k, sort=s)
+                   for x in logits]
+            t = GraphTimer(replays=20, warm=3).run(fns, count_nodes=False)
+            rows.append({"probe": "route_topk", "batch": a.batch, "sort": sort,
+                         "us": t.us_per_call})
+            print(json.dumps(rows[-1]), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -151,17 +151,18 @@ def _near_tie(sel_row: torch.Tensor, k: int) -> bool:
     return bool((top[:-1] - top[1:]).abs().min() < 1e-6)
 
 
+@pytest.mark.parametrize("sort", [False, True])
 @pytest.mark.parametrize("T,E,k,bias", [(1, 896, 16, True), (8, 896, 16, True),
                                          (64, 896, 16, True), (5, 896, 16, False),
                                          (3, 32, 4, True), (2, 100, 7, False)])
-def test_route_topk(T, E, k, bias):
+def test_route_topk(T, E, k, bias, sort):
     seed = _seed()
     g = torch.Generator(device=DEV).manual_seed(seed)
     logits = 2 * torch.randn(T, E, generator=g, device=DEV)
     b = 0.1 * torch.randn(E, generator=g, device=DEV) if bias else None
     w = _nan(T, k, dtype=torch.float32)
     ids = torch.full((T, k), -1, dtype=torch.int64, device=DEV)
-    RT.route_topk_triton(logits, b, k, True, 2.5, weights=w, ids=ids)
+    RT.route_topk_triton(logits, b, k, True, 2.5, weights=w, ids=ids, sort=sort)
     rw, rid = R.route_topk_reference(logits, b, k, True, 2.5)
     sel = torch.sigmoid(logits) + (b if b is not None else 0)
     for t in range(T):
@@ -171,16 +172,17 @@ def test_route_topk(T, E, k, bias):
         assert _rel(w[t], rw[t]) <= TOL["router_w"], f"seed {seed} token {t}"
     torch.testing.assert_close(w.sum(-1), torch.full((T,), 2.5, device=DEV))
     w2, i2 = R.route_topk(logits, b, k, True, 2.5)           # dispatch: the kernel on CUDA
-    assert torch.equal(i2, ids) and torch.equal(w2, w), f"seed {seed}"
+    assert torch.equal(i2, ids) and torch.equal(w2, w), f"seed {seed}"   # both variants agree
 
 
-def test_route_topk_negative_selection_scores_order():
+@pytest.mark.parametrize("sort", [False, True])
+def test_route_topk_negative_selection_scores_order(sort):
     """A bias making every selection score negative: the int64 key must still order them."""
     seed = _seed()
     g = torch.Generator(device=DEV).manual_seed(seed)
     logits = torch.randn(4, 896, generator=g, device=DEV)
     b = torch.full((896,), -3.0, device=DEV) - torch.rand(896, generator=g, device=DEV)
-    w, ids = RT.route_topk_triton(logits, b, 16)
+    w, ids = RT.route_topk_triton(logits, b, 16, sort=sort)
     _, rid = R.route_topk_reference(logits, b, 16)
     assert torch.equal(ids, rid), f"seed {seed}"
 
