@@ -104,6 +104,27 @@ if triton is not None:
         return _situ_bf16(sg, su, beta, lin_beta, HAS_LIN).to(tl.float32)
 
     @triton.jit
+    def _pair_prologue(ids_ptr, y_ptr, n_zero, prog, p, top_k, w_ptr, s_ptr, I: tl.constexpr,
+                       KB: tl.constexpr, KG: tl.constexpr, ZB: tl.constexpr):
+        """Zero slice `prog` of out (the down kernel adds into it after this kernel), then
+        pair p's token and its expert's W13 / scale bases -> (t, w_e, s_e)."""
+        zo = prog * ZB + tl.arange(0, ZB)
+        tl.store(y_ptr + zo, tl.zeros((ZB,), tl.float32), mask=zo < n_zero)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        return p // top_k, w_ptr + e * (2 * I * KB), s_ptr + e * (2 * I * KG)
+
+    @triton.jit
+    def _gate_up_step(z_ptr, t, w_e, s_e, n, grp, L: tl.constexpr, I: tl.constexpr,
+                      KB: tl.constexpr, KG: tl.constexpr):
+        """One K step (the GB groups `grp`) of the gate rows n and up rows I + n -> two (BN,)
+        fp32 partial sums; z bf16, or fp32 rounded to bf16 here (a bf16 GEMV output)."""
+        byte = grp[:, None] * 16 + tl.arange(0, 16)[None, :]               # (GB, 16)
+        xe = tl.load(z_ptr + t * L + 2 * byte).to(tl.bfloat16).to(tl.float32)
+        xo = tl.load(z_ptr + t * L + 2 * byte + 1).to(tl.bfloat16).to(tl.float32)
+        return (_group_dot(w_e, s_e, n, byte, grp, xe, xo, KB, KG),
+                _group_dot(w_e, s_e, n + I, byte, grp, xe, xo, KB, KG))
+
+    @triton.jit
     def _gate_up_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, a_ptr, y_ptr, n_zero, top_k, beta,
                         lin_beta, L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                         KG: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
@@ -113,25 +134,15 @@ if triton is not None:
         pdl_enter(PDL)
         p = tl.program_id(0)
         nb = tl.program_id(1)
-        zo = (p * tl.num_programs(1) + nb) * ZB + tl.arange(0, ZB)     # zero out's slice
-        tl.store(y_ptr + zo, tl.zeros((ZB,), tl.float32), mask=zo < n_zero)
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        t = p // top_k
-        w_e = w_ptr + e * (2 * I * KB)
-        s_e = s_ptr + e * (2 * I * KG)
+        t, w_e, s_e = _pair_prologue(ids_ptr, y_ptr, n_zero, p * tl.num_programs(1) + nb, p,
+                                     top_k, w_ptr, s_ptr, I, KB, KG, ZB)
         n = nb * BN + tl.arange(0, BN)
-        gi = tl.arange(0, GB)
-        j = tl.arange(0, 16)
         acc_g = tl.zeros((BN,), tl.float32)
         acc_u = tl.zeros((BN,), tl.float32)
         for g0 in range(0, KG, GB):
-            grp = g0 + gi
-            byte = grp[:, None] * 16 + j[None, :]                          # (GB, 16)
-            # z bf16, or fp32 rounded to bf16 here (what a bf16 GEMV output would hold)
-            xe = tl.load(z_ptr + t * L + 2 * byte).to(tl.bfloat16).to(tl.float32)
-            xo = tl.load(z_ptr + t * L + 2 * byte + 1).to(tl.bfloat16).to(tl.float32)
-            acc_g += _group_dot(w_e, s_e, n, byte, grp, xe, xo, KB, KG)
-            acc_u += _group_dot(w_e, s_e, n + I, byte, grp, xe, xo, KB, KG)
+            dg, du = _gate_up_step(z_ptr, t, w_e, s_e, n, g0 + tl.arange(0, GB), L, I, KB, KG)
+            acc_g += dg
+            acc_u += du
         tl.store(a_ptr + p * I + n, _situ_bf16(acc_g, acc_u, beta, lin_beta, HAS_LIN))
 
     @triton.jit
@@ -148,25 +159,16 @@ if triton is not None:
         p = tl.program_id(0)
         nb = tl.program_id(1)
         ks = tl.program_id(2)
-        prog = (p * tl.num_programs(1) + nb) * KS + ks
-        zo = prog * ZB + tl.arange(0, ZB)                              # zero out's slice
-        tl.store(y_ptr + zo, tl.zeros((ZB,), tl.float32), mask=zo < n_zero)
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        t = p // top_k
-        w_e = w_ptr + e * (2 * I * KB)
-        s_e = s_ptr + e * (2 * I * KG)
+        t, w_e, s_e = _pair_prologue(ids_ptr, y_ptr, n_zero, (p * tl.num_programs(1) + nb) * KS
+                                     + ks, p, top_k, w_ptr, s_ptr, I, KB, KG, ZB)
         n = nb * BN + tl.arange(0, BN)
-        gi = tl.arange(0, GB)
-        j = tl.arange(0, 16)
         acc_g = tl.zeros((BN,), tl.float32)
         acc_u = tl.zeros((BN,), tl.float32)
         for st in tl.static_range(0, KGS, GB):
-            grp = ks * KGS + st + gi
-            byte = grp[:, None] * 16 + j[None, :]                          # (GB, 16)
-            xe = tl.load(z_ptr + t * L + 2 * byte).to(tl.bfloat16).to(tl.float32)
-            xo = tl.load(z_ptr + t * L + 2 * byte + 1).to(tl.bfloat16).to(tl.float32)
-            acc_g += _group_dot(w_e, s_e, n, byte, grp, xe, xo, KB, KG)
-            acc_u += _group_dot(w_e, s_e, n + I, byte, grp, xe, xo, KB, KG)
+            dg, du = _gate_up_step(z_ptr, t, w_e, s_e, n, ks * KGS + st + tl.arange(0, GB),
+                                   L, I, KB, KG)
+            acc_g += dg
+            acc_u += du
         row = part_ptr + (p * KS + ks) * (2 * I)
         tl.store(row + n, acc_g)
         tl.store(row + I + n, acc_u)

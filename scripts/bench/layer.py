@@ -168,7 +168,8 @@ def run(args) -> dict:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "model": cfg.name, "context": args.context, "layer_idx": args.layer_idx,
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
-              "attnres_kernel": args.attnres,
+              "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
+              "mma_config": args.mma_config,
               "method": __doc__.split("Method")[1].strip(), "results": [], "collectives": [],
               "shapes": {}}
     report["hbm_read_Bps"] = args.hbm = hbm_read_bandwidth()
@@ -291,12 +292,23 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe-decode-sweep-batches", default="1,4",
                     help="batches the MoE decode tile sweep times (it tunes per expert shape)")
+    ap.add_argument("--moe-decode", choices=("auto", "mma", "cuda-core"), default="auto",
+                    help="few-token MoE kernel: tensor cores (mma), CUDA cores, or "
+                         "moe_mxfp4_decode_mma.TUNED per shape (auto)")
+    ap.add_argument("--mma-config", action="append", default=[],
+                    help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
     ap.add_argument("--attnres", choices=("cute", "triton"), default="cute",
                     help="AttnRes mix + norm kernel of the specialized step (cute: the CuTe DSL "
                          "kernel where it supports the layout, else Triton)")
     args = ap.parse_args(argv)
     from raydecode.kernels import attnres_norm
+    from raydecode.kernels import moe_mxfp4_decode_mma
     attnres_norm.USE_CUTE = args.attnres == "cute"
+    moe_mxfp4_decode_mma.USE_MMA = {"auto": None, "mma": True, "cuda-core": False}[args.moe_decode]
+    for c in args.mma_config:       # "E,I,L={json of MmaConfig fields}"
+        key, js = c.split("=", 1)
+        moe_mxfp4_decode_mma.TUNED[tuple(int(x) for x in key.split(","))] = \
+            moe_mxfp4_decode_mma.MmaConfig(**json.loads(js))
     for name, conv in (("tps", int), ("kinds", str), ("batches", int),
                        ("moe_decode_sweep_batches", int)):
         vals = [conv(v) for v in getattr(args, name).split(",") if v]

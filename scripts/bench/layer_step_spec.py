@@ -45,7 +45,8 @@ from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.kernels.kda_decode import kda_decode
 from raydecode.kernels.mla_decode import mla_absorb, mla_decode, mla_prep
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
-from raydecode.kernels.moe_mxfp4_decode import moe_mxfp4_decode, use_decode_kernel
+from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
+from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
 from raydecode.kernels.router import route_topk
 
 from .layer_step import BF16, DecodeStep, mm_f32
@@ -134,7 +135,7 @@ class SpecializedStep(DecodeStep):
                                   mc.routed_scaling_factor)
         S.last_ids = ids
         if use_decode_kernel(z, ids, W.experts):                 # few-token expert GEMV
-            lat = moe_mxfp4_decode(z, weights, ids, W.experts)   # (T, L) fp32 [all-reduce]
+            lat = moe_decode(z, weights, ids, W.experts)         # (T, L) fp32 [all-reduce]
         else:
             lat = fused_moe_mxfp4(z.to(BF16), weights, ids, W.experts)   # [all-reduce]
         x = latent_norm_situ(lat, t["latent_norm"], self.eps, 0, nz, y[:, ne + nz:],

@@ -7,7 +7,8 @@ come from one process.
     ncu --clock-control none --set full -k regex:"_gate_up|_down_kernel|_route" \
         python3 -m raydecode.scripts.bench.probe_kernels --tp 16 --batch 1
 
-Configs: the TUNED one, then the `--config` JSON dicts of `DecodeConfig` fields (optional).
+Configs: the TUNED one, then the `--config` JSON dicts of `DecodeConfig` fields (optional), then
+with `--mma` every `moe_mxfp4_decode_mma.candidates` config (tensor cores).
 
 `--mla-splits 8,16,32`: instead, times MLA split attention + output (`mla_decode`, 2 kernels)
 per KV split count S at the TP16 per-rank shape (6 heads, latent 512 + rope 64), context
@@ -25,6 +26,7 @@ import torch
 from raydecode.kernels import mla_decode as MLA
 from raydecode.kernels import mla_decode_triton as MT
 from raydecode.kernels import moe_mxfp4_decode as D
+from raydecode.kernels import moe_mxfp4_decode_mma as MM
 from raydecode.kernels.router import route_topk
 from raydecode.kernels.router_triton import route_topk_triton
 from raydecode.models.config import load_config
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", action="append", default=[],
                     help="extra DecodeConfig fields as JSON (repeatable)")
     ap.add_argument("--out", default=None, help="JSON of the graph timings")
+    ap.add_argument("--mma", action="store_true", help="also the tensor-core MoE candidates")
     ap.add_argument("--no-time", action="store_true", help="eager launches only (under ncu)")
     ap.add_argument("--mla-splits", default=None, help="comma list of S: MLA split probe")
     ap.add_argument("--context", type=int, default=1024)
@@ -102,6 +105,17 @@ def main(argv=None) -> int:
                            nbytes, row)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if a.mma:               # the tensor-core variant's sweep candidates, same checks/timing
+        for c in MM.candidates(bank.num_experts, I, L):
+            row = {"tp": a.tp, "batch": a.batch, "kernel": "mma", "config": dataclasses.asdict(c),
+                   "bytes_per_call": nbytes, "touched_experts": touched}
+            for _ in range(a.launches):
+                MM.moe_mxfp4_decode_mma(z, *routes[0], bank, c)
+            if not a.no_time:
+                check_and_time(lambda r, c=c: MM.moe_mxfp4_decode_mma(z, *r, bank, c), routes,
+                               ref, nbytes, row)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     logits = torch.randn(16, a.batch, bank.num_experts, device="cuda")
     bias = torch.randn(bank.num_experts, device="cuda") * 0.1
     for _ in range(a.launches):
