@@ -12,8 +12,11 @@ One program per token, the E scores in registers (BLOCK_E = next pow2 ≥ E):
 One block reduction per selected expert (k = 16 of E = 896 for K3, 4 warps). Round 2 also
 loaded each winner's logit inside its round (5.9 µs at batch 1); round 4 tried one warp for
 the whole row (in-warp rounds, no barriers) and measured 16.6 µs — the 32-deep per-lane
-compare chains cost more than the barriers — so 4 warps stay. Triton version for round 2 of
-issue 6 (the CuTe DSL kernel is the follow-up).
+compare chains cost more than the barriers — so 4 warps stay. Round 5 (`SORT`, the default):
+the k rounds are replaced by Triton's bitonic `tl.topk` over the same int64 keys (same ids,
+same tie order): 4.53 vs 5.16 µs at batch 1 and 4.57 vs 5.23 at batch 4 (H200, CUDA graph of
+16 calls, scripts/bench/probe_kernels.py). Triton version for round 2 of issue 6 (the CuTe DSL
+kernel is the follow-up).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
-SORT_DEFAULT = False      # k max rounds (measured); True: bitonic top-k (round-5 candidate)
+SORT_DEFAULT = True       # bitonic top-k: 4.53 vs 5.16 µs (k rounds) at batch 1, H200 round 5
 
 if triton is not None:
 

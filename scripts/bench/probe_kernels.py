@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 
 import torch
@@ -66,6 +67,14 @@ def mla_splits(splits: list[int], batch: int, context: int, min_chunk: int,
     return rows
 
 
+def _write(path: str, rows: list[dict], commit: str) -> None:
+    meta = {"gpu": torch.cuda.get_device_name(), "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "rows": rows}
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=16)
@@ -74,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", action="append", default=[],
                     help="extra DecodeConfig fields as JSON (repeatable)")
     ap.add_argument("--out", default=None, help="JSON of the graph timings")
+    ap.add_argument("--commit", default="unknown", help="recorded in the --out JSON")
     ap.add_argument("--mma", action="store_true", help="also the tensor-core MoE candidates")
     ap.add_argument("--no-time", action="store_true", help="eager launches only (under ncu)")
     ap.add_argument("--mla-splits", default=None, help="comma list of S: MLA split probe")
@@ -84,8 +94,7 @@ def main(argv=None) -> int:
         rows = mla_splits([int(x) for x in a.mla_splits.split(",")], a.batch, a.context,
                           a.min_chunk)
         if a.out:
-            with open(a.out, "w") as f:
-                json.dump(rows, f, indent=1)
+            _write(a.out, rows, a.commit)
         return 0
     cfg = load_config("k3").moe
     bank = expert_bank(cfg, a.tp, seed=0)
@@ -130,8 +139,7 @@ def main(argv=None) -> int:
                          "us": t.us_per_call})
             print(json.dumps(rows[-1]), flush=True)
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        _write(a.out, rows, a.commit)
     return 0
 
 
