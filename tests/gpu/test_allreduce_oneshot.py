@@ -1,0 +1,254 @@
+"""One-shot all-reduce + residual + RMSNorm kernel (kernels/allreduce_oneshot_triton.py) vs the
+reference (kernels/allreduce_oneshot.py).
+
+(i)   N simulated ranks in ONE process (N buffers on one device, flags preset so no wait
+      blocks, the kernel run once per rank index): the math, the slot parity, the flag cells
+      each rank publishes, the device epoch, the timeout path. CPU under the interpreter
+      (`TRITON_INTERPRET=1 python -m pytest tests/gpu/test_allreduce_oneshot.py -q`, small
+      shapes) or compiled on one GPU (adds the K3 shapes: H = 7168, TP8 and TP16 ranks).
+(ii)  2 processes on ONE GPU, CUDA IPC between them, the real protocol (the two contexts are
+      time-sliced, so waits are long but finite) over several epochs with fresh inputs, both
+      the copy and the in-place producer form, then a CUDA graph captured once and replayed
+      with new inputs.
+(iii) the same on 2 GPUs (real NVLink P2P), skipped with fewer than 2 peer-capable GPUs.
+Every multi-process case runs under a wall-clock limit (the processes are killed past it).
+
+Fresh random inputs, seed in every message; outputs start as NaN. Tolerances: new_residual is
+bit-exact compiled (fp32 adds in rank order, one rounding, like the reference), ≤ 1 bf16 ulp
+under the interpreter (it truncates fp32 → bf16); normed ≤ TOL_NORM relative (reduction order
+of Σx² and rsqrt; looser under the interpreter). Across ranks the outputs are compared bit for bit.
+"""
+from __future__ import annotations
+
+import os
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from raydecode.kernels import allreduce_oneshot as AR  # noqa: E402
+from raydecode.kernels import allreduce_oneshot_triton as ART  # noqa: E402
+
+INTERPRET = ART.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+COMPILED = ART.triton is not None and torch.cuda.is_available() and not INTERPRET
+SIM_DEV = "cpu" if INTERPRET else "cuda"    # the interpreter needs host addresses
+pytestmark = pytest.mark.skipif(not (INTERPRET or COMPILED),
+                                reason="needs CUDA + Triton, or TRITON_INTERPRET=1")
+BF = torch.bfloat16
+EPS = 1e-6
+# ‖normed − ref‖ / ‖ref‖: one bf16 rounding ≈ eps/√12 = 2.3e-3 rms; the interpreter truncates
+# (≈ eps/√3 = 4.5e-3 rms), new_residual and normed both
+TOL_NORM = 1e-2 if INTERPRET else 4e-3
+TOL_OWN_NORM = 6e-3 if INTERPRET else 4e-3   # normed vs RMSNorm of the kernel's own new_residual
+MP_TIMEOUT_S = 300
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _max_ulps(a, b) -> float:
+    ulp = torch.finfo(BF).eps * b.float().abs().clamp_min(torch.finfo(BF).tiny)
+    return float(((a.float() - b.float()).abs() / ulp).max())
+
+
+def _case(world, T, H, seed, dev):
+    """Fresh partials (column 0 adversarial for the rank order when world ≥ 3), residual, w."""
+    g = torch.Generator().manual_seed(seed)
+    partials = [torch.randn(T, H, generator=g) for _ in range(world)]
+    if world >= 3:    # fp32 in rank order: 2^30 − 2^30 + 0… + 1 = 1; reversed or rotated: 0
+        partials[0][:, 0], partials[1][:, 0], partials[-1][:, 0] = 2.0 ** 30, -2.0 ** 30, 1.0
+        for p in partials[2:-1]:
+            p[:, 0] = 0.0
+    residual = 4 * torch.randn(T, H, generator=g)
+    w = 1 + 0.1 * torch.randn(H, generator=g)
+    return ([p.to(BF).to(dev) for p in partials], residual.to(BF).to(dev), w.to(dev))
+
+
+def _nan(T, H, dev):
+    return torch.full((T, H), float("nan"), dtype=BF, device=dev)
+
+
+def _check_new(new, ref, msg):
+    if INTERPRET:
+        assert _max_ulps(new, ref) <= 1.0, msg
+    else:
+        assert torch.equal(new, ref), msg
+
+
+# ---- (i) simulated ranks in one process -----------------------------------------------------
+
+SIM_SMALL = [(2, 1, 64), (3, 3, 40), (4, 2, 36)]             # H = 36: the unaligned path
+SIM_K3 = [(8, 1, 7168), (8, 4, 7168), (8, 64, 7168), (16, 2, 7168), (16, 64, 7168)]
+
+
+@pytest.mark.parametrize("world,T,H", SIM_SMALL + [pytest.param(
+    *s, marks=pytest.mark.skipif(not COMPILED, reason="K3 shapes: compiled only (slow in "
+                                                      "the interpreter)")) for s in SIM_K3])
+def test_simulated_ranks(world, T, H):
+    seed = _seed()
+    MT = max(T, 4)
+    pbs = AR.PeerBuffers.local_group(world, MT, H, SIM_DEV)
+    unset = 1 << 40                                  # ≥ any epoch: no wait blocks
+    for e in (1, 2, 3):                              # epochs: slots 1, 0, 1
+        partials, residual, w = _case(world, T, H, seed + e, SIM_DEV)
+        ref_new, ref_h = AR.allreduce_residual_norm_reference(partials, residual, w, EPS)
+        copy = e != 2                                # e = 2: the producer wrote in place
+        for q, pb in enumerate(pbs):
+            pb.flags.fill_(unset)
+            pb.buffer.fill_(float("nan"))
+            if not copy:
+                pb.next_input_slot_sync(T).copy_(partials[q])
+        outs = []
+        for r, pb in enumerate(pbs):
+            later = range(r + 1, world) if copy else ()
+            for q in later:          # ranks that have not run yet: their copy, simulated
+                pbs[q].buffer[e & 1, :T] = partials[q]
+            res = residual.clone()
+            new = res if e == 3 else _nan(T, H, SIM_DEV)        # e = 3: residual in place
+            h = _nan(T, H, SIM_DEV)
+            pb.all_reduce_residual_norm(partials[r] if copy else None, res, w, EPS,
+                                        new_residual=new, out=h)
+            outs.append((new, h))
+            for q in later:          # NaN again: each rank's own kernel must copy its rows
+                pbs[q].buffer[e & 1, :T] = float("nan")
+        msg = f"seed {seed} epoch {e}"
+        for r, (new, h) in enumerate(outs):
+            _check_new(new, ref_new, f"{msg} rank {r}")
+            assert _rel(h, ref_h) <= TOL_NORM, f"{msg} rank {r}: {_rel(h, ref_h)}"
+            own = AR.rms_norm_reference(new, w, EPS)         # the norm of ITS new residual
+            assert _rel(h, own) <= TOL_OWN_NORM, f"{msg} rank {r}: {_rel(h, own)}"
+            assert torch.equal(new, outs[0][0]) and torch.equal(h, outs[0][1]), \
+                f"{msg}: rank {r} differs from rank 0"
+        for p, pb in enumerate(pbs):
+            assert pb.state.tolist()[:3] == [e, 0, 0], f"{msg}: epoch/arrivals/timeout"
+            want = torch.full((world, MT), unset, dtype=torch.int64)
+            want[:, :T] = e                          # every rank r published rows < T into p
+            assert torch.equal(pb.flags.cpu(), want), f"{msg}: flags of rank {p}"
+            assert torch.equal(pb.buffer[e & 1, :T], partials[p]), f"{msg}: slot {e & 1}"
+
+
+def test_wait_times_out_and_is_reported():
+    """A peer that never publishes: the wait gives up after max_spins, records the epoch."""
+    world, T, H = 2, 2, 32
+    pbs = AR.PeerBuffers.local_group(world, 4, H, SIM_DEV)
+    partials, residual, w = _case(world, T, H, _seed(), SIM_DEV)
+    pbs[1].buffer[1, :T] = partials[1]
+    pbs[0].flags[1].fill_(0)                         # rank 1 never published to rank 0
+    pbs[0].all_reduce_residual_norm(partials[0], residual, w, EPS, max_spins=20)
+    assert pbs[0].state.tolist()[:3] == [1, 0, 1]
+    with pytest.raises(RuntimeError, match="rank 0 of 2 timed out .* epoch 1"):
+        pbs[0].check_timeouts()
+    pbs[1].check_timeouts()                          # rank 1 never ran: nothing recorded
+
+
+def test_buffer_limits_are_named():
+    pbs = AR.PeerBuffers.local_group(2, 4, 32, SIM_DEV)
+    x = torch.randn(5, 32, device=SIM_DEV).to(BF)
+    with pytest.raises(ValueError, match="5 token rows"):
+        pbs[0].all_reduce_residual_norm(x, x, None, EPS)
+    with pytest.raises(ValueError, match="partial dtype torch.float32"):
+        pbs[0].all_reduce_residual_norm(x[:2].float(), x[:2], None, EPS)
+
+
+# ---- (ii)/(iii) real protocol between processes ---------------------------------------------
+
+def _ipc_worker(rank, world, port, seed, same_gpu, epochs):
+    import gc
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = torch.device("cuda", 0 if same_gpu else rank)
+    torch.cuda.set_device(dev)
+    MT, H = 64, 7168
+    pb = AR.PeerBuffers.create(None, MT, H, dev)
+
+    def check(new, h, ref_new, ref_h, msg):
+        torch.cuda.synchronize()
+        pb.check_timeouts()
+        assert torch.equal(new, ref_new), msg
+        assert _rel(h, ref_h) <= TOL_NORM, f"{msg}: {_rel(h, ref_h)}"
+        mine = torch.cat([new.view(torch.uint8), h.view(torch.uint8)]).cpu()
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        assert all(torch.equal(x, every[0]) for x in every), f"{msg}: ranks differ"
+
+    for e in range(1, epochs + 1):
+        T = (1, 2, 4, 64, 3)[e % 5]
+        partials, residual, w = _case(world, T, H, seed + e, dev)
+        ref_new, ref_h = AR.allreduce_residual_norm_reference(partials, residual, w, EPS)
+        new, h = _nan(T, H, dev), _nan(T, H, dev)
+        if e % 2:
+            pb.all_reduce_residual_norm(partials[rank], residual, w, EPS, new_residual=new,
+                                        out=h)
+        else:
+            pb.next_input_slot_sync(T).copy_(partials[rank])
+            pb.all_reduce_residual_norm(None, residual, w, EPS, new_residual=new, out=h)
+        check(new, h, ref_new, ref_h, f"seed {seed} epoch {e} rank {rank} T {T}")
+
+    T = 4                                            # CUDA graph: capture once, replay
+    sp, sr = torch.empty(T, H, dtype=BF, device=dev), torch.empty(T, H, dtype=BF, device=dev)
+    sw, new, h = torch.empty(H, device=dev), _nan(T, H, dev), _nan(T, H, dev)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        pb.all_reduce_residual_norm(sp, sr, sw, EPS, new_residual=new, out=h)
+    for k in range(5):
+        partials, residual, w = _case(world, T, H, seed + 1000 + k, dev)
+        ref_new, ref_h = AR.allreduce_residual_norm_reference(partials, residual, w, EPS)
+        sp.copy_(partials[rank]), sr.copy_(residual), sw.copy_(w)
+        new.fill_(float("nan")), h.fill_(float("nan"))
+        g.replay()
+        check(new, h, ref_new, ref_h, f"seed {seed} graph replay {k} rank {rank}")
+    assert int(pb.state[0]) == epochs + 5, "one epoch per call, replays included"
+    g = pb = None
+    gc.collect()
+    torch.cuda.synchronize()
+    dist.barrier()                                   # peers unmapped before owners free
+    dist.destroy_process_group()
+
+
+def _spawn(world, same_gpu, epochs=8):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seed = _seed()
+    ctx = mp.start_processes(_ipc_worker, args=(world, port, seed, same_gpu, epochs),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + MP_TIMEOUT_S
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"seed {seed}: {world} ranks did not finish within {MP_TIMEOUT_S} s "
+                        "(a wait never completed?)")
+
+
+@pytest.mark.skipif(not COMPILED, reason="needs a CUDA GPU (compiled kernel)")
+def test_two_processes_one_gpu():
+    _spawn(2, same_gpu=True)
+
+
+def _two_peer_gpus() -> bool:
+    return (COMPILED and torch.cuda.device_count() >= 2
+            and torch.cuda.can_device_access_peer(0, 1)
+            and torch.cuda.can_device_access_peer(1, 0))
+
+
+@pytest.mark.skipif(not _two_peer_gpus(), reason="needs 2 P2P-capable GPUs")
+def test_two_gpus_p2p():
+    _spawn(2, same_gpu=False)
