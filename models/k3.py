@@ -27,7 +27,7 @@ from .kda import KDAAttention
 from .layers import (GatedMLP, RMSNorm, VocabParallelEmbedding, column_linear,
                      replicated_linear, shard_tensor)
 from .mla import MLAAttention
-from .moe import LatentMoE
+from .moe import MXFP4_PARAMS, LatentMoE, random_mxfp4
 from .parallel import Comm, LocalComm, Parallel
 from .specialized import check_path, specialized_supported
 
@@ -44,7 +44,7 @@ class K3DecoderLayer(nn.Module):
         self.self_attn = attn_cls(cfg, layer_idx, par, comm, dtype)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(cfg, par, comm, dtype)
+            self.block_sparse_moe = LatentMoE(cfg, par, comm, dtype, layer_idx)
         else:
             self.mlp = GatedMLP(H, cfg.intermediate_size, cfg.situ_beta, cfg.situ_linear_beta,
                                 par, comm, dtype)
@@ -198,6 +198,8 @@ def _random_full(name: str, shape: tuple[int, ...], cfg: K3Config, gen: torch.Ge
     O(1): norms ~1, linear weights ~N(0, 1/fan_in), AttnRes logits ~N(0, 1)."""
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if leaf in MXFP4_PARAMS:     # MXFP4-resident routed experts: codes / scales
+        return random_mxfp4(shape, leaf.endswith("_scale"), gen)
     # drawn on the host whatever device context is active: the same seed gives the same weights
     randn = torch.randn(shape, generator=gen, device="cpu")
     if leaf == "A_log":   # exp(A) in [1, 4] for the heads, zero tail padding as in K3

@@ -18,20 +18,40 @@ all-reduced BEFORE the latent RMSNorm (which needs the full sum). Shared experts
 column/row-parallel gated MLP; their partial output rides in the same all-reduce (one collective
 per MoE layer, summed in fp32).
 
-Routed experts are stacked parameters in the model dtype (MXFP4 is dequantized by the loader):
-experts.w1, experts.w3 (E, I_local, L) [gate, up] and experts.w2 (E, L, I_local) [down];
-shard_dim 1 for w1/w3 and 2 for w2 in the full stacked shapes (E, I, L) / (E, L, I).
+Routed experts, two storages (`RoutedExperts`; which one: `routed_experts_mxfp4(cfg, layer)`):
+- MXFP4-resident (the config's quantization_config covers the experts, K3): uint8 parameters in
+  the kernels/moe_mxfp4.py `MXFP4Experts` layout of this rank's I slice, never dequantized:
+      experts.w13_packed (E, 2, I_local, L/2)  experts.w13_scale (E, 2, I_local, L/32)  [gate; up]
+      experts.w2_packed  (E, L, I_local/2)     experts.w2_scale  (E, L, I_local/32)     [down]
+  shard_dim 2 of each full shape (I, or I/2 bytes, or I/32 groups: I_local % 32 == 0). The
+  (E, 2, I_local, ·) tensors are the kernels' (E, 2I_local, ·) w13 / s13 as free views.
+  Forward: CUDA + Triton -> `moe_decode` (specialized path, few pairs) or the stock
+  grouped `fused_moe_mxfp4`, device-side ids, no host sync (capturable); elsewhere
+  `moe_mxfp4_reference` (host sync on the unique ids).
+- bf16 (no quantization_config): stacked parameters in the model dtype,
+  experts.w1, experts.w3 (E, I_local, L) [gate, up] and experts.w2 (E, L, I_local) [down];
+  shard_dim 1 for w1/w3 and 2 for w2 in the full shapes (E, I, L) / (E, L, I); a Python loop
+  over the selected experts (host sync).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydecode.kernels._triton import triton as _triton
+from raydecode.kernels.moe_mxfp4 import (MAX_SCALE, MXFP4Experts, fused_moe_mxfp4,
+                                         moe_mxfp4_reference)
+from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
+from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
 from raydecode.kernels.router import route_topk, router_logits
 
+from .checkpoint import PREFIX, expert_is_mxfp4
 from .config import K3Config
 from .layers import GatedMLP, RMSNorm, new_param, replicated_linear, situ
+from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
 from .specialized import linear_for, row_slice, sharded_gemv
 
@@ -77,22 +97,117 @@ class MoEGate(nn.Module):
         return F.linear(x.float(), self.weight.float())
 
 
+# ---- routed experts ------------------------------------------------------------------------
+
+MXFP4_PARAMS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
+MAX_FUSED_PAIRS = 1 << 16        # the stock kernel's runs program sorts ≤ 65536 pairs per call
+
+
+def routed_experts_mxfp4(cfg: K3Config, layer_idx: int | None = None) -> bool:
+    """Whether layer `layer_idx`'s routed experts are MXFP4 in the checkpoint (its
+    quantization_config, ignore list applied; default: the first MoE layer). w1/w2/w3 must
+    agree: a layer with some packed and some bf16 expert linears is refused."""
+    if layer_idx is None:
+        layer_idx = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), 0)
+    mod = f"{PREFIX}model.layers.{layer_idx}.block_sparse_moe.experts.0"
+    kinds = {w: expert_is_mxfp4(cfg, f"{mod}.{w}") for w in ("w1", "w2", "w3")}
+    if len(set(kinds.values())) != 1:
+        raise ValueError(f"layer {layer_idx}: quantization_config makes routed experts "
+                         f"{kinds} MXFP4 (True) / bf16 (False); w1, w2 and w3 must agree")
+    return kinds["w1"]
+
+
+def random_mxfp4(full_shape: tuple[int, ...], scales: bool,
+                 gen: torch.Generator) -> torch.Tensor:
+    """Random full MXFP4 expert data on the host: uniform codes (two per byte), or ue8m0
+    scales 2**(s − 127) ≈ 1/(rms(e2m1) · sqrt(K)) (K = 32 · groups, the fan-in) with a jitter
+    of ×{1/2, 1}, so the dequantized weights are ~N(0, 1/K)-sized. Every byte decodes."""
+    if not scales:
+        return torch.randint(0, 256, full_shape, generator=gen, dtype=torch.uint8)
+    rms = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))
+    k = GROUP_SIZE * full_shape[-1]
+    base = SCALE_BIAS + round(math.log2(1.0 / (rms * math.sqrt(k))))
+    jitter = torch.randint(-1, 1, full_shape, generator=gen)
+    return (base + jitter).clamp(1, MAX_SCALE).to(torch.uint8)
+
+
 class RoutedExperts(nn.Module):
+    """One layer's routed experts on one rank: MXFP4-resident (`mxfp4`) or model-dtype
+    parameters (module docstring). forward -> Σ_k w·expert(z) (T, L) fp32, partial over I."""
+
     def __init__(self, num_experts: int, latent: int, intermediate: int, beta: float,
-                 linear_beta: float | None, par: Parallel, dtype: torch.dtype):
+                 linear_beta: float | None, par: Parallel, dtype: torch.dtype,
+                 mxfp4: bool = False):
         super().__init__()
-        self.beta, self.linear_beta = beta, linear_beta
-        what = "moe_intermediate_size"
-        self.w1 = new_param((num_experts, intermediate, latent), par, 1, dtype, what=what)
-        self.w3 = new_param((num_experts, intermediate, latent), par, 1, dtype, what=what)
-        self.w2 = new_param((num_experts, latent, intermediate), par, 2, dtype, what=what)
+        self.beta, self.linear_beta, self.mxfp4 = beta, linear_beta, mxfp4
+        E, L, I, what = num_experts, latent, intermediate, "moe_intermediate_size"
+        if not mxfp4:
+            self.w1 = new_param((E, I, L), par, 1, dtype, what=what)
+            self.w3 = new_param((E, I, L), par, 1, dtype, what=what)
+            self.w2 = new_param((E, L, I), par, 2, dtype, what=what)
+            return
+        local = par.shard(I, what)
+        if local % GROUP_SIZE:
+            raise ValueError(f"experts.w2: tensor_parallel_size {par.tp_size} splits K = {I} "
+                             f"into {local}-wide slices; MXFP4 slices must be whole groups of "
+                             f"{GROUP_SIZE} (moe_intermediate_size/TP a multiple of "
+                             f"{GROUP_SIZE})")
+        if L % GROUP_SIZE:
+            raise ValueError(f"routed_expert_hidden_size = {L}: MXFP4 experts need a multiple "
+                             f"of the group size {GROUP_SIZE}")
+        u8 = torch.uint8
+        self.w13_packed = new_param((E, 2, I, L // 2), par, 2, u8, what=what)
+        self.w13_scale = new_param((E, 2, I, L // GROUP_SIZE), par, 2, u8, what=what)
+        self.w2_packed = new_param((E, L, I // 2), par, 2, u8, what=what)
+        self.w2_scale = new_param((E, L, I // GROUP_SIZE), par, 2, u8, what=what)
+
+    def packed(self) -> MXFP4Experts:
+        """The resident weights as the kernels' container (views, no copy)."""
+        E, _, I, Lh = self.w13_packed.shape
+        return MXFP4Experts(self.w13_packed.view(E, 2 * I, Lh), self.w13_scale.view(E, 2 * I, -1),
+                            self.w2_packed, self.w2_scale, self.beta, self.linear_beta)
+
+    @torch.no_grad()
+    def dense(self, dtype: torch.dtype | None = None):
+        """(w1 (E, I_local, L), w3, w2 (E, L, I_local)) in `dtype` (tests, debugging): the
+        parameters themselves, or a dequantized copy of the MXFP4 ones."""
+        if not self.mxfp4:
+            return tuple(w if dtype is None else w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        return self.packed().dequantized(dtype or torch.bfloat16)
+
+    @torch.no_grad()
+    def copy_experts_(self, experts: MXFP4Experts) -> None:
+        """Set this rank's experts from an `MXFP4Experts` of its shapes (dequantized when the
+        parameters are not MXFP4)."""
+        if not self.mxfp4:
+            for p, w in zip((self.w1, self.w3, self.w2), experts.dequantized(self.w1.dtype)):
+                p.copy_(w)
+            return
+        dst = self.packed()
+        for name in ("w13", "s13", "w2", "s2"):
+            getattr(dst, name).copy_(getattr(experts, name))
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 path: str = "stock") -> torch.Tensor:
-        """z (T, L), weights/ids (T, k) -> Σ_k w·expert(z) (T, L) fp32 (partial over I shards).
-        Loops over the selected experts (host sync on the unique ids), never over tokens.
-        GPU note: the `.tolist()` is a host sync per MoE layer; the specialized GPU step needs a
-        grouped expert kernel that reads ids on the device (kernels issue)."""
+        """z (T, L), weights (T, k) fp32, ids (T, k) -> Σ_k w·expert(z) (T, L) fp32 (partial
+        over I shards). MXFP4 on CUDA: ids stay on the device (no host sync)."""
+        if not self.mxfp4:
+            return self._forward_dense(z, weights, ids, path)
+        ex, weights = self.packed(), weights.float()
+        if not (z.is_cuda and _triton is not None):
+            return moe_mxfp4_reference(z, weights, ids, ex)            # host sync (CPU)
+        if path == "specialized" and use_decode_kernel(z, ids, ex):
+            return moe_decode(z, weights, ids, ex)                      # bf16 or fp32 z
+        zb = z.to(torch.bfloat16)                                       # the stock kernel's input
+        step = max(1, MAX_FUSED_PAIRS // ids.shape[1])                 # tokens per launch group
+        if z.shape[0] <= step:
+            return fused_moe_mxfp4(zb, weights, ids, ex)
+        return torch.cat([fused_moe_mxfp4(zb[i:i + step], weights[i:i + step],
+                                          ids[i:i + step], ex)
+                          for i in range(0, z.shape[0], step)])
+
+    def _forward_dense(self, z, weights, ids, path: str) -> torch.Tensor:
+        """Loops over the selected experts (host sync on the unique ids), never over tokens."""
         lin = linear_for(path)
         out = z.new_zeros(z.shape, dtype=torch.float32)
         for e in torch.unique(ids).tolist():
@@ -108,14 +223,15 @@ class LatentMoE(nn.Module):
     """`block_sparse_moe` of a K3 layer."""
 
     def __init__(self, cfg: K3Config, par: Parallel = Parallel(), comm: Comm = LocalComm(),
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, layer_idx: int | None = None):
         super().__init__()
         m, H = cfg.moe, cfg.hidden_size
         self.cfg, self.par, self.comm = cfg, par, comm
         self.gate = MoEGate(H, m.num_experts, dtype)
         self.routed_expert_down_proj = replicated_linear(H, m.latent_size, dtype)
         self.experts = RoutedExperts(m.num_experts, m.latent_size, m.expert_intermediate,
-                                     cfg.situ_beta, cfg.situ_linear_beta, par, dtype)
+                                     cfg.situ_beta, cfg.situ_linear_beta, par, dtype,
+                                     mxfp4=routed_experts_mxfp4(cfg, layer_idx))
         self.routed_expert_norm = (RMSNorm(m.latent_size, cfg.rms_norm_eps, dtype)
                                    if m.latent_norm else None)
         self.routed_expert_up_proj = replicated_linear(m.latent_size, H, dtype)

@@ -3,11 +3,14 @@
 Parameter `p` (module path `n`) takes checkpoint tensor `language_model.n`, sliced by the
 parameter's `shard_fn(full, par)` when it has one, else 1/TP along `shard_dim` (rank r: the
 r-th contiguous chunk, read with safetensors `get_slice`, so other ranks' bytes are never
-read). Routed experts are stacked parameters `...experts.w1|w3` (E, I, L) and `...experts.w2`
-(E, L, I) in full-shape terms; expert e's checkpoint tensors are `...experts.{e}.w1.weight_packed`
-+ `.weight_scale` (MXFP4) or `.weight`. A split of the stacked dim d slices dim d-1 of each
-expert (d = 0 picks whole experts); on MXFP4 the packed bytes and scales of that range are read
-and unpacked into the model dtype. A split along K must cover whole groups of 32 (I/TP % 32 == 0).
+read). Routed experts: expert e's checkpoint tensors are `...experts.{e}.w1.weight_packed` +
+`.weight_scale` (MXFP4) or `.weight`, stacked over e into the model's parameters:
+  MXFP4-resident (models/moe.py): `w13_packed` / `w13_scale` (E, 2, I, ·) = [w1; w3] packed
+    bytes / scales, `w2_packed` / `w2_scale` (E, L, ·), copied as stored (never dequantized);
+  model dtype: `w1|w3` (E, I, L), `w2` (E, L, I); MXFP4 tensors are unpacked into them.
+A split of I slices the rows of w1/w3 and the K columns of w2; a split along K must cover whole
+groups of 32 (I/TP % 32 == 0). Scale bytes above kernels/moe_mxfp4.py `MAX_SCALE` (255 = NaN)
+are refused.
 
 Strict: any mismatch between checkpoint, config and model is a `CheckpointError` naming the
 tensor or file, raised before any parameter is written where it can be seen from the headers.
@@ -23,15 +26,22 @@ from typing import Callable
 import torch
 from torch import nn
 
+from raydecode.kernels.moe_mxfp4 import MAX_SCALE
+
 from .checkpoint import (INDEX_FILE, PREFIX, CheckpointError, TensorSpec,
                          checkpoint_tensor_specs, make_tensor, with_test_tokenizer_ids)
 from .config import PRESETS, K3Config, load_config
-from .mxfp4 import GROUP_SIZE, unpack_mxfp4
+from .mxfp4 import GROUP_SIZE, SCALE_BIAS, unpack_mxfp4
 from .parallel import Comm, LocalComm, Parallel
 
 __all__ = ["load_weights", "load_model", "read_index", "CheckpointError"]
 
-_EXPERTS = re.compile(r"(?P<mod>.+\.experts)\.(?P<w>w[123])$")
+_EXPERTS = re.compile(r"(?P<mod>.+\.experts)\.(?P<w>w[123]|w13_packed|w13_scale|w2_packed"
+                      r"|w2_scale)$")
+# MXFP4-resident parameter -> (checkpoint linears stacked per expert, tensor suffix)
+_RESIDENT = {"w13_packed": (("w1", "w3"), "weight_packed"),
+             "w13_scale": (("w1", "w3"), "weight_scale"),
+             "w2_packed": (("w2",), "weight_packed"), "w2_scale": (("w2",), "weight_scale")}
 # the published K3 checkpoint is multimodal; this text engine leaves its vision parts unread
 NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
@@ -156,7 +166,11 @@ def _plan(model: nn.Module, specs: dict[str, TensorSpec], cfg: K3Config):
     plan, used = [], set()
     for pname, p in model.named_parameters():
         m = _EXPERTS.match(pname)
-        if m:
+        if m and m["w"] in _RESIDENT:
+            lins, suffix = _RESIDENT[m["w"]]
+            names = [f"{PREFIX}{m['mod']}.{e}.{w}.{suffix}"
+                     for e in range(cfg.moe.num_experts) for w in lins]
+        elif m:
             names = []
             for e in range(cfg.moe.num_experts):
                 mod = f"{PREFIX}{m['mod']}.{e}.{m['w']}"
@@ -169,7 +183,10 @@ def _plan(model: nn.Module, specs: dict[str, TensorSpec], cfg: K3Config):
             raise CheckpointError(f"model parameter {pname!r} has no tensor in the checkpoint "
                                   f"(expected {absent[0]!r})")
         full = specs[names[0]].shape
-        if m:   # stacked (E, rows, K); a packed byte holds two K values
+        if m and m["w"] in _RESIDENT:   # stored units (bytes / groups), [w1; w3] on dim 1
+            n_lin = len(_RESIDENT[m["w"]][0])
+            full = (cfg.moe.num_experts,) + ((2,) if n_lin == 2 else ()) + full
+        elif m:   # stacked (E, rows, K); a packed byte holds two K values
             rows, cols = full
             packed = names[0].endswith(".weight_packed")
             full = (cfg.moe.num_experts, rows, 2 * cols if packed else cols)
@@ -250,12 +267,57 @@ def _load_experts(pname: str, p: nn.Parameter, names: list[str], full: tuple[int
             p.data[i].copy_(src.read(w, 1, c0, nc) if nc != cols else src.read(w, 0, r0, nr))
 
 
+def _check_scales(name: str, scales: torch.Tensor) -> None:
+    hi = int(scales.max()) if scales.numel() else 0
+    if hi > MAX_SCALE:
+        what = "NaN in ue8m0" if hi == 255 else f"2**{hi - SCALE_BIAS}"
+        raise CheckpointError(f"{name}: MXFP4 scale byte {hi} ({what}); the MXFP4 expert "
+                              f"kernels decode scale bytes up to {MAX_SCALE}")
+
+
+def _load_resident(pname: str, p: nn.Parameter, names: list[str], full: tuple[int, ...],
+                   src: _Source, par: Parallel) -> None:
+    """MXFP4 bytes / scales as stored: `full` (E, 2, I, cols) for [w1; w3] (names: e-major,
+    w1 then w3) split along the rows I, or (E, L, cols) for w2 split along K = I (columns
+    hold 2 K values when packed, 32 when scales)."""
+    n_exp, (rows, cols) = full[0], full[-2:]
+    per = 2 if len(full) == 4 else 1
+    per_col = 2 if pname.endswith("_packed") else GROUP_SIZE
+    r0, nr, c0, nc = 0, rows, 0, cols
+    if getattr(p, "shard_dim", None) is not None and par.tp_size > 1:
+        if per == 2:
+            r0, nr = _chunk(rows, par, f"{pname} rows (moe_intermediate_size)")
+        else:
+            k = cols * per_col
+            start, size = _chunk(k, par, f"{pname} K (moe_intermediate_size)")
+            if start % GROUP_SIZE or size % GROUP_SIZE:
+                raise CheckpointError(
+                    f"{pname}: tensor_parallel_size {par.tp_size} splits K = {k} into "
+                    f"{size}-wide slices; MXFP4 slices must be whole groups of {GROUP_SIZE} "
+                    f"(K/TP a multiple of {GROUP_SIZE})")
+            c0, nc = start // per_col, size // per_col
+    want = (n_exp, 2, nr, nc) if per == 2 else (n_exp, nr, nc)
+    if tuple(p.shape) != want:
+        raise CheckpointError(f"{pname}: rank {par.tp_rank}/{par.tp_size} slice of the experts "
+                              f"is {want}, the parameter has {tuple(p.shape)}")
+    for e in range(n_exp):
+        for j in range(per):
+            name = names[per * e + j]
+            t = src.read(name, 1, c0, nc) if nc != cols else src.read(name, 0, r0, nr)
+            if per_col == GROUP_SIZE:
+                _check_scales(name, t)
+            (p.data[e, j] if per == 2 else p.data[e]).copy_(t)
+
+
 @torch.no_grad()
 def _load(model: nn.Module, cfg: K3Config, src: _Source, par: Parallel) -> None:
     specs = checkpoint_tensor_specs(cfg)
     _check_headers(src, specs, cfg)
     for pname, p, names, full in _plan(model, specs, cfg):
-        if _EXPERTS.match(pname):
+        m = _EXPERTS.match(pname)
+        if m and m["w"] in _RESIDENT:
+            _load_resident(pname, p, names, full, src, par)
+        elif m:
             _load_experts(pname, p, names, full, src, par)
         else:
             _load_dense(pname, p, names[0], full, src, par)

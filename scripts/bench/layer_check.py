@@ -65,9 +65,7 @@ def _model_layer(cfg: K3Config, idx: int, seed: int, device):
                                gen, device))
             params[name] = p.detach()
         experts = random_experts(cfg, Parallel(), seed + 1, device).validate()
-        w1, w3, w2 = experts.dequantized(BF16)
-        ex = layer.block_sparse_moe.experts
-        ex.w1.copy_(w1), ex.w3.copy_(w3), ex.w2.copy_(w2)
+        layer.block_sparse_moe.experts.copy_experts_(experts)
     return layer, params, experts
 
 

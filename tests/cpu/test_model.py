@@ -50,7 +50,7 @@ def test_parameter_count_and_contract(tiny):
                  "model.output_attn_res_proj.weight",
                  "model.layers.0.mlp.gate_proj.weight",
                  "model.layers.1.block_sparse_moe.gate.e_score_correction_bias",
-                 "model.layers.1.block_sparse_moe.experts.w2",
+                 "model.layers.1.block_sparse_moe.experts.w2_packed",
                  "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
                  "model.layers.2.self_attn.g_proj.weight",
                  "model.layers.1.self_attn.A_log", "model.layers.1.self_attn.q_conv1d.weight"):

@@ -1,6 +1,7 @@
 """Latent MoE: noaux_tc routing (bias selects, never weighs), the block against a per-token
 reference written out here, and the TP split of expert intermediates summing before the norm."""
 import math
+from dataclasses import replace
 
 import torch
 
@@ -56,14 +57,14 @@ def _moe_reference(moe, x, cfg):
     def rms(z, w):
         return z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
 
-    e = moe.experts
+    w1, w3, w2 = moe.experts.dense(x.dtype)      # MXFP4-resident experts: dequantized
     out = []
     for t in range(x.shape[0]):
         s = torch.sigmoid(moe.gate.weight @ x[t])
         chosen = (s + moe.gate.e_score_correction_bias).topk(cfg.moe.top_k).indices
         wts = s[chosen] / s[chosen].sum()
         z = moe.routed_expert_down_proj.weight @ x[t]
-        lat = sum(wts[j] * (e.w2[i] @ situ(e.w1[i] @ z, e.w3[i] @ z))
+        lat = sum(wts[j] * (w2[i] @ situ(w1[i] @ z, w3[i] @ z))
                   for j, i in enumerate(chosen.tolist()))
         y = moe.routed_expert_up_proj.weight @ rms(lat, moe.routed_expert_norm.weight)
         sh = moe.shared_experts
@@ -72,8 +73,9 @@ def _moe_reference(moe, x, cfg):
     return torch.stack(out)
 
 
-def _moe(seed=0):
+def _moe(seed=0, mxfp4=True):
     cfg = load_config("tiny")
+    cfg = cfg if mxfp4 else replace(cfg, quant=None)     # model-dtype expert parameters
     model = init_random_(K3ForCausalLM(cfg), seed)
     layer = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
     return cfg, model.model.layers[layer].block_sparse_moe
@@ -91,7 +93,7 @@ def test_latent_moe_matches_per_token_reference():
 def test_expert_intermediate_split_sums_before_the_latent_norm():
     """Two ranks' experts (I split in halves via shard_dim) give partial latents whose sum is the
     full latent; normalising each partial first would give something else."""
-    cfg, moe = _moe(seed=3)
+    cfg, moe = _moe(seed=3, mxfp4=False)
     m = cfg.moe
     gen = torch.Generator().manual_seed(4)
     z = torch.randn(9, m.latent_size, generator=gen)

@@ -3,6 +3,7 @@ dispatch, the expert container's checks and the launch configuration (no GPU, no
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ def _tiny_moe(dtype, seed, tp=1):
     cfg = load_config("tiny")
     m = cfg.moe
     par = Parallel(tp_rank=0, tp_size=tp)
-    moe = LatentMoE(cfg, par, dtype=dtype)
+    moe = LatentMoE(replace(cfg, quant=None), par, dtype=dtype)    # model-dtype experts
     ex = M.MXFP4Experts.random(m.num_experts, m.latent_size, m.expert_intermediate // tp,
                                cfg.situ_beta, cfg.situ_linear_beta, seed=seed).validate()
     w1, w3, w2 = ex.dequantized(dtype)

@@ -186,9 +186,16 @@ def test_specialized_step_equals_stock_tp1(dtype, tol):
             outs += [model(toks[t:t + 1], StepBatch.decode([1], [t]), c, path)     # decode
                      for t in range(6, 10)]
             logits[path] = model.compute_logits(torch.cat(outs))
-        cacheless = model.compute_logits(model(toks, path="specialized"))
+        cacheless = {p: model.compute_logits(model(toks, path=p)) for p in caches}
     assert _rel(logits["specialized"], logits["stock"]) < tol
-    assert _rel(cacheless, logits["stock"]) < tol
+    # cacheless (one 10-token prefill) vs cached (6 + 4 × 1): the same math at other batch
+    # shapes. fp32: equal within tol. bf16: the CPU matmuls round differently per batch shape,
+    # and with the MXFP4 tiny model's random experts that flips a near-tie routing at some
+    # token (seed 11: token 3, on both paths alike), so there only the two paths are compared
+    # at equal batching.
+    if dtype == torch.float32:
+        assert _rel(cacheless["specialized"], logits["stock"]) < tol
+    assert _rel(cacheless["specialized"], cacheless["stock"]) < tol
     s, p = caches["stock"], caches["specialized"]      # same cache contents written
     assert _rel(p.kda.rec, s.kda.rec) < tol and _rel(p.kda.conv.float(), s.kda.conv.float()) < tol
     assert _rel(p.mla.pool.float(), s.mla.pool.float()) < tol and p.mla.pool.abs().sum() > 0
