@@ -81,6 +81,53 @@ if triton is not None:
         return tl.sum(part * sc, 1)
 
     @triton.jit
+    def _x_words(x32):
+        """x32 (GB, 32) fp32, k = 32·g + i -> the eight (GB, 4) tensors x_q[g, w] = x[32g + 8w
+        + q], q = 0..7 (the code of nibble q of word w; low nibble = even k)."""
+        GB: tl.constexpr = x32.shape[0]
+        ev, od = tl.split(tl.reshape(x32, (GB, 4, 4, 2)))          # q even / odd
+        e0, e1 = tl.split(tl.reshape(ev, (GB, 4, 2, 2)))            # q ∈ {0, 4} / {2, 6}
+        o0, o1 = tl.split(tl.reshape(od, (GB, 4, 2, 2)))            # q ∈ {1, 5} / {3, 7}
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def _nibble_pair(w, j: tl.constexpr):
+        """Codes of nibbles j and j + 4 of int32 words (bits 4j.. and 16 + 4j..), both decoded
+        by one int32 op chain into an fp16 pair (e2m1 · 2**-14 each), -> two fp32 tensors."""
+        v = w >> (4 * j)
+        h = ((v & 0x00070007) << 9) | ((v & 0x00080008) << 12)
+        lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _group_dot_words(w_ptr, s_ptr, rows, grp, x32, KB: tl.constexpr, KG: tl.constexpr):
+        """`_group_dot` reading the codes as int32 words (4 per 16-byte group row): two codes
+        per int32 op, and the products accumulate elementwise (fused multiply-adds) before one
+        4-wide sum. x32 (GB, 32) fp32 activations of the groups -> (BN,) fp32."""
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_words(x32)
+        wi = tl.arange(0, 4)
+        w32 = w_ptr.to(tl.pointer_type(tl.int32))
+        w = tl.load(w32 + rows[:, None, None] * (KB // 4) + grp[None, :, None] * 4
+                    + wi[None, None, :])                                  # (BN, GB, 4)
+        lo, hi = _nibble_pair(w, 0)
+        acc = lo * x0[None, :, :] + hi * x4[None, :, :]
+        lo, hi = _nibble_pair(w, 1)
+        acc += lo * x1[None, :, :] + hi * x5[None, :, :]
+        lo, hi = _nibble_pair(w, 2)
+        acc += lo * x2[None, :, :] + hi * x6[None, :, :]
+        lo, hi = _nibble_pair(w, 3)
+        acc += lo * x3[None, :, :] + hi * x7[None, :, :]
+        part = tl.sum(acc, 2)                                              # (BN, GB)
+        s = tl.load(s_ptr + rows[:, None] * KG + grp[None, :]).to(tl.int32)
+        sc = ((s + 14) << 23).to(tl.float32, bitcast=True)                 # 2**(s − 113)
+        return tl.sum(part * sc, 1)
+
+    @triton.jit
     def _situ_bf16(acc_g, acc_u, beta, lin_beta, HAS_LIN: tl.constexpr):
         """bf16 SiTU(bf16 g, bf16 u) from fp32 sums: models/layers.py `situ` rounding points."""
         g = acc_g.to(tl.bfloat16).to(tl.float32)
@@ -115,9 +162,14 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_step(z_ptr, t, w_e, s_e, n, grp, L: tl.constexpr, I: tl.constexpr,
-                      KB: tl.constexpr, KG: tl.constexpr):
+                      KB: tl.constexpr, KG: tl.constexpr, WORDS: tl.constexpr):
         """One K step (the GB groups `grp`) of the gate rows n and up rows I + n -> two (BN,)
         fp32 partial sums; z bf16, or fp32 rounded to bf16 here (a bf16 GEMV output)."""
+        if WORDS:
+            kk = grp[:, None] * 32 + tl.arange(0, 32)[None, :]             # (GB, 32)
+            x32 = tl.load(z_ptr + t * L + kk).to(tl.bfloat16).to(tl.float32)
+            return (_group_dot_words(w_e, s_e, n, grp, x32, KB, KG),
+                    _group_dot_words(w_e, s_e, n + I, grp, x32, KB, KG))
         byte = grp[:, None] * 16 + tl.arange(0, 16)[None, :]               # (GB, 16)
         xe = tl.load(z_ptr + t * L + 2 * byte).to(tl.bfloat16).to(tl.float32)
         xo = tl.load(z_ptr + t * L + 2 * byte + 1).to(tl.bfloat16).to(tl.float32)
@@ -128,7 +180,8 @@ if triton is not None:
     def _gate_up_kernel(z_ptr, ids_ptr, w_ptr, s_ptr, a_ptr, y_ptr, n_zero, top_k, beta,
                         lin_beta, L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                         KG: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
-                        GB: tl.constexpr, ZB: tl.constexpr, PDL: tl.constexpr):
+                        GB: tl.constexpr, ZB: tl.constexpr, WORDS: tl.constexpr,
+                        PDL: tl.constexpr):
         """KB = L/2 bytes and KG = L/32 groups per row of W13 (passed: constexpr arithmetic
         inside the kernel differs between the compiler and the interpreter)."""
         pdl_enter(PDL)
@@ -140,7 +193,8 @@ if triton is not None:
         acc_g = tl.zeros((BN,), tl.float32)
         acc_u = tl.zeros((BN,), tl.float32)
         for g0 in range(0, KG, GB):
-            dg, du = _gate_up_step(z_ptr, t, w_e, s_e, n, g0 + tl.arange(0, GB), L, I, KB, KG)
+            dg, du = _gate_up_step(z_ptr, t, w_e, s_e, n, g0 + tl.arange(0, GB), L, I, KB, KG,
+                                   WORDS)
             acc_g += dg
             acc_u += du
         tl.store(a_ptr + p * I + n, _situ_bf16(acc_g, acc_u, beta, lin_beta, HAS_LIN))
@@ -150,7 +204,7 @@ if triton is not None:
                               L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                               KG: tl.constexpr, KS: tl.constexpr, KGS: tl.constexpr,
                               BN: tl.constexpr, GB: tl.constexpr, ZB: tl.constexpr,
-                              PDL: tl.constexpr):
+                              WORDS: tl.constexpr, PDL: tl.constexpr):
         """Split-K gate_up: program (p, nb, ks) sums the KGS = KG/KS groups [ks·KGS, (ks+1)·KGS)
         of BN gate and BN up rows (KGS/GB steps, unrolled: every load issued up front) and
         writes them unrounded to part (P, KS, 2I) fp32: part[p, ks, n] gate, [.., I + n] up.
@@ -166,7 +220,7 @@ if triton is not None:
         acc_u = tl.zeros((BN,), tl.float32)
         for st in tl.static_range(0, KGS, GB):
             dg, du = _gate_up_step(z_ptr, t, w_e, s_e, n, ks * KGS + st + tl.arange(0, GB),
-                                   L, I, KB, KG)
+                                   L, I, KB, KG, WORDS)
             acc_g += dg
             acc_u += du
         row = part_ptr + (p * KS + ks) * (2 * I)
@@ -176,8 +230,16 @@ if triton is not None:
     @triton.jit
     def _down_step(a_ptr, w_e, s_e, p, n, grp, j, beta, lin_beta, I: tl.constexpr,
                    KB: tl.constexpr, KG: tl.constexpr, KS: tl.constexpr,
-                   HAS_LIN: tl.constexpr, GB: tl.constexpr):
+                   HAS_LIN: tl.constexpr, GB: tl.constexpr, WORDS: tl.constexpr):
         """Σ over the groups `grp` of W2[n, k] a[p, k] -> (BN,) fp32."""
+        if WORDS:   # the (GB, 32) input as loaded or built, codes read as int32 words
+            kk = grp[:, None] * 32 + tl.arange(0, 32)[None, :]                 # (GB, 32)
+            if KS == 1:
+                x32 = tl.load(a_ptr + p * I + kk).to(tl.float32)
+            else:
+                x32 = _split_input(a_ptr + p * (KS * 2 * I), kk, beta, lin_beta, I, KS,
+                                   HAS_LIN)
+            return _group_dot_words(w_e, s_e, n, grp, x32, KB, KG)
         byte = grp[:, None] * 16 + j[None, :]                              # (GB, 16)
         if KS == 1:
             xe = tl.load(a_ptr + p * I + 2 * byte).to(tl.float32)
@@ -192,7 +254,8 @@ if triton is not None:
     def _down_kernel(a_ptr, ids_ptr, topw_ptr, w_ptr, s_ptr, y_ptr, top_k, beta, lin_beta,
                      L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr, KG: tl.constexpr,
                      KS: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
-                     GB: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
+                     GB: tl.constexpr, UNROLL: tl.constexpr, WORDS: tl.constexpr,
+                     PDL: tl.constexpr):
         """KB = I/2 bytes and KG = I/32 groups per row of W2. KS == 1: a_ptr is a (P, I) bf16;
         KS > 1: a_ptr is the gate_up partials (P, KS, 2I) fp32 and this program builds its
         K input from them (`_split_input`). UNROLL: the K loop unrolled (all steps' loads
@@ -210,11 +273,11 @@ if triton is not None:
         if UNROLL:
             for g0 in tl.static_range(0, KG, GB):
                 acc += _down_step(a_ptr, w_e, s_e, p, n, g0 + gi, j, beta, lin_beta,
-                                  I, KB, KG, KS, HAS_LIN, GB)
+                                  I, KB, KG, KS, HAS_LIN, GB, WORDS)
         else:
             for g0 in range(0, KG, GB):
                 acc += _down_step(a_ptr, w_e, s_e, p, n, g0 + gi, j, beta, lin_beta,
-                                  I, KB, KG, KS, HAS_LIN, GB)
+                                  I, KB, KG, KS, HAS_LIN, GB, WORDS)
         y = acc.to(tl.bfloat16).to(tl.float32) * tl.load(topw_ptr + p)
         tl.atomic_add(y_ptr + t * L + n, y, sem="relaxed")
 
@@ -225,7 +288,9 @@ class DecodeConfig:
     warps per program; GB must divide K/32 (L/32 for gate_up, I/32 for down), BN the N.
     gate_up_ks: K slices of gate_up (1: one program loops over all of L, writes a (P, I) bf16;
     KS > 1: split-K into (P, KS, 2I) fp32 partials, the down kernel applies SiTU); KS must
-    divide L/32/GB. down_unroll: the down K loop unrolled (all I/32/GB steps in flight)."""
+    divide L/32/GB. down_unroll: the down K loop unrolled (all I/32/GB steps in flight).
+    words: both kernels read the codes as int32 words and decode two codes per int32 op
+    (`_group_dot_words`; same sums up to fp32 summation order)."""
     gate_up_bn: int = 16
     gate_up_gb: int = 16
     gate_up_warps: int = 4
@@ -234,6 +299,7 @@ class DecodeConfig:
     down_warps: int = 4
     gate_up_ks: int = 1
     down_unroll: bool = False
+    words: bool = False
 
     def validate(self, I: int, L: int) -> "DecodeConfig":
         bad = []
@@ -308,17 +374,18 @@ def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         _gate_up_kernel[grid[:2]](
             z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k, beta, lin_beta,
             L=L, I=I, KB=L // 2, KG=L // 32, HAS_LIN=lin is not None, BN=cfg.gate_up_bn,
-            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps, **pdl)
+            GB=cfg.gate_up_gb, ZB=zb, WORDS=cfg.words, num_warps=cfg.gate_up_warps, **pdl)
     else:           # partials (P, KS, 2I) fp32, every element written once
         a = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
         _gate_up_split_kernel[grid](
             z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k, L=L, I=I,
             KB=L // 2, KG=L // 32, KS=ks, KGS=L // 32 // ks, BN=cfg.gate_up_bn,
-            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps, **pdl)
+            GB=cfg.gate_up_gb, ZB=zb, WORDS=cfg.words, num_warps=cfg.gate_up_warps, **pdl)
     _down_kernel[(P, L // cfg.down_bn)](
         a, ids, topk_weights.contiguous(), experts.w2, experts.s2, out, k, beta, lin_beta,
         L=L, I=I, KB=I // 2, KG=I // 32, KS=ks, HAS_LIN=lin is not None, BN=cfg.down_bn,
-        GB=cfg.down_gb, UNROLL=cfg.down_unroll, num_warps=cfg.down_warps, **pdl)
+        GB=cfg.down_gb, UNROLL=cfg.down_unroll, WORDS=cfg.words, num_warps=cfg.down_warps,
+        **pdl)
     return out
 
 

@@ -54,8 +54,27 @@ def candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
     return uniq
 
 
+def focused_candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
+    """Round 6: the TUNED config and its int32-word decode (`words`), with the words variant
+    at a wider gate_up tile, 4 down warps and a looped down kernel."""
+    b = D.default_decode_config(E, I, L)
+    rep = dataclasses.replace
+    w = rep(b, words=True)
+    out = [b, w, rep(w, gate_up_bn=2 * b.gate_up_bn), rep(w, down_warps=4),
+           rep(w, down_unroll=not b.down_unroll)]
+    uniq = []
+    for c in out:
+        try:
+            c.validate(I, L)
+        except ValueError:
+            continue
+        if c not in uniq:
+            uniq.append(c)
+    return uniq
+
+
 def sweep(cfg_moe, tps=(16, 8), batches=(1,), calls: int = 12, seed: int = 0,
-          log=print) -> list[dict]:
+          log=print, focused: bool = True) -> list[dict]:
     E, L, k = cfg_moe.num_experts, cfg_moe.latent_size, cfg_moe.top_k
     rows = []
     for tp in tps:
@@ -68,7 +87,8 @@ def sweep(cfg_moe, tps=(16, 8), batches=(1,), calls: int = 12, seed: int = 0,
             z, routes, touched, nbytes, ref = random_calls(bank, B, k, calls, gen)
             best = None
             stock = M.default_config(B * k, E, I, L)
-            runs = [("stock", stock)] + [("decode", c) for c in candidates(E, I, L)]
+            pick = focused_candidates if focused else candidates
+            runs = [("stock", stock)] + [("decode", c) for c in pick(E, I, L)]
             for kind, c in runs:
                 fn = ((lambda r, c=c: M.fused_moe_mxfp4_triton(z, *r, bank, c)) if kind == "stock"
                       else (lambda r, c=c: D.moe_mxfp4_decode(z, *r, bank, c)))

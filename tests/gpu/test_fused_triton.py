@@ -216,7 +216,8 @@ def _moe_case(E, L, I, k, T, seed, lin=25.0):
 
 def _split_configs(I: int, L: int) -> list:
     """Every split factor KS of gate_up at two K-step widths (1 and 2+ unrolled steps per
-    slice), down looped and unrolled; ks = 1 is the looped gate_up kernel."""
+    slice), down looped and unrolled; ks = 1 is the looped gate_up kernel. Each config twice:
+    bytes and int32-word code reads (`words`)."""
     kg = L // 32
     out = []
     for gb in sorted({D._pow2_divisor(kg, 16), D._pow2_divisor(kg, 2)}):
@@ -227,7 +228,7 @@ def _split_configs(I: int, L: int) -> list:
                                       gate_up_warps=2, down_bn=D._pow2_divisor(L, 32),
                                       down_gb=D._pow2_divisor(I // 32, 2), gate_up_ks=ks,
                                       down_unroll=ks % 2 == 0))
-    return out
+    return out + [dataclasses.replace(c, words=True) for c in out]
 
 
 @pytest.mark.parametrize("E,L,I,k", MOE_SHAPES)
@@ -254,6 +255,7 @@ def test_moe_decode_split_k(E, L, I, k, T):
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     cfgs = _split_configs(I, L)
     assert any(c.gate_up_ks > 1 for c in cfgs) and any(c.gate_up_ks == 1 for c in cfgs)
+    assert any(c.words for c in cfgs) and any(not c.words for c in cfgs)
     for cfg in cfgs:
         out = _nan(T, L, dtype=torch.float32)
         _poison()
