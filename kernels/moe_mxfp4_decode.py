@@ -18,6 +18,11 @@ P only) and the math runs on CUDA cores as a GEMV:
     ((c & 7) << 9 | (c & 8) << 12 = e2m1 · 2**-14 exactly); Σ over the 16 bytes of
     lo·x[2i] + hi·x[2i+1] in fp32, × 2**(s − 113) per group, Σ over groups.
 
+`DecodeConfig.words` (round 7, the TUNED default at K3 shapes): the codes are read as int32 words
+and one int32 op chain decodes the nibble pair (j, j + 4) of a word into two fp16 patterns; the
+products accumulate elementwise (FMAs) before one 4-wide sum (`_group_dot_words`). ≈ 16 instead
+of ≈ 21.5 thread-instructions per weight byte; measured TP16 batch 1 17.8 vs 20.9 µs for the pair.
+
 No runs kernel and no Σ_k kernel: gate_up zeroes `out` (each program a slice; the down kernel
 starts after it) and the down programs add their pair's rows with fp32 atomics. 2 launches
 per call, no host sync, capturable. Triton (round 2 of issue 6); a CuTe DSL version is the
@@ -315,14 +320,17 @@ class DecodeConfig:
         return self
 
 
-# Best of the `layer.py --moe-decode-sweep` candidates per (E, I, L), batch 1, from the round-4
-# run (H200, Triton 3.6, 26 candidates, 12 calls per graph over > 2 × L2 of experts): K3 TP16
-# (I = 192) 20.9 µs (KS = 1 best: 25.8), TP8 (I = 384) 33.4 µs (KS = 1 best: 37.1). The split
-# gate_up only pays with a 2-warp down kernel at TP16 (4 warps: 54–66 µs). The sweep overwrites
-# these in-process; missing keys: the default rule.
+# Best of the `layer.py --moe-decode-sweep` candidates per (E, I, L), batch 1, H200, 12 calls per
+# graph over > 2 × L2 of experts. Round 4 (Triton 3.6, 26 candidates) picked the split-K gate_up
+# (KS = 7) with a 2-warp unrolled down kernel at TP16 (I = 192) and 4 down warps at TP8; round 7
+# (bench/results/layer-h200-2026-11-29-r7.json, focused set) added the int32-word decode:
+# TP16 17.8 µs (bytes 20.9), TP8 28.2 µs (bytes 35.7). The sweep overwrites these in-process;
+# missing keys: the default rule.
 TUNED: dict[tuple[int, int, int], DecodeConfig] = {
-    (896, 192, 3584): DecodeConfig(8, 16, 4, 64, 2, 2, gate_up_ks=7, down_unroll=True),
-    (896, 384, 3584): DecodeConfig(8, 8, 2, 64, 4, 4, gate_up_ks=7),
+    (896, 192, 3584): DecodeConfig(8, 16, 4, 64, 2, 2, gate_up_ks=7, down_unroll=True,
+                                   words=True),
+    (896, 384, 3584): DecodeConfig(8, 8, 2, 64, 4, 4, gate_up_ks=7, down_unroll=True,
+                                   words=True),
 }
 
 

@@ -121,13 +121,16 @@ def random_mxfp4(full_shape: tuple[int, ...], scales: bool,
                  gen: torch.Generator) -> torch.Tensor:
     """Random full MXFP4 expert data on the host: uniform codes (two per byte), or ue8m0
     scales 2**(s − 127) ≈ 1/(rms(e2m1) · sqrt(K)) (K = 32 · groups, the fan-in) with a jitter
-    of ×{1/2, 1}, so the dequantized weights are ~N(0, 1/K)-sized. Every byte decodes."""
+    of ×{1/2, 1}, so the dequantized weights are ~N(0, 1/K)-sized. Every byte decodes. Drawn
+    on the generator's device (the host one for init_random_), whatever device context is
+    active: the same seed gives the same experts under `with torch.device("cuda")`."""
     if not scales:
-        return torch.randint(0, 256, full_shape, generator=gen, dtype=torch.uint8)
+        return torch.randint(0, 256, full_shape, generator=gen, dtype=torch.uint8,
+                             device=gen.device)
     rms = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))
     k = GROUP_SIZE * full_shape[-1]
     base = SCALE_BIAS + round(math.log2(1.0 / (rms * math.sqrt(k))))
-    jitter = torch.randint(-1, 1, full_shape, generator=gen)
+    jitter = torch.randint(-1, 1, full_shape, generator=gen, device=gen.device)
     return (base + jitter).clamp(1, MAX_SCALE).to(torch.uint8)
 
 

@@ -236,3 +236,16 @@ def test_random_models_hold_valid_packed_experts():
     with torch.no_grad():
         logits = full.compute_logits(full(torch.tensor([1, 2, 3])))
     assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_random_mxfp4_draws_on_the_generator_device_under_a_device_context():
+    """init_random_ under `with torch.device("cuda")` passes a host generator (the GPU test
+    failed with 'Expected a cuda device type for generator'): the draw must stay on the
+    generator's device and give the same bytes as without the context. `meta` stands in for
+    cuda on this CPU-only host."""
+    from raydecode.models.moe import random_mxfp4
+    plain = [random_mxfp4((3, 4, 5), s, torch.Generator().manual_seed(7)) for s in (False, True)]
+    with torch.device("meta"):
+        ctx = [random_mxfp4((3, 4, 5), s, torch.Generator().manual_seed(7)) for s in (False, True)]
+    for a, b in zip(plain, ctx):
+        assert b.device.type == "cpu" and torch.equal(a, b)
