@@ -81,8 +81,14 @@ if triton is not None:
         lo = lo.to(tl.float16, bitcast=True).to(tl.float32)
         hi = hi.to(tl.float16, bitcast=True).to(tl.float32)
         part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], 2)          # (BN, GB)
+        return _scaled_sum(part, s_ptr, rows, grp, KG)
+
+    @triton.jit
+    def _scaled_sum(part, s_ptr, rows, grp, KG: tl.constexpr):
+        """Σ over the groups of part (BN, GB) × 2**(s − 113): the ue8m0 scale of each (row,
+        group) times 2**14, undoing the fp16 patterns' e2m1 · 2**-14 -> (BN,) fp32."""
         s = tl.load(s_ptr + rows[:, None] * KG + grp[None, :]).to(tl.int32)
-        sc = ((s + 14) << 23).to(tl.float32, bitcast=True)                    # 2**(s − 113)
+        sc = ((s + 14) << 23).to(tl.float32, bitcast=True)
         return tl.sum(part * sc, 1)
 
     @triton.jit
@@ -127,10 +133,7 @@ if triton is not None:
         acc += lo * x2[None, :, :] + hi * x6[None, :, :]
         lo, hi = _nibble_pair(w, 3)
         acc += lo * x3[None, :, :] + hi * x7[None, :, :]
-        part = tl.sum(acc, 2)                                              # (BN, GB)
-        s = tl.load(s_ptr + rows[:, None] * KG + grp[None, :]).to(tl.int32)
-        sc = ((s + 14) << 23).to(tl.float32, bitcast=True)                 # 2**(s − 113)
-        return tl.sum(part * sc, 1)
+        return _scaled_sum(tl.sum(acc, 2), s_ptr, rows, grp, KG)
 
     @triton.jit
     def _situ_bf16(acc_g, acc_u, beta, lin_beta, HAS_LIN: tl.constexpr):
@@ -164,6 +167,13 @@ if triton is not None:
         tl.store(y_ptr + zo, tl.zeros((ZB,), tl.float32), mask=zo < n_zero)
         e = tl.load(ids_ptr + p).to(tl.int64)
         return p // top_k, w_ptr + e * (2 * I * KB), s_ptr + e * (2 * I * KG)
+
+    @triton.jit
+    def _down_prologue(ids_ptr, p, top_k, w_ptr, s_ptr, L: tl.constexpr, KB: tl.constexpr,
+                       KG: tl.constexpr):
+        """Pair p's token and its expert's W2 / scale bases -> (t, w_e, s_e)."""
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        return p // top_k, w_ptr + e * (L * KB), s_ptr + e * (L * KG)
 
     @triton.jit
     def _gate_up_step(z_ptr, t, w_e, s_e, n, grp, L: tl.constexpr, I: tl.constexpr,
@@ -267,10 +277,7 @@ if triton is not None:
         issued together) instead of a runtime loop; same sums in the same order."""
         pdl_enter(PDL)
         p = tl.program_id(0)
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        t = p // top_k
-        w_e = w_ptr + e * (L * KB)
-        s_e = s_ptr + e * (L * KG)
+        t, w_e, s_e = _down_prologue(ids_ptr, p, top_k, w_ptr, s_ptr, L, KB, KG)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         gi = tl.arange(0, GB)
         j = tl.arange(0, 16)
@@ -332,6 +339,20 @@ TUNED: dict[tuple[int, int, int], DecodeConfig] = {
     (896, 384, 3584): DecodeConfig(8, 8, 2, 64, 4, 4, gate_up_ks=7, down_unroll=True,
                                    words=True),
 }
+
+
+def unique_valid(configs, I: int, L: int) -> list:
+    """The configs (DecodeConfig or any with `validate(I, L)`) that fit (I, L), first
+    occurrence of each kept in order: the sweeps' candidate lists."""
+    out = []
+    for c in configs:
+        try:
+            c.validate(I, L)
+        except ValueError:
+            continue
+        if c not in out:
+            out.append(c)
+    return out
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -403,4 +424,4 @@ def use_decode_kernel(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Exp
 
 
 __all__ = ["DecodeConfig", "MAX_PAIRS", "TUNED", "default_decode_config", "moe_mxfp4_decode",
-           "use_decode_kernel"]
+           "unique_valid", "use_decode_kernel"]

@@ -61,12 +61,12 @@ import torch
 
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
-from raydecode.kernels.moe_mxfp4_decode import MAX_PAIRS
+from raydecode.kernels.moe_mxfp4_decode import MAX_PAIRS, unique_valid
 
 BM = 16                  # activation rows of a dot (tl.dot's minimum); row 0 holds the pair
 
 if triton is not None:
-    from raydecode.kernels.moe_mxfp4_decode import _pair_prologue, _split_input
+    from raydecode.kernels.moe_mxfp4_decode import _down_prologue, _pair_prologue, _split_input
 
     _BM = tl.constexpr(BM)
 
@@ -125,10 +125,7 @@ if triton is not None:
         a[p] = bf16 SiTU of the Σ_ks partials (`_split_input`, ks order). KB = I/2, KG = I/32."""
         pdl_enter(PDL)
         p = tl.program_id(0)
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        t = p // top_k
-        w_e = w_ptr + e * (L * KB)
-        s_e = s_ptr + e * (L * KG)
+        t, w_e, s_e = _down_prologue(ids_ptr, p, top_k, w_ptr, s_ptr, L, KB, KG)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         m = tl.arange(0, _BM)
         kb = tl.arange(0, BK // 2)
@@ -243,15 +240,7 @@ def candidates(num_experts: int, intermediate: int, latent: int) -> list[MmaConf
                down_bn=64),                                                 # 64-row M tiles
            rep(weights_m=True, gate_up_bn=32, gate_up_bk=128, gate_up_ks=L // 256,
                gate_up_stages=2, down_bn=128, down_warps=8)]
-    uniq = []
-    for c in out:
-        try:
-            c.validate(I, L)
-        except ValueError:
-            continue
-        if c not in uniq:
-            uniq.append(c)
-    return uniq
+    return unique_valid(out, I, L)
 
 
 def moe_mxfp4_decode_mma(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

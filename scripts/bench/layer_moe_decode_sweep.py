@@ -43,34 +43,18 @@ def candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
             for bn, w in ((64, 4), (64, 2), (128, 4), (32, 2))]
     out += [rep(s, gate_up_gb=8, gate_up_bn=8, gate_up_warps=2),
             rep(s, gate_up_gb=8, gate_up_ks=2 * ks1, gate_up_bn=8, gate_up_warps=2)]
-    uniq = []
-    for c in out:
-        try:
-            c.validate(I, L)
-        except ValueError:
-            continue
-        if c not in uniq:
-            uniq.append(c)
-    return uniq
+    return D.unique_valid(out, I, L)
 
 
 def focused_candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
-    """Round 6: the TUNED config and its int32-word decode (`words`), with the words variant
-    at a wider gate_up tile, 4 down warps and a looped down kernel."""
+    """Round 7: the TUNED config with the byte and the int32-word code reads (`words`), and
+    the words variant at a wider gate_up tile, 4 down warps and the other down loop form."""
     b = D.default_decode_config(E, I, L)
     rep = dataclasses.replace
     w = rep(b, words=True)
-    out = [b, w, rep(w, gate_up_bn=2 * b.gate_up_bn), rep(w, down_warps=4),
-           rep(w, down_unroll=not b.down_unroll)]
-    uniq = []
-    for c in out:
-        try:
-            c.validate(I, L)
-        except ValueError:
-            continue
-        if c not in uniq:
-            uniq.append(c)
-    return uniq
+    out = [b, rep(b, words=False), w, rep(w, gate_up_bn=2 * b.gate_up_bn),
+           rep(w, down_warps=4), rep(w, down_unroll=not b.down_unroll)]
+    return D.unique_valid(out, I, L)
 
 
 def sweep(cfg_moe, tps=(16, 8), batches=(1,), calls: int = 12, seed: int = 0,
