@@ -61,7 +61,7 @@ import torch
 
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
-from raydecode.kernels.moe_mxfp4_decode import MAX_PAIRS, unique_valid
+from raydecode.kernels.moe_mxfp4_decode import MAX_PAIRS, _pow2_divisor, unique_valid
 
 BM = 16                  # activation rows of a dot (tl.dot's minimum); row 0 holds the pair
 
@@ -201,13 +201,6 @@ class MmaConfig:
         if bad:
             raise ValueError(f"MmaConfig {self}: " + "; ".join(bad))
         return self
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    b = cap
-    while b > 1 and n % b:
-        b //= 2
-    return b
 
 
 def default_mma_config(num_experts: int, intermediate: int, latent: int) -> MmaConfig:
