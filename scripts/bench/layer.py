@@ -306,9 +306,17 @@ def main(argv=None) -> int:
     attnres_norm.USE_CUTE = args.attnres == "cute"
     moe_mxfp4_decode_mma.USE_MMA = {"auto": None, "mma": True, "cuda-core": False}[args.moe_decode]
     for c in args.mma_config:       # "E,I,L={json of MmaConfig fields}"
-        key, js = c.split("=", 1)
-        moe_mxfp4_decode_mma.TUNED[tuple(int(x) for x in key.split(","))] = \
-            moe_mxfp4_decode_mma.MmaConfig(**json.loads(js))
+        try:
+            key, js = c.split("=", 1)
+            shape = tuple(int(x) for x in key.split(","))
+            if len(shape) != 3:
+                raise ValueError(f"{len(shape)} numbers before '='")
+            cfg_mma = moe_mxfp4_decode_mma.MmaConfig(**json.loads(js))
+            cfg_mma.validate(shape[1], shape[2])
+        except (ValueError, TypeError) as e:     # JSONDecodeError is a ValueError
+            ap.error(f"--mma-config {c!r}: expected E,I,L={{MmaConfig fields as JSON}} that "
+                     f"fit I and L ({e})")
+        moe_mxfp4_decode_mma.TUNED[shape] = cfg_mma
     for name, conv in (("tps", int), ("kinds", str), ("batches", int),
                        ("moe_decode_sweep_batches", int)):
         vals = [conv(v) for v in getattr(args, name).split(",") if v]

@@ -75,3 +75,20 @@ def test_fused_weights_are_counted_once():
         pad = ffn[:, k:].numel() * 2
         # at TP = 1 sharding saves nothing: spec = stock + the ffn K padding exactly
         assert sp == stock + pad, (kind, stock, sp, pad)
+
+
+@pytest.mark.parametrize("arg,why", [("x", "not enough values"),
+                                     ('896,192={}', "2 numbers"),
+                                     ('896,192,3584={"nope": 1}', "nope"),
+                                     ('896,192,3584={"gate_up_bn": 3}', "gate_up_bn 3")])
+def test_bad_mma_config_is_refused_by_name(arg, why, capsys):
+    """--mma-config is validated at the edge (before any GPU work): the message names the
+    argument and the reason; the TUNED table is left untouched."""
+    from raydecode.kernels import moe_mxfp4_decode_mma as MM
+    from raydecode.scripts.bench import layer
+    before = dict(MM.TUNED)
+    with pytest.raises(SystemExit):
+        layer.main(["--out", "unused.json", "--mma-config", arg])
+    err = capsys.readouterr().err
+    assert f"--mma-config {arg!r}" in err and why in err
+    assert MM.TUNED == before
