@@ -61,6 +61,7 @@ import torch
 
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
+from raydecode.kernels import moe_mxfp4_decode as _cuda_core
 from raydecode.kernels.moe_mxfp4_decode import MAX_PAIRS, _pow2_divisor, unique_valid
 
 BM = 16                  # activation rows of a dot (tl.dot's minimum); row 0 holds the pair
@@ -286,12 +287,11 @@ def moe_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
                experts: MXFP4Experts, out: torch.Tensor | None = None) -> torch.Tensor:
     """The specialized few-token MoE (T·k ≤ MAX_PAIRS): the tensor-core kernel where chosen
     (TUNED / USE_MMA), else `moe_mxfp4_decode`. Same contract as both."""
-    from raydecode.kernels.moe_mxfp4_decode import moe_mxfp4_decode
     key = (experts.num_experts, experts.intermediate, experts.latent)
     cfg = TUNED.get(key)
     if USE_MMA or (USE_MMA is None and cfg is not None):
         return moe_mxfp4_decode_mma(z, topk_weights, topk_ids, experts, cfg, out)
-    return moe_mxfp4_decode(z, topk_weights, topk_ids, experts, out=out)
+    return _cuda_core.moe_mxfp4_decode(z, topk_weights, topk_ids, experts, out=out)
 
 
 __all__ = ["BM", "MmaConfig", "TUNED", "USE_MMA", "candidates", "default_mma_config",
