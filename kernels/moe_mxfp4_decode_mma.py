@@ -9,7 +9,8 @@ variant; its docstring has the split-K design this file keeps). Pair p = t·k + 
 
 Why: Nsight on the H200 (K3 TP16 batch 1) put the CUDA-core gate_up at ~21 SASS thread-
 instructions per weight byte (byte → int32, bit ops to fp16 patterns, cvt, unfused mul/add,
-shuffles): issue-bound at 0.87 TB/s. Here each K step is ONE scaled dot per program:
+shuffles): issue-bound at 0.86 TB/s (bench/results/ncu-moe-h200-2026-11-29-r5.json). Here
+each K step is ONE scaled dot per program:
 
     gate_up program (p, nb, ks): rows R = [nb·BN, nb·BN + BN) ∪ [I + nb·BN, ...) of W13 (gate
         and up in one 2BN-row tile; R is also the part column), K slice [ks·L/KS, ...) in BK
