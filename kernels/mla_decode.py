@@ -121,10 +121,10 @@ def paged_rows(cache, block_table, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache[blk, idx % bs], idx
 
 
-def mla_prep_reference(qkv, q_norm_w, kv_norm_w, cache, block_table, positions, *, q_lora,
-                       kv_lora, eps, q_out=None):
+def _store_rows(qkv, kv_norm_w, cache, block_table, positions, q_lora, kv_lora, eps) -> None:
+    """Row [bf16(RMSNorm(qkv[t, q_lora:q_lora+c]; w_kv)), qkv[t, q_lora+c:]] at cache position
+    positions[t] (< 0: not stored)."""
     T = qkv.shape[0]
-    q = _rms(qkv[:, :q_lora], q_norm_w, eps)
     row = torch.cat([_rms(qkv[:, q_lora:q_lora + kv_lora], kv_norm_w, eps),
                      qkv[:, q_lora + kv_lora:].to(BF16)], -1)
     pos = positions[:T].long()
@@ -132,6 +132,12 @@ def mla_prep_reference(qkv, q_norm_w, kv_norm_w, cache, block_table, positions, 
     p = pos.clamp_min(0)
     blk = block_table[:T].long().gather(1, (p // cache.shape[1])[:, None])[:, 0]
     cache[blk[keep], (p % cache.shape[1])[keep]] = row[keep]
+
+
+def mla_prep_reference(qkv, q_norm_w, kv_norm_w, cache, block_table, positions, *, q_lora,
+                       kv_lora, eps, q_out=None):
+    q = _rms(qkv[:, :q_lora], q_norm_w, eps)
+    _store_rows(qkv, kv_norm_w, cache, block_table, positions, q_lora, kv_lora, eps)
     if q_out is None:
         return q
     q_out.copy_(q)
@@ -183,6 +189,31 @@ def absorbed_q_weight(q_b_w, w_uk, heads: int, nope: int, rope: int) -> torch.Te
     wq = q_b_w.view(heads, nope + rope, -1).float()
     lat = torch.bmm(w_uk.float().transpose(1, 2), wq[:, :nope])            # (h, c, q_lora)
     return torch.cat([lat, wq[:, nope:]], 1).reshape(-1, q_b_w.shape[1]).to(BF16)
+
+
+def folded_q_b_weight(q_b_w, q_norm_w) -> torch.Tensor:
+    """q_b weight (h·(nope + rope), q_lora) with the q_a RMSNorm weight folded into its columns,
+    bf16(W · diag(w_q)): q_b(RMSNorm(x; w_q)) = rms_scale(x) · q_b'(x) (linear in x), the form
+    `mla_decode_fused` consumes, so no kernel runs the norm before the q_b GEMV."""
+    _need(q_b_w.dim() == 2 and _shape(q_norm_w) == (q_b_w.shape[1],),
+          f"q_b weight {_shape(q_b_w)} and q norm weight {_shape(q_norm_w)}: expected "
+          "(rows, q_lora) and (q_lora,)")
+    return (q_b_w.float() * q_norm_w.float()[None, :]).to(BF16)
+
+
+def mla_decode_fused_reference(qkv, q, kv_norm_w, w_uk, cache, block_table, positions,
+                               seq_lens, w_uv_t, gate, *, q_lora, kv_lora, eps, scale,
+                               out=None):
+    """`mla_decode_fused`'s math at its rounding points: q_n = bf16(rms_scale(x) · q) with
+    x = qkv[:, :q_lora], then the row store, absorb, attention and output references."""
+    x = qkv[:, :q_lora].float()
+    rs = torch.rsqrt(x.pow(2).mean(-1) + eps)                                # (T,)
+    qn = (q.float() * rs[:, None, None]).to(BF16)
+    _store_rows(qkv, kv_norm_w, cache, block_table, positions, q_lora, kv_lora, eps)
+    q_abs = mla_absorb_reference(qn, w_uk, nope=q.shape[2] - (qkv.shape[1] - q_lora - kv_lora))
+    o_lat, lse = mla_attention_reference(q_abs, cache, block_table, seq_lens, kv_lora=kv_lora,
+                                         scale=scale)
+    return mla_output_reference(o_lat, lse, w_uv_t, gate, out=out)
 
 
 # ---- public ops --------------------------------------------------------------------------------
@@ -323,8 +354,93 @@ def mla_decode(q_abs, cache, block_table, seq_lens, w_uv_t, gate, *, kv_lora: in
                                           scale=scale, num_splits=num_splits)
     return mla_output(o_part, lse_part, w_uv_t, gate, out=out)
 
+_SYNC: dict[str, torch.Tensor] = {}
+
+
+def fused_sync(device: torch.device | str) -> torch.Tensor:
+    """The default phase counters of `mla_decode_fused` on `device`: (8,) int32 zeros, shared
+    by every call on it (each call leaves them zero; calls on one stream are serial). Pass an
+    own `sync` to calls that may run concurrently on other streams."""
+    key = str(torch.device(device))
+    if key not in _SYNC:
+        _SYNC[key] = torch.zeros(8, dtype=torch.int32, device=device)
+    return _SYNC[key]
+
+
+def check_fused_sync(sync: torch.Tensor) -> None:
+    """Host sync: raise if a phase wait of a fused call on these counters gave up."""
+    if int(sync[4]):
+        raise RuntimeError("mla_decode_fused: a phase wait gave up (sync[4] = 1): the counters "
+                           f"{sync.tolist()} were not zero at a launch, or a program died")
+
+
+def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_lens, w_uv_t,
+                     gate, *, q_lora: int, kv_lora: int, eps: float, scale: float, out=None,
+                     num_splits: int | None = None, sync: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """mla_prep's row store and q norm + mla_absorb + mla_decode in ONE kernel (DCP = 1).
+
+    qkv (T, q_lora + kv_lora + rope) bf16: the gathered q_a ‖ kv_a latents; q (T, h, nope +
+    rope) bf16 = x · q_b'ᵀ with x = qkv[:, :q_lora] and q_b' = `folded_q_b_weight` (the
+    q_a norm weight folded in, so q is q_b(RMSNorm(x)) up to the scalar rms_scale(x) that
+    this op applies). Writes the normalised kv row at positions[t] like mla_prep, then
+    -> (T, h·v) bf16 as mla_decode. Phases wait on counters in `sync` (default `fused_sync`)."""
+    _need(qkv.dim() == 2 and qkv.dtype == BF16 and qkv.stride(1) == 1
+          and qkv.shape[1] > q_lora + kv_lora,
+          f"qkv of shape {_shape(qkv)} dtype {qkv.dtype}: expected bf16 (T, q_lora + kv_lora "
+          f"+ rope) = (T, {q_lora} + {kv_lora} + rope) with a contiguous last dim")
+    T, rope = qkv.shape[0], qkv.shape[1] - q_lora - kv_lora
+    _need(q.dim() == 3 and q.dtype == BF16 and q.shape[0] == T and q.shape[2] > rope
+          and q.stride(2) == 1,
+          f"q of shape {_shape(q)} dtype {q.dtype}: expected bf16 ({T}, h, nope + {rope}) "
+          "with a contiguous last dim")
+    h, nope = q.shape[1], q.shape[2] - rope
+    _need(_shape(kv_norm_w) == (kv_lora,),
+          f"kv norm weight of shape {_shape(kv_norm_w)}; expected ({kv_lora},)")
+    _need(w_uk.dim() == 3 and _shape(w_uk) == (h, nope, kv_lora) and w_uk.dtype == BF16
+          and w_uk.stride(2) == 1,
+          f"w_uk of shape {_shape(w_uk)} dtype {w_uk.dtype}; expected bf16 ({h}, {nope}, "
+          f"{kv_lora})")
+    _check_paged(cache, block_table, T, kv_lora + rope)
+    _check_vec(positions, T, "positions")
+    _check_vec(seq_lens, T, "seq_lens")
+    _need(w_uv_t.dim() == 3 and _shape(w_uv_t)[:2] == (h, kv_lora) and w_uv_t.dtype == BF16
+          and w_uv_t.stride(2) == 1,
+          f"w_uv_t of shape {_shape(w_uv_t)} dtype {w_uv_t.dtype}; expected bf16 ({h}, "
+          f"{kv_lora}, v)")
+    hv = h * w_uv_t.shape[2]
+    _need(gate.dim() == 2 and _shape(gate) == (T, hv) and gate.stride(1) == 1,
+          f"gate of shape {_shape(gate)}; expected ({T}, {hv}) with a contiguous last dim")
+    if out is not None:
+        _need(_shape(out) == (T, hv) and out.dtype == BF16 and out.stride(1) == 1,
+              f"out of shape {_shape(out)} dtype {out.dtype}; expected bf16 ({T}, {hv})")
+    if not _use_triton(q):
+        return mla_decode_fused_reference(qkv, q, kv_norm_w, w_uk, cache, block_table,
+                                          positions, seq_lens, w_uv_t, gate, q_lora=q_lora,
+                                          kv_lora=kv_lora, eps=eps, scale=scale, out=out)
+    if num_splits is None:
+        S = default_num_splits(T, block_table.shape[1] * cache.shape[1],
+                               _sm_count(str(q.device)))
+    else:
+        _need(isinstance(num_splits, int) and num_splits >= 1,
+              f"num_splits = {num_splits!r}; expected an int ≥ 1 or None (heuristic)")
+        S = num_splits
+    sync = fused_sync(q.device) if sync is None else sync
+    _need(sync.dim() == 1 and sync.numel() >= 5 and sync.dtype == torch.int32
+          and sync.device == q.device,
+          f"sync of shape {_shape(sync)} dtype {sync.dtype} on {sync.device}: expected int32 "
+          f"(≥ 5,) zeros on {q.device}")
+    out = out if out is not None else gate.new_empty(T, hv, dtype=BF16)
+    q_abs = q.new_empty(T, h, kv_lora + rope)
+    o_part = q.new_empty(T, S, h, kv_lora, dtype=torch.float32)
+    lse_part = q.new_empty(T, S, h, dtype=torch.float32)
+    return _tri.fused_triton(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_lens,
+                             w_uv_t, gate, q_lora, kv_lora, eps, scale, q_abs, o_part,
+                             lse_part, sync, out)
+
 
 __all__ = ["mla_prep", "mla_absorb", "mla_attention", "mla_output", "mla_decode",
            "attention_partials", "absorbed_q_weight", "default_num_splits", "paged_rows",
            "mla_prep_reference", "mla_absorb_reference", "mla_attention_reference",
-           "mla_output_reference", "USE_TRITON"]
+           "mla_output_reference", "USE_TRITON", "mla_decode_fused", "mla_decode_fused_reference",
+           "folded_q_b_weight", "fused_sync", "check_fused_sync"]

@@ -76,18 +76,60 @@ if triton is not None:
             pe = tl.load(row + QL + KL + orr, mask=mr, other=0.0)
             tl.store(dst + KL + orr, pe.to(c_ptr.dtype.element_ty), mask=mr)
 
+    # ---- the parts: one program's work of each op, shared by the per-op kernels and the
+    # ---- fused kernel (`_fused_kernel`, which picks the part by its ticket)
+
     @triton.jit
-    def _absorb_kernel(q_ptr, q_st, q_sh, w_ptr, w_sh, w_sn, o_ptr, o_st, o_sh, T, NOPE, KL, R,
-                       BT: tl.constexpr, BNP: tl.constexpr, BC: tl.constexpr,
-                       BR: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
-        tb, hd, cb = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    def _rms_scale(x_ptr, x_st, tt, mt, XL, eps, BT: tl.constexpr, BX: tl.constexpr):
+        """(BT,) fp32 rsqrt(mean(x[t, :XL]²) + eps) of the rows tt (masked rows: any value)."""
+        acc = tl.zeros((BT, BX), tl.float32)
+        for k0 in range(0, XL, BX):
+            ok = k0 + tl.arange(0, BX)
+            x = tl.load(x_ptr + tt[:, None] * x_st + ok[None, :],
+                        mask=mt[:, None] & (ok < XL)[None, :], other=0.0).to(tl.float32)
+            acc += x * x
+        return tl.rsqrt(tl.sum(acc, 1) / XL + eps)
+
+    @triton.jit
+    def _row_store_part(x_ptr, x_st, XL, KL, R, wkv_ptr, c_ptr, c_sb, c_sr, bt_ptr, bt_st,
+                        pos_ptr, BS, eps, tt, mt, BC: tl.constexpr, BR: tl.constexpr):
+        """The prep kernel's cache write for the rows tt at once: [bf16(RMSNorm(x[t, XL:XL+KL];
+        w_kv)), x[t, XL+KL:]] -> cache row positions[t] (< 0: not written)."""
+        pos = tl.load(pos_ptr + tt, mask=mt, other=-1).to(tl.int64)
+        ok = mt & (pos >= 0)
+        p = tl.where(ok, pos, 0)
+        blk = tl.load(bt_ptr + tt * bt_st + p // BS, mask=ok, other=0).to(tl.int64)
+        dst = c_ptr + blk * c_sb + (p % BS) * c_sr                              # (BT,)
+        oc = tl.arange(0, BC)
+        m2 = ok[:, None] & (oc < KL)[None, :]
+        xc = tl.load(x_ptr + tt[:, None] * x_st + XL + oc[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+        wc = tl.load(wkv_ptr + oc, mask=oc < KL, other=0.0).to(tl.float32)
+        yc = xc * tl.rsqrt(tl.sum(xc * xc, 1) / KL + eps)[:, None] * wc[None, :]
+        tl.store(dst[:, None] + oc[None, :], yc.to(c_ptr.dtype.element_ty), mask=m2)
+        orr = tl.arange(0, BR)
+        mr = ok[:, None] & (orr < R)[None, :]
+        pe = tl.load(x_ptr + tt[:, None] * x_st + XL + KL + orr[None, :], mask=mr, other=0.0)
+        tl.store(dst[:, None] + KL + orr[None, :], pe.to(c_ptr.dtype.element_ty), mask=mr)
+
+    @triton.jit
+    def _absorb_part(q_ptr, q_st, q_sh, w_ptr, w_sh, w_sn, o_ptr, o_st, o_sh, T, NOPE, KL, R,
+                     tb, hd, cb, x_ptr, x_st, XL, eps,
+                     BT: tl.constexpr, BNP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                     BX: tl.constexpr, NORM_Q: tl.constexpr, DOT_F32: tl.constexpr):
+        """q_abs[tt, hd, cb-block] = bf16(q_nope · w_uk[hd][:, cb-block]); cb = 0 also copies
+        q_pe. NORM_Q (prep folded into q_b, see `mla_decode_fused`): q here is q_b' applied
+        to the raw latent x, and q_nope, q_pe are first rescaled to bf16(rms_scale(x) · q)."""
+        hd = hd.to(tl.int64)
         tt = (tb * BT + tl.arange(0, BT)).to(tl.int64)
         mt = tt < T
         on = tl.arange(0, BNP)
         mn = on < NOPE
         qb = q_ptr + tt[:, None] * q_st + hd * q_sh
         qn = tl.load(qb + on[None, :], mask=mt[:, None] & mn[None, :], other=0.0)
+        if NORM_Q:
+            rs = _rms_scale(x_ptr, x_st, tt, mt, XL, eps, BT, BX)
+            qn = (qn.to(tl.float32) * rs[:, None]).to(q_ptr.dtype.element_ty)
         oc = cb * BC + tl.arange(0, BC)
         mc = oc < KL
         w = tl.load(w_ptr + hd * w_sh + on[:, None] * w_sn + oc[None, :],
@@ -99,16 +141,19 @@ if triton is not None:
             orr = tl.arange(0, BR)
             m2 = mt[:, None] & (orr < R)[None, :]
             pe = tl.load(qb + NOPE + orr[None, :], mask=m2, other=0.0)
+            if NORM_Q:
+                pe = (pe.to(tl.float32) * rs[:, None]).to(q_ptr.dtype.element_ty)
             tl.store(ob + KL + orr[None, :], pe.to(o_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
-    def _split_kernel(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
-                      o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
-                      H, KL, R, BS, qk_scale, NS, MINC,
-                      HP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
-        t, s = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    def _split_part(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
+                    o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                    H, KL, R, BS, qk_scale, NS, MINC, t, s,
+                    HP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+        """Split s of token t (module docstring, `_split_kernel`). q_abs and the cache rows
+        are loaded .cg (L2): in the fused kernel other programs wrote them moments ago."""
+        t = t.to(tl.int64)
         L = tl.load(len_ptr + t).to(tl.int32)
         chunk = tl.maximum(tl.cdiv(tl.cdiv(L, NS), BN) * BN, MINC)
         start = s * chunk
@@ -120,8 +165,10 @@ if triton is not None:
         orr = tl.arange(0, BR)
         mr = orr < R
         qb = q_ptr + t * q_st + hh[:, None] * q_sh
-        qc = tl.load(qb + oc[None, :], mask=mh[:, None] & mc[None, :], other=0.0)   # (HP, BC)
-        qr = tl.load(qb + KL + orr[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+        qc = tl.load(qb + oc[None, :], mask=mh[:, None] & mc[None, :], other=0.0,
+                     cache_modifier=".cg")                                          # (HP, BC)
+        qr = tl.load(qb + KL + orr[None, :], mask=mh[:, None] & mr[None, :], other=0.0,
+                     cache_modifier=".cg")
         m_i = tl.full((HP,), float("-inf"), tl.float32)
         l_i = tl.zeros((HP,), tl.float32)
         acc = tl.zeros((HP, BC), tl.float32)
@@ -131,9 +178,9 @@ if triton is not None:
             blk = tl.load(bt_ptr + t * bt_st + rows // BS, mask=mn, other=0).to(tl.int64)
             base = c_ptr + blk * c_sb + (rows % BS).to(tl.int64) * c_sr            # (BN,)
             kc = tl.load(base[:, None] + oc[None, :], mask=mn[:, None] & mc[None, :],
-                         other=0.0)                                                 # (BN, BC)
+                         other=0.0, cache_modifier=".cg")                           # (BN, BC)
             kr = tl.load(base[:, None] + KL + orr[None, :], mask=mn[:, None] & mr[None, :],
-                         other=0.0)                                                 # (BN, BR)
+                         other=0.0, cache_modifier=".cg")                           # (BN, BR)
             sc = _mm(qc, tl.trans(kc), DOT_F32) + _mm(qr, tl.trans(kr), DOT_F32)   # (HP, BN)
             sc = sc * qk_scale
             sc = tl.where(mn[None, :], sc, float("-inf"))
@@ -152,13 +199,13 @@ if triton is not None:
         tl.store(l_ptr + t * l_st + s * l_ss + hh * l_sh, lse, mask=mh)
 
     @triton.jit
-    def _merge_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
-                      w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st,
-                      ol_ptr, ol_st, ol_sh, lo_ptr, lo_st, lo_sh, T, NS, KL, V,
-                      BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-                      PROJECT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
-        tb, hd, vb = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    def _merge_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                    w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st,
+                    ol_ptr, ol_st, ol_sh, lo_ptr, lo_st, lo_sh, T, NS, KL, V, tb, hd, vb,
+                    BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+                    PROJECT: tl.constexpr, DOT_F32: tl.constexpr):
+        """Merge of the S partials of tokens tb-block, head hd (module docstring)."""
+        hd = hd.to(tl.int64)
         tt = (tb * BT + tl.arange(0, BT)).to(tl.int64)
         mt = tt < T
         oc = tl.arange(0, BC)
@@ -166,15 +213,18 @@ if triton is not None:
         lb = l_ptr + tt * l_st + hd * l_sh
         mx = tl.full((BT,), float("-inf"), tl.float32)
         for s in range(NS):
-            mx = tl.maximum(mx, tl.load(lb + s * l_ss, mask=mt, other=float("-inf")))
+            mx = tl.maximum(mx, tl.load(lb + s * l_ss, mask=mt, other=float("-inf"),
+                                        cache_modifier=".cg"))
         safe = tl.where(mx == float("-inf"), 0.0, mx)
         den = tl.zeros((BT,), tl.float32)
         acc = tl.zeros((BT, BC), tl.float32)
         ob = o_ptr + tt[:, None] * o_st + hd * o_sh + oc[None, :]
         for s in range(NS):
-            w = tl.exp(tl.load(lb + s * l_ss, mask=mt, other=float("-inf")) - safe)  # −inf → 0
+            w = tl.exp(tl.load(lb + s * l_ss, mask=mt, other=float("-inf"),
+                               cache_modifier=".cg") - safe)                   # −inf → 0
             den += w
-            o = tl.load(ob + s * o_ss, mask=mt[:, None] & mc[None, :], other=0.0)
+            o = tl.load(ob + s * o_ss, mask=mt[:, None] & mc[None, :], other=0.0,
+                        cache_modifier=".cg")
             acc += w[:, None] * o
         o_lat = acc / tl.where(den > 0.0, den, 1.0)[:, None]       # (BT, BC); no rows: 0
         if PROJECT:
@@ -196,20 +246,14 @@ if triton is not None:
                            float("-inf"))
             tl.store(lo_ptr + tt * lo_st + hd * lo_sh, lse, mask=mt)
 
-
-if triton is not None:
-
     @triton.jit
-    def _output_token_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
-                             w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V,
-                             SP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-                             PDL: tl.constexpr):
+    def _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                           w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V, t, hd, vb,
+                           SP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr):
         """Small-batch form of the PROJECT merge: one token per program, all S partials of
         (t, h) loaded as one (SP, BC) tile (no loop over splits, no 16-token padding), the
         w_uv product as a broadcast-multiply + sum (M = 1: no tl.dot)."""
-        pdl_enter(PDL)
-        t, hd, vb = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), \
-            tl.program_id(2)
+        t, hd = t.to(tl.int64), hd.to(tl.int64)
         ss = tl.arange(0, SP)
         ms = ss < NS
         oc = tl.arange(0, BC)
@@ -218,9 +262,11 @@ if triton is not None:
         mv = vv < V
         wv = tl.load(w_ptr + hd * w_sh + oc[:, None] * w_sc + vv[None, :],
                      mask=mc[:, None] & mv[None, :], other=0.0)              # (BC, BV) first
-        lse = tl.load(l_ptr + t * l_st + ss * l_ss + hd * l_sh, mask=ms, other=float("-inf"))
+        lse = tl.load(l_ptr + t * l_st + ss * l_ss + hd * l_sh, mask=ms, other=float("-inf"),
+                      cache_modifier=".cg")
         o = tl.load(o_ptr + t * o_st + ss[:, None] * o_ss + hd * o_sh + oc[None, :],
-                    mask=ms[:, None] & mc[None, :], other=0.0)              # (SP, BC) fp32
+                    mask=ms[:, None] & mc[None, :], other=0.0,
+                    cache_modifier=".cg")                                    # (SP, BC) fp32
         mx = tl.max(lse, 0)
         w = tl.exp(lse - tl.where(mx == float("-inf"), 0.0, mx))             # −inf → 0
         den = tl.sum(w, 0)
@@ -231,6 +277,125 @@ if triton is not None:
         g = tl.load(g_ptr + t * g_st + hd * V + vv, mask=mv, other=0.0)
         y = y * tl.sigmoid(g.to(tl.float32))
         tl.store(y_ptr + t * y_st + hd * V + vv, y.to(y_ptr.dtype.element_ty), mask=mv)
+
+    # ---- one kernel per op ---------------------------------------------------------------
+
+    @triton.jit
+    def _absorb_kernel(q_ptr, q_st, q_sh, w_ptr, w_sh, w_sn, o_ptr, o_st, o_sh, T, NOPE, KL, R,
+                       BT: tl.constexpr, BNP: tl.constexpr, BC: tl.constexpr,
+                       BR: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        _absorb_part(q_ptr, q_st, q_sh, w_ptr, w_sh, w_sn, o_ptr, o_st, o_sh, T, NOPE, KL, R,
+                     tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, 0, 1, 0.0,
+                     BT, BNP, BC, BR, 16, False, DOT_F32)
+
+    @triton.jit
+    def _split_kernel(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
+                      o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                      H, KL, R, BS, qk_scale, NS, MINC,
+                      HP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        _split_part(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
+                    o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS, qk_scale,
+                    NS, MINC, tl.program_id(0), tl.program_id(1), HP, BC, BR, BN, DOT_F32)
+
+    @triton.jit
+    def _merge_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                      w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st,
+                      ol_ptr, ol_st, ol_sh, lo_ptr, lo_st, lo_sh, T, NS, KL, V,
+                      BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+                      PROJECT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        _merge_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, w_ptr, w_sh, w_sc,
+                    g_ptr, g_st, y_ptr, y_st, ol_ptr, ol_st, ol_sh, lo_ptr, lo_st, lo_sh,
+                    T, NS, KL, V, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                    BT, BC, BV, PROJECT, DOT_F32)
+
+    @triton.jit
+    def _output_token_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                             w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V,
+                             SP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl_enter(PDL)
+        _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, w_ptr, w_sh,
+                           w_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V, tl.program_id(0),
+                           tl.program_id(1), tl.program_id(2), SP, BC, BV)
+
+    # ---- the fused kernel: absorb (+ prep's row store and q norm), split, output -----------
+
+    @triton.jit
+    def _wait_count(ptr, n, max_spins, err_ptr):
+        """Spin (acquire, gpu scope) until *ptr ≥ n or max_spins polls (then *err_ptr = 1);
+        the barrier orders every thread's later loads after the acquiring poll."""
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        spins = max_spins * 0
+        while (seen < n) & (spins < max_spins):
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
+        tl.atomic_max(err_ptr, 1, mask=seen < n, sem="relaxed", scope="gpu")
+        tl.debug_barrier()
+
+    @triton.jit
+    def _fused_kernel(sync_ptr, max_spins, x_ptr, x_st, wkv_ptr, q_ptr, q_st, q_sh,
+                      wuk_ptr, wuk_sh, wuk_sn, qa_ptr, qa_st, qa_sh,
+                      c_ptr, c_sb, c_sr, bt_ptr, bt_st, pos_ptr, len_ptr,
+                      o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                      wuv_ptr, wuv_sh, wuv_sc, g_ptr, g_st, y_ptr, y_st,
+                      T, H, XL, NOPE, KL, R, V, BS, NS, MINC, eps, qk_scale, NCB, NVB,
+                      BT: tl.constexpr, BNP: tl.constexpr, BCA: tl.constexpr,
+                      BX: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, HP: tl.constexpr,
+                      BN: tl.constexpr, SP: tl.constexpr, BV: tl.constexpr,
+                      TOKEN_OUT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        # ticket = dynamic program id: every smaller ticket's program has started, so waiting
+        # only on smaller tickets always makes progress (no co-residency assumption)
+        tk = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        n_tb = tl.cdiv(T, BT)
+        n_a = n_tb * H * NCB
+        n_b = T * NS
+        if TOKEN_OUT:
+            n_c = T * H * NVB
+        else:
+            n_c = n_tb * H * NVB
+        if tk < n_a:                               # A: q_abs block (+ cache rows, cb = hd = 0)
+            tb = tk // (H * NCB)
+            hd = (tk // NCB) % H
+            cb = tk % NCB
+            _absorb_part(q_ptr, q_st, q_sh, wuk_ptr, wuk_sh, wuk_sn, qa_ptr, qa_st, qa_sh, T,
+                         NOPE, KL, R, tb, hd, cb, x_ptr, x_st, XL, eps, BT, BNP, BCA, BR, BX,
+                         True, DOT_F32)
+            if (hd == 0) & (cb == 0):
+                tt = (tb * BT + tl.arange(0, BT)).to(tl.int64)
+                _row_store_part(x_ptr, x_st, XL, KL, R, wkv_ptr, c_ptr, c_sb, c_sr, bt_ptr,
+                                bt_st, pos_ptr, BS, eps, tt, tt < T, BC, BR)
+            tl.debug_barrier()                     # the CTA's stores before the release
+            tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+        elif tk < n_a + n_b:                       # B: split s of token t, after all of A
+            _wait_count(sync_ptr + 1, n_a, max_spins, sync_ptr + 4)
+            k = tk - n_a
+            _split_part(qa_ptr, qa_st, qa_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
+                        o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS,
+                        qk_scale, NS, MINC, k // NS, k % NS, HP, BC, BR, BN, DOT_F32)
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + 2, 1, sem="release", scope="gpu")
+        else:                                      # C: merge + W_uv + gate, after all of B
+            _wait_count(sync_ptr + 2, n_b, max_spins, sync_ptr + 4)
+            k = tk - n_a - n_b
+            if TOKEN_OUT:
+                _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, wuv_ptr,
+                                   wuv_sh, wuv_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V,
+                                   k // (H * NVB), (k // NVB) % H, k % NVB, SP, BC, BV)
+            else:
+                _merge_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, wuv_ptr, wuv_sh,
+                            wuv_sc, g_ptr, g_st, y_ptr, y_st, o_ptr, 0, 0, l_ptr, 0, 0,
+                            T, NS, KL, V, k // (H * NVB), (k // NVB) % H, k % NVB,
+                            BT, BC, BV, True, DOT_F32)
+        # the last program out resets the counters for the next call (graph replays included)
+        done = tl.atomic_add(sync_ptr + 3, 1, sem="acq_rel", scope="gpu")
+        last = done == n_a + n_b + n_c - 1
+        for i in tl.static_range(4):
+            tl.atomic_xchg(sync_ptr + i, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 # token-per-program output kernel up to this batch (above it the 16-token tl.dot form reuses
@@ -321,5 +486,43 @@ def output_triton(o_part, lse_part, w_uv_t, gate, out: torch.Tensor) -> torch.Te
     return out
 
 
+FUSED_MAX_SPINS = 1 << 22       # polls before a phase wait gives up (sync[4] = 1): a bug, not a
+                                # load condition (each wait is on programs that already started)
+
+
+def fused_triton(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_lens, w_uv_t,
+                 gate, q_lora: int, kv_lora: int, eps: float, scale: float,
+                 q_abs: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
+                 sync: torch.Tensor, out: torch.Tensor,
+                 max_spins: int = FUSED_MAX_SPINS) -> torch.Tensor:
+    """One launch: phase A = absorb with the q norm folded in (+ the cache rows), B = split,
+    C = merge + W_uv + gate (the module docstring's parts). Workspaces: q_abs (T, h, c + R)
+    bf16, o_part (T, S, h, c) / lse_part (T, S, h) fp32, sync (≥ 5,) int32 zeros (left zero
+    after the call; sync[4] = 1 if a wait gave up)."""
+    T, h, d = q.shape
+    nope = d - (qkv.shape[1] - q_lora - kv_lora)
+    R = d - nope
+    S = o_part.shape[1]
+    V = w_uv_t.shape[2]
+    BCA = 64
+    token_out = T <= OUTPUT_TOKEN_MAX_T and _p2(S, 2) * _p2(kv_lora) <= 16384
+    BV = 16 if token_out else (32 if V >= 32 else 16)
+    n_tb, ncb, nvb = triton.cdiv(T, 16), triton.cdiv(kv_lora, BCA), triton.cdiv(V, BV)
+    grid = n_tb * h * ncb + T * S + (T if token_out else n_tb) * h * nvb    # A + B + C
+    _fused_kernel[(grid,)](
+        sync, max_spins, qkv, qkv.stride(0), kv_norm_w, q, q.stride(0), q.stride(1),
+        w_uk, w_uk.stride(0), w_uk.stride(1), q_abs, q_abs.stride(0), q_abs.stride(1),
+        cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0),
+        positions, seq_lens, o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        w_uv_t, w_uv_t.stride(0), w_uv_t.stride(1), gate, gate.stride(0), out, out.stride(0),
+        T, h, q_lora, nope, kv_lora, R, V, cache.shape[1], S, MIN_CHUNK, float(eps),
+        float(scale) * LOG2E, ncb, nvb, BT=16, BNP=_p2(nope), BCA=BCA,
+        BX=min(512, _p2(q_lora)), BC=_p2(kv_lora), BR=_p2(R), HP=_p2(h), BN=32 if kv_lora >= 256 else 64, SP=_p2(S, 2), BV=BV, TOKEN_OUT=token_out,
+        DOT_F32=not q.is_cuda, num_warps=4 if kv_lora <= 256 else 8, num_stages=2,
+        **pdl_launch(out))
+    return out
+
+
 __all__ = ["available", "prep_triton", "absorb_triton", "split_triton", "merge_triton",
-           "output_triton", "MIN_CHUNK"]
+           "output_triton", "fused_triton", "FUSED_MAX_SPINS", "MIN_CHUNK"]

@@ -24,9 +24,10 @@ step computes [q_a; kv_a] (q_lora + kv_lora + rope rows) 1/TP per rank and all-g
 
 Specialized decode (path "specialized", caches given, every sequence one token, bf16 model and
 pool, output gate present): the fused ops of kernels/mla_decode.py replace the per-sequence
-PyTorch code — mla_prep (norms + row store), q_b, mla_absorb, then mla_decode (attention + W_uv
-+ gate) at D = 1, or mla_attention over this rank's rows + the DCP exchange + mla_output at
-D > 1. Per-token paging (`decode_meta`): block table rows (T, max_blocks) int32, store index
+PyTorch code — at D = 1 the q_b GEMV with the q_a norm weight folded in (`_q_b_folded`) then
+mla_decode_fused (rms scale, absorb, row store, attention, W_uv, gate: one kernel); at D > 1
+mla_prep (norms + row store), q_b, mla_absorb, the q exchange, mla_attention over this rank's
+rows + the DCP exchange + mla_output. Per-token paging (`decode_meta`): block table rows (T, max_blocks) int32, store index
 (T,) = p // D on the rank owning p (else −1: not stored), seq_lens (T,) = rows of positions
 ≤ p on this rank = ⌊(p + D − r) / D⌋. Anything else runs the PyTorch code below.
 """
@@ -37,8 +38,8 @@ import weakref
 import torch
 from torch import nn
 
-from raydecode.kernels.mla_decode import (mla_absorb, mla_attention, mla_decode, mla_output,
-                                          mla_prep)
+from raydecode.kernels.mla_decode import (folded_q_b_weight, mla_absorb, mla_attention,
+                                          mla_decode_fused, mla_output, mla_prep)
 
 from .cache import MLALatentCache, ModelCaches, StepBatch
 from .config import K3Config
@@ -204,15 +205,18 @@ class MLAAttention(nn.Module):
         T, h, c = x.shape[0], self.heads, self.kv_lora
         pool = caches.mla.pool[caches.mla_index[self.layer_idx]]      # (blocks, bs, c + rope)
         table, store, seq_lens = decode_meta(batch, caches.mla, x.device)
+        gate = lin(x, self.g_proj.weight)                                   # (T, h·v)
+        D = self.par.dcp_size
+        if D == 1:      # one kernel after the q_b GEMV: q norm scale, absorb, row, attention
+            q = lin(qkv[:, :self.q_lora], self._q_b_folded()).view(T, h, self.nope + self.rope)
+            return mla_decode_fused(qkv, q, self.kv_a_layernorm.weight,
+                                    self.absorbed_weights()[0], pool, table, store, seq_lens,
+                                    self._w_uv_t(), gate, q_lora=self.q_lora, kv_lora=c,
+                                    eps=self.q_a_layernorm.eps, scale=self.scale)
         q_n = mla_prep(qkv, self.q_a_layernorm.weight, self.kv_a_layernorm.weight, pool, table,
                        store, q_lora=self.q_lora, kv_lora=c, eps=self.q_a_layernorm.eps)
         q = lin(q_n, self.q_b_proj.weight).view(T, h, self.nope + self.rope)
         q_abs = mla_absorb(q, self.absorbed_weights()[0], nope=self.nope)   # (T, h, c + rope)
-        gate = lin(x, self.g_proj.weight)                                   # (T, h·v)
-        D = self.par.dcp_size
-        if D == 1:
-            return mla_decode(q_abs, pool, table, seq_lens, self._w_uv_t(), gate, kv_lora=c,
-                              scale=self.scale)
         q_all = self.comm.dcp_all_gather(q_abs, dim=1)                      # (T, D·h, c + rope)
         o_lat, lse = mla_attention(q_all, pool, table, seq_lens, kv_lora=c, scale=self.scale)
         part = torch.cat([o_lat, lse.unsqueeze(-1)], -1).unsqueeze(0)      # (1, T, D·h, c + 1)
@@ -220,6 +224,13 @@ class MLAAttention(nn.Module):
         r = self.par.dcp_rank
         mine = parts[:, :, r * h:(r + 1) * h].transpose(0, 1)               # (T, D, h, c + 1)
         return mla_output(mine[..., :c], mine[..., c], self._w_uv_t(), gate)
+
+    def _q_b_folded(self) -> torch.Tensor:
+        """q_b with the q_a norm weight folded into its columns (`folded_q_b_weight`), the
+        weight mla_decode_fused's q comes from; rebuilt when either weight changes."""
+        return self._derived.get("q_b_folded", [self.q_b_proj.weight, self.q_a_layernorm.weight],
+                                 lambda: folded_q_b_weight(self.q_b_proj.weight.detach(),
+                                                           self.q_a_layernorm.weight.detach()))
 
     def _w_uv_t(self) -> torch.Tensor:
         """W_uv as mla_output wants it, (h, kv_lora, v) contiguous (the kv_b view is

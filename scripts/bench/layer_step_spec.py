@@ -11,9 +11,10 @@ one token each, at per-rank shapes, in the fewest kernels that keep the stock st
            attn = o_proj(o)                                       GEMV            [all-reduce]
     MLA:   y    = [qkv_a 1/TP ‖ g_proj](h)                        GEMV
            qkv  = all-gather(y[:, :qkv_a/TP])                     (memcpy stand-in)
-           qn   = mla_prep(qkv) (norms, cache row write)          1 kernel
-           q    = q_b(qn);  q_abs = mla_absorb(q, W_uk)           GEMV + 1 kernel
-           o    = mla_decode(q_abs, pages, W_uv, gate = y[:, qkv_a/TP:])   2 kernels (split-KV
+           q'   = q_b'(qkv[:, :q_lora])                           GEMV (q_a norm weight folded
+                                                                  into q_b: round 9)
+           o    = mla_decode_fused(qkv, q', pages, W_uk, W_uv,    1 kernel (phases: rms scale
+                                   gate = y[:, qkv_a/TP:])        + absorb + cache row; split-KV
                                                                   attention; merge + W_uv + gate)
            attn = o_proj(o)                                       GEMV            [all-reduce]
     prefix, h2 = prefix + attn, AttnRes mix + RMSNorm             1 kernel (residual-add form)
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.kernels.kda_decode import kda_decode
-from raydecode.kernels.mla_decode import mla_absorb, mla_decode, mla_prep
+from raydecode.kernels.mla_decode import mla_decode_fused
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
 from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
@@ -112,14 +113,13 @@ class SpecializedStep(DecodeStep):
         y = self._lin(h, W.spec["qkv_a_g_local"])               # (T, qkv_a/TP + h·v)
         qkv = S.gather_qkv_a[:T]
         qkv[:, :nq].copy_(y[:, :nq])                             # [all-gather]
-        pages = S.mla_pages()
-        qn = mla_prep(qkv, t["q_a_norm"], t["kv_a_norm"], pages, S.mla_block_table[:T],
-                      S.mla_positions[:T], q_lora=m.q_lora_rank, kv_lora=m.kv_lora_rank,
-                      eps=self.eps)
-        q = self._lin(qn, t["q_b"]).view(T, w["heads"], m.qk_head_dim)
-        q_abs = mla_absorb(q, t["w_uk"], nope=m.qk_nope_head_dim)
-        o = mla_decode(q_abs, pages, S.mla_block_table[:T], S.mla_seq_lens[:T], t["w_uv_t"],
-                       y[:, nq:], kv_lora=m.kv_lora_rank, scale=m.qk_head_dim ** -0.5)
+        q = self._lin(qkv[:, :m.q_lora_rank], W.spec["q_b_folded"]).view(T, w["heads"],
+                                                                       m.qk_head_dim)
+        o = mla_decode_fused(qkv, q, t["kv_a_norm"], t["w_uk"], S.mla_pages(),
+                             S.mla_block_table[:T], S.mla_positions[:T], S.mla_seq_lens[:T],
+                             t["w_uv_t"], y[:, nq:], q_lora=m.q_lora_rank,
+                             kv_lora=m.kv_lora_rank, eps=self.eps,
+                             scale=m.qk_head_dim ** -0.5)
         return self._lin(o, t["o_proj"])                         # [all-reduce]
 
     def moe(self, h2: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ Routed experts are MXFP4 (`kernels.moe_mxfp4.MXFP4Experts`), never dequantized a
                into one weight: h2_proj = [router 1/TP ‖ latent down 1/TP ‖ shared gate|up]
                rows (one fp32-out GEMV of h2), ffn_out = [latent up 1/TP ‖ shared down ‖ 0]
                columns (one GEMV, the two partial sums accumulated together), MLA qkv_a_g =
-               [fused_qkv_a 1/TP ‖ g_proj] rows. `spec_drops` names the shared tensors the
-               specialized step reads only inside those (not counted twice).
+               [fused_qkv_a 1/TP ‖ g_proj] rows; (round 9) MLA q_b_folded = q_b with the
+               q_a norm weight folded into its columns. `spec_drops` names the shared
+               tensors the specialized step reads only inside those (not counted twice).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raydecode.kernels.mla_decode import folded_q_b_weight
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts
 from raydecode.models.config import K3Config
 from raydecode.models.k3 import K3DecoderLayer
@@ -167,7 +169,10 @@ class LayerWeights:
             t["g_proj"] = p[f"{a}.g_proj.weight"].contiguous()
             t["o_proj"] = p[f"{a}.o_proj.weight"].contiguous()
             W.spec["qkv_a_g_local"] = torch.cat([W.spec.pop("fused_qkv_a_local"), t["g_proj"]])
-            W.spec_drops.add("g_proj")
+            # round 9: q_a norm weight folded into q_b's columns (mla_decode_fused applies
+            # the rms scale; no prep kernel before the q_b GEMV)
+            W.spec["q_b_folded"] = folded_q_b_weight(t["q_b"], t["q_a_norm"]).contiguous()
+            W.spec_drops |= {"g_proj", "q_b", "q_a_norm"}
             W.widths.update(heads=hl, qkv_a=qkv_a.shape[0], q_lora=m.q_lora_rank,
                             qkv_a_local=par.shard(qkv_a.shape[0]))
         mo = "block_sparse_moe"

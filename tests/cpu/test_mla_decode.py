@@ -157,6 +157,73 @@ def test_composition_matches_layer_step_mla(fold):
     assert _rel(out, ref) < (1.5e-2 if fold else 1e-2)
 
 
+def test_fused_composition_matches_layer_step_mla():
+    """DecodeStep.mla (stock) vs the specialized form: q_b' = q_b with the q_a norm weight
+    folded in, applied to the raw latent, then mla_decode_fused (reference on the CPU) over a
+    paged copy of the cache; the written row bit for bit equals mla_prep's."""
+    from raydecode.scripts.bench.layer_step import DecodeStep
+    T, ctx, bs = 3, 48, 16
+    cfg, W, S = _layer(T, ctx, seed=15)
+    m, t = cfg.mla, W.t
+    g = torch.Generator().manual_seed(16)
+    h = torch.randn(T, cfg.hidden_size, generator=g).to(BF)
+    nb = ctx // bs
+    bt = torch.randperm(T * nb + 2, generator=g)[:T * nb].view(T, nb).int()
+    cache = torch.randn(T * nb + 2, bs, m.latent_dim, generator=g).to(BF)
+    cache[bt.long()] = S.mla_cache[:T].view(T, nb, bs, -1)
+    ref = DecodeStep(W, S, "stock", T).mla(h)                  # writes S.mla_cache[:, -1]
+
+    qkv = F.linear(h, W.stock["fused_qkv_a"])
+    hl, ql = W.widths["heads"], m.q_lora_rank
+    q = F.linear(qkv[:, :ql], M.folded_q_b_weight(t["q_b"], t["q_a_norm"])).view(T, hl, -1)
+    pos = torch.full((T,), ctx - 1)
+    o = M.mla_decode_fused(qkv, q, t["kv_a_norm"], t["w_uk"], cache, bt, pos,
+                           torch.full((T,), ctx, dtype=torch.int32), t["w_uv_t"],
+                           F.linear(h, t["g_proj"]), q_lora=ql, kv_lora=m.kv_lora_rank,
+                           eps=cfg.rms_norm_eps, scale=m.qk_head_dim ** -0.5)
+    assert torch.equal(M.paged_rows(cache, bt, T)[0], S.mla_cache[:T])
+    assert _rel(F.linear(o, t["o_proj"]), ref) < 1.5e-2
+    # the fold is exact in the math: q_b(RMSNorm(x)) = rms_scale(x) · q_b'(x) before rounding
+    x = qkv[:, :ql].double()
+    rs = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    two = (x * rs * t["q_a_norm"].double()) @ t["q_b"].double().t()
+    one = rs * (x @ (t["q_b"].double() * t["q_a_norm"].double()).t())
+    assert _rel(one, two) < 1e-12
+
+
+def test_fused_op_inputs_are_named():
+    T = 2
+    cache, bt, g = _paged(T, 2, 16, seed=17)
+    qkv = torch.randn(T, QL + KL + R, generator=g).to(BF)
+    q = torch.randn(T, H, NOPE + R, generator=g).to(BF)
+    w_uk = torch.randn(H, NOPE, KL, generator=g).to(BF)
+    w_uv = torch.randn(H, KL, V, generator=g).to(BF)
+    gate = torch.randn(T, H * V, generator=g).to(BF)
+    seq = torch.tensor([3, 4], dtype=torch.int32)
+    args = [qkv, q, torch.ones(KL), w_uk, cache, bt, seq - 1, seq, w_uv, gate]
+    kw = dict(q_lora=QL, kv_lora=KL, eps=1e-5, scale=0.1)
+
+    def bad(i, value, match):
+        a = list(args)
+        a[i] = value
+        with pytest.raises(ValueError, match=match):
+            M.mla_decode_fused(*a, **kw)
+
+    bad(0, qkv.float(), "qkv of shape")
+    bad(1, q[:, :, :R], r"q of shape .*expected bf16 \(2, h, nope \+ 16\)")
+    bad(1, q[:1], "q of shape")
+    bad(2, torch.ones(KL + 1), "kv norm weight of shape")
+    bad(3, w_uk[:, :NOPE - 1], "w_uk of shape")
+    bad(7, seq[:1], "seq_lens of shape")
+    bad(9, gate[:, 1:], "gate of shape")
+    with pytest.raises(ValueError, match="q_b weight .* and q norm weight"):
+        M.folded_q_b_weight(torch.ones(8, QL), torch.ones(QL + 1))
+    sync = torch.zeros(8, dtype=torch.int32)
+    sync[4] = 1
+    with pytest.raises(RuntimeError, match="phase wait gave up"):
+        M.check_fused_sync(sync)
+
+
 def test_absorbed_q_weight_equals_two_step_form():
     g = torch.Generator().manual_seed(7)
     q_b = (torch.randn(H * (NOPE + R), QL, generator=g) / QL ** 0.5).to(BF)
