@@ -35,6 +35,9 @@ import torch
 
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
+if triton is not None:
+    import triton.language.extra.cuda as _cuda
+
 LOG2E = 1.0 / math.log(2.0)
 MIN_CHUNK = 64            # never fewer rows per KV split (a split's fixed cost ≈ 64 rows)
 
@@ -346,11 +349,14 @@ if triton is not None:
                       BT: tl.constexpr, BNP: tl.constexpr, BCA: tl.constexpr,
                       BX: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, HP: tl.constexpr,
                       BN: tl.constexpr, SP: tl.constexpr, BV: tl.constexpr,
-                      TOKEN_OUT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+                      TOKEN_OUT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+                      trace_ptr=None, TRACE: tl.constexpr = False):
         pdl_enter(PDL)
         # ticket = dynamic program id: every smaller ticket's program has started, so waiting
         # only on smaller tickets always makes progress (no co-residency assumption)
         tk = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        if TRACE:       # (probe only: inline PTX) per ticket: SM, start, work start, work end
+            t_start = _cuda.globaltimer()
         n_tb = tl.cdiv(T, BT)
         n_a = n_tb * H * NCB
         n_b = T * NS
@@ -371,8 +377,12 @@ if triton is not None:
                                 bt_st, pos_ptr, BS, eps, tt, tt < T, BC, BR)
             tl.debug_barrier()                     # the CTA's stores before the release
             tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+            if TRACE:
+                t_work = t_start
         elif tk < n_a + n_b:                       # B: split s of token t, after all of A
             _wait_count(sync_ptr + 1, n_a, max_spins, sync_ptr + 4)
+            if TRACE:
+                t_work = _cuda.globaltimer()
             k = tk - n_a
             _split_part(qa_ptr, qa_st, qa_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
                         o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS,
@@ -381,6 +391,8 @@ if triton is not None:
             tl.atomic_add(sync_ptr + 2, 1, sem="release", scope="gpu")
         else:                                      # C: merge + W_uv + gate, after all of B
             _wait_count(sync_ptr + 2, n_b, max_spins, sync_ptr + 4)
+            if TRACE:
+                t_work = _cuda.globaltimer()
             k = tk - n_a - n_b
             if TOKEN_OUT:
                 _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, wuv_ptr,
@@ -391,6 +403,12 @@ if triton is not None:
                             wuv_sc, g_ptr, g_st, y_ptr, y_st, o_ptr, 0, 0, l_ptr, 0, 0,
                             T, NS, KL, V, k // (H * NVB), (k // NVB) % H, k % NVB,
                             BT, BC, BV, True, DOT_F32)
+        if TRACE:
+            row = trace_ptr + tk.to(tl.int64) * 4
+            tl.store(row, _cuda.smid().to(tl.int64))
+            tl.store(row + 1, t_start)
+            tl.store(row + 2, t_work)
+            tl.store(row + 3, _cuda.globaltimer())
         # the last program out resets the counters for the next call (graph replays included)
         done = tl.atomic_add(sync_ptr + 3, 1, sem="acq_rel", scope="gpu")
         last = done == n_a + n_b + n_c - 1
@@ -486,43 +504,52 @@ def output_triton(o_part, lse_part, w_uv_t, gate, out: torch.Tensor) -> torch.Te
     return out
 
 
+FUSED_BCA = 64                  # latent columns per phase-A (absorb) program
 FUSED_MAX_SPINS = 1 << 22       # polls before a phase wait gives up (sync[4] = 1): a bug, not a
                                 # load condition (each wait is on programs that already started)
+
+
+def fused_grid(T: int, h: int, S: int, kv_lora: int, V: int) -> dict:
+    """`_fused_kernel`'s programs per phase (tickets [0, A), [A, A + B), [A + B, total)), the
+    output form (token per program up to OUTPUT_TOKEN_MAX_T, as `output_triton`) and its BV."""
+    token_out = T <= OUTPUT_TOKEN_MAX_T and _p2(S, 2) * _p2(kv_lora) <= 16384
+    bv = 16 if token_out else (32 if V >= 32 else 16)
+    n_tb = triton.cdiv(T, 16)
+    n = {"A": n_tb * h * triton.cdiv(kv_lora, FUSED_BCA), "B": T * S,
+         "C": (T if token_out else n_tb) * h * triton.cdiv(V, bv)}
+    return {**n, "total": n["A"] + n["B"] + n["C"], "token_out": token_out, "bv": bv}
 
 
 def fused_triton(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_lens, w_uv_t,
                  gate, q_lora: int, kv_lora: int, eps: float, scale: float,
                  q_abs: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
                  sync: torch.Tensor, out: torch.Tensor,
-                 max_spins: int = FUSED_MAX_SPINS) -> torch.Tensor:
+                 max_spins: int = FUSED_MAX_SPINS, trace: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """One launch: phase A = absorb with the q norm folded in (+ the cache rows), B = split,
     C = merge + W_uv + gate (the module docstring's parts). Workspaces: q_abs (T, h, c + R)
     bf16, o_part (T, S, h, c) / lse_part (T, S, h) fp32, sync (≥ 5,) int32 zeros (left zero
-    after the call; sync[4] = 1 if a wait gave up)."""
+    after the call; sync[4] = 1 if a wait gave up). trace (probe only, CUDA): (grid, 4) int64
+    rows [SM, start ns, work start ns, end ns] per ticket (A's work starts at its start)."""
     T, h, d = q.shape
-    nope = d - (qkv.shape[1] - q_lora - kv_lora)
-    R = d - nope
-    S = o_part.shape[1]
-    V = w_uv_t.shape[2]
-    BCA = 64
-    token_out = T <= OUTPUT_TOKEN_MAX_T and _p2(S, 2) * _p2(kv_lora) <= 16384
-    BV = 16 if token_out else (32 if V >= 32 else 16)
-    n_tb, ncb, nvb = triton.cdiv(T, 16), triton.cdiv(kv_lora, BCA), triton.cdiv(V, BV)
-    grid = n_tb * h * ncb + T * S + (T if token_out else n_tb) * h * nvb    # A + B + C
-    _fused_kernel[(grid,)](
+    R = qkv.shape[1] - q_lora - kv_lora
+    S, V = o_part.shape[1], w_uv_t.shape[2]
+    g = fused_grid(T, h, S, kv_lora, V)
+    _fused_kernel[(g["total"],)](
         sync, max_spins, qkv, qkv.stride(0), kv_norm_w, q, q.stride(0), q.stride(1),
         w_uk, w_uk.stride(0), w_uk.stride(1), q_abs, q_abs.stride(0), q_abs.stride(1),
         cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0),
         positions, seq_lens, o_part, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         w_uv_t, w_uv_t.stride(0), w_uv_t.stride(1), gate, gate.stride(0), out, out.stride(0),
-        T, h, q_lora, nope, kv_lora, R, V, cache.shape[1], S, MIN_CHUNK, float(eps),
-        float(scale) * LOG2E, ncb, nvb, BT=16, BNP=_p2(nope), BCA=BCA,
-        BX=min(512, _p2(q_lora)), BC=_p2(kv_lora), BR=_p2(R), HP=_p2(h), BN=32 if kv_lora >= 256 else 64, SP=_p2(S, 2), BV=BV, TOKEN_OUT=token_out,
-        DOT_F32=not q.is_cuda, num_warps=4 if kv_lora <= 256 else 8, num_stages=2,
-        **pdl_launch(out))
+        T, h, q_lora, d - R, kv_lora, R, V, cache.shape[1], S, MIN_CHUNK, float(eps),
+        float(scale) * LOG2E, triton.cdiv(kv_lora, FUSED_BCA), triton.cdiv(V, g["bv"]),
+        BT=16, BNP=_p2(d - R), BCA=FUSED_BCA, BX=min(512, _p2(q_lora)), BC=_p2(kv_lora),
+        BR=_p2(R), HP=_p2(h), BN=32 if kv_lora >= 256 else 64, SP=_p2(S, 2), BV=g["bv"],
+        TOKEN_OUT=g["token_out"], DOT_F32=not q.is_cuda, num_warps=4 if kv_lora <= 256 else 8,
+        num_stages=2, trace_ptr=trace, TRACE=trace is not None, **pdl_launch(out))
     return out
 
 
 __all__ = ["available", "prep_triton", "absorb_triton", "split_triton", "merge_triton",
-           "output_triton", "fused_triton", "FUSED_MAX_SPINS", "MIN_CHUNK"]
+           "output_triton", "fused_triton", "fused_grid", "FUSED_MAX_SPINS", "MIN_CHUNK"]

@@ -10,6 +10,9 @@ come from one process.
 Configs: the TUNED one, then the `--config` JSON dicts of `DecodeConfig` fields (optional), then
 with `--mma` every `moe_mxfp4_decode_mma.candidates` config (tensor cores).
 
+`--mla-fused 1,2,8,64`: instead, the MLA block after the q_b GEMV as 4 kernels vs the fused
+one, and a %globaltimer trace of the fused kernel's phases (`mla_fused`).
+
 `--mla-splits 8,16,32`: instead, times MLA split attention + output (`mla_decode`, 2 kernels)
 per KV split count S at the TP16 per-rank shape (6 heads, latent 512 + rope 64), context
 `--context`, 64-row pages, 8 copies of the cache in one graph (out of L2), and prints a JSON row
@@ -67,6 +70,87 @@ def mla_splits(splits: list[int], batch: int, context: int, min_chunk: int,
     return rows
 
 
+def mla_fused(batch: int, context: int, heads: int, copies: int = 8) -> list[dict]:
+    """The MLA attention block after the q_b GEMV: prep + absorb + split + output (4 kernels)
+    vs `mla_decode_fused` (1), both in a graph over `copies` caches; then one traced eager
+    launch of the fused kernel: per phase, programs, the spread of their starts, the mean
+    wait and work, the phase end (ns from the first start; %globaltimer)."""
+    kl, r, nope, v, ql, bs = 512, 64, 128, 128, 1536, 64
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bf = torch.bfloat16
+    rn = lambda *sh, sc=1.0: (torch.randn(*sh, generator=g, device="cuda") * sc).to(bf)  # noqa
+    pages = -(-context // bs)
+    w_uk, w_uv = rn(heads, nope, kl, sc=nope ** -0.5), rn(heads, kl, v, sc=kl ** -0.5)
+    wq = torch.ones(ql, device="cuda")
+    wkv = torch.ones(kl, device="cuda")
+    sync = torch.zeros(8, dtype=torch.int32, device="cuda")
+    sets = []
+    for _ in range(copies):
+        cache = rn(batch * pages, bs, kl + r)
+        bt = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+        seq = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+        sets.append(dict(qkv=rn(batch, ql + kl + r), q=rn(batch, heads, nope + r),
+                         cache=cache, bt=bt, seq=seq, pos=(seq - 1).long(),
+                         gate=rn(batch, heads * v)))
+    kw = dict(kv_lora=kl, scale=(nope + r) ** -0.5)
+
+    def four(a):
+        MLA.mla_prep(a["qkv"], wq, wkv, a["cache"], a["bt"], a["pos"], q_lora=ql, kv_lora=kl,
+                     eps=1e-6)
+        q_abs = MLA.mla_absorb(a["q"], w_uk, nope=nope)
+        return MLA.mla_decode(q_abs, a["cache"], a["bt"], a["seq"], w_uv, a["gate"], **kw)
+
+    def fused(a, trace=None):
+        if trace is None:
+            return MLA.mla_decode_fused(a["qkv"], a["q"], wkv, w_uk, a["cache"], a["bt"],
+                                        a["pos"], a["seq"], w_uv, a["gate"], q_lora=ql,
+                                        eps=1e-6, sync=sync, **kw)
+        S = MLA.default_num_splits(batch, pages * bs)
+        out = a["gate"].new_empty(batch, heads * v)
+        return MT.fused_triton(a["qkv"], a["q"], wkv, w_uk, a["cache"], a["bt"], a["pos"],
+                               a["seq"], w_uv, a["gate"], ql, kl, 1e-6, kw["scale"],
+                               a["q"].new_empty(batch, heads, kl + r),
+                               a["q"].new_empty(batch, S, heads, kl, dtype=torch.float32),
+                               a["q"].new_empty(batch, S, heads, dtype=torch.float32), sync,
+                               out, trace=trace)
+
+    ref = MLA.mla_decode_fused_reference(**{k: sets[0][k].clone() if k == "cache" else
+                                            sets[0][k] for k in ("qkv", "q", "cache")},
+                                         kv_norm_w=wkv, w_uk=w_uk, block_table=sets[0]["bt"],
+                                         positions=sets[0]["pos"], seq_lens=sets[0]["seq"],
+                                         w_uv_t=w_uv, gate=sets[0]["gate"], q_lora=ql,
+                                         eps=1e-6, **kw).float()
+    err = float((fused(sets[0]).float() - ref).norm() / ref.norm())
+    MLA.check_fused_sync(sync)
+    row = {"probe": "mla_fused", "batch": batch, "context": context, "heads": heads,
+           "rel_err_fused_vs_reference": err}
+    for name, fn in (("four", four), ("fused", fused)):
+        t = GraphTimer(replays=20, warm=3).run([lambda a=a, fn=fn: fn(a) for a in sets],
+                                               count_nodes=False)
+        row[f"{name}_us"] = t.us_per_call
+    n = MT.fused_grid(batch, heads, MLA.default_num_splits(batch, pages * bs), kl, v)
+    trace = torch.zeros(n["total"], 4, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        fused(sets[1], trace)
+    torch.cuda.synchronize()
+    tr = trace.cpu()
+    t0 = int(tr[:, 1].min())
+    bounds = [("A", 0, n["A"]), ("B", n["A"], n["A"] + n["B"]), ("C", n["A"] + n["B"], n["total"])]
+    phases = {}
+    for ph, lo, hi in bounds:
+        x = tr[lo:hi]
+        phases[ph] = {"programs": hi - lo, "sms": len(set(x[:, 0].tolist())),
+                      "start_spread_ns": int(x[:, 1].max() - x[:, 1].min()),
+                      "first_start_ns": int(x[:, 1].min()) - t0,
+                      "mean_wait_ns": float((x[:, 2] - x[:, 1]).float().mean()),
+                      "mean_work_ns": float((x[:, 3] - x[:, 2]).float().mean()),
+                      "max_work_ns": int((x[:, 3] - x[:, 2]).max()),
+                      "end_ns": int(x[:, 3].max()) - t0}
+    row["trace"] = phases
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def _write(path: str, rows: list[dict], commit: str) -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -89,7 +173,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-splits", default=None, help="comma list of S: MLA split probe")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--min-chunk", type=int, default=32, help="MLA split floor for the probe")
+    ap.add_argument("--mla-fused", default=None,
+                    help="comma list of batches: MLA 4-kernel vs fused probe (+ phase trace)")
+    ap.add_argument("--heads", type=int, default=6, help="MLA heads per rank (TP16: 6)")
     a = ap.parse_args(argv)
+    if a.mla_fused:
+        rows = [r for b in a.mla_fused.split(",")
+                for r in mla_fused(int(b), a.context, a.heads)]
+        if a.out:
+            _write(a.out, rows, a.commit)
+        return 0
     if a.mla_splits:
         rows = mla_splits([int(x) for x in a.mla_splits.split(",")], a.batch, a.context,
                           a.min_chunk)
