@@ -354,6 +354,9 @@ def mla_decode(q_abs, cache, block_table, seq_lens, w_uv_t, gate, *, kv_lora: in
                                           scale=scale, num_splits=num_splits)
     return mla_output(o_part, lse_part, w_uv_t, gate, out=out)
 
+# batches up to which mla_decode_fused is one launch (docs/PERF.md round 9: above it the
+# fused kernel's one register budget and spinning programs cost more than two launches)
+FUSED_ONE_LAUNCH_MAX_T = 1
 _SYNC: dict[str, torch.Tensor] = {}
 
 
@@ -378,7 +381,8 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
                      gate, *, q_lora: int, kv_lora: int, eps: float, scale: float, out=None,
                      num_splits: int | None = None, sync: torch.Tensor | None = None
                      ) -> torch.Tensor:
-    """mla_prep's row store and q norm + mla_absorb + mla_decode in ONE kernel (DCP = 1).
+    """mla_prep's row store and q norm + mla_absorb + mla_decode in ONE kernel (DCP = 1) for
+    T ≤ FUSED_ONE_LAUNCH_MAX_T; above it three (rows + q norm + absorb, split, output).
 
     qkv (T, q_lora + kv_lora + rope) bf16: the gathered q_a ‖ kv_a latents; q (T, h, nope +
     rope) bf16 = x · q_b'ᵀ with x = qkv[:, :q_lora] and q_b' = `folded_q_b_weight` (the
@@ -434,13 +438,19 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
     q_abs = q.new_empty(T, h, kv_lora + rope)
     o_part = q.new_empty(T, S, h, kv_lora, dtype=torch.float32)
     lse_part = q.new_empty(T, S, h, dtype=torch.float32)
-    return _tri.fused_triton(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_lens,
-                             w_uv_t, gate, q_lora, kv_lora, eps, scale, q_abs, o_part,
-                             lse_part, sync, out)
+    one = T <= FUSED_ONE_LAUNCH_MAX_T
+    _tri.fused_triton(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_lens, w_uv_t,
+                      gate, q_lora, kv_lora, eps, scale, q_abs, o_part, lse_part, sync, out,
+                      only_a=not one)
+    if not one:     # larger batches: phase A alone, then the split and output kernels
+        _tri.split_triton(q_abs, cache, block_table, seq_lens, kv_lora, scale, o_part,
+                          lse_part)
+        _tri.output_triton(o_part, lse_part, w_uv_t, gate, out)
+    return out
 
 
 __all__ = ["mla_prep", "mla_absorb", "mla_attention", "mla_output", "mla_decode",
            "attention_partials", "absorbed_q_weight", "default_num_splits", "paged_rows",
            "mla_prep_reference", "mla_absorb_reference", "mla_attention_reference",
            "mla_output_reference", "USE_TRITON", "mla_decode_fused", "mla_decode_fused_reference",
-           "folded_q_b_weight", "fused_sync", "check_fused_sync"]
+           "folded_q_b_weight", "fused_sync", "check_fused_sync", "FUSED_ONE_LAUNCH_MAX_T"]

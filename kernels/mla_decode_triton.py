@@ -130,13 +130,13 @@ if triton is not None:
         mn = on < NOPE
         qb = q_ptr + tt[:, None] * q_st + hd * q_sh
         qn = tl.load(qb + on[None, :], mask=mt[:, None] & mn[None, :], other=0.0)
-        if NORM_Q:
-            rs = _rms_scale(x_ptr, x_st, tt, mt, XL, eps, BT, BX)
-            qn = (qn.to(tl.float32) * rs[:, None]).to(q_ptr.dtype.element_ty)
         oc = cb * BC + tl.arange(0, BC)
         mc = oc < KL
         w = tl.load(w_ptr + hd * w_sh + on[:, None] * w_sn + oc[None, :],
                     mask=mn[:, None] & mc[None, :], other=0.0)
+        if NORM_Q:                  # after the q / w_uk loads are issued: their latency overlaps
+            rs = _rms_scale(x_ptr, x_st, tt, mt, XL, eps, BT, BX)
+            qn = (qn.to(tl.float32) * rs[:, None]).to(q_ptr.dtype.element_ty)
         y = _mm(qn, w, DOT_F32)                                         # (BT, BC) fp32
         ob = o_ptr + tt[:, None] * o_st + hd * o_sh
         tl.store(ob + oc[None, :], y.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
@@ -250,12 +250,21 @@ if triton is not None:
             tl.store(lo_ptr + tt * lo_st + hd * lo_sh, lse, mask=mt)
 
     @triton.jit
+    def _output_token_weights(w_ptr, w_sh, w_sc, KL, V, hd, vb, BC: tl.constexpr,
+                              BV: tl.constexpr):
+        """w_uv_t[hd][:, vb-block] (BC, BV): loaded first (the fused kernel: before its wait)."""
+        oc = tl.arange(0, BC)
+        vv = vb * BV + tl.arange(0, BV)
+        return tl.load(w_ptr + hd.to(tl.int64) * w_sh + oc[:, None] * w_sc + vv[None, :],
+                       mask=(oc < KL)[:, None] & (vv < V)[None, :], other=0.0)
+
+    @triton.jit
     def _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
-                           w_ptr, w_sh, w_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V, t, hd, vb,
+                           wv, g_ptr, g_st, y_ptr, y_st, NS, KL, V, t, hd, vb,
                            SP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr):
         """Small-batch form of the PROJECT merge: one token per program, all S partials of
         (t, h) loaded as one (SP, BC) tile (no loop over splits, no 16-token padding), the
-        w_uv product as a broadcast-multiply + sum (M = 1: no tl.dot)."""
+        w_uv product (wv: `_output_token_weights`) as a broadcast-multiply + sum (M = 1)."""
         t, hd = t.to(tl.int64), hd.to(tl.int64)
         ss = tl.arange(0, SP)
         ms = ss < NS
@@ -263,8 +272,6 @@ if triton is not None:
         mc = oc < KL
         vv = vb * BV + tl.arange(0, BV)
         mv = vv < V
-        wv = tl.load(w_ptr + hd * w_sh + oc[:, None] * w_sc + vv[None, :],
-                     mask=mc[:, None] & mv[None, :], other=0.0)              # (BC, BV) first
         lse = tl.load(l_ptr + t * l_st + ss * l_ss + hd * l_sh, mask=ms, other=float("-inf"),
                       cache_modifier=".cg")
         o = tl.load(o_ptr + t * o_st + ss[:, None] * o_ss + hd * o_sh + oc[None, :],
@@ -321,9 +328,10 @@ if triton is not None:
                              SP: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
                              PDL: tl.constexpr):
         pdl_enter(PDL)
-        _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, w_ptr, w_sh,
-                           w_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V, tl.program_id(0),
-                           tl.program_id(1), tl.program_id(2), SP, BC, BV)
+        hd, vb = tl.program_id(1), tl.program_id(2)
+        wv = _output_token_weights(w_ptr, w_sh, w_sc, KL, V, hd, vb, BC, BV)
+        _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, wv, g_ptr, g_st,
+                           y_ptr, y_st, NS, KL, V, tl.program_id(0), hd, vb, SP, BC, BV)
 
     # ---- the fused kernel: absorb (+ prep's row store and q norm), split, output -----------
 
@@ -349,71 +357,82 @@ if triton is not None:
                       BT: tl.constexpr, BNP: tl.constexpr, BCA: tl.constexpr,
                       BX: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, HP: tl.constexpr,
                       BN: tl.constexpr, SP: tl.constexpr, BV: tl.constexpr,
-                      TOKEN_OUT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                      trace_ptr=None, TRACE: tl.constexpr = False):
+                      TOKEN_OUT: tl.constexpr, ONLY_A: tl.constexpr, DOT_F32: tl.constexpr,
+                      PDL: tl.constexpr, trace_ptr=None, TRACE: tl.constexpr = False):
         pdl_enter(PDL)
-        # ticket = dynamic program id: every smaller ticket's program has started, so waiting
-        # only on smaller tickets always makes progress (no co-residency assumption)
-        tk = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-        if TRACE:       # (probe only: inline PTX) per ticket: SM, start, work start, work end
-            t_start = _cuda.globaltimer()
         n_tb = tl.cdiv(T, BT)
-        n_a = n_tb * H * NCB
+        n_r = n_tb                                 # A: row-store programs, one per token block
+        n_a = n_r + n_tb * H * NCB                 #    + q_abs blocks
         n_b = T * NS
         if TOKEN_OUT:
             n_c = T * H * NVB
         else:
             n_c = n_tb * H * NVB
-        if tk < n_a:                               # A: q_abs block (+ cache rows, cb = hd = 0)
-            tb = tk // (H * NCB)
-            hd = (tk // NCB) % H
-            cb = tk % NCB
+        if ONLY_A:      # A alone (larger batches: split and output run as their own kernels)
+            tk = tl.program_id(0)
+        else:           # ticket = dynamic program id: every smaller ticket's program has
+                        # started, so waiting on smaller tickets always makes progress
+            tk = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        if TRACE:       # (probe only: inline PTX) per ticket: SM, start, work start, work end
+            t_start = _cuda.globaltimer()
+        if tk < n_r:                               # A: cache rows of token block tk
+            tt = (tk * BT + tl.arange(0, BT)).to(tl.int64)
+            _row_store_part(x_ptr, x_st, XL, KL, R, wkv_ptr, c_ptr, c_sb, c_sr, bt_ptr,
+                            bt_st, pos_ptr, BS, eps, tt, tt < T, BC, BR)
+        elif tk < n_a:                             # A: q_abs block (rms scale, absorb)
+            k = tk - n_r
             _absorb_part(q_ptr, q_st, q_sh, wuk_ptr, wuk_sh, wuk_sn, qa_ptr, qa_st, qa_sh, T,
-                         NOPE, KL, R, tb, hd, cb, x_ptr, x_st, XL, eps, BT, BNP, BCA, BR, BX,
-                         True, DOT_F32)
-            if (hd == 0) & (cb == 0):
-                tt = (tb * BT + tl.arange(0, BT)).to(tl.int64)
-                _row_store_part(x_ptr, x_st, XL, KL, R, wkv_ptr, c_ptr, c_sb, c_sr, bt_ptr,
-                                bt_st, pos_ptr, BS, eps, tt, tt < T, BC, BR)
-            tl.debug_barrier()                     # the CTA's stores before the release
-            tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+                         NOPE, KL, R, k // (H * NCB), (k // NCB) % H, k % NCB, x_ptr, x_st,
+                         XL, eps, BT, BNP, BCA, BR, BX, True, DOT_F32)
+        if not ONLY_A:
+            if tk < n_a:
+                tl.debug_barrier()                 # the CTA's stores before the release
+                tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+                if TRACE:
+                    t_work = t_start
+            elif tk < n_a + n_b:                   # B: split s of token t, after all of A
+                _wait_count(sync_ptr + 1, n_a, max_spins, sync_ptr + 4)
+                if TRACE:
+                    t_work = _cuda.globaltimer()
+                k = tk - n_a
+                _split_part(qa_ptr, qa_st, qa_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
+                            o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS,
+                            qk_scale, NS, MINC, k // NS, k % NS, HP, BC, BR, BN, DOT_F32)
+                tl.debug_barrier()
+                tl.atomic_add(sync_ptr + 2, 1, sem="release", scope="gpu")
+            else:                                  # C: merge + W_uv + gate, after all of B
+                k = tk - n_a - n_b
+                if TOKEN_OUT:
+                    t = k // (H * NVB)
+                    hd = (k // NVB) % H
+                    vb = k % NVB
+                    wv = _output_token_weights(wuv_ptr, wuv_sh, wuv_sc, KL, V, hd, vb, BC,
+                                               BV)          # weights: in flight during the wait
+                    _wait_count(sync_ptr + 2, n_b, max_spins, sync_ptr + 4)
+                    if TRACE:
+                        t_work = _cuda.globaltimer()
+                    _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, wv,
+                                       g_ptr, g_st, y_ptr, y_st, NS, KL, V, t, hd, vb, SP, BC,
+                                       BV)
+                else:
+                    _wait_count(sync_ptr + 2, n_b, max_spins, sync_ptr + 4)
+                    if TRACE:
+                        t_work = _cuda.globaltimer()
+                    _merge_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, wuv_ptr,
+                                wuv_sh, wuv_sc, g_ptr, g_st, y_ptr, y_st, o_ptr, 0, 0, l_ptr,
+                                0, 0, T, NS, KL, V, k // (H * NVB), (k // NVB) % H, k % NVB,
+                                BT, BC, BV, True, DOT_F32)
             if TRACE:
-                t_work = t_start
-        elif tk < n_a + n_b:                       # B: split s of token t, after all of A
-            _wait_count(sync_ptr + 1, n_a, max_spins, sync_ptr + 4)
-            if TRACE:
-                t_work = _cuda.globaltimer()
-            k = tk - n_a
-            _split_part(qa_ptr, qa_st, qa_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
-                        o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS,
-                        qk_scale, NS, MINC, k // NS, k % NS, HP, BC, BR, BN, DOT_F32)
-            tl.debug_barrier()
-            tl.atomic_add(sync_ptr + 2, 1, sem="release", scope="gpu")
-        else:                                      # C: merge + W_uv + gate, after all of B
-            _wait_count(sync_ptr + 2, n_b, max_spins, sync_ptr + 4)
-            if TRACE:
-                t_work = _cuda.globaltimer()
-            k = tk - n_a - n_b
-            if TOKEN_OUT:
-                _output_token_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, wuv_ptr,
-                                   wuv_sh, wuv_sc, g_ptr, g_st, y_ptr, y_st, NS, KL, V,
-                                   k // (H * NVB), (k // NVB) % H, k % NVB, SP, BC, BV)
-            else:
-                _merge_part(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, wuv_ptr, wuv_sh,
-                            wuv_sc, g_ptr, g_st, y_ptr, y_st, o_ptr, 0, 0, l_ptr, 0, 0,
-                            T, NS, KL, V, k // (H * NVB), (k // NVB) % H, k % NVB,
-                            BT, BC, BV, True, DOT_F32)
-        if TRACE:
-            row = trace_ptr + tk.to(tl.int64) * 4
-            tl.store(row, _cuda.smid().to(tl.int64))
-            tl.store(row + 1, t_start)
-            tl.store(row + 2, t_work)
-            tl.store(row + 3, _cuda.globaltimer())
-        # the last program out resets the counters for the next call (graph replays included)
-        done = tl.atomic_add(sync_ptr + 3, 1, sem="acq_rel", scope="gpu")
-        last = done == n_a + n_b + n_c - 1
-        for i in tl.static_range(4):
-            tl.atomic_xchg(sync_ptr + i, 0, mask=last, sem="relaxed", scope="gpu")
+                row = trace_ptr + tk.to(tl.int64) * 4
+                tl.store(row, _cuda.smid().to(tl.int64))
+                tl.store(row + 1, t_start)
+                tl.store(row + 2, t_work)
+                tl.store(row + 3, _cuda.globaltimer())
+            # the last program out resets the counters for the next call (graph replays too)
+            done = tl.atomic_add(sync_ptr + 3, 1, sem="acq_rel", scope="gpu")
+            last = done == n_a + n_b + n_c - 1
+            for i in tl.static_range(4):
+                tl.atomic_xchg(sync_ptr + i, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 # token-per-program output kernel up to this batch (above it the 16-token tl.dot form reuses
@@ -510,12 +529,13 @@ FUSED_MAX_SPINS = 1 << 22       # polls before a phase wait gives up (sync[4] = 
 
 
 def fused_grid(T: int, h: int, S: int, kv_lora: int, V: int) -> dict:
-    """`_fused_kernel`'s programs per phase (tickets [0, A), [A, A + B), [A + B, total)), the
-    output form (token per program up to OUTPUT_TOKEN_MAX_T, as `output_triton`) and its BV."""
+    """`_fused_kernel`'s programs per phase (tickets [0, A), [A, A + B), [A + B, total); A =
+    one row-store program per 16 tokens + the absorb blocks), the output form (token per
+    program up to OUTPUT_TOKEN_MAX_T, as `output_triton`) and its BV."""
     token_out = T <= OUTPUT_TOKEN_MAX_T and _p2(S, 2) * _p2(kv_lora) <= 16384
     bv = 16 if token_out else (32 if V >= 32 else 16)
     n_tb = triton.cdiv(T, 16)
-    n = {"A": n_tb * h * triton.cdiv(kv_lora, FUSED_BCA), "B": T * S,
+    n = {"A": n_tb + n_tb * h * triton.cdiv(kv_lora, FUSED_BCA), "B": T * S,
          "C": (T if token_out else n_tb) * h * triton.cdiv(V, bv)}
     return {**n, "total": n["A"] + n["B"] + n["C"], "token_out": token_out, "bv": bv}
 
@@ -523,19 +543,23 @@ def fused_grid(T: int, h: int, S: int, kv_lora: int, V: int) -> dict:
 def fused_triton(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_lens, w_uv_t,
                  gate, q_lora: int, kv_lora: int, eps: float, scale: float,
                  q_abs: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
-                 sync: torch.Tensor, out: torch.Tensor,
-                 max_spins: int = FUSED_MAX_SPINS, trace: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """One launch: phase A = absorb with the q norm folded in (+ the cache rows), B = split,
+                 sync: torch.Tensor, out: torch.Tensor | None, only_a: bool = False,
+                 num_warps: int | None = None, max_spins: int = FUSED_MAX_SPINS,
+                 trace: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch: phase A = the cache rows + absorb with the q norm folded in, B = split,
     C = merge + W_uv + gate (the module docstring's parts). Workspaces: q_abs (T, h, c + R)
     bf16, o_part (T, S, h, c) / lse_part (T, S, h) fp32, sync (≥ 5,) int32 zeros (left zero
-    after the call; sync[4] = 1 if a wait gave up). trace (probe only, CUDA): (grid, 4) int64
-    rows [SM, start ns, work start ns, end ns] per ticket (A's work starts at its start)."""
+    after the call; sync[4] = 1 if a wait gave up). only_a: phase A alone (no counters; out
+    unused: the caller runs split_triton + output_triton on q_abs). trace (probe only, CUDA):
+    (grid, 4) int64 rows [SM, start ns, work start ns, end ns] per ticket (A: work = start)."""
     T, h, d = q.shape
     R = qkv.shape[1] - q_lora - kv_lora
     S, V = o_part.shape[1], w_uv_t.shape[2]
     g = fused_grid(T, h, S, kv_lora, V)
-    _fused_kernel[(g["total"],)](
+    out = q_abs if out is None else out
+    if num_warps is None:
+        num_warps = 4 if kv_lora <= 256 else 8
+    _fused_kernel[(g["A"] if only_a else g["total"],)](
         sync, max_spins, qkv, qkv.stride(0), kv_norm_w, q, q.stride(0), q.stride(1),
         w_uk, w_uk.stride(0), w_uk.stride(1), q_abs, q_abs.stride(0), q_abs.stride(1),
         cache, cache.stride(0), cache.stride(1), block_table, block_table.stride(0),
@@ -546,9 +570,9 @@ def fused_triton(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_len
         float(scale) * LOG2E, triton.cdiv(kv_lora, FUSED_BCA), triton.cdiv(V, g["bv"]),
         BT=16, BNP=_p2(d - R), BCA=FUSED_BCA, BX=min(512, _p2(q_lora)), BC=_p2(kv_lora),
         BR=_p2(R), HP=_p2(h), BN=32 if kv_lora >= 256 else 64, SP=_p2(S, 2), BV=g["bv"],
-        TOKEN_OUT=g["token_out"], DOT_F32=not q.is_cuda, num_warps=4 if kv_lora <= 256 else 8,
-        num_stages=2, trace_ptr=trace, TRACE=trace is not None, **pdl_launch(out))
-    return out
+        TOKEN_OUT=g["token_out"], ONLY_A=only_a, DOT_F32=not q.is_cuda, num_warps=num_warps,
+        num_stages=2, trace_ptr=trace, TRACE=trace is not None, **pdl_launch(q_abs))
+    return q_abs if only_a else out
 
 
 __all__ = ["available", "prep_triton", "absorb_triton", "split_triton", "merge_triton",

@@ -72,9 +72,10 @@ def mla_splits(splits: list[int], batch: int, context: int, min_chunk: int,
 
 def mla_fused(batch: int, context: int, heads: int, copies: int = 8) -> list[dict]:
     """The MLA attention block after the q_b GEMV: prep + absorb + split + output (4 kernels)
-    vs `mla_decode_fused` (1), both in a graph over `copies` caches; then one traced eager
-    launch of the fused kernel: per phase, programs, the spread of their starts, the mean
-    wait and work, the phase end (ns from the first start; %globaltimer)."""
+    vs the fused kernel (one launch at 8 and at 4 warps) vs phase A + split + output (3),
+    each in a graph over `copies` caches; then traced eager launches of the fused kernel: per
+    phase, programs, the spread of their starts, the mean wait and work, the phase end (ns
+    from the first start; %globaltimer)."""
     kl, r, nope, v, ql, bs = 512, 64, 128, 128, 1536, 64
     g = torch.Generator(device="cuda").manual_seed(1)
     bf = torch.bfloat16
@@ -100,19 +101,20 @@ def mla_fused(batch: int, context: int, heads: int, copies: int = 8) -> list[dic
         q_abs = MLA.mla_absorb(a["q"], w_uk, nope=nope)
         return MLA.mla_decode(q_abs, a["cache"], a["bt"], a["seq"], w_uv, a["gate"], **kw)
 
-    def fused(a, trace=None):
-        if trace is None:
-            return MLA.mla_decode_fused(a["qkv"], a["q"], wkv, w_uk, a["cache"], a["bt"],
-                                        a["pos"], a["seq"], w_uv, a["gate"], q_lora=ql,
-                                        eps=1e-6, sync=sync, **kw)
-        S = MLA.default_num_splits(batch, pages * bs)
+    S = MLA.default_num_splits(batch, pages * bs)
+
+    def fused(a, trace=None, warps=None, three=False):
+        q_abs = a["q"].new_empty(batch, heads, kl + r)
+        o_p = a["q"].new_empty(batch, S, heads, kl, dtype=torch.float32)
+        l_p = a["q"].new_empty(batch, S, heads, dtype=torch.float32)
         out = a["gate"].new_empty(batch, heads * v)
-        return MT.fused_triton(a["qkv"], a["q"], wkv, w_uk, a["cache"], a["bt"], a["pos"],
-                               a["seq"], w_uv, a["gate"], ql, kl, 1e-6, kw["scale"],
-                               a["q"].new_empty(batch, heads, kl + r),
-                               a["q"].new_empty(batch, S, heads, kl, dtype=torch.float32),
-                               a["q"].new_empty(batch, S, heads, dtype=torch.float32), sync,
-                               out, trace=trace)
+        MT.fused_triton(a["qkv"], a["q"], wkv, w_uk, a["cache"], a["bt"], a["pos"], a["seq"],
+                        w_uv, a["gate"], ql, kl, 1e-6, kw["scale"], q_abs, o_p, l_p, sync, out,
+                        only_a=three, num_warps=warps, trace=trace)
+        if three:
+            MT.split_triton(q_abs, a["cache"], a["bt"], a["seq"], kl, kw["scale"], o_p, l_p)
+            MT.output_triton(o_p, l_p, w_uv, a["gate"], out)
+        return out
 
     ref = MLA.mla_decode_fused_reference(**{k: sets[0][k].clone() if k == "cache" else
                                             sets[0][k] for k in ("qkv", "q", "cache")},
@@ -120,33 +122,35 @@ def mla_fused(batch: int, context: int, heads: int, copies: int = 8) -> list[dic
                                          positions=sets[0]["pos"], seq_lens=sets[0]["seq"],
                                          w_uv_t=w_uv, gate=sets[0]["gate"], q_lora=ql,
                                          eps=1e-6, **kw).float()
-    err = float((fused(sets[0]).float() - ref).norm() / ref.norm())
-    MLA.check_fused_sync(sync)
     row = {"probe": "mla_fused", "batch": batch, "context": context, "heads": heads,
-           "rel_err_fused_vs_reference": err}
-    for name, fn in (("four", four), ("fused", fused)):
+           "splits": S}
+    variants = {"four": four, "fused": fused, "fused_w4": lambda a: fused(a, warps=4),
+                "three": lambda a: fused(a, three=True)}
+    for name, fn in variants.items():
+        if name != "four":
+            row[f"rel_err_{name}"] = float((fn(sets[0]).float() - ref).norm() / ref.norm())
         t = GraphTimer(replays=20, warm=3).run([lambda a=a, fn=fn: fn(a) for a in sets],
                                                count_nodes=False)
         row[f"{name}_us"] = t.us_per_call
-    n = MT.fused_grid(batch, heads, MLA.default_num_splits(batch, pages * bs), kl, v)
-    trace = torch.zeros(n["total"], 4, dtype=torch.int64, device="cuda")
-    for _ in range(3):
-        fused(sets[1], trace)
-    torch.cuda.synchronize()
-    tr = trace.cpu()
-    t0 = int(tr[:, 1].min())
-    bounds = [("A", 0, n["A"]), ("B", n["A"], n["A"] + n["B"]), ("C", n["A"] + n["B"], n["total"])]
-    phases = {}
-    for ph, lo, hi in bounds:
-        x = tr[lo:hi]
-        phases[ph] = {"programs": hi - lo, "sms": len(set(x[:, 0].tolist())),
-                      "start_spread_ns": int(x[:, 1].max() - x[:, 1].min()),
-                      "first_start_ns": int(x[:, 1].min()) - t0,
-                      "mean_wait_ns": float((x[:, 2] - x[:, 1]).float().mean()),
-                      "mean_work_ns": float((x[:, 3] - x[:, 2]).float().mean()),
-                      "max_work_ns": int((x[:, 3] - x[:, 2]).max()),
-                      "end_ns": int(x[:, 3].max()) - t0}
-    row["trace"] = phases
+    MLA.check_fused_sync(sync)
+    n = MT.fused_grid(batch, heads, S, kl, v)
+    bounds = [("A", 0, n["A"]), ("B", n["A"], n["A"] + n["B"]),
+              ("C", n["A"] + n["B"], n["total"])]
+    for warps in (8, 4):
+        trace = torch.zeros(n["total"], 4, dtype=torch.int64, device="cuda")
+        for _ in range(3):
+            fused(sets[1], trace, warps)
+        torch.cuda.synchronize()
+        tr = trace.cpu()
+        t0 = int(tr[:, 1].min())
+        row[f"trace_w{warps}"] = {ph: {
+            "programs": hi - lo, "sms": len(set(tr[lo:hi, 0].tolist())),
+            "start_spread_ns": int(tr[lo:hi, 1].max() - tr[lo:hi, 1].min()),
+            "first_start_ns": int(tr[lo:hi, 1].min()) - t0,
+            "mean_wait_ns": float((tr[lo:hi, 2] - tr[lo:hi, 1]).float().mean()),
+            "mean_work_ns": float((tr[lo:hi, 3] - tr[lo:hi, 2]).float().mean()),
+            "max_work_ns": int((tr[lo:hi, 3] - tr[lo:hi, 2]).max()),
+            "end_ns": int(tr[lo:hi, 3].max()) - t0} for ph, lo, hi in bounds}
     print(json.dumps(row), flush=True)
     return [row]
 

@@ -305,11 +305,27 @@ FUSED = [("small", 1, 40, 16), ("small", 3, 150, 16), ("small", 9, 70, 16),
                                    ("tp8", 16, 1024, 64)]]
 
 
+def _fused(c: Case, qkv, q, wkv, w_uk, pos, sync, out, three: bool):
+    """The fused op as one launch, or (three) phase A alone + the split + output kernels,
+    on NaN workspaces."""
+    S = M.default_num_splits(c.T, c.bt.shape[1] * c.bs)
+    q_abs = _nan(c.T, c.h, c.kl + c.r)
+    o_p, l_p = (_nan(c.T, S, c.h, c.kl, dtype=torch.float32),
+                _nan(c.T, S, c.h, dtype=torch.float32))
+    MT.fused_triton(qkv, q, wkv, w_uk, c.cache, c.bt, pos, c.seq, c.w_uv, c.gate, c.ql, c.kl,
+                    1e-6, c.scale, q_abs, o_p, l_p, sync, out, only_a=three)
+    if three:
+        assert not q_abs.isnan().any(), c.msg
+        MT.split_triton(q_abs, c.cache, c.bt, c.seq, c.kl, c.scale, o_p, l_p)
+        MT.output_triton(o_p, l_p, c.w_uv, c.gate, out)
+
+
+@pytest.mark.parametrize("three", [False, True])
 @pytest.mark.parametrize("shape,T,ctx,bs", FUSED)
-def test_fused_equals_reference_and_stock(shape, T, ctx, bs):
-    """One launch vs its reference (same rounding points) and vs the stock 4-op composition
-    with unfolded weights; the cache rows; the counters left zero; two calls back to back
-    (the second starts from the first's reset counters)."""
+def test_fused_equals_reference_and_stock(shape, T, ctx, bs, three):
+    """One launch (or phase A + split + output) vs its reference (same rounding points) and
+    vs the stock 4-op composition with unfolded weights; the cache rows; the counters left
+    zero; two calls back to back (the second starts from the first's reset counters)."""
     c = Case(shape, T, ctx, bs, _seed())
     g = torch.Generator(device=DEV).manual_seed(c.seed + 3)
     qkv, wq, wkv, q_b, w_uk, pos = _fused_inputs(c, g)
@@ -320,13 +336,8 @@ def test_fused_equals_reference_and_stock(shape, T, ctx, bs):
         before = c.cache.clone()
         ref_cache, stock_cache = before.clone(), before.clone()
         out = _nan(T, c.h * c.v)
-        MT.fused_triton(qkv, q, wkv, w_uk, c.cache, c.bt, pos, c.seq, c.w_uv, c.gate, c.ql,
-                        c.kl, 1e-6, c.scale, _nan(T, c.h, c.kl + c.r),
-                        _nan(T, M.default_num_splits(T, c.bt.shape[1] * bs), c.h, c.kl,
-                             dtype=torch.float32),
-                        _nan(T, M.default_num_splits(T, c.bt.shape[1] * bs), c.h,
-                             dtype=torch.float32), sync, out)
-        msg = f"{c.msg} call {call}"
+        _fused(c, qkv, q, wkv, w_uk, pos, sync, out, three)
+        msg = f"{c.msg} call {call} three {three}"
         assert torch.equal(sync[:4], torch.zeros_like(sync[:4])) and int(sync[4]) == 0, \
             f"{msg}: counters {sync.tolist()}"
         ref = M.mla_decode_fused_reference(qkv, q, wkv, w_uk, ref_cache, c.bt, pos, c.seq,
@@ -346,7 +357,8 @@ def test_fused_equals_reference_and_stock(shape, T, ctx, bs):
 
 
 @gpu_only
-@pytest.mark.parametrize("shape,T,ctx", [("tp16", 1, 1024), ("tp16", 64, 1024)])
+@pytest.mark.parametrize("shape,T,ctx", [("tp16", 1, 1024), ("tp16", 2, 1024),
+                                         ("tp16", 64, 1024)])
 def test_fused_graph_replays(shape, T, ctx):
     """The fused op captured once and replayed with new inputs and lengths: the counters
     reset inside the kernel, so every replay is right."""
