@@ -354,9 +354,13 @@ def mla_decode(q_abs, cache, block_table, seq_lens, w_uv_t, gate, *, kv_lora: in
                                           scale=scale, num_splits=num_splits)
     return mla_output(o_part, lse_part, w_uv_t, gate, out=out)
 
-# batches up to which mla_decode_fused is one launch (docs/PERF.md round 9: above it the
-# fused kernel's one register budget and spinning programs cost more than two launches)
-FUSED_ONE_LAUNCH_MAX_T = 1
+# batches up to which mla_decode_fused is ONE launch (phases A, B, C of `_fused_kernel`);
+# above it phase A alone + the split + output kernels. 0: never one launch. Measured on the
+# H200 (docs/PERF.md round 9, probe_kernels --mla-fused): the one-launch form is slower at
+# every batch (TP16 batch 1: 18.7 µs vs 13.8 for the three kernels): one num_warps for all
+# phases (the output phase runs 1.5 µs slower at 8 warps, the split 0.9 µs slower at 4) and
+# the phases' latencies add up where separate PDL launches overlap. Re-measure on sm_100.
+FUSED_ONE_LAUNCH_MAX_T = 0
 _SYNC: dict[str, torch.Tensor] = {}
 
 
@@ -381,8 +385,8 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
                      gate, *, q_lora: int, kv_lora: int, eps: float, scale: float, out=None,
                      num_splits: int | None = None, sync: torch.Tensor | None = None
                      ) -> torch.Tensor:
-    """mla_prep's row store and q norm + mla_absorb + mla_decode in ONE kernel (DCP = 1) for
-    T ≤ FUSED_ONE_LAUNCH_MAX_T; above it three (rows + q norm + absorb, split, output).
+    """mla_prep's row store and q norm + mla_absorb + mla_decode (DCP = 1) in three kernels
+    (rows + q norm + absorb, split, output), or in ONE for T ≤ FUSED_ONE_LAUNCH_MAX_T.
 
     qkv (T, q_lora + kv_lora + rope) bf16: the gathered q_a ‖ kv_a latents; q (T, h, nope +
     rope) bf16 = x · q_b'ᵀ with x = qkv[:, :q_lora] and q_b' = `folded_q_b_weight` (the

@@ -25,7 +25,7 @@ step computes [q_a; kv_a] (q_lora + kv_lora + rope rows) 1/TP per rank and all-g
 Specialized decode (path "specialized", caches given, every sequence one token, bf16 model and
 pool, output gate present): the fused ops of kernels/mla_decode.py replace the per-sequence
 PyTorch code — at D = 1 the q_b GEMV with the q_a norm weight folded in (`_q_b_folded`) then
-mla_decode_fused (rms scale, absorb, row store, attention, W_uv, gate: one kernel); at D > 1
+mla_decode_fused (rms scale + absorb + row store; attention; W_uv + gate: 3 kernels); at D > 1
 mla_prep (norms + row store), q_b, mla_absorb, the q exchange, mla_attention over this rank's
 rows + the DCP exchange + mla_output. Per-token paging (`decode_meta`): block table rows (T, max_blocks) int32, store index
 (T,) = p // D on the rank owning p (else −1: not stored), seq_lens (T,) = rows of positions
@@ -207,7 +207,7 @@ class MLAAttention(nn.Module):
         table, store, seq_lens = decode_meta(batch, caches.mla, x.device)
         gate = lin(x, self.g_proj.weight)                                   # (T, h·v)
         D = self.par.dcp_size
-        if D == 1:      # one kernel after the q_b GEMV: q norm scale, absorb, row, attention
+        if D == 1:      # after the q_b GEMV: q norm scale + absorb + row, attention, output
             q = lin(qkv[:, :self.q_lora], self._q_b_folded()).view(T, h, self.nope + self.rope)
             return mla_decode_fused(qkv, q, self.kv_a_layernorm.weight,
                                     self.absorbed_weights()[0], pool, table, store, seq_lens,

@@ -13,8 +13,8 @@ one token each, at per-rank shapes, in the fewest kernels that keep the stock st
            qkv  = all-gather(y[:, :qkv_a/TP])                     (memcpy stand-in)
            q'   = q_b'(qkv[:, :q_lora])                           GEMV (q_a norm weight folded
                                                                   into q_b: round 9)
-           o    = mla_decode_fused(qkv, q', pages, W_uk, W_uv,    1 kernel (phases: rms scale
-                                   gate = y[:, qkv_a/TP:])        + absorb + cache row; split-KV
+           o    = mla_decode_fused(qkv, q', pages, W_uk, W_uv,    3 kernels (rms scale + absorb
+                                   gate = y[:, qkv_a/TP:])        + cache row; split-KV
                                                                   attention; merge + W_uv + gate)
            attn = o_proj(o)                                       GEMV            [all-reduce]
     prefix, h2 = prefix + attn, AttnRes mix + RMSNorm             1 kernel (residual-add form)
