@@ -24,6 +24,10 @@ from raydecode.models.specialized import PATHS
 # (par, comm, device) -> runner; must be picklable (a top-level function or a partial of one)
 RunnerFactory = Callable[[Parallel, Comm, str], ModelRunner]
 
+# Rows the one-shot all-reduce buffers hold (2 · 64 · H bf16 per rank: 1.8 MB at H = 7168). Above
+# ~64 rows a two-stage kernel is the right one (DESIGN §4.3); larger steps go to NCCL.
+ONESHOT_MAX_TOKENS = 64
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -97,6 +101,8 @@ class RankWorker:
         old = self.comm
         self.par = Parallel(self.par.tp_rank, self.par.tp_size, dcp_size)
         self.runner = None
+        if hasattr(old, "close"):
+            old.close()                   # collective: the one-shot buffers of the old comm
         info = self._build()
         if getattr(old, "dcp_group", None) is not None:
             import torch.distributed as dist
@@ -105,7 +111,13 @@ class RankWorker:
 
     def _build(self) -> dict:
         self.comm = TorchComm(self.par) if self.par.tp_size > 1 else Comm()
+        oneshot = self.par.tp_size > 1 and str(self.device).startswith("cuda")
+        if oneshot:
+            from raydecode.kernels.allreduce_oneshot import OneShotComm
+            self.comm = OneShotComm.wrap(self.comm)     # all to NCCL until connected below
         self.runner = self.factory(self.par, self.comm, self.device)
+        if oneshot:
+            self._connect_oneshot()
         support = getattr(self.runner.model, "specialized_support", (False, "model has no "
                                                                      "specialized step"))
         kernels = None
@@ -120,12 +132,29 @@ class RankWorker:
         return {"rank": self.par.tp_rank, "dcp_rank": self.par.dcp_rank, "device": self.device,
                 "specialized": support, "kernel_cache": kernels}
 
+    def _connect_oneshot(self) -> None:
+        """Collective over the TP group: the model's bf16 (T, hidden) all-reduces with
+        T ≤ min(ONESHOT_MAX_TOKENS, SMs) take the one-shot kernel (kernels/allreduce_oneshot.py);
+        the rest stay on NCCL. Off on every rank when any rank has
+        RAYDECODE_ONESHOT_ALLREDUCE=0, lacks P2P to a peer, or the model is not bf16."""
+        model = self.runner.model
+        dev = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.comm.connect(min(ONESHOT_MAX_TOKENS, sms), model.cfg.hidden_size, dev,
+                          dtype=getattr(model, "dtype", torch.float32),
+                          enable=os.environ.get("RAYDECODE_ONESHOT_ALLREDUCE", "1") != "0")
+
     def step(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the plan on this shard (on plan.path); rank 0 returns the (rows, V) logits on
         the host, the others None."""
         logits = self.runner.run(plan)
         self.steps[plan.path] += 1
-        return logits.cpu() if self.par.tp_rank == 0 else None
+        if self.par.tp_rank != 0:
+            return None
+        logits = logits.cpu()                  # the step's one host sync, then: did a one-shot
+        if hasattr(self.comm, "check_timeouts"):   # all-reduce wait give up (wrong sums)?
+            self.comm.check_timeouts()
+        return logits
 
     def stats(self) -> dict:
         import ray
@@ -142,7 +171,11 @@ class RankWorker:
         return self.par.tp_rank
 
     def shutdown(self) -> None:
+        """Collective when the comm holds one-shot buffers (every rank calls it)."""
         import torch.distributed as dist
 
+        self.runner = None                # its CUDA graphs may hold the one-shot kernel
+        if hasattr(self.comm, "close"):
+            self.comm.close()
         if dist.is_initialized():
             dist.destroy_process_group()

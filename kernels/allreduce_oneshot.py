@@ -11,12 +11,16 @@ and signals; every rank then reads all N buffers over NVLink and computes, in on
 The fixed order makes the result bit-identical on every rank and independent of the transport.
 `allreduce_residual_norm_reference` is that spec in PyTorch; the kernel, its memory-ordering and
 buffer-reuse arguments and the latency prediction are in kernels/allreduce_oneshot_triton.py.
+The plain all-reduce is the same kernel without residual and norm: round(acc), spec
+`allreduce_reference`; it is what `OneShotComm.all_reduce` runs for the model's bf16 (T, H)
+activations (models call `comm.all_reduce`), everything else goes to the wrapped comm.
 
 Layers: `PeerBuffers` owns this rank's registered memory (buffer, flags, device epoch), opens the
-peers' copies with legacy CUDA IPC and launches the kernel. `OneShotComm` is the Comm-style
-adapter a model shard calls; it falls back to an all-gather + the reference (bit-identical to the
-kernel's spec) when the group is one rank, not all on CUDA, or not all pairwise P2P-capable. The
-choice is made once, collectively, and is the same on every rank (DESIGN §6).
+peers' copies with legacy CUDA IPC, launches the kernel and tears it all down in a fixed order
+(`close`). `OneShotComm` is the Comm-style adapter a model shard calls; it falls back to an
+all-gather + the reference (bit-identical to the kernel's spec) when the group is one rank, not
+all on CUDA, or not all pairwise P2P-capable. The choice is made once, collectively, and is the
+same on every rank (DESIGN §6).
 
 IPC choice: `torch.multiprocessing.reductions.reduce_tensor` / `rebuild_cuda_tensor`, i.e.
 cudaIpcGetMemHandle / cudaIpcOpenMemHandle on a caching-allocator block: it maps one device
@@ -47,6 +51,15 @@ def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
 
 
+def allreduce_reference(partials: Sequence[torch.Tensor]) -> torch.Tensor:
+    """partials N × (T, H) -> round(Σ_{q=0..N−1} fp32(partial_q)) in rank order from +0.0,
+    (T, H) in the partials' dtype: the plain all-reduce's spec."""
+    acc = torch.zeros(partials[0].shape, dtype=torch.float32, device=partials[0].device)
+    for p in partials:                                   # rank order 0..N−1
+        acc = acc + p.float()
+    return acc.to(partials[0].dtype)
+
+
 def allreduce_residual_norm_reference(partials: Sequence[torch.Tensor], residual: torch.Tensor,
                                       w: torch.Tensor | None, eps: float
                                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -59,25 +72,34 @@ def allreduce_residual_norm_reference(partials: Sequence[torch.Tensor], residual
     return new_residual, (None if w is None else rms_norm_reference(new_residual, w, eps))
 
 
-def check_inputs(partial: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor | None,
-                 hidden: int, max_tokens: int, dtype: torch.dtype) -> None:
-    """ValueError naming the offending value for anything the op does not accept."""
-    if residual.dim() != 2:
-        raise ValueError(f"residual of shape {tuple(residual.shape)}; expected (T, H) with "
-                         f"H = {hidden}")
-    T, H = residual.shape
+def check_rows(name: str, x: torch.Tensor, hidden: int, max_tokens: int,
+               dtype: torch.dtype | None = None) -> None:
+    """ValueError naming the offending value unless x is (T, hidden), 1 ≤ T ≤ max_tokens, and
+    (dtype given) of that dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"{name} of shape {tuple(x.shape)}; expected (T, H) with H = {hidden}")
+    T, H = x.shape
     if H != hidden:
-        raise ValueError(f"hidden size {H} (residual {tuple(residual.shape)}) does not match "
+        raise ValueError(f"hidden size {H} ({name} {tuple(x.shape)}) does not match "
                          f"the all-reduce buffers' hidden size {hidden}")
     if not 1 <= T <= max_tokens:
         raise ValueError(f"{T} token rows; the all-reduce buffers hold 1..{max_tokens} "
                          f"(max_tokens)")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name} dtype {x.dtype}; the all-reduce runs in {dtype}")
+
+
+def check_inputs(partial: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor | None,
+                 hidden: int, max_tokens: int, dtype: torch.dtype) -> None:
+    """ValueError naming the offending value for anything the op does not accept."""
+    check_rows("residual", residual, hidden, max_tokens)
     if partial is not None and partial.shape != residual.shape:
         raise ValueError(f"partial of shape {tuple(partial.shape)}; expected "
                          f"{tuple(residual.shape)} like the residual")
     for name, t in (("partial", partial), ("residual", residual)):
         if t is not None and t.dtype != dtype:
             raise ValueError(f"{name} dtype {t.dtype}; the all-reduce runs in {dtype}")
+    H = residual.shape[1]
     if w is not None and tuple(w.shape) != (H,):
         raise ValueError(f"RMSNorm weight of shape {tuple(w.shape)}; expected ({H},)")
     if w is not None and not w.is_floating_point():
@@ -138,19 +160,23 @@ def p2p_capable(mine: DeviceInfo, peer: DeviceInfo) -> bool:
 class PeerBuffers:
     """This rank's registered memory and the peers' mapped copies (see the Triton module's
     docstring for the layout and protocol). Build with `create` (collective over a
-    torch.distributed group) or `local_group` (N simulated ranks in one process)."""
+    torch.distributed group) or `local_group` (N simulated ranks in one process); end with
+    `close` (collective for `create`d buffers), after which every call raises."""
 
     def __init__(self, rank: int, buffers: list[torch.Tensor], flags: list[torch.Tensor],
-                 state: torch.Tensor, max_tokens: int, hidden: int):
+                 state: torch.Tensor, max_tokens: int, hidden: int, *,
+                 collective: bool = False, group=None):
         self.rank, self.world = rank, len(buffers)
         self.max_tokens, self.hidden = max_tokens, hidden
         self.buffer, self.flags, self.state = buffers[rank], flags[rank], state
-        self._keep = (buffers, flags)                        # mapped peer memory stays open
-        dev = state.device
+        self.device = state.device
+        self.group, self._collective, self.closed = group, collective, False
+        # the only references to the peers' tensors (mapped memory for `create`): close drops them
+        self._peer_tensors = [t for q, t in enumerate(buffers + flags) if q % self.world != rank]
         self.buf_addrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64,
-                                      device=dev)
+                                      device=self.device)
         self.flag_addrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64,
-                                       device=dev)
+                                       device=self.device)
 
     @staticmethod
     def _alloc(world: int, max_tokens: int, hidden: int, device):
@@ -183,7 +209,15 @@ class PeerBuffers:
     def create(cls, group, max_tokens: int, hidden: int,
                device: torch.device | str) -> "PeerBuffers":
         """Collective over `group` (every rank calls it): allocate, exchange CUDA IPC handles
-        with dist.all_gather_object, open the peers' handles on this rank's device."""
+        with dist.all_gather_object, open the peers' handles on this rank's device.
+
+        One `reduce_tensor` per (buffer, receiving peer): each `_share_cuda_` gives the producer
+        a fresh ref counter set to 1 that exactly one receiver decrements when its mapping is
+        freed (one share sent to N−1 peers would be decremented N−1 times). While a counter is
+        > 0, freeing the producer's tensor parks the block in torch's CudaIPCSentDataLimbo,
+        emptied only by a later IPC free, torch.cuda.ipc_collect() or, failing both, a static
+        destructor at process exit; `close` orders the unmaps before the frees so nothing is
+        parked."""
         import torch.distributed as dist
         from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -194,26 +228,99 @@ class PeerBuffers:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         buf, flags, state = cls._alloc(world, max_tokens, hidden, device)
         torch.cuda.synchronize(device)     # zeroed before any peer can publish into `flags`
-        handles = [None] * world
-        dist.all_gather_object(handles, (reduce_tensor(buf)[1], reduce_tensor(flags)[1]),
-                               group=group)
+        shares = [None if q == rank else (reduce_tensor(buf)[1], reduce_tensor(flags)[1])
+                  for q in range(world)]
+        handles = [None] * world           # handles[p][q]: producer p's share for receiver q
+        dist.all_gather_object(handles, shares, group=group)
+        del shares
 
         def _open(args):                   # map into THIS rank's device context (arg 6)
             args = list(args)
             args[6] = device.index if device.index is not None else torch.cuda.current_device()
             return rebuild_cuda_tensor(*args)
 
-        bufs = [buf if q == rank else _open(handles[q][0]) for q in range(world)]
-        flgs = [flags if q == rank else _open(handles[q][1]) for q in range(world)]
+        bufs = [buf if q == rank else _open(handles[q][rank][0]) for q in range(world)]
+        flgs = [flags if q == rank else _open(handles[q][rank][1]) for q in range(world)]
         torch.cuda.synchronize(device)
         dist.barrier(group=group)          # every rank mapped everything before any call
-        return cls(rank, bufs, flgs, state, max_tokens, hidden)
+        return cls(rank, bufs, flgs, state, max_tokens, hidden, collective=True, group=group)
+
+    def close(self, group=None) -> None:
+        """Unmap the peers' memory and free this rank's, in an order that is safe for every
+        rank. Collective for `create`d buffers (every rank of the group calls it; `group`
+        defaults to the one they were created on); local for `local_group`. Idempotent.
+
+        The caller first drops everything that can still launch the kernel on these buffers:
+        the CUDA graphs that captured it (a replay after close reads unmapped memory) and any
+        pending producer. Then, on every rank:
+          1. synchronize this device, barrier: no kernel of ANY rank is still reading or
+             writing this rank's memory (each rank's own kernels completed before it arrived);
+          2. drop the mapped peer tensors and the address tables, gc.collect(): the storage
+             deleters close the IPC mappings (cudaIpcCloseMemHandle) and decrement the
+             producers' ref counters;
+          3. synchronize, barrier: every peer has unmapped this rank's memory;
+          4. drop this rank's buffers, gc.collect(), torch.cuda.ipc_collect(): every producer
+             counter is 0, so the blocks go straight back to the caching allocator and the
+             ref-counter file is closed; nothing is left in torch's IPC limbo or mapped from a
+             peer when the process exits (a block freed from limbo by a static destructor at
+             exit, or a mapping outliving its owner, is what this order rules out).
+        If a barrier fails (a dead peer), steps 2 and 4 still run (4 without the barrier of 3)
+        and the error propagates; memory a live peer may still map then stays parked in the
+        limbo instead of being reused. Every later call raises RuntimeError."""
+        if self.closed:
+            return
+        import gc
+
+        self.closed = True
+        cuda = self.device.type == "cuda"
+        g = group if group is not None else self.group
+
+        def fence() -> None:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            if self._collective:
+                import torch.distributed as dist
+                dist.barrier(group=g)
+
+        fenced = False
+        try:
+            fence()                                                     # 1
+            fenced = True
+        finally:
+            self._peer_tensors = self.buf_addrs = self.flag_addrs = None  # 2
+            gc.collect()
+            try:
+                if fenced:
+                    fence()                                             # 3
+            finally:
+                self.buffer = self.flags = self.state = None            # 4
+                gc.collect()
+                if cuda:
+                    torch.cuda.ipc_collect()
+
+    def check_timeouts(self) -> None:
+        """Host sync when connected: raise if a one-shot wait of this rank gave up (its
+        result was wrong); nothing to check on the base comm."""
+        if self.peers is not None and not self.closed:
+            self.peers.check_timeouts()
+
+    def _live(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"PeerBuffers of rank {self.rank} of {self.world} are closed "
+                               "(close() unmapped the peers and freed the buffers); create "
+                               "new ones")
 
     def next_input_slot_sync(self, T: int) -> torch.Tensor:
         """(T, H) view of this rank's buffer slot the NEXT call reads, for a producer that
         writes its partial in place (then call with partial=None). Host sync (reads the device
         epoch); a kernel producer computes the slot on device from state[0] instead."""
+        self._live()
         return self.buffer[(int(self.state[0]) + 1) & 1, :T]
+
+    def _check_kernel(self, *ts: torch.Tensor) -> None:
+        if not _tri.available(*ts, self.state):
+            raise RuntimeError("the one-shot kernel needs Triton on CUDA tensors (or CPU "
+                               "tensors under TRITON_INTERPRET=1)")
 
     def all_reduce_residual_norm(self, partial: torch.Tensor | None, residual: torch.Tensor,
                                  w: torch.Tensor | None, eps: float, *,
@@ -222,10 +329,9 @@ class PeerBuffers:
                                  max_spins: int = _tri.DEFAULT_MAX_SPINS):
         """One call of the protocol -> (new_residual, normed or None). Every rank of the group
         must make the same sequence of calls with the same T. No host sync; capturable."""
+        self._live()
         check_inputs(partial, residual, w, self.hidden, self.max_tokens, BUFFER_DTYPE)
-        if not _tri.available(residual, self.state):
-            raise RuntimeError("the one-shot kernel needs Triton on CUDA tensors (or CPU "
-                               "tensors under TRITON_INTERPRET=1)")
+        self._check_kernel(residual)
         rows = [t if t is None or t.stride(-1) == 1 else t.contiguous()
                 for t in (partial, residual)]
         partial, residual = rows
@@ -238,8 +344,30 @@ class PeerBuffers:
                             max_spins)
         return new_residual, (out if w is not None else None)
 
+    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None,
+                   max_spins: int = _tri.DEFAULT_MAX_SPINS) -> torch.Tensor:
+        """One call of the protocol without residual and norm: x (T, H) bf16 -> (T, H)
+        round(Σ_q fp32(x_q)) in rank order (`allreduce_reference`), identical on every rank,
+        written to `out` (rows stride 1) or a new tensor. Same call-sequence contract as
+        all_reduce_residual_norm (the two share the epochs). No host sync; capturable."""
+        self._live()
+        check_rows("x", x, self.hidden, self.max_tokens, BUFFER_DTYPE)
+        self._check_kernel(x)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+            raise ValueError(f"out of shape {tuple(out.shape)} {out.dtype} stride "
+                             f"{out.stride()}; expected {tuple(x.shape)} {x.dtype} with "
+                             "stride-1 rows")
+        _tri.oneshot_triton(self.buf_addrs, self.flag_addrs, self.state, self.rank,
+                            self.max_tokens, x, None, None, 0.0, out, None, max_spins)
+        return out
+
     def check_timeouts(self) -> None:
         """Host sync: raise if any wait of this rank gave up (a peer never published)."""
+        self._live()
         ep = int(self.state[2])
         if ep:
             raise RuntimeError(f"one-shot all-reduce: rank {self.rank} of {self.world} timed "
@@ -249,49 +377,150 @@ class PeerBuffers:
 # ---- the Comm-style adapter -----------------------------------------------------------------
 
 class OneShotComm:
-    """Duck-typed `models.parallel.Comm` (kernels/ does not import models/): all_reduce,
-    all_gather and dcp_all_gather go to the wrapped `base` comm; all_reduce_residual_norm runs
-    the one-shot kernel when `peers` is set, else the all-gather fallback."""
+    """Duck-typed `models.parallel.Comm` (kernels/ does not import models/). With `peers`:
+    all_reduce of a bf16 (…, hidden) tensor of 1..max_tokens rows on the peers' device runs the
+    one-shot kernel (`PeerBuffers.all_reduce`); every other all_reduce (fp32 MoE latents, other
+    widths, more rows, no peers) and all_gather / dcp_all_gather go to the wrapped `base` comm
+    unchanged. The routing depends only on shape and dtype, so every rank of a step routes
+    each call the same way. all_reduce_residual_norm runs the fused kernel, or the all-gather
+    fallback without peers. `par` and `dcp_group` are the base comm's.
+
+    Build with `create` (collective), or `wrap` then `connect` (collective) when the hidden
+    size is known only after the model that holds this comm was built. End with `close`."""
 
     def __init__(self, base, group=None, peers: PeerBuffers | None = None, *, world: int,
-                 max_tokens: int, hidden: int, dtype: torch.dtype = BUFFER_DTYPE):
+                 max_tokens: int = 0, hidden: int | None = None,
+                 dtype: torch.dtype = BUFFER_DTYPE):
         self.base, self.group, self.peers, self.world = base, group, peers, world
         self.max_tokens, self.hidden, self.dtype = max_tokens, hidden, dtype
+        self.closed = False
+
+    @property
+    def par(self):
+        return self.base.par
+
+    @property
+    def dcp_group(self):
+        return getattr(self.base, "dcp_group", None)
+
+    @classmethod
+    def wrap(cls, base, group=None) -> "OneShotComm":
+        """Not connected yet: every collective goes to `base` until `connect`."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        return cls(base, group, None, world=world)
+
+    def connect(self, max_tokens: int, hidden: int, device: torch.device | str,
+                dtype: torch.dtype = BUFFER_DTYPE, enable: bool = True) -> "OneShotComm":
+        """Collective: open the one-shot buffers only if every rank enables it, is on CUDA,
+        every pair is P2P-capable and the dtype is the buffers', then keep them only if the
+        self-test call succeeded on every rank; both decisions are gathered, so all ranks
+        agree. -> self."""
+        import torch.distributed as dist
+
+        self._live()
+        if self.hidden is not None:
+            raise RuntimeError(f"OneShotComm already connected (hidden={self.hidden}, "
+                               f"max_tokens={self.max_tokens})")
+        device = torch.device(device)
+        self.max_tokens, self.hidden, self.dtype = max_tokens, hidden, dtype
+        if self.world == 1:
+            return self
+        infos = [None] * self.world
+        dist.all_gather_object(infos, device_info(device), group=self.group)
+        mine = infos[dist.get_rank(self.group)]
+        ok = bool(enable) and dtype == BUFFER_DTYPE and all(p2p_capable(mine, p) for p in infos)
+        votes = [None] * self.world
+        dist.all_gather_object(votes, ok, group=self.group)
+        if not all(votes):
+            return self
+        peers = PeerBuffers.create(self.group, max_tokens, hidden, device)
+        votes = [None] * self.world
+        dist.all_gather_object(votes, self._self_test(peers), group=self.group)
+        if all(votes):
+            self.peers = peers
+        else:
+            peers.close()
+        return self
+
+    def _self_test(self, peers: PeerBuffers) -> bool:
+        """One call on fresh buffers (it also compiles the kernel before any step or graph
+        capture): rank q contributes q + 1 everywhere, so every element must be
+        N(N+1)/2 (exact in bf16 for N ≤ 32) and no wait may have timed out. Never raises:
+        a failure on any rank keeps every rank on the base comm (with a warning)."""
+        try:
+            x = torch.full((1, peers.hidden), float(peers.rank + 1), dtype=BUFFER_DTYPE,
+                           device=peers.device)
+            y = peers.all_reduce(x)
+            torch.cuda.synchronize(peers.device)
+            peers.check_timeouts()
+            want = self.world * (self.world + 1) // 2
+            if bool((y == want).all()):
+                return True
+            why = f"got {y.float().unique()[:4].tolist()}, expected {want}"
+        except Exception as e:           # a compile or launch error: fall back, never hang
+            why = f"{type(e).__name__}: {e}"
+        import warnings
+        warnings.warn(f"one-shot all-reduce self-test failed on rank {peers.rank} ({why}); "
+                      "every rank keeps the base comm", RuntimeWarning, stacklevel=3)
+        return False
 
     @classmethod
     def create(cls, base, group, max_tokens: int, hidden: int, device: torch.device | str,
-               dtype: torch.dtype = BUFFER_DTYPE) -> "OneShotComm":
-        """Collective: one-shot only if every rank is on CUDA, every pair is P2P-capable and
-        the dtype is the buffers'; the decision is gathered, so all ranks agree."""
-        import torch.distributed as dist
+               dtype: torch.dtype = BUFFER_DTYPE, enable: bool = True) -> "OneShotComm":
+        """Collective: `wrap` + `connect`."""
+        return cls.wrap(base, group).connect(max_tokens, hidden, device, dtype, enable)
 
-        device = torch.device(device)
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
-        if world == 1:
-            return cls(base, group, None, world=1, max_tokens=max_tokens, hidden=hidden,
-                       dtype=dtype)
-        infos = [None] * world
-        dist.all_gather_object(infos, device_info(device), group=group)
-        mine = infos[dist.get_rank(group)]
-        ok = dtype == BUFFER_DTYPE and all(p2p_capable(mine, p) for p in infos)
-        votes = [None] * world
-        dist.all_gather_object(votes, ok, group=group)
-        peers = PeerBuffers.create(group, max_tokens, hidden, device) if all(votes) else None
-        return cls(base, group, peers, world=world, max_tokens=max_tokens, hidden=hidden,
-                   dtype=dtype)
+    def close(self) -> None:
+        """Collective when peers are open (`PeerBuffers.close`: drop the CUDA graphs that
+        captured the kernel first); idempotent. The base comm stays open (its owner destroys
+        the process group); every later call of this comm raises RuntimeError."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.peers is not None:
+            self.peers.close()
 
-    def all_reduce(self, x):
+    def check_timeouts(self) -> None:
+        """Host sync when connected: raise if a one-shot wait of this rank gave up (its
+        result was wrong); nothing to check on the base comm."""
+        if self.peers is not None and not self.closed:
+            self.peers.check_timeouts()
+
+    def _live(self) -> None:
+        if self.closed:
+            raise RuntimeError("OneShotComm is closed (close() released the one-shot buffers); "
+                               "build a new comm")
+
+    def _oneshot_fits(self, x: torch.Tensor) -> bool:
+        p = self.peers
+        return (p is not None and x.dtype == BUFFER_DTYPE and x.dim() >= 1
+                and x.shape[-1] == self.hidden and x.device == p.device
+                and 1 <= x.numel() // self.hidden <= self.max_tokens)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ over the group; the one-shot result is round(Σ_q fp32(x_q)) in rank order."""
+        self._live()
+        if self._oneshot_fits(x):
+            return self.peers.all_reduce(x.reshape(-1, self.hidden)).view(x.shape)
         return self.base.all_reduce(x)
 
     def all_gather(self, x, dim: int = -1):
+        self._live()
         return self.base.all_gather(x, dim)
 
     def dcp_all_gather(self, x, dim: int = 0):
+        self._live()
         return self.base.dcp_all_gather(x, dim)
 
     def all_reduce_residual_norm(self, partial: torch.Tensor, residual: torch.Tensor,
                                  w: torch.Tensor | None, eps: float):
         """-> (new_residual, RMSNorm(new_residual; w) or None), identical on every rank."""
+        self._live()
+        if self.hidden is None:
+            raise RuntimeError("OneShotComm is not connected: call connect(max_tokens, hidden, "
+                               "device) first")
         check_inputs(partial, residual, w, self.hidden, self.max_tokens, self.dtype)
         if self.peers is not None:
             return self.peers.all_reduce_residual_norm(partial, residual, w, eps)
@@ -309,6 +538,6 @@ class OneShotComm:
         return [p.view(x.dtype) for p in parts]
 
 
-__all__ = ["BUFFER_DTYPE", "DeviceInfo", "OneShotComm", "PeerBuffers",
-           "allreduce_residual_norm_reference", "check_inputs", "device_info", "p2p_capable",
-           "rms_norm_reference"]
+__all__ = ["BUFFER_DTYPE", "DeviceInfo", "OneShotComm", "PeerBuffers", "allreduce_reference",
+           "allreduce_residual_norm_reference", "check_inputs", "check_rows", "device_info",
+           "p2p_capable", "rms_norm_reference"]

@@ -18,6 +18,7 @@ Program t of rank r, call with epoch e = state_r[0] + 1 (read on device: a CUDA 
         bar.sync
     (c) acc = Σ_{q=0..N−1} buf_q[e&1, t] in fp32, in rank order (P2P loads over NVLink)
         new_res[t] = bf16(acc + residual[t]);  out[t] = bf16(RMSNorm(fp32(new_res[t])) · w)
+        (HAS_RES=False, the plain all-reduce: new_res[t] = bf16(acc), no norm)
 
 Memory ordering. The stores of (a) (or of the producing kernel, ordered before this one by the
 stream / PDL's griddepcontrol.wait) precede a CTA barrier that precedes the release RMW on
@@ -79,8 +80,8 @@ if triton is not None:
     def _oneshot_kernel(buf_addrs, flag_addrs, state_ptr, src_ptr, src_st, res_ptr, res_st,
                         w_ptr, newres_ptr, newres_st, out_ptr, out_st, H, MT, rank, eps,
                         max_spins, N: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr,
-                        COPY: tl.constexpr, NORM: tl.constexpr, ALIGNED: tl.constexpr,
-                        PDL: tl.constexpr):
+                        COPY: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
+                        ALIGNED: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         n_rows = tl.num_programs(0)
@@ -122,8 +123,9 @@ if triton is not None:
             if ALIGNED:
                 peer = tl.multiple_of(peer, 16)
             acc += tl.load(peer + row + offs, mask=m, other=0.0).to(tl.float32)
-        r = tl.load(res_ptr + t * res_st + offs, mask=m, other=0.0).to(tl.float32)
-        nr = (acc + r).to(newres_ptr.dtype.element_ty)
+        if HAS_RES:
+            acc += tl.load(res_ptr + t * res_st + offs, mask=m, other=0.0).to(tl.float32)
+        nr = acc.to(newres_ptr.dtype.element_ty)
         tl.store(newres_ptr + t * newres_st + offs, nr, mask=m)
         if NORM:
             x = nr.to(tl.float32)
@@ -135,26 +137,30 @@ if triton is not None:
 
 def oneshot_triton(buf_addrs: torch.Tensor, flag_addrs: torch.Tensor, state: torch.Tensor,
                    rank: int, max_tokens: int, partial: torch.Tensor | None,
-                   residual: torch.Tensor, w: torch.Tensor | None, eps: float,
+                   residual: torch.Tensor | None, w: torch.Tensor | None, eps: float,
                    new_residual: torch.Tensor, out: torch.Tensor | None,
                    max_spins: int = DEFAULT_MAX_SPINS) -> None:
     """Launch one call of the protocol (module docstring) for this rank. buf_addrs / flag_addrs:
     (N,) int64 base addresses of every rank's (2, MT, H) bf16 buffer and (N, MT) int64 flags,
     this rank's included; state: this rank's (4,) int64. partial None: the caller already wrote
-    its (T, H) rows into slot (state[0] + 1) & 1 of its own buffer. w None: no RMSNorm, only
+    its (T, H) rows into slot (state[0] + 1) & 1 of its own buffer. residual None: the plain
+    all-reduce, new_residual ← bf16(Σ_q partial_q) (w must be None). w None: no RMSNorm, only
     new_residual. Rows of partial/residual/new_residual/out must be contiguous (stride 1).
     No host sync; capturable in a CUDA graph (the epoch lives in `state`)."""
-    T, H = residual.shape
+    assert residual is not None or w is None, "the RMSNorm applies to residual + Σ partials"
+    T, H = new_residual.shape
     n = buf_addrs.numel()
     block_h = triton.next_power_of_2(H)
-    src = partial if partial is not None else residual
+    res = residual if residual is not None else new_residual     # unread when HAS_RES=False
+    src = partial if partial is not None else res
     o = out if out is not None else new_residual
     _oneshot_kernel[(T,)](
-        buf_addrs, flag_addrs, state, src, src.stride(0), residual, residual.stride(0),
-        w if w is not None else residual, new_residual, new_residual.stride(0), o, o.stride(0),
+        buf_addrs, flag_addrs, state, src, src.stride(0), res, res.stride(0),
+        w if w is not None else res, new_residual, new_residual.stride(0), o, o.stride(0),
         H, max_tokens, rank, float(eps), max_spins, N=n, NP=max(2, triton.next_power_of_2(n)),
-        BLOCK_H=block_h, COPY=partial is not None, NORM=w is not None, ALIGNED=H % 8 == 0,
-        num_warps=max(1, min(16, block_h // 512)), **pdl_launch(new_residual))
+        BLOCK_H=block_h, COPY=partial is not None, HAS_RES=residual is not None,
+        NORM=w is not None, ALIGNED=H % 8 == 0, num_warps=max(1, min(16, block_h // 512)),
+        **pdl_launch(new_residual))
 
 
 __all__ = ["DEFAULT_MAX_SPINS", "available", "oneshot_triton"]

@@ -3,22 +3,28 @@
 
     python -m raydecode.scripts.bench.allreduce [--out OUT.json] [--ts 1,8,64] [--commit SHA]
 
-Method: for each T, rank 0..N−1 hold random (T, 7168) bf16 partials; the one-shot result is first
-checked against the reference (all partials gathered, fp32 sum in rank order: new residual bit
-for bit, normed ≤ 4e-3 relative) on every rank, then each variant runs inside a CUDA graph of
-CALLS back-to-back calls; µs per call = median over replays / CALLS (ranks start each replay
-after a barrier, so only the first call of a replay absorbs their skew). Variants:
+Method: for each T, rank 0..N−1 hold random (T, 7168) bf16 partials; the one-shot results are
+first checked against the references (all partials gathered, fp32 sum in rank order: the plain
+sum and the new residual bit for bit, normed ≤ 4e-3 relative) on every rank, then each variant
+runs inside a CUDA graph of CALLS back-to-back calls; µs per call = median over replays / CALLS
+(ranks start each replay after a barrier, so only the first call of a replay absorbs their
+skew). Variants:
   oneshot            the fused kernel (kernels/allreduce_oneshot_triton.py), PDL on
+  oneshot_allreduce  the same kernel without residual and norm (OneShotComm.all_reduce, what the
+                     model's TP all-reduces run)
   nccl               dist.all_reduce alone (in place)
   nccl_add_rmsnorm   dist.all_reduce + residual add + F.rms_norm (the stock sequence)
 Bytes: one-shot pulls (N−1)·T·H·2 bytes per rank over NVLink; the ring's bus bytes are
 2(N−1)/N·T·H·2. GB/s = those bytes / time. NVLS / multicast stay off (NCCL_NVLS_ENABLE=0).
 Writes JSON (GPU, commit, date, NCCL version, shapes, µs, bytes, GB/s) to bench/results/.
+Teardown: every graph is destroyed where it was timed, then PeerBuffers.close (collective:
+unmap the peers, barrier, free) runs before destroy_process_group.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import socket
@@ -33,6 +39,7 @@ H = 7168
 EPS = 1e-6
 CALLS = 20
 REPLAYS = 30
+VARIANTS = ("oneshot", "oneshot_allreduce", "nccl", "nccl_add_rmsnorm")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -46,22 +53,26 @@ def _graph_us(fn, dist, calls: int = CALLS, replays: int = REPLAYS) -> list[floa
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(replays):
-        dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / calls)
-    del g
+    try:
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(replays):
+            dist.barrier()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) * 1e3 / calls)
+    finally:            # the graph holds the one-shot kernel's pointers: gone before close()
+        torch.cuda.synchronize()
+        g.reset()
+        del g
     return out
 
 
@@ -83,17 +94,23 @@ def _bench_T(T: int, rank: int, world: int, pb, dist) -> dict:
     dist.all_gather(parts, partial)
     ref_new, ref_h = AR.allreduce_residual_norm_reference(parts, residual, w, EPS)
     new, h = pb.all_reduce_residual_norm(partial, residual, w, EPS)
+    summed = pb.all_reduce(partial)
     torch.cuda.synchronize()
     pb.check_timeouts()
     if not torch.equal(new, ref_new) or _rel(h, ref_h) > 4e-3:
         raise RuntimeError(f"rank {rank} T={T}: one-shot result differs from the reference "
                            f"(normed rel {_rel(h, ref_h):.2e})")
+    if not torch.equal(summed, AR.allreduce_reference(parts)):
+        raise RuntimeError(f"rank {rank} T={T}: one-shot all-reduce differs from the reference")
 
-    new_o, h_o = torch.empty_like(residual), torch.empty_like(residual)
+    new_o, h_o, s_o = (torch.empty_like(residual) for _ in range(3))
     x = partial.clone()
 
     def oneshot():
         pb.all_reduce_residual_norm(partial, residual, w, EPS, new_residual=new_o, out=h_o)
+
+    def oneshot_allreduce():
+        pb.all_reduce(partial, out=s_o)
 
     def nccl():
         dist.all_reduce(x)
@@ -104,10 +121,12 @@ def _bench_T(T: int, rank: int, world: int, pb, dist) -> dict:
         F.rms_norm(y, (H,), w, EPS)
 
     times = {k: _graph_us(fn, dist) for k, fn in
-             (("oneshot", oneshot), ("nccl", nccl), ("nccl_add_rmsnorm", nccl_add_rmsnorm))}
+             (("oneshot", oneshot), ("oneshot_allreduce", oneshot_allreduce), ("nccl", nccl),
+              ("nccl_add_rmsnorm", nccl_add_rmsnorm))}
     pb.check_timeouts()
     size = T * H * 2
-    moved = {"oneshot": (world - 1) * size, "nccl": 2 * (world - 1) * size // world,
+    moved = {"oneshot": (world - 1) * size, "oneshot_allreduce": (world - 1) * size,
+             "nccl": 2 * (world - 1) * size // world,
              "nccl_add_rmsnorm": 2 * (world - 1) * size // world}
     row = {"T": T, "H": H, "bytes_per_rank_activation": size, "checked": True}
     for k, ts in times.items():
@@ -135,7 +154,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     dist.all_gather_object(every, rows)
     if rank == 0:
         for row, *others in zip(rows, *every[1:]):
-            for k in ("oneshot", "nccl", "nccl_add_rmsnorm"):
+            for k in VARIANTS:
                 row[k]["us_median_max_over_ranks"] = max(
                     [row[k]["us_median"]] + [o[k]["us_median"] for o in others])
         report = {
@@ -150,13 +169,19 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
         for r in rows:
-            print(f"T={r['T']:3d}  oneshot {r['oneshot']['us_median']:7.2f} µs  nccl "
+            print(f"T={r['T']:3d}  oneshot {r['oneshot']['us_median']:7.2f} µs  "
+                  f"oneshot-ar {r['oneshot_allreduce']['us_median']:7.2f} µs  nccl "
                   f"{r['nccl']['us_median']:7.2f} µs  nccl+add+norm "
                   f"{r['nccl_add_rmsnorm']['us_median']:7.2f} µs  "
                   f"({r['speedup_vs_nccl_add_rmsnorm']:.2f}×)")
         print(f"wrote {args.out}")
-    del pb
+    # teardown: the graphs died in _graph_us and _bench_T's tensors with its frame; close is
+    # collective (unmap peers, barrier, free own), so no rank frees memory a peer still maps
+    rows = every = None
+    gc.collect()
     torch.cuda.synchronize()
+    pb.close()
+    pb = None
     dist.barrier()
     dist.destroy_process_group()
 
