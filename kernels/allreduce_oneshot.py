@@ -298,12 +298,6 @@ class PeerBuffers:
                 if cuda:
                     torch.cuda.ipc_collect()
 
-    def check_timeouts(self) -> None:
-        """Host sync when connected: raise if a one-shot wait of this rank gave up (its
-        result was wrong); nothing to check on the base comm."""
-        if self.peers is not None and not self.closed:
-            self.peers.check_timeouts()
-
     def _live(self) -> None:
         if self.closed:
             raise RuntimeError(f"PeerBuffers of rank {self.rank} of {self.world} are closed "
