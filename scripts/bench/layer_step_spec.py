@@ -38,19 +38,26 @@ listed by `collectives()` and never timed.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.kernels.kda_decode import kda_decode
-from raydecode.kernels.mla_decode import mla_decode_fused
+from raydecode.kernels.mla_decode import mla_absorb, mla_decode, mla_decode_fused, mla_prep
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
 from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
 from raydecode.kernels.router import route_topk
 
 from .layer_step import BF16, DecodeStep, mm_f32
+
+
+# RAYDECODE_BENCH_MLA=r8: the MLA block as round 8 ran it (prep, q_b on q_n, absorb, split,
+# output; the specialized weights still count q_b_folded), for same-lease A/B runs only
+MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r9")
 
 
 class SpecializedStep(DecodeStep):
@@ -113,6 +120,16 @@ class SpecializedStep(DecodeStep):
         y = self._lin(h, W.spec["qkv_a_g_local"])               # (T, qkv_a/TP + h·v)
         qkv = S.gather_qkv_a[:T]
         qkv[:, :nq].copy_(y[:, :nq])                             # [all-gather]
+        if MLA_PATH == "r8":            # A/B: round 8's prep → q_b → absorb → split, output
+            qn = mla_prep(qkv, t["q_a_norm"], t["kv_a_norm"], S.mla_pages(),
+                          S.mla_block_table[:T], S.mla_positions[:T], q_lora=m.q_lora_rank,
+                          kv_lora=m.kv_lora_rank, eps=self.eps)
+            q = self._lin(qn, t["q_b"]).view(T, w["heads"], m.qk_head_dim)
+            q_abs = mla_absorb(q, t["w_uk"], nope=m.qk_nope_head_dim)
+            o = mla_decode(q_abs, S.mla_pages(), S.mla_block_table[:T], S.mla_seq_lens[:T],
+                           t["w_uv_t"], y[:, nq:], kv_lora=m.kv_lora_rank,
+                           scale=m.qk_head_dim ** -0.5)
+            return self._lin(o, t["o_proj"])
         q = self._lin(qkv[:, :m.q_lora_rank], W.spec["q_b_folded"]).view(T, w["heads"],
                                                                        m.qk_head_dim)
         o = mla_decode_fused(qkv, q, t["kv_a_norm"], t["w_uk"], S.mla_pages(),
