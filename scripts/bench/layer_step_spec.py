@@ -45,6 +45,8 @@ import torch.nn.functional as F
 
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
+from raydecode.kernels.ffn_gemv_triton import norm_situ_gemv
+from raydecode.kernels.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
 from raydecode.kernels.kda_decode import kda_decode
 from raydecode.kernels.mla_decode import mla_absorb, mla_decode, mla_decode_fused, mla_prep
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
@@ -58,6 +60,10 @@ from .layer_step import BF16, DecodeStep, mm_f32
 # RAYDECODE_BENCH_MLA=r8: the MLA block as round 8 ran it (prep, q_b on q_n, absorb, split,
 # output; the specialized weights still count q_b_folded), for same-lease A/B runs only
 MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r9")
+# RAYDECODE_BENCH_FFN=fused: latent norm + SiTU as the prologue of a Triton ffn_out GEMV
+# (kernels/ffn_gemv_triton.py, one launch instead of two) where it serves; "pair" (default):
+# latent_norm_situ + the CuTe GEMV
+FFN_PATH = os.environ.get("RAYDECODE_BENCH_FFN", "pair")
 
 
 class SpecializedStep(DecodeStep):
@@ -155,6 +161,11 @@ class SpecializedStep(DecodeStep):
             lat = moe_decode(z, weights, ids, W.experts)         # (T, L) fp32 [all-reduce]
         else:
             lat = fused_moe_mxfp4(z.to(BF16), weights, ids, W.experts)   # [all-reduce]
+        if FFN_PATH == "fused" and uses_ffn_kernel(lat, nz, y[:, ne + nz:],
+                                                   W.spec["ffn_out_local"]):
+            return norm_situ_gemv(lat, t["latent_norm"], self.eps, 0, nz, y[:, ne + nz:],
+                                  W.cfg.situ_beta, W.cfg.situ_linear_beta,
+                                  W.spec["ffn_out_local"])      # [all-reduce]
         x = latent_norm_situ(lat, t["latent_norm"], self.eps, 0, nz, y[:, ne + nz:],
                              W.cfg.situ_beta, W.cfg.situ_linear_beta, S.ffn_in[:T])
         return self._lin(x, W.spec["ffn_out_local"])             # [all-reduce]
