@@ -24,6 +24,21 @@ strided views as they come (last dim contiguous) and never synchronise with the 
                   PROJECT: y = bf16(bf16(o_lat)·w_uv_t[h][:, vb]) (tl.dot, fp32 acc),
                            out = bf16(y · sigmoid(gate));  else: o_lat fp32 and
                            lse = max + log Σ w_s are stored (the standalone op 3 merge)
+  _fused_kernel   1-D grid of tickets (`fused_grid`), `mla_decode_fused` at DCP 1, with q from
+                  q_b' (the q_a norm weight folded in) applied to the raw latent x:
+                  A  one program per 16 tokens stores the cache rows (as _prep_kernel); the
+                     absorb programs scale q by rsqrt(mean(x²) + eps), round to bf16, absorb
+                  B  the split programs; C  the output programs (token form or merge form)
+                  ONLY_A: A alone, program id = ticket (the default path: then _split_kernel
+                  and _output_token_kernel / _merge_kernel). Otherwise one launch: a ticket
+                  from an atomic counter picks the phase, B waits until every A program has
+                  released its count, C until every B has (acquire polls, gpu scope, loads of
+                  data written in the kernel go through L2 (.cg)); each wait is on smaller
+                  tickets, whose programs have started, so no co-residency is assumed; the
+                  last program out zeroes the counters. Measured slower than the separate
+                  launches on the H200 (docs/PERF.md round 9), hence off by default.
+The kernels are thin wrappers of @triton.jit parts (_absorb_part, _split_part, _merge_part,
+_output_token_part, _row_store_part) that the fused kernel calls by ticket.
 p is rounded to bf16 before p·V, as the stock path does (there after normalisation, here
 relative to the running max: both are one bf16 rounding of each weight).
 """
