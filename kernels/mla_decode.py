@@ -389,19 +389,20 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
     (rows + q norm + absorb, split, output), or in ONE for T ≤ FUSED_ONE_LAUNCH_MAX_T.
 
     qkv (T, q_lora + kv_lora + rope) bf16: the gathered q_a ‖ kv_a latents; q (T, h, nope +
-    rope) bf16 = x · q_b'ᵀ with x = qkv[:, :q_lora] and q_b' = `folded_q_b_weight` (the
-    q_a norm weight folded in, so q is q_b(RMSNorm(x)) up to the scalar rms_scale(x) that
-    this op applies). Writes the normalised kv row at positions[t] like mla_prep, then
+    rope) = x · q_b'ᵀ with x = qkv[:, :q_lora] and q_b' = `folded_q_b_weight` (the q_a norm
+    weight folded in, so q is q_b(RMSNorm(x)) up to the scalar rms_scale(x) that this op
+    applies), best fp32 (the GEMV's accumulator: then q is rounded to bf16 once, after the
+    scale, as stock rounds q once after its GEMV; bf16 works, with one more rounding). Writes the normalised kv row at positions[t] like mla_prep, then
     -> (T, h·v) bf16 as mla_decode. Phases wait on counters in `sync` (default `fused_sync`)."""
     _need(qkv.dim() == 2 and qkv.dtype == BF16 and qkv.stride(1) == 1
           and qkv.shape[1] > q_lora + kv_lora,
           f"qkv of shape {_shape(qkv)} dtype {qkv.dtype}: expected bf16 (T, q_lora + kv_lora "
           f"+ rope) = (T, {q_lora} + {kv_lora} + rope) with a contiguous last dim")
     T, rope = qkv.shape[0], qkv.shape[1] - q_lora - kv_lora
-    _need(q.dim() == 3 and q.dtype == BF16 and q.shape[0] == T and q.shape[2] > rope
-          and q.stride(2) == 1,
-          f"q of shape {_shape(q)} dtype {q.dtype}: expected bf16 ({T}, h, nope + {rope}) "
-          "with a contiguous last dim")
+    _need(q.dim() == 3 and q.dtype in (BF16, torch.float32) and q.shape[0] == T
+          and q.shape[2] > rope and q.stride(2) == 1,
+          f"q of shape {_shape(q)} dtype {q.dtype}: expected fp32 or bf16 ({T}, h, nope + "
+          f"{rope}) with a contiguous last dim")
     h, nope = q.shape[1], q.shape[2] - rope
     _need(_shape(kv_norm_w) == (kv_lora,),
           f"kv norm weight of shape {_shape(kv_norm_w)}; expected ({kv_lora},)")

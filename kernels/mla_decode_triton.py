@@ -150,8 +150,8 @@ if triton is not None:
         w = tl.load(w_ptr + hd * w_sh + on[:, None] * w_sn + oc[None, :],
                     mask=mn[:, None] & mc[None, :], other=0.0)
         if NORM_Q:                  # after the q / w_uk loads are issued: their latency overlaps
-            rs = _rms_scale(x_ptr, x_st, tt, mt, XL, eps, BT, BX)
-            qn = (qn.to(tl.float32) * rs[:, None]).to(q_ptr.dtype.element_ty)
+            rs = _rms_scale(x_ptr, x_st, tt, mt, XL, eps, BT, BX)    # q fp32 or bf16: one
+            qn = (qn.to(tl.float32) * rs[:, None]).to(w.dtype)      # bf16 rounding of q here
         y = _mm(qn, w, DOT_F32)                                         # (BT, BC) fp32
         ob = o_ptr + tt[:, None] * o_st + hd * o_sh
         tl.store(ob + oc[None, :], y.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
@@ -160,7 +160,7 @@ if triton is not None:
             m2 = mt[:, None] & (orr < R)[None, :]
             pe = tl.load(qb + NOPE + orr[None, :], mask=m2, other=0.0)
             if NORM_Q:
-                pe = (pe.to(tl.float32) * rs[:, None]).to(q_ptr.dtype.element_ty)
+                pe = (pe.to(tl.float32) * rs[:, None]).to(o_ptr.dtype.element_ty)
             tl.store(ob + KL + orr[None, :], pe.to(o_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit

@@ -208,7 +208,8 @@ class MLAAttention(nn.Module):
         gate = lin(x, self.g_proj.weight)                                   # (T, h·v)
         D = self.par.dcp_size
         if D == 1:      # after the q_b GEMV: q norm scale + absorb + row, attention, output
-            q = lin(qkv[:, :self.q_lora], self._q_b_folded()).view(T, h, self.nope + self.rope)
+            q = lin(qkv[:, :self.q_lora], self._q_b_folded(), torch.float32)    # rounded once,
+            q = q.view(T, h, self.nope + self.rope)                            # after the scale
             return mla_decode_fused(qkv, q, self.kv_a_layernorm.weight,
                                     self.absorbed_weights()[0], pool, table, store, seq_lens,
                                     self._w_uv_t(), gate, q_lora=self.q_lora, kv_lora=c,

@@ -136,8 +136,8 @@ class SpecializedStep(DecodeStep):
                            t["w_uv_t"], y[:, nq:], kv_lora=m.kv_lora_rank,
                            scale=m.qk_head_dim ** -0.5)
             return self._lin(o, t["o_proj"])
-        q = self._lin(qkv[:, :m.q_lora_rank], W.spec["q_b_folded"]).view(T, w["heads"],
-                                                                       m.qk_head_dim)
+        q = self._lin(qkv[:, :m.q_lora_rank], W.spec["q_b_folded"], f32=True).view(
+            T, w["heads"], m.qk_head_dim)                       # fp32: rounded after the scale
         o = mla_decode_fused(qkv, q, t["kv_a_norm"], t["w_uk"], S.mla_pages(),
                              S.mla_block_table[:T], S.mla_positions[:T], S.mla_seq_lens[:T],
                              t["w_uv_t"], y[:, nq:], q_lora=m.q_lora_rank,

@@ -175,7 +175,8 @@ def test_fused_composition_matches_layer_step_mla():
 
     qkv = F.linear(h, W.stock["fused_qkv_a"])
     hl, ql = W.widths["heads"], m.q_lora_rank
-    q = F.linear(qkv[:, :ql], M.folded_q_b_weight(t["q_b"], t["q_a_norm"])).view(T, hl, -1)
+    wf = M.folded_q_b_weight(t["q_b"], t["q_a_norm"]).float()
+    q = (qkv[:, :ql].float() @ wf.t()).view(T, hl, -1)       # fp32 GEMV output, as the step
     pos = torch.full((T,), ctx - 1)
     o = M.mla_decode_fused(qkv, q, t["kv_a_norm"], t["w_uk"], cache, bt, pos,
                            torch.full((T,), ctx, dtype=torch.int32), t["w_uv_t"],
@@ -210,7 +211,8 @@ def test_fused_op_inputs_are_named():
             M.mla_decode_fused(*a, **kw)
 
     bad(0, qkv.float(), "qkv of shape")
-    bad(1, q[:, :, :R], r"q of shape .*expected bf16 \(2, h, nope \+ 16\)")
+    bad(1, q[:, :, :R], r"q of shape .*expected fp32 or bf16 \(2, h, nope \+ 16\)")
+    bad(1, q.half(), "q of shape")
     bad(1, q[:1], "q of shape")
     bad(2, torch.ones(KL + 1), "kv norm weight of shape")
     bad(3, w_uk[:, :NOPE - 1], "w_uk of shape")

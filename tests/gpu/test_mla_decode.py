@@ -329,8 +329,8 @@ def test_fused_equals_reference_and_stock(shape, T, ctx, bs, three):
     c = Case(shape, T, ctx, bs, _seed())
     g = torch.Generator(device=DEV).manual_seed(c.seed + 3)
     qkv, wq, wkv, q_b, w_uk, pos = _fused_inputs(c, g)
-    q = torch.nn.functional.linear(qkv[:, :c.ql], M.folded_q_b_weight(q_b, wq)).view(
-        c.T, c.h, c.nope + c.r)
+    wf = M.folded_q_b_weight(q_b, wq).float()
+    q = (qkv[:, :c.ql].float() @ wf.t()).view(c.T, c.h, c.nope + c.r)   # fp32, as the step
     sync = torch.zeros(8, dtype=torch.int32, device=DEV)
     for call in range(2):
         before = c.cache.clone()
@@ -352,8 +352,7 @@ def test_fused_equals_reference_and_stock(shape, T, ctx, bs, three):
         stock = _stock_mla(c, qkv, wq, wkv, q_b, w_uk, pos, stock_cache)
         assert _rel(out, stock) <= TOL["fused"], f"{msg}: folded q norm vs stock"
         qkv.copy_(torch.randn(qkv.shape, generator=g, device=DEV))
-        q = torch.nn.functional.linear(qkv[:, :c.ql], M.folded_q_b_weight(q_b, wq)).view(
-            c.T, c.h, c.nope + c.r)
+        q = (qkv[:, :c.ql].float() @ wf.t()).view(c.T, c.h, c.nope + c.r)
 
 
 @gpu_only
@@ -365,13 +364,13 @@ def test_fused_graph_replays(shape, T, ctx):
     c = Case(shape, T, ctx, 64, _seed())
     g = torch.Generator(device=DEV).manual_seed(c.seed + 5)
     qkv, wq, wkv, q_b, w_uk, pos = _fused_inputs(c, g)
-    wf = M.folded_q_b_weight(q_b, wq)
-    q = torch.empty(T, c.h, c.nope + c.r, dtype=BF, device=DEV)
+    wf = M.folded_q_b_weight(q_b, wq).float()
+    q = torch.empty(T, c.h, c.nope + c.r, device=DEV)                  # fp32, as the step
     out = _nan(T, c.h * c.v)
     sync = torch.zeros(8, dtype=torch.int32, device=DEV)
 
     def step():
-        torch.matmul(qkv[:, :c.ql], wf.t(), out=q.view(T, -1))
+        torch.matmul(qkv[:, :c.ql].float(), wf.t(), out=q.view(T, -1))
         M.mla_decode_fused(qkv, q, wkv, w_uk, c.cache, c.bt, pos, c.seq, c.w_uv, c.gate,
                            q_lora=c.ql, kv_lora=c.kl, eps=1e-6, scale=c.scale, out=out,
                            sync=sync)
