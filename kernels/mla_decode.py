@@ -262,6 +262,20 @@ def mla_absorb(q, w_uk, *, nope: int, out=None) -> torch.Tensor:
     return _tri.absorb_triton(q, w_uk, nope, out)
 
 
+def _check_output_args(w_uv_t, gate, out, T: int, h: int, c: int) -> int:
+    """w_uv_t (h, c, v) bf16, gate (T, h·v), out None or bf16 (T, h·v) -> h·v."""
+    _need(w_uv_t.dim() == 3 and _shape(w_uv_t)[:2] == (h, c) and w_uv_t.dtype == BF16
+          and w_uv_t.stride(2) == 1,
+          f"w_uv_t of shape {_shape(w_uv_t)} dtype {w_uv_t.dtype}; expected bf16 ({h}, {c}, v)")
+    hv = h * w_uv_t.shape[2]
+    _need(gate.dim() == 2 and _shape(gate) == (T, hv) and gate.stride(1) == 1,
+          f"gate of shape {_shape(gate)}; expected ({T}, {hv}) with a contiguous last dim")
+    if out is not None:
+        _need(_shape(out) == (T, hv) and out.dtype == BF16 and out.stride(1) == 1,
+              f"out of shape {_shape(out)} dtype {out.dtype}; expected bf16 ({T}, {hv})")
+    return hv
+
+
 def _check_attention(q_abs, cache, block_table, seq_lens, kv_lora) -> None:
     _need(q_abs.dim() == 3 and q_abs.dtype == BF16 and q_abs.stride(2) == 1
           and q_abs.shape[2] > kv_lora,
@@ -272,7 +286,8 @@ def _check_attention(q_abs, cache, block_table, seq_lens, kv_lora) -> None:
 
 
 def _num_splits(q_abs, cache, block_table, num_splits) -> int:
-    """num_splits, or the heuristic on this device's SM count when None."""
+    """num_splits, or the heuristic on this device's SM count when None (q_abs: any (T, …)
+    tensor on the device)."""
     if num_splits is None:
         return default_num_splits(q_abs.shape[0], block_table.shape[1] * cache.shape[1],
                                   _sm_count(str(q_abs.device)))
@@ -327,15 +342,7 @@ def mla_output(o_lat_partials, lse_partials, w_uv_t, gate, *, out=None) -> torch
     -> out (T, h·v) bf16. w_uv_t (h, c, v) bf16; gate (T, h·v) bf16 (row stride ok)."""
     o, lse = _check_partials(o_lat_partials, lse_partials)
     T, S, h, c = o.shape
-    _need(w_uv_t.dim() == 3 and _shape(w_uv_t)[:2] == (h, c) and w_uv_t.dtype == BF16
-          and w_uv_t.stride(2) == 1,
-          f"w_uv_t of shape {_shape(w_uv_t)} dtype {w_uv_t.dtype}; expected bf16 ({h}, {c}, v)")
-    hv = h * w_uv_t.shape[2]
-    _need(gate.dim() == 2 and _shape(gate) == (T, hv) and gate.stride(1) == 1,
-          f"gate of shape {_shape(gate)}; expected ({T}, {hv}) with a contiguous last dim")
-    if out is not None:
-        _need(_shape(out) == (T, hv) and out.dtype == BF16 and out.stride(1) == 1,
-              f"out of shape {_shape(out)} dtype {out.dtype}; expected bf16 ({T}, {hv})")
+    hv = _check_output_args(w_uv_t, gate, out, T, h, c)
     if not _use_triton(o):
         return mla_output_reference(o, lse, w_uv_t, gate, out=out)
     out = out if out is not None else gate.new_empty(T, hv, dtype=BF16)
@@ -413,27 +420,12 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
     _check_paged(cache, block_table, T, kv_lora + rope)
     _check_vec(positions, T, "positions")
     _check_vec(seq_lens, T, "seq_lens")
-    _need(w_uv_t.dim() == 3 and _shape(w_uv_t)[:2] == (h, kv_lora) and w_uv_t.dtype == BF16
-          and w_uv_t.stride(2) == 1,
-          f"w_uv_t of shape {_shape(w_uv_t)} dtype {w_uv_t.dtype}; expected bf16 ({h}, "
-          f"{kv_lora}, v)")
-    hv = h * w_uv_t.shape[2]
-    _need(gate.dim() == 2 and _shape(gate) == (T, hv) and gate.stride(1) == 1,
-          f"gate of shape {_shape(gate)}; expected ({T}, {hv}) with a contiguous last dim")
-    if out is not None:
-        _need(_shape(out) == (T, hv) and out.dtype == BF16 and out.stride(1) == 1,
-              f"out of shape {_shape(out)} dtype {out.dtype}; expected bf16 ({T}, {hv})")
+    hv = _check_output_args(w_uv_t, gate, out, T, h, kv_lora)
     if not _use_triton(q):
         return mla_decode_fused_reference(qkv, q, kv_norm_w, w_uk, cache, block_table,
                                           positions, seq_lens, w_uv_t, gate, q_lora=q_lora,
                                           kv_lora=kv_lora, eps=eps, scale=scale, out=out)
-    if num_splits is None:
-        S = default_num_splits(T, block_table.shape[1] * cache.shape[1],
-                               _sm_count(str(q.device)))
-    else:
-        _need(isinstance(num_splits, int) and num_splits >= 1,
-              f"num_splits = {num_splits!r}; expected an int ≥ 1 or None (heuristic)")
-        S = num_splits
+    S = _num_splits(q, cache, block_table, num_splits)
     sync = fused_sync(q.device) if sync is None else sync
     _need(sync.dim() == 1 and sync.numel() >= 5 and sync.dtype == torch.int32
           and sync.device == q.device,

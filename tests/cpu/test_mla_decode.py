@@ -119,22 +119,27 @@ def _layer(T, ctx, seed):
     return cfg, W, LayerState.random(W, idx, T, ctx, seed + 1, "cpu")
 
 
+def _stock_mla_case(T: int, ctx: int, bs: int, seed: int):
+    """A bench-small MLA layer, an input h, a paged copy (block bs, shuffled table) of its
+    dense cache, and DecodeStep.mla's stock output on h (which writes S.mla_cache[:, -1])."""
+    from raydecode.scripts.bench.layer_step import DecodeStep
+    cfg, W, S = _layer(T, ctx, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    h = torch.randn(T, cfg.hidden_size, generator=g).to(BF)
+    nb = ctx // bs
+    bt = torch.randperm(T * nb + 2, generator=g)[:T * nb].view(T, nb).int()
+    cache = torch.randn(T * nb + 2, bs, cfg.mla.latent_dim, generator=g).to(BF)
+    cache[bt.long()] = S.mla_cache[:T].view(T, nb, bs, -1)
+    return cfg, W, S, h, bt, cache, DecodeStep(W, S, "stock", T).mla(h)
+
+
 @pytest.mark.parametrize("fold", [False, True])
 def test_composition_matches_layer_step_mla(fold):
     """DecodeStep.mla (stock, dense cache) vs prep → q_b → absorb → attention → output over
     a paged copy of the same cache (block 16, shuffled)."""
-    from raydecode.scripts.bench.layer_step import DecodeStep
     T, ctx, bs = 3, 48, 16
-    cfg, W, S = _layer(T, ctx, seed=5)
+    cfg, W, S, h, bt, cache, ref = _stock_mla_case(T, ctx, bs, seed=5)
     m, t = cfg.mla, W.t
-    g = torch.Generator().manual_seed(6)
-    h = torch.randn(T, cfg.hidden_size, generator=g).to(BF)
-    nb = ctx // bs
-    perm = torch.randperm(T * nb + 2, generator=g)
-    bt = perm[:T * nb].view(T, nb).int()
-    cache = torch.randn(T * nb + 2, bs, m.latent_dim, generator=g).to(BF)
-    cache[bt.long()] = S.mla_cache[:T].view(T, nb, bs, -1)
-    ref = DecodeStep(W, S, "stock", T).mla(h)                  # writes S.mla_cache[:, -1]
 
     qkv = F.linear(h, W.stock["fused_qkv_a"])
     pos = torch.full((T,), ctx - 1)
@@ -161,17 +166,9 @@ def test_fused_composition_matches_layer_step_mla():
     """DecodeStep.mla (stock) vs the specialized form: q_b' = q_b with the q_a norm weight
     folded in, applied to the raw latent, then mla_decode_fused (reference on the CPU) over a
     paged copy of the cache; the written row bit for bit equals mla_prep's."""
-    from raydecode.scripts.bench.layer_step import DecodeStep
     T, ctx, bs = 3, 48, 16
-    cfg, W, S = _layer(T, ctx, seed=15)
+    cfg, W, S, h, bt, cache, ref = _stock_mla_case(T, ctx, bs, seed=15)
     m, t = cfg.mla, W.t
-    g = torch.Generator().manual_seed(16)
-    h = torch.randn(T, cfg.hidden_size, generator=g).to(BF)
-    nb = ctx // bs
-    bt = torch.randperm(T * nb + 2, generator=g)[:T * nb].view(T, nb).int()
-    cache = torch.randn(T * nb + 2, bs, m.latent_dim, generator=g).to(BF)
-    cache[bt.long()] = S.mla_cache[:T].view(T, nb, bs, -1)
-    ref = DecodeStep(W, S, "stock", T).mla(h)                  # writes S.mla_cache[:, -1]
 
     qkv = F.linear(h, W.stock["fused_qkv_a"])
     hl, ql = W.widths["heads"], m.q_lora_rank
