@@ -66,34 +66,6 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return tl.dot(a, b)
 
-    @triton.jit
-    def _prep_kernel(qkv_ptr, qkv_st, wq_ptr, wkv_ptr, q_ptr, q_st, c_ptr, c_sb, c_sr,
-                     bt_ptr, bt_st, pos_ptr, QL, KL, R, BS, eps,
-                     BQ: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
-        t = tl.program_id(0).to(tl.int64)
-        row = qkv_ptr + t * qkv_st
-        oq = tl.arange(0, BQ)
-        mq = oq < QL
-        x = tl.load(row + oq, mask=mq, other=0.0).to(tl.float32)
-        w = tl.load(wq_ptr + oq, mask=mq, other=0.0).to(tl.float32)
-        y = x * tl.rsqrt(tl.sum(x * x, 0) / QL + eps) * w
-        tl.store(q_ptr + t * q_st + oq, y.to(q_ptr.dtype.element_ty), mask=mq)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        if pos >= 0:
-            blk = tl.load(bt_ptr + t * bt_st + pos // BS).to(tl.int64)
-            dst = c_ptr + blk * c_sb + (pos % BS) * c_sr
-            oc = tl.arange(0, BC)
-            mc = oc < KL
-            xc = tl.load(row + QL + oc, mask=mc, other=0.0).to(tl.float32)   # own names: a
-            wc = tl.load(wkv_ptr + oc, mask=mc, other=0.0).to(tl.float32)    # branch may not
-            yc = xc * tl.rsqrt(tl.sum(xc * xc, 0) / KL + eps) * wc            # reshape x / w
-            tl.store(dst + oc, yc.to(c_ptr.dtype.element_ty), mask=mc)
-            orr = tl.arange(0, BR)
-            mr = orr < R
-            pe = tl.load(row + QL + KL + orr, mask=mr, other=0.0)
-            tl.store(dst + KL + orr, pe.to(c_ptr.dtype.element_ty), mask=mr)
-
     # ---- the parts: one program's work of each op, shared by the per-op kernels and the
     # ---- fused kernel (`_fused_kernel`, which picks the part by its ticket)
 
@@ -111,8 +83,9 @@ if triton is not None:
     @triton.jit
     def _row_store_part(x_ptr, x_st, XL, KL, R, wkv_ptr, c_ptr, c_sb, c_sr, bt_ptr, bt_st,
                         pos_ptr, BS, eps, tt, mt, BC: tl.constexpr, BR: tl.constexpr):
-        """The prep kernel's cache write for the rows tt at once: [bf16(RMSNorm(x[t, XL:XL+KL];
-        w_kv)), x[t, XL+KL:]] -> cache row positions[t] (< 0: not written)."""
+        """The cache-row store of the rows tt (BT,): [bf16(RMSNorm(x[t, XL:XL+KL]; w_kv)),
+        x[t, XL+KL:]] -> cache row positions[t] (< 0: not written). `_prep_kernel`: one
+        token, tt = [t]; `_fused_kernel` phase A: 16 tokens."""
         pos = tl.load(pos_ptr + tt, mask=mt, other=-1).to(tl.int64)
         ok = mt & (pos >= 0)
         p = tl.where(ok, pos, 0)
@@ -304,6 +277,22 @@ if triton is not None:
         tl.store(y_ptr + t * y_st + hd * V + vv, y.to(y_ptr.dtype.element_ty), mask=mv)
 
     # ---- one kernel per op ---------------------------------------------------------------
+
+    @triton.jit
+    def _prep_kernel(qkv_ptr, qkv_st, wq_ptr, wkv_ptr, q_ptr, q_st, c_ptr, c_sb, c_sr,
+                     bt_ptr, bt_st, pos_ptr, QL, KL, R, BS, eps,
+                     BQ: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        oq = tl.arange(0, BQ)
+        mq = oq < QL
+        x = tl.load(qkv_ptr + t * qkv_st + oq, mask=mq, other=0.0).to(tl.float32)
+        w = tl.load(wq_ptr + oq, mask=mq, other=0.0).to(tl.float32)
+        y = x * tl.rsqrt(tl.sum(x * x, 0) / QL + eps) * w
+        tl.store(q_ptr + t * q_st + oq, y.to(q_ptr.dtype.element_ty), mask=mq)
+        tt = t + tl.arange(0, 1)                                  # (1,): token t as a tile
+        _row_store_part(qkv_ptr, qkv_st, QL, KL, R, wkv_ptr, c_ptr, c_sb, c_sr, bt_ptr, bt_st,
+                        pos_ptr, BS, eps, tt, tt == t, BC, BR)
 
     @triton.jit
     def _absorb_kernel(q_ptr, q_st, q_sh, w_ptr, w_sh, w_sn, o_ptr, o_st, o_sh, T, NOPE, KL, R,

@@ -2,14 +2,19 @@
 references agree with the models/ functions (fp32 where exact) and with the benchmark's stock
 `DecodeStep.mla` composition (bf16 tolerance: the stock path rounds p to bf16), paged indexing
 through shuffled block tables, the public ops fall back to the references bit for bit, and bad
-inputs raise ValueError naming the value. The Triton kernels: tests/gpu/test_mla_decode.py."""
+inputs raise ValueError naming the value. The Triton kernels: tests/gpu/test_mla_decode.py; the
+prep kernel's cache rows (shared with the fused kernel's phase A) here too, under the interpreter
+(`TRITON_INTERPRET=1 /work/venv-triton/bin/python -m pytest tests/cpu/test_mla_decode.py`)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import mla_decode as M
+from raydecode.kernels import mla_decode_triton as MT
 from raydecode.models.cache import MLALatentCache
 from raydecode.models.layers import rms_norm
 from raydecode.models.mla import merge_attn_partials, mla_absorbed_attention
@@ -17,6 +22,7 @@ from raydecode.models.mla import merge_attn_partials, mla_absorbed_attention
 torch.set_num_threads(1)
 BF = torch.bfloat16
 KL, R, NOPE, V, QL, H = 64, 16, 32, 32, 64, 4           # the bench small config
+INTERPRET = MT.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _rel(a, b) -> float:
@@ -49,6 +55,61 @@ def test_prep_reference_writes_the_paged_row_and_norms():
         assert _rel(got, row[t]) < 4e-3
     changed = (cache != before).any(-1).sum()
     assert int(changed) == 3                                               # nothing else
+
+
+def _ulps(a, b) -> torch.Tensor:
+    """|a − b| in bf16 ulps of max(|a|, |b|), elementwise."""
+    a, b = a.double(), b.double()
+    mag = torch.maximum(a.abs(), b.abs()).clamp_min(2.0 ** -126)
+    return (a - b).abs() / torch.exp2(torch.floor(torch.log2(mag)) - 7)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernels: Triton + TRITON_INTERPRET=1")
+@pytest.mark.parametrize("ql,kl,r", [(QL, KL, R), (96, 80, 24)])   # 2nd: masked tile tails
+def test_prep_kernel_rows_equal_reference_and_fused_phase_a(ql, kl, r):
+    """prep_triton (the DCP > 1 path) vs mla_prep_reference on fresh random inputs with DCP 2
+    rank 1 positions (odd p: local row p // 2; even: −1, not stored), a shuffled table over a
+    pool with spare blocks and a row-strided qkv: q and the latent ≤ 1 bf16 ulp (the
+    interpreter truncates to bf16), the rope part copied exactly, no other row touched; the
+    fused kernel's phase A (the same `_row_store_part`) writes the same bits."""
+    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    g = torch.Generator().manual_seed(seed)
+    T, bs, mb, h, nope = 7, 16, 3, 2, 32
+    nb = T * mb + 4
+    cache0 = torch.randn(nb, bs, kl + r, generator=g).to(BF)
+    bt = torch.randperm(nb, generator=g)[:T * mb].view(T, mb).int()
+    w = ql + kl + r
+    qkv = torch.randn(T, w + 24, generator=g) * (0.1 + 4 * torch.rand(T, 1, generator=g))
+    qkv = qkv.to(BF)[:, 8:8 + w]                                           # row stride
+    wq = 1 + 0.2 * torch.randn(ql, generator=g)
+    wkv = (1 + 0.2 * torch.randn(kl, generator=g)).to(BF)
+    p = torch.randint(0, 2 * mb * bs, (T,), generator=g)
+    p[0], p[1] = 2 * bs - 1, 2 * bs                     # local row bs − 1 (block end); even
+    pos = torch.where(p % 2 == 1, p // 2, -1)
+    ref = cache0.clone()
+    rq = M.mla_prep_reference(qkv, wq, wkv, ref, bt, pos, q_lora=ql, kv_lora=kl, eps=1e-6)
+    got, q = cache0.clone(), torch.full((T, ql), float("nan"), dtype=BF)
+    MT.prep_triton(qkv, wq, wkv, got, bt, pos, ql, kl, 1e-6, q)
+    msg = f"seed {seed} positions {pos.tolist()}"
+    assert float(_ulps(q, rq).max()) <= 1, msg
+    keep = pos >= 0
+    slot = torch.zeros(nb, bs, dtype=torch.bool)
+    slot[bt[keep].long().gather(1, (pos[keep] // bs)[:, None])[:, 0], pos[keep] % bs] = True
+    assert int(slot.sum()) == int(keep.sum()) >= 1, msg
+    assert torch.equal(got[~slot], cache0[~slot]), f"{msg}: a row off the positions"
+    assert torch.equal(got[slot][:, kl:], ref[slot][:, kl:]), msg             # rope: a copy
+    assert float(_ulps(got[slot][:, :kl], ref[slot][:, :kl]).max()) <= 1, msg
+    fused = cache0.clone()
+    S = 2
+    MT.fused_triton(qkv, torch.randn(T, h, nope + r, generator=g), wkv,
+                    torch.randn(h, nope, kl, generator=g).to(BF), fused, bt, pos,
+                    torch.full((T,), mb * bs, dtype=torch.int32),
+                    torch.randn(h, kl, V, generator=g).to(BF),
+                    torch.randn(T, h * V, generator=g).to(BF), ql, kl, 1e-6, 0.1,
+                    torch.empty(T, h, kl + r, dtype=BF), torch.empty(T, S, h, kl),
+                    torch.empty(T, S, h), torch.zeros(8, dtype=torch.int32), None,
+                    only_a=True)
+    assert torch.equal(fused, got), msg
 
 
 def test_attention_reference_equals_models_mla_over_the_engine_cache():
