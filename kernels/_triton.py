@@ -30,7 +30,7 @@ except Exception:  # ImportError, or a broken install
 
 # RAYDECODE_TRITON_PDL=0 turns it off (A/B timing; a profile without the overlap)
 PDL_DEFAULT = os.environ.get("RAYDECODE_TRITON_PDL", "1") != "0"
-pdl_enter = None    # the @triton.jit prologue below, when Triton imports
+pdl_enter = tanh_f32 = None    # the @triton.jit helpers below, when Triton imports
 
 
 def available(*ts: torch.Tensor) -> bool:
@@ -60,6 +60,15 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
+    def tanh_f32(x):
+        """tanh in fp32: 2σ(2x) − 1, and x − x³/3 + 2x⁵/15 below |x| = 1/16, where 2σ(2x) − 1
+        cancels (relative error ≈ 6e-8/|x|; the series' first dropped term is 17x⁷/315 ≈
+        5e-9·|x| there). The SiTU of a tiny gate must not round to zero."""
+        x2 = x * x
+        small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0)))
+        return tl.where(tl.abs(x) < 0.0625, small, 2.0 * tl.sigmoid(2.0 * x) - 1.0)
+
+    @triton.jit
     def pdl_enter(PDL: tl.constexpr):
         """First statement of a PDL-launched kernel (module docstring)."""
         if PDL:
@@ -67,4 +76,5 @@ if triton is not None:
             gdc_launch_dependents()
 
 
-__all__ = ["PDL_DEFAULT", "available", "pdl_enter", "pdl_launch", "tl", "triton"]
+__all__ = ["PDL_DEFAULT", "available", "pdl_enter", "pdl_launch", "tanh_f32", "tl",
+           "triton"]

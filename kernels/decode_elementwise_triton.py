@@ -17,14 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tanh_f32, tl, triton
 from raydecode.models.layers import situ
 
 if triton is not None:
 
-    @triton.jit
-    def _tanh(x):
-        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
     def _situ_kernel(gu_ptr, gu_st, a_ptr, a_st, I, beta, lin_beta, HAS_LIN: tl.constexpr,
@@ -35,9 +32,9 @@ if triton is not None:
         m = n < I
         g = tl.load(gu_ptr + t * gu_st + n, mask=m, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + t * gu_st + I + n, mask=m, other=0.0).to(tl.float32)
-        act = beta * _tanh(g / beta) * tl.sigmoid(g)
+        act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
         if HAS_LIN:
-            u = lin_beta * _tanh(u / lin_beta)
+            u = lin_beta * tanh_f32(u / lin_beta)
         tl.store(a_ptr + t * a_st + n, (act * u).to(a_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -76,9 +73,9 @@ if triton is not None:
             in_i = n < I
             g = tl.load(gu_ptr + t * gu_st + n, mask=in_i, other=0.0).to(dt).to(tl.float32)
             u = tl.load(gu_ptr + t * gu_st + I + n, mask=in_i, other=0.0).to(dt).to(tl.float32)
-            act = beta * _tanh(g / beta) * tl.sigmoid(g)
+            act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
             if HAS_LIN:
-                u = lin_beta * _tanh(u / lin_beta)
+                u = lin_beta * tanh_f32(u / lin_beta)
             a = tl.where(in_i, act * u, 0.0)
             col = n_cols + n                      # SiTU columns, then zeros up to K_out
             tl.store(out_ptr + t * out_st + col, a.to(dt), mask=col < K_out)

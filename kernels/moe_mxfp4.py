@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from raydecode.kernels._triton import tanh_f32
 from raydecode.models.layers import situ
 from raydecode.models.mxfp4 import GROUP_SIZE, SCALE_BIAS, MXFP4Error, unpack_mxfp4
 
@@ -217,9 +218,6 @@ if triton is not None:
         e = tl.load(sorted_e_ptr + start).to(tl.int64)
         return pair, m_ok, e
 
-    @triton.jit
-    def _tanh(x):
-        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
     def _dot(a, b, acc, DOT_F32: tl.constexpr):
@@ -363,9 +361,9 @@ if triton is not None:
                               DECODE, DOT_F32)
         g = acc_g.to(tl.bfloat16).to(tl.float32)
         u = acc_u.to(tl.bfloat16).to(tl.float32)
-        act = beta * _tanh(g / beta) * tl.sigmoid(g)
+        act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
         if HAS_LIN:
-            u = lin_beta * _tanh(u / lin_beta)
+            u = lin_beta * tanh_f32(u / lin_beta)
         tl.store(a_ptr + pair[:, None] * I + n[None, :],
                  (act * u).to(tl.bfloat16).to(a_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])

@@ -58,17 +58,36 @@ from dataclasses import dataclass
 
 import torch
 
-from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tanh_f32, tl, triton
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
 
 MAX_PAIRS = 64           # T·k up to which the specialized step uses this kernel
 
 
-if triton is not None:
+def _f16x2_pair(j: int) -> str:
+    """PTX: the codes of nibbles j and j + 4 of word $1 as an fp16 pair e2m1·2**-14 in h
+    (magnitude bits 4j..4j+2 -> 9..11, sign bit 4j+3 -> 15; the same for the high half)."""
+    em = f"shl.b32 a, $1, {9 - 4 * j};" if j < 3 else "shr.b32 a, $1, 3;"
+    sg = f"shl.b32 b, $1, {12 - 4 * j};" if j < 3 else "mov.b32 b, $1;"
+    return (f"{em} {sg} and.b32 a, a, 0x0E000E00; and.b32 b, b, 0x80008000; "
+            "or.b32 h, a, b; ")
 
-    @triton.jit
-    def _tanh(x):
-        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+# Σ_q code_q · x'_q over the 8 codes of one int32 word $1; $2..$5: the packed x' pairs of
+# nibbles (j, j + 4); fp16x2 products and sums, the two lanes added in fp32 into $0.
+_F16X2_WORD_DOT_PTX = (
+    "{ .reg .b32 a, b, h, acc; .reg .b16 lo, hi; .reg .f32 flo, fhi; "
+    + _f16x2_pair(0) + "mul.rn.f16x2 acc, h, $2; "
+    + _f16x2_pair(1) + "fma.rn.f16x2 acc, h, $3, acc; "
+    + _f16x2_pair(2) + "fma.rn.f16x2 acc, h, $4, acc; "
+    + _f16x2_pair(3) + "fma.rn.f16x2 acc, h, $5, acc; "
+    + "mov.b32 {lo, hi}, acc; cvt.f32.f16 flo, lo; cvt.f32.f16 fhi, hi; "
+    + "add.f32 $0, flo, fhi; }")
+
+
+if triton is not None:
+    _F16X2_WORD_DOT = tl.constexpr(_F16X2_WORD_DOT_PTX)
+
 
     @triton.jit
     def _group_dot(w_ptr, s_ptr, rows, byte, grp, xe, xo, KB: tl.constexpr, KG: tl.constexpr):
@@ -136,13 +155,98 @@ if triton is not None:
         return _scaled_sum(tl.sum(acc, 2), s_ptr, rows, grp, KG)
 
     @triton.jit
+    def _pack_f16x2(lo, hi, c, ASM: tl.constexpr):
+        """Two fp32 tensors × c as fp16, packed into one int32 (lo: bits 0..15); one
+        cvt.rn.f16x2.f32 on the GPU."""
+        if ASM:
+            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f",
+                                             [lo * c, hi * c], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+        a = (lo * c).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        b = (hi * c).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+        return a | b
+
+    @triton.jit
+    def _x_f16x2(x32, ASM: tl.constexpr):
+        """x32 (GB, 32) fp32 -> (xp0, xp1, xp2, xp3, inv): xp_j (GB, 4) int32 holds the fp16 pair
+        (x'[32g + 8w + j], x'[32g + 8w + j + 4]) (the codes of nibbles j and j + 4 of word w),
+        x' = c_g·x with, per group g, c_g = 2**(14 − e_g), e_g = ⌊log2 max_g|x|⌋ + 1, so
+        max_g|x'| ∈ [2**13, 2**14): a product of an fp16 pattern (e2m1·2**-14) and x' is
+        e2m1·x'·2**-14 ≤ 6, normal (full fp16 precision) while e2m1·|x'| ≥ 1, i.e. down to
+        |x| ≈ 2**-13·max_g|x|. `_scaled_sum` restores the 2**-14; inv (GB,) = 2**(e_g − 14) =
+        1/c_g. e_g is clamped to [-90, 128] (c and inv stay normal fp32; an all-zero group gives
+        e = -90). Per group, not per step: no reduction across threads."""
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_words(x32)
+        m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                                  tl.maximum(tl.abs(x2), tl.abs(x3))),
+                       tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                                  tl.maximum(tl.abs(x6), tl.abs(x7))))
+        amax = tl.max(m, 1)                                                   # (GB,)
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
+        e = tl.minimum(tl.maximum(e, -90), 128)
+        c = ((141 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+        inv = ((e + 113) << 23).to(tl.float32, bitcast=True)
+        return (_pack_f16x2(x0, x4, c, ASM), _pack_f16x2(x1, x5, c, ASM),
+                _pack_f16x2(x2, x6, c, ASM), _pack_f16x2(x3, x7, c, ASM), inv)
+
+    @triton.jit
+    def _f16_lanes(v):
+        """int32 holding an fp16 pair -> (low, high) fp16."""
+        return (v.to(tl.int16).to(tl.float16, bitcast=True),
+                (v >> 16).to(tl.int16).to(tl.float16, bitcast=True))
+
+    @triton.jit
+    def _word_dot_f16x2_emulated(w, x0, x1, x2, x3):
+        """`_F16X2_WORD_DOT` in Triton ops (the interpreter has no inline PTX): the same fp16
+        patterns and fp16 products and sums (a separate multiply and add where the PTX fuses
+        them), the two lanes added in fp32."""
+        l0, h0 = _pair_products_f16(w, x0, 0)
+        l1, h1 = _pair_products_f16(w, x1, 1)
+        l2, h2 = _pair_products_f16(w, x2, 2)
+        l3, h3 = _pair_products_f16(w, x3, 3)
+        return ((((l0 + l1) + l2) + l3).to(tl.float32)
+                + (((h0 + h1) + h2) + h3).to(tl.float32))
+
+    @triton.jit
+    def _pair_products_f16(w, xp, j: tl.constexpr):
+        """fp16 products of nibbles j, j + 4 of the words w with the packed pairs xp."""
+        v = w >> (4 * j)
+        hl, hh = _f16_lanes(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12))
+        xl, xh = _f16_lanes(xp)
+        return hl * xl, hh * xh
+
+    @triton.jit
+    def _group_dot_f16x2(w_ptr, s_ptr, rows, grp, xp0, xp1, xp2, xp3, inv, KB: tl.constexpr,
+                         KG: tl.constexpr, ASM: tl.constexpr):
+        """`_group_dot_words` on packed fp16 math: per int32 word of 8 codes, 4 fp16x2 decodes
+        and 4 fp16x2 multiply-adds (`_F16X2_WORD_DOT`, ≈ 6 instead of ≈ 16 thread-instructions
+        per weight byte), the two fp16 lanes summed in fp32 per word. xp_j, inv from
+        `_x_f16x2`; the group scale 2**(s − 113) × inv -> (BN,) fp32."""
+        wi = tl.arange(0, 4)
+        w32 = w_ptr.to(tl.pointer_type(tl.int32))
+        w = tl.load(w32 + rows[:, None, None] * (KB // 4) + grp[None, :, None] * 4
+                    + wi[None, None, :])                                  # (BN, GB, 4)
+        x0 = tl.broadcast_to(xp0[None, :, :], w.shape)
+        x1 = tl.broadcast_to(xp1[None, :, :], w.shape)
+        x2 = tl.broadcast_to(xp2[None, :, :], w.shape)
+        x3 = tl.broadcast_to(xp3[None, :, :], w.shape)
+        if ASM:
+            d = tl.inline_asm_elementwise(_F16X2_WORD_DOT, "=f,r,r,r,r,r", [w, x0, x1, x2, x3],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            d = _word_dot_f16x2_emulated(w, x0, x1, x2, x3)
+        s = tl.load(s_ptr + rows[:, None] * KG + grp[None, :]).to(tl.int32)
+        sc = ((s + 14) << 23).to(tl.float32, bitcast=True)          # as `_scaled_sum`
+        return tl.sum(tl.sum(d, 2) * (sc * inv[None, :]), 1)
+
+    @triton.jit
     def _situ_bf16(acc_g, acc_u, beta, lin_beta, HAS_LIN: tl.constexpr):
         """bf16 SiTU(bf16 g, bf16 u) from fp32 sums: models/layers.py `situ` rounding points."""
         g = acc_g.to(tl.bfloat16).to(tl.float32)
         u = acc_u.to(tl.bfloat16).to(tl.float32)
-        act = beta * _tanh(g / beta) * tl.sigmoid(g)
+        act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
         if HAS_LIN:
-            u = lin_beta * _tanh(u / lin_beta)
+            u = lin_beta * tanh_f32(u / lin_beta)
         return (act * u).to(tl.bfloat16)
 
     @triton.jit
@@ -177,12 +281,19 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_step(z_ptr, t, w_e, s_e, n, grp, L: tl.constexpr, I: tl.constexpr,
-                      KB: tl.constexpr, KG: tl.constexpr, WORDS: tl.constexpr):
+                      KB: tl.constexpr, KG: tl.constexpr, WORDS: tl.constexpr,
+                      F16X2: tl.constexpr, ASM: tl.constexpr):
         """One K step (the GB groups `grp`) of the gate rows n and up rows I + n -> two (BN,)
         fp32 partial sums; z bf16, or fp32 rounded to bf16 here (a bf16 GEMV output)."""
         if WORDS:
             kk = grp[:, None] * 32 + tl.arange(0, 32)[None, :]             # (GB, 32)
             x32 = tl.load(z_ptr + t * L + kk).to(tl.bfloat16).to(tl.float32)
+            if F16X2:
+                xp0, xp1, xp2, xp3, inv = _x_f16x2(x32, ASM)
+                return (_group_dot_f16x2(w_e, s_e, n, grp, xp0, xp1, xp2, xp3, inv, KB, KG,
+                                         ASM),
+                        _group_dot_f16x2(w_e, s_e, n + I, grp, xp0, xp1, xp2, xp3, inv, KB,
+                                         KG, ASM))
             return (_group_dot_words(w_e, s_e, n, grp, x32, KB, KG),
                     _group_dot_words(w_e, s_e, n + I, grp, x32, KB, KG))
         byte = grp[:, None] * 16 + tl.arange(0, 16)[None, :]               # (GB, 16)
@@ -196,7 +307,7 @@ if triton is not None:
                         lin_beta, L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                         KG: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
                         GB: tl.constexpr, ZB: tl.constexpr, WORDS: tl.constexpr,
-                        PDL: tl.constexpr):
+                        F16X2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """KB = L/2 bytes and KG = L/32 groups per row of W13 (passed: constexpr arithmetic
         inside the kernel differs between the compiler and the interpreter)."""
         pdl_enter(PDL)
@@ -209,7 +320,7 @@ if triton is not None:
         acc_u = tl.zeros((BN,), tl.float32)
         for g0 in range(0, KG, GB):
             dg, du = _gate_up_step(z_ptr, t, w_e, s_e, n, g0 + tl.arange(0, GB), L, I, KB, KG,
-                                   WORDS)
+                                   WORDS, F16X2, ASM)
             acc_g += dg
             acc_u += du
         tl.store(a_ptr + p * I + n, _situ_bf16(acc_g, acc_u, beta, lin_beta, HAS_LIN))
@@ -219,7 +330,8 @@ if triton is not None:
                               L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                               KG: tl.constexpr, KS: tl.constexpr, KGS: tl.constexpr,
                               BN: tl.constexpr, GB: tl.constexpr, ZB: tl.constexpr,
-                              WORDS: tl.constexpr, PDL: tl.constexpr):
+                              WORDS: tl.constexpr, F16X2: tl.constexpr, ASM: tl.constexpr,
+                              PDL: tl.constexpr):
         """Split-K gate_up: program (p, nb, ks) sums the KGS = KG/KS groups [ks·KGS, (ks+1)·KGS)
         of BN gate and BN up rows (KGS/GB steps, unrolled: every load issued up front) and
         writes them unrounded to part (P, KS, 2I) fp32: part[p, ks, n] gate, [.., I + n] up.
@@ -235,7 +347,7 @@ if triton is not None:
         acc_u = tl.zeros((BN,), tl.float32)
         for st in tl.static_range(0, KGS, GB):
             dg, du = _gate_up_step(z_ptr, t, w_e, s_e, n, ks * KGS + st + tl.arange(0, GB),
-                                   L, I, KB, KG, WORDS)
+                                   L, I, KB, KG, WORDS, F16X2, ASM)
             acc_g += dg
             acc_u += du
         row = part_ptr + (p * KS + ks) * (2 * I)
@@ -245,7 +357,8 @@ if triton is not None:
     @triton.jit
     def _down_step(a_ptr, w_e, s_e, p, n, grp, j, beta, lin_beta, I: tl.constexpr,
                    KB: tl.constexpr, KG: tl.constexpr, KS: tl.constexpr,
-                   HAS_LIN: tl.constexpr, GB: tl.constexpr, WORDS: tl.constexpr):
+                   HAS_LIN: tl.constexpr, GB: tl.constexpr, WORDS: tl.constexpr,
+                   F16X2: tl.constexpr, ASM: tl.constexpr):
         """Σ over the groups `grp` of W2[n, k] a[p, k] -> (BN,) fp32."""
         if WORDS:   # the (GB, 32) input as loaded or built, codes read as int32 words
             kk = grp[:, None] * 32 + tl.arange(0, 32)[None, :]                 # (GB, 32)
@@ -254,6 +367,9 @@ if triton is not None:
             else:
                 x32 = _split_input(a_ptr + p * (KS * 2 * I), kk, beta, lin_beta, I, KS,
                                    HAS_LIN)
+            if F16X2:
+                xp0, xp1, xp2, xp3, inv = _x_f16x2(x32, ASM)
+                return _group_dot_f16x2(w_e, s_e, n, grp, xp0, xp1, xp2, xp3, inv, KB, KG, ASM)
             return _group_dot_words(w_e, s_e, n, grp, x32, KB, KG)
         byte = grp[:, None] * 16 + j[None, :]                              # (GB, 16)
         if KS == 1:
@@ -270,7 +386,7 @@ if triton is not None:
                      L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr, KG: tl.constexpr,
                      KS: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
                      GB: tl.constexpr, UNROLL: tl.constexpr, WORDS: tl.constexpr,
-                     PDL: tl.constexpr):
+                     F16X2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """KB = I/2 bytes and KG = I/32 groups per row of W2. KS == 1: a_ptr is a (P, I) bf16;
         KS > 1: a_ptr is the gate_up partials (P, KS, 2I) fp32 and this program builds its
         K input from them (`_split_input`). UNROLL: the K loop unrolled (all steps' loads
@@ -285,11 +401,11 @@ if triton is not None:
         if UNROLL:
             for g0 in tl.static_range(0, KG, GB):
                 acc += _down_step(a_ptr, w_e, s_e, p, n, g0 + gi, j, beta, lin_beta,
-                                  I, KB, KG, KS, HAS_LIN, GB, WORDS)
+                                  I, KB, KG, KS, HAS_LIN, GB, WORDS, F16X2, ASM)
         else:
             for g0 in range(0, KG, GB):
                 acc += _down_step(a_ptr, w_e, s_e, p, n, g0 + gi, j, beta, lin_beta,
-                                  I, KB, KG, KS, HAS_LIN, GB, WORDS)
+                                  I, KB, KG, KS, HAS_LIN, GB, WORDS, F16X2, ASM)
         y = acc.to(tl.bfloat16).to(tl.float32) * tl.load(topw_ptr + p)
         tl.atomic_add(y_ptr + t * L + n, y, sem="relaxed")
 
@@ -302,7 +418,10 @@ class DecodeConfig:
     KS > 1: split-K into (P, KS, 2I) fp32 partials, the down kernel applies SiTU); KS must
     divide L/32/GB. down_unroll: the down K loop unrolled (all I/32/GB steps in flight).
     words: both kernels read the codes as int32 words and decode two codes per int32 op
-    (`_group_dot_words`; same sums up to fp32 summation order)."""
+    (`_group_dot_words`; same sums up to fp32 summation order). f16x2 (needs words): the
+    products and the per-word sums in packed fp16 (`_group_dot_f16x2`: inline PTX on the GPU,
+    the same steps in Triton ops under the interpreter); the activations are scaled by a power
+    of two per K step so they fill fp16's range, and the per-word sums are added in fp32."""
     gate_up_bn: int = 16
     gate_up_gb: int = 16
     gate_up_warps: int = 4
@@ -312,6 +431,7 @@ class DecodeConfig:
     gate_up_ks: int = 1
     down_unroll: bool = False
     words: bool = False
+    f16x2: bool = False
 
     def validate(self, I: int, L: int) -> "DecodeConfig":
         bad = []
@@ -322,6 +442,8 @@ class DecodeConfig:
                        f"L/32/GB = {L // 32 // self.gate_up_gb}")
         if L % self.down_bn or (I // 32) % self.down_gb:
             bad.append(f"down BN {self.down_bn} | L={L}, GB {self.down_gb} | I/32")
+        if self.f16x2 and not self.words:
+            bad.append("f16x2 needs words=True (it decodes int32 words)")
         if bad:
             raise ValueError(f"DecodeConfig {self}: " + "; ".join(bad))
         return self
@@ -398,23 +520,23 @@ def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     lin = experts.linear_beta
     beta, lin_beta = float(experts.beta), float(lin if lin is not None else 1.0)
     pdl = pdl_launch(out)
+    dec = dict(WORDS=cfg.words, F16X2=cfg.f16x2, ASM=z.is_cuda)
     if ks == 1:     # a (P, I) bf16
         a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
         _gate_up_kernel[grid[:2]](
             z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k, beta, lin_beta,
             L=L, I=I, KB=L // 2, KG=L // 32, HAS_LIN=lin is not None, BN=cfg.gate_up_bn,
-            GB=cfg.gate_up_gb, ZB=zb, WORDS=cfg.words, num_warps=cfg.gate_up_warps, **pdl)
+            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps, **dec, **pdl)
     else:           # partials (P, KS, 2I) fp32, every element written once
         a = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
         _gate_up_split_kernel[grid](
             z.contiguous(), ids, experts.w13, experts.s13, a, out, T * L, k, L=L, I=I,
             KB=L // 2, KG=L // 32, KS=ks, KGS=L // 32 // ks, BN=cfg.gate_up_bn,
-            GB=cfg.gate_up_gb, ZB=zb, WORDS=cfg.words, num_warps=cfg.gate_up_warps, **pdl)
+            GB=cfg.gate_up_gb, ZB=zb, num_warps=cfg.gate_up_warps, **dec, **pdl)
     _down_kernel[(P, L // cfg.down_bn)](
         a, ids, topk_weights.contiguous(), experts.w2, experts.s2, out, k, beta, lin_beta,
         L=L, I=I, KB=I // 2, KG=I // 32, KS=ks, HAS_LIN=lin is not None, BN=cfg.down_bn,
-        GB=cfg.down_gb, UNROLL=cfg.down_unroll, WORDS=cfg.words, num_warps=cfg.down_warps,
-        **pdl)
+        GB=cfg.down_gb, UNROLL=cfg.down_unroll, num_warps=cfg.down_warps, **dec, **pdl)
     return out
 
 

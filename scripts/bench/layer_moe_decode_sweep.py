@@ -48,12 +48,23 @@ def candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
 
 def focused_candidates(E: int, I: int, L: int) -> list[D.DecodeConfig]:
     """Round 7: the TUNED config with the byte and the int32-word code reads (`words`), and
-    the words variant at a wider gate_up tile, 4 down warps and the other down loop form."""
+    the words variant at a wider gate_up tile, 4 down warps and the other down loop form.
+    Round 11: the packed-fp16 decode (`f16x2`) on the TUNED tiles and on tiles that give a
+    thread several rows of one group (its packed activations reused: ≈ 8 instead of ≈ 16
+    SASS instructions per weight byte for 16 rows × 8 groups on one warp), crossed with
+    three down tiles."""
     b = D.default_decode_config(E, I, L)
     rep = dataclasses.replace
-    w = rep(b, words=True)
-    out = [b, rep(b, words=False), w, rep(w, gate_up_bn=2 * b.gate_up_bn),
+    w = rep(b, words=True, f16x2=False)
+    out = [b, rep(b, words=False, f16x2=False), w, rep(w, gate_up_bn=2 * b.gate_up_bn),
            rep(w, down_warps=4), rep(w, down_unroll=not b.down_unroll)]
+    h = rep(w, f16x2=True)
+    gate_up = [(h.gate_up_bn, h.gate_up_gb, h.gate_up_ks, h.gate_up_warps),
+               (16, 8, L // 32 // 8, 1), (32, 4, L // 32 // 4, 1), (16, 16, L // 32 // 16, 2)]
+    down = [(h.down_bn, h.down_warps), (64, 1), (128, 2)]
+    out += [rep(h, gate_up_bn=bn, gate_up_gb=gb, gate_up_ks=ks, gate_up_warps=gw,
+                down_bn=dbn, down_warps=dw, down_unroll=True)
+            for bn, gb, ks, gw in gate_up for dbn, dw in down]
     return D.unique_valid(out, I, L)
 
 

@@ -216,8 +216,8 @@ def _moe_case(E, L, I, k, T, seed, lin=25.0):
 
 def _split_configs(I: int, L: int) -> list:
     """Every split factor KS of gate_up at two K-step widths (1 and 2+ unrolled steps per
-    slice), down looped and unrolled; ks = 1 is the looped gate_up kernel. Each config twice:
-    bytes and int32-word code reads (`words`)."""
+    slice), down looped and unrolled; ks = 1 is the looped gate_up kernel. Each config three
+    times: bytes, int32-word code reads (`words`) and the packed-fp16 decode (`f16x2`)."""
     kg = L // 32
     out = []
     for gb in sorted({D._pow2_divisor(kg, 16), D._pow2_divisor(kg, 2)}):
@@ -228,7 +228,8 @@ def _split_configs(I: int, L: int) -> list:
                                       gate_up_warps=2, down_bn=D._pow2_divisor(L, 32),
                                       down_gb=D._pow2_divisor(I // 32, 2), gate_up_ks=ks,
                                       down_unroll=ks % 2 == 0))
-    return out + [dataclasses.replace(c, words=True) for c in out]
+    return (out + [dataclasses.replace(c, words=True) for c in out]
+            + [dataclasses.replace(c, words=True, f16x2=True) for c in out])
 
 
 @pytest.mark.parametrize("E,L,I,k", MOE_SHAPES)
@@ -256,6 +257,7 @@ def test_moe_decode_split_k(E, L, I, k, T):
     cfgs = _split_configs(I, L)
     assert any(c.gate_up_ks > 1 for c in cfgs) and any(c.gate_up_ks == 1 for c in cfgs)
     assert any(c.words for c in cfgs) and any(not c.words for c in cfgs)
+    assert any(c.f16x2 for c in cfgs) and any(c.words and not c.f16x2 for c in cfgs)
     for cfg in cfgs:
         out = _nan(T, L, dtype=torch.float32)
         _poison()
@@ -271,8 +273,36 @@ def test_moe_decode_split_k_config_rejected():
         D.moe_mxfp4_decode(z, w, ids, ex, D.DecodeConfig(8, 2, 2, 32, 2, 2, gate_up_ks=3))
 
 
+@pytest.mark.parametrize("scale", [2.0 ** -20, 1.0, 3.0e4])
+def test_moe_decode_f16x2_activation_range(scale):
+    """The packed-fp16 decode scales each K step's activations by a power of two into fp16's
+    range: tiny and large activations, and one outlier 2**12 above the rest of its row, still
+    match the reference (plain fp16 would flush 2**-20·x products or overflow at 3e4·6)."""
+    seed = _seed()
+    E, L, I, k, T = MOE_SPLIT[0]
+    ex, z, w, ids, _ = _moe_case(E, L, I, k, T, seed, lin=None)
+    z = (z.float() * scale)
+    z[0, 5] *= 4096.0
+    z = z.to(BF)
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    cfg = dataclasses.replace(_split_configs(I, L)[1], words=True, f16x2=True)
+    out = D.moe_mxfp4_decode(z, w, ids, ex, cfg)
+    assert out.isfinite().all(), f"seed {seed}"
+    assert _rel(out, ref) <= MOE_TOL, f"seed {seed} {cfg}: {_rel(out, ref)}"
+    zero = D.moe_mxfp4_decode(torch.zeros_like(z), w, ids, ex, cfg)
+    assert (zero == 0).all(), f"seed {seed}: all-zero activations gave {zero.abs().max()}"
+
+
+def test_moe_decode_f16x2_needs_words():
+    ex, z, w, ids, _ = _moe_case(8, 256, 64, 4, 1, 0)
+    with pytest.raises(ValueError, match="f16x2 needs words=True"):
+        D.moe_mxfp4_decode(z, w, ids, ex, D.DecodeConfig(8, 2, 2, 32, 2, 2, f16x2=True))
+
+
 @gpu_only
 @pytest.mark.parametrize("cfg", [D.DecodeConfig(8, 16, 4, 32, 2, 4),
+                                 D.DecodeConfig(8, 16, 4, 64, 2, 2, gate_up_ks=7,
+                                                down_unroll=True, words=True, f16x2=True),
                                  D.DecodeConfig(32, 8, 8, 128, 2, 8),
                                  D.DecodeConfig(4, 16, 2, 64, 2, 4, gate_up_ks=7),
                                  D.DecodeConfig(16, 8, 4, 128, 2, 2, gate_up_ks=14,
