@@ -432,7 +432,7 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
           f"sync of shape {_shape(sync)} dtype {sync.dtype} on {sync.device}: expected int32 "
           f"(≥ 5,) zeros on {q.device}")
     out = out if out is not None else gate.new_empty(T, hv, dtype=BF16)
-    q_abs = q.new_empty(T, h, kv_lora + rope)
+    q_abs = q.new_empty(T, h, kv_lora + rope, dtype=cache.dtype)     # the split's dot operand
     o_part = q.new_empty(T, S, h, kv_lora, dtype=torch.float32)
     lse_part = q.new_empty(T, S, h, dtype=torch.float32)
     one = T <= FUSED_ONE_LAUNCH_MAX_T

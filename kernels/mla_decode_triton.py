@@ -61,7 +61,9 @@ if triton is not None:
     @triton.jit
     def _mm(a, b, DOT_F32: tl.constexpr):
         """a·b, fp32 accumulation. DOT_F32 (CPU interpreter only: its Triton 3.9 bf16 dot reads
-        raw bits as values): fp32 operands, ieee, exact bf16 products as on the GPU."""
+        raw bits as values): fp32 operands, ieee, exact bf16 products as on the GPU. The
+        operands' dtypes must match either way (the GPU compiler refuses fp32 · bf16)."""
+        tl.static_assert(a.dtype == b.dtype, "_mm: operand dtypes differ")
         if DOT_F32:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return tl.dot(a, b)

@@ -453,13 +453,16 @@ class DecodeConfig:
 # graph over > 2 × L2 of experts. Round 4 (Triton 3.6, 26 candidates) picked the split-K gate_up
 # (KS = 7) with a 2-warp unrolled down kernel at TP16 (I = 192) and 4 down warps at TP8; round 7
 # (bench/results/layer-h200-2026-11-29-r7.json, focused set) added the int32-word decode:
-# TP16 17.8 µs (bytes 20.9), TP8 28.2 µs (bytes 35.7). The sweep overwrites these in-process;
-# missing keys: the default rule.
+# TP16 17.8 µs (bytes 20.9), TP8 28.2 µs (bytes 35.7). Round 11 (bench/results/
+# moe-decode-sweep-h200-2026-11-29-r11.json): the packed-fp16 decode on tiles that give a thread
+# several rows of one group, TP16 15.3 µs (words 17.5 in the same run), TP8 21.8 µs (28.2);
+# rel err vs the fp64 reference 2.2e-3 / 2.4e-3 (words 3.1e-4 / 2.2e-4: fp16 partial sums).
+# The sweep overwrites these in-process; missing keys: the default rule.
 TUNED: dict[tuple[int, int, int], DecodeConfig] = {
-    (896, 192, 3584): DecodeConfig(8, 16, 4, 64, 2, 2, gate_up_ks=7, down_unroll=True,
-                                   words=True),
-    (896, 384, 3584): DecodeConfig(8, 8, 2, 64, 4, 4, gate_up_ks=7, down_unroll=True,
-                                   words=True),
+    (896, 192, 3584): DecodeConfig(16, 8, 1, 128, 2, 2, gate_up_ks=14, down_unroll=True,
+                                   words=True, f16x2=True),
+    (896, 384, 3584): DecodeConfig(16, 16, 2, 128, 4, 2, gate_up_ks=7, down_unroll=True,
+                                   words=True, f16x2=True),
 }
 
 
