@@ -455,14 +455,16 @@ class DecodeConfig:
 # (bench/results/layer-h200-2026-11-29-r7.json, focused set) added the int32-word decode:
 # TP16 17.8 µs (bytes 20.9), TP8 28.2 µs (bytes 35.7). Round 11 (bench/results/
 # moe-decode-sweep-h200-2026-11-29-r11.json): the packed-fp16 decode on tiles that give a thread
-# several rows of one group, TP16 15.3 µs (words 17.5 in the same run), TP8 21.8 µs (28.2);
-# rel err vs the fp64 reference 2.2e-3 / 2.4e-3 (words 3.1e-4 / 2.2e-4: fp16 partial sums).
+# several rows of one group; in the sweep TP16 15.3 µs (words 17.5 in the same run), TP8 21.8
+# (28.2), but inside the layer (profiled kernel times, layer-h200-2026-11-29-r11.json against
+# r9) the pair went 17.3 → 16.6 µs at TP16 and 27.6 → 30.1 µs at TP8: f16x2 at TP16 only.
+# rel err vs the fp64 reference 2.2e-3 (words 3.1e-4: fp16 partial sums).
 # The sweep overwrites these in-process; missing keys: the default rule.
 TUNED: dict[tuple[int, int, int], DecodeConfig] = {
     (896, 192, 3584): DecodeConfig(16, 8, 1, 128, 2, 2, gate_up_ks=14, down_unroll=True,
                                    words=True, f16x2=True),
-    (896, 384, 3584): DecodeConfig(16, 16, 2, 128, 4, 2, gate_up_ks=7, down_unroll=True,
-                                   words=True, f16x2=True),
+    (896, 384, 3584): DecodeConfig(8, 8, 2, 64, 4, 4, gate_up_ks=7, down_unroll=True,
+                                   words=True),
 }
 
 

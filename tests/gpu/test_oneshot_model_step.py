@@ -32,6 +32,7 @@ for _k, _v in NO_MULTICAST.items():
 
 import functools  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -50,7 +51,9 @@ pytestmark = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 P2P-capable CUDA G
 SEQS, NEW, BLOCK, MAX_LEN = 4, 7, 16, 64      # prompts of 4..15 tokens: prefill ≤ 60 rows
 BLOCKS = SEQS * MAX_LEN // BLOCK
 TOL = 1e-2
-MP_TIMEOUT_S = 480
+# per case; the first run on a 2×H200 host (4040afe) hit an outer 420 s limit inside the first
+# case with no output: each rank now logs its phases and dumps its Python stacks on a timeout
+MP_TIMEOUT_S = float(os.environ.get("RAYDECODE_TEST_MP_TIMEOUT_S", "300"))
 
 
 class _FanOut:
@@ -143,8 +146,19 @@ def _receive():
 def _rank(rank: int, port: int, ckpt, path: str, seed: int, out) -> None:
     """One rank: the nccl replica, then the oneshot one; rank 0 compares. A failure leaves its
     traceback in out/rank{r}.err for the test process."""
+    import faulthandler
+    import signal
+
     from raydecode.actors.rank_worker import RankWorker, ShardSpec, load_runner
     from raydecode.kernels.allreduce_oneshot import OneShotComm
+
+    stacks = open(out / f"rank{rank}.stack", "w")          # the parent's SIGUSR1 on a timeout
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    t0 = time.monotonic()
+
+    def note(what: str) -> None:
+        with open(out / f"rank{rank}.log", "a") as f:
+            f.write(f"{time.monotonic() - t0:7.1f}s {what}\n")
 
     os.environ.pop("RAYDECODE_KERNEL_CACHE", None)   # no AOT warm-up: the kernels JIT
     spec = ShardSpec(str(ckpt), dtype="bfloat16", num_slots=SEQS, num_blocks=BLOCKS,
@@ -157,7 +171,9 @@ def _rank(rank: int, port: int, ckpt, path: str, seed: int, out) -> None:
                 os.environ["RAYDECODE_ONESHOT_ALLREDUCE"] = "0"
             w = RankWorker(rank, 2, 1, functools.partial(load_runner, spec),
                            f"model-step-{seed}-{mode}")
+            note(f"{mode}: init_group")
             info = w.init_group("127.0.0.1", port, timeout_s=120.0)
+            note(f"{mode}: joined, one-shot peers {'open' if w.comm.peers is not None else 'off'}")
             msg, peers = f"seed {seed} rank {rank} {mode}", w.comm.peers
             assert info["device"] == "cuda" and isinstance(w.comm, OneShotComm), \
                 f"{msg}: {info['device']} {type(w.comm).__name__}"
@@ -165,11 +181,14 @@ def _rank(rank: int, port: int, ckpt, path: str, seed: int, out) -> None:
                 f"{msg}: one-shot peers {'open' if peers is not None else 'not open'}"
             assert w.runner.model.comm is w.comm, f"{msg}: the model holds another comm"
             if rank == 0:
+                note(f"{mode}: generating (rank 1 logs each step)")
                 runs[mode] = _drive(w, info, path, ckpt, seed)
             else:                                    # rank 1: the plans rank 0 fans out
                 while (plan := _receive()) is not None:
                     w.step(plan)
+                    note(f"{mode}: step {w.steps}")
                 w.comm.check_timeouts()
+            note(f"{mode}: generated, shutdown")
             w.shutdown()                             # collective: one-shot buffers, group
         if rank == 0:
             (out / "summary.json").write_text(json.dumps(_compare(runs, path, seed)))
@@ -202,9 +221,14 @@ def _spawn_two(args: tuple, visible: str, out, seed: int) -> None:
     killed = [p.name for p in procs if p.exitcode is None]
     for p in procs:
         if p.exitcode is None:
+            os.kill(p.pid, signal.SIGUSR1)           # its Python stacks into rank{r}.stack
+            p.join(timeout=10)
             p.kill()
         p.join()
     errs = "\n".join(f.read_text()[-3000:] for f in sorted(out.glob("rank*.err")))
+    if killed:
+        errs += "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}"
+                          for f in sorted(out.glob("rank*.log")) + sorted(out.glob("rank*.stack")))
     if errs or any(p.exitcode for p in procs):
         pytest.fail(f"seed {seed}: exit codes {[p.exitcode for p in procs]}, killed "
                     f"{killed} ({'timeout' if left <= 0 else 'after a failed rank'})\n{errs}")
