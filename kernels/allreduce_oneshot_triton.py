@@ -65,7 +65,10 @@ import torch
 
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
-DEFAULT_MAX_SPINS = 1 << 24     # ≈ seconds of polling before a wait gives up
+# polls before a wait gives up. 2**27 (8× the first bound): a peer that is still JIT-compiling a
+# kernel of its first step (seconds per kernel, and ranks can skew by several) must not read as a
+# dead peer; a truly dead one is reported at the next step sync either way
+DEFAULT_MAX_SPINS = 1 << 27
 
 if triton is not None:
 
