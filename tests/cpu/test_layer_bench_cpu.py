@@ -97,3 +97,30 @@ def test_bad_mma_config_is_refused_by_name(arg, why, capsys):
     err = capsys.readouterr().err
     assert f"--mma-config {arg!r}" in err and why in err
     assert MM.TUNED == before
+
+
+def test_decode_candidates_prior_first_then_fastest_distinct():
+    """The in-layer confirmation's candidates: the TUNED config from before the sweep, then
+    the sweep's fastest decode configs at this TP and batch 1; error rows, other TPs / batches
+    and the stock kernel are skipped, a config the prior already is counts once."""
+    import dataclasses
+
+    from raydecode.kernels.moe_mxfp4_decode import DecodeConfig
+    from raydecode.scripts.bench.layer import decode_candidates
+
+    prior = DecodeConfig(8, 16, 4, 64, 2, 2, gate_up_ks=7, words=True)
+    fast = dataclasses.replace(prior, f16x2=True, gate_up_bn=16, gate_up_gb=8, gate_up_ks=14)
+    mid = dataclasses.replace(prior, down_warps=4)
+
+    def row(c, us, **kw):
+        return {"tp": 16, "batch": 1, "kernel": "decode", "config": dataclasses.asdict(c),
+                "us": us, **kw}
+
+    rows = [row(mid, 16.0), row(prior, 17.5), {"tp": 16, "batch": 1, "kernel": "decode",
+            "config": dataclasses.asdict(mid), "error": "x"}, row(fast, 15.3),
+            {**row(fast, 1.0), "tp": 8}, {**row(mid, 1.0), "batch": 4},
+            {"tp": 16, "batch": 1, "kernel": "stock", "config": {}, "us": 0.5}]
+    assert decode_candidates(prior, rows, 16, 2) == [prior, fast, mid]
+    assert decode_candidates(prior, rows, 16, 1) == [prior, fast]
+    assert decode_candidates(None, rows, 16, 2) == [fast, mid]
+    assert decode_candidates(fast, rows, 16, 2) == [fast, mid, prior]
