@@ -14,12 +14,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: str | torch.device = "cpu"):
         self.model, self.caches, self.device = model, caches, torch.device(device)
 
-    def prepare(self, plan: StepPlan) -> torch.Tensor:
+    def update_caches(self, plan: StepPlan) -> None:
+        """The plan's changed block tables and KDA slot resets (host tables, device zeroing)."""
         if self.caches.mla is not None:
             self.caches.mla.block_tables.update(plan.block_tables)
         if self.caches.kda is not None:
             for slot in plan.reset_slots:
                 self.caches.kda.reset(slot)
+
+    def prepare(self, plan: StepPlan) -> torch.Tensor:
+        self.update_caches(plan)
         return torch.tensor(plan.tokens, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()

@@ -16,7 +16,7 @@ position of the first one). A decode token is a slice of length 1; a prefill chu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -132,3 +132,8 @@ class ModelCaches:
     # be rolled back to any prefix of the L tokens (engine/spec_runner.py). S0 is a view of the
     # slot: copy it to keep it.
     kda_observer: Callable[..., None] | None = None
+    # Graph-shaped step (engine/step_graph.py StepStatics): while set, the fused MLA and KDA
+    # decode read the step's paging (table (B, W), store (B,), seq_lens (B,) int32) and KDA
+    # slots (B,) int64 from these preallocated device tensors instead of building them from
+    # the batch, and refuse any step they cannot run fused. None: the batch decides (default).
+    statics: Any = None

@@ -225,10 +225,13 @@ class KDAAttention(nn.Module):
         conv_w = self._derived.get("conv_w", convs,
                                    lambda: torch.cat(convs).squeeze(1))            # (3·h·d, W)
         exp_a = self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
-        by_row = [0] * x.shape[0]
-        for s in batch.seqs:
-            by_row[s.start] = s.slot
-        slots = slot_index(tuple(by_row), x.device)                                # (T,)
+        if caches.statics is not None:     # graph-shaped step: the preallocated slots
+            slots = caches.statics.slots                                           # (B,)
+        else:
+            by_row = [0] * x.shape[0]
+            for s in batch.seqs:
+                by_row[s.start] = s.slot
+            slots = slot_index(tuple(by_row), x.device)                            # (T,)
         return kda_decode_op.kda_decode(
             proj, self.f_b_proj.weight, cache.conv[row], conv_w, exp_a,
             self.dt_bias, self.o_norm.weight, cache.rec[row], heads=self.heads,
@@ -241,6 +244,10 @@ class KDAAttention(nn.Module):
         if self._fused_decode_ok(x, batch, caches, path):
             o = self._fused_decode(x, batch, caches, lin)                          # (T, h·d)
             return self.comm.all_reduce(lin(o, self.o_proj.weight))
+        if caches is not None and caches.statics is not None:
+            raise RuntimeError(f"KDA layer {self.layer_idx}: a graph-shaped step (caches."
+                               "statics set) needs the fused decode (specialized path, one "
+                               "token per sequence at pos > 0, distinct slots, no observer)")
         qkv_in = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
                             lin(x, self.v_proj.weight)], -1)                      # (T, 3·h·d)
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,

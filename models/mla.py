@@ -177,6 +177,10 @@ class MLAAttention(nn.Module):
             q_a, kv = qkv.split([self.q_lora, qkv.shape[1] - self.q_lora], dim=-1)
         else:
             q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        if caches is not None and caches.statics is not None:
+            raise RuntimeError(f"MLA layer {self.layer_idx}: a graph-shaped step (caches."
+                               "statics set) needs the fused decode (specialized path, bf16 "
+                               "model and pool, output gate, decode-only batch)")
         q = lin(self.q_a_layernorm(q_a), self.q_b_proj.weight)
         q = q.view(T, self.heads, self.nope + self.rope)
         rows = torch.cat([self.kv_a_layernorm(kv[:, :self.kv_lora]), kv[:, self.kv_lora:]], -1)
@@ -204,7 +208,9 @@ class MLAAttention(nn.Module):
         assert self.q_a_layernorm.eps == self.kv_a_layernorm.eps     # mla_prep takes one eps
         T, h, c = x.shape[0], self.heads, self.kv_lora
         pool = caches.mla.pool[caches.mla_index[self.layer_idx]]      # (blocks, bs, c + rope)
-        table, store, seq_lens = decode_meta(batch, caches.mla, x.device)
+        st = caches.statics        # graph-shaped step: the preallocated paging (B rows)
+        table, store, seq_lens = ((st.table, st.store, st.seq_lens) if st is not None
+                                  else decode_meta(batch, caches.mla, x.device))
         gate = lin(x, self.g_proj.weight)                                   # (T, h·v)
         D = self.par.dcp_size
         if D == 1:      # after the q_b GEMV: q norm scale + absorb + row, attention, output

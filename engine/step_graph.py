@@ -1,0 +1,437 @@
+"""One CUDA graph per batch bucket for the whole specialized decode step (DESIGN §4, lever 5).
+Off unless asked for: `GraphedRunner` is built only when `enabled()` (RAYDECODE_STEP_GRAPHS=1).
+
+A graph replays fixed kernels on fixed addresses, so everything the decode-only specialized
+forward reads per step lives in preallocated device tensors of one bucket B (`StepStatics`):
+    tokens (B,) int64, slots (B,) int64                     one (2, B) int64 buffer
+    table (B, W) int32, store (B,) int32, seq_lens (B,) int32   one int32 buffer, decode_meta's
+                                                                layout; W = max_blocks, fixed
+While `caches.statics` is set (models/cache.py), the fused MLA decode reads (table, store,
+seq_lens) and the fused KDA decode reads slots from it, instead of building them from the batch
+(models/mla.py `decode_meta`, models/kda.py `slot_index`); a layer that cannot run fused raises.
+Nothing else in the step depends on host values (the kernels capture: scripts/bench/layer*.py).
+
+Padding: a step of T sequences runs in the smallest bucket B ≥ T; rows T..B-1 are scratch rows
+that never touch a real sequence. Row T+i uses KDA slot `scratch.slots[i]` (the fused KDA op
+needs distinct slots, so one scratch slot per padded row: max_padding(BUCKETS) = 31) and an MLA
+table row made of the one scratch block, at position PAD_POS. The cache builder appends them:
+`graph_cache_sizes(num_slots, num_blocks)` gives the slot and block counts to allocate, the
+scheduler still hands out only slots < num_slots and blocks < num_blocks. Memory (K3, 69 KDA
+layers of 96 heads × 128², conv 4; 24 MLA layers, latent 576 bf16): one KDA slot is
+69·(h_local·128²·4 + 3·h_local·128·3·2) B = 28.1 MB at TP16 (h_local 6), 56.2 MB at TP8, so
+31 scratch slots cost 0.87 GB per rank at TP16 and 1.74 GB at TP8; the scratch block costs
+24·block_size·576·2 B (1.8 MB at block_size 64). `scratch_bytes` computes it for any config.
+
+Per step on the host: the T rows' values into pinned staging, then at most three non-blocking
+copies (store/seq_lens, tokens/slots, and the span of table rows whose block list changed since
+the bucket's last step), then the replay. Logits are computed for all B rows in the graph (the
+lm_head GEMV reads the same weights at B = 1..64) and the first T returned.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from raydecode.kernels import kda_decode as kda_decode_op
+from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
+
+from .runner import ModelRunner
+from .scheduler import StepPlan
+
+ENV = "RAYDECODE_STEP_GRAPHS"
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # DESIGN §3: non-speculative specialized batch ≤ 64
+PAD_POS = 1          # scratch rows' position: > 0 as the fused KDA path needs
+_PAD = object()      # a table row holding the scratch block only
+
+
+def enabled() -> bool:
+    """RAYDECODE_STEP_GRAPHS: '1' on, '0' or unset off."""
+    v = os.environ.get(ENV, "0")
+    if v not in ("0", "1", ""):
+        raise ValueError(f"{ENV}={v!r}; accepted: '1' (graphs on) or '0' (off, default)")
+    return v == "1"
+
+
+def check_buckets(buckets) -> tuple[int, ...]:
+    b = tuple(buckets)
+    if not b or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in b) \
+            or list(b) != sorted(set(b)):
+        raise ValueError(f"buckets {b!r}: expected strictly ascending positive ints, "
+                         f"e.g. {BUCKETS}")
+    return b
+
+
+def bucket_for(num_seqs: int, buckets=BUCKETS) -> int | None:
+    """The smallest bucket ≥ num_seqs, None above the largest."""
+    return next((b for b in buckets if b >= num_seqs), None)
+
+
+def max_padding(buckets=BUCKETS) -> int:
+    """Most padded rows any step needs: bucket b serves T ≥ (previous bucket) + 1."""
+    prev = [0] + list(buckets[:-1])
+    return max(b - p - 1 for b, p in zip(buckets, prev))
+
+
+@dataclass(frozen=True)
+class ScratchRows:
+    """KDA slots [num_slots, num_slots + count) and MLA block num_blocks: padded rows only."""
+    num_slots: int       # real slots are [0, num_slots)
+    count: int
+    block: int           # = the number of real blocks
+
+    @property
+    def slots(self) -> range:
+        return range(self.num_slots, self.num_slots + self.count)
+
+
+def graph_cache_sizes(num_slots: int, num_blocks: int, buckets=BUCKETS) -> tuple[int, int]:
+    """(KDA slots, MLA blocks) the cache builder allocates when step graphs are on."""
+    return num_slots + max_padding(check_buckets(buckets)), num_blocks + 1
+
+
+def scratch_bytes(cfg, par, block_size: int, dtype: torch.dtype = torch.bfloat16,
+                  buckets=BUCKETS) -> dict[str, int]:
+    """Bytes per rank the scratch rows add: {'kda_slots', 'mla_block', 'per_kda_slot'}."""
+    el = torch.empty((), dtype=dtype).element_size()
+    per_slot = 0
+    if cfg.kda_layer_ids:
+        h, d = par.shard(cfg.kda.num_heads, "KDA num_heads"), cfg.kda.head_dim
+        per_slot = len(cfg.kda_layer_ids) * (h * d * d * 4 + 3 * h * d * (cfg.kda.conv_size - 1)
+                                             * el)
+    mla = len(cfg.mla_layers) * block_size * cfg.mla.latent_dim * el
+    return {"per_kda_slot": per_slot, "kda_slots": per_slot * max_padding(buckets),
+            "mla_block": mla}
+
+
+class StepStatics:
+    """The per-step inputs of a bucket-B decode step in fixed device tensors (module docstring).
+    `fill` runs outside any capture; the model reads the tensors while caches.statics is it."""
+
+    def __init__(self, bucket: int, max_blocks: int, scratch: ScratchRows, block_size: int,
+                 dcp_rank: int = 0, dcp_size: int = 1, device="cpu"):
+        B, W = bucket, max_blocks
+        self.bucket, self.max_blocks, self.scratch = B, W, scratch
+        self.block_size, self.dcp_rank, self.dcp_size = block_size, dcp_rank, dcp_size
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        n32 = B * W + 2 * B
+        self._d32 = torch.zeros(n32, dtype=torch.int32, device=self.device)
+        self._d64 = torch.empty(2, B, dtype=torch.int64, device=self.device)
+        self._h32 = torch.empty(n32, dtype=torch.int32, pin_memory=self._cuda)
+        self._h64 = torch.empty(2, B, dtype=torch.int64, pin_memory=self._cuda)
+        self.table = self._d32[:B * W].view(B, W)              # (B, W) block ids
+        self.store = self._d32[B * W:B * W + B]                # (B,) local row index or −1
+        self.seq_lens = self._d32[B * W + B:]                  # (B,) rows ≤ p on this rank
+        self.tokens, self.slots = self._d64[0], self._d64[1]   # (B,) each
+        self._rows: list = [None] * B      # what table row t holds: _PAD or (list, len)
+        self._copied: torch.cuda.Event | None = None
+        self._idle: list[int] = []         # fill_idle's slots
+
+    def fill(self, plan: StepPlan, block_tables: dict[int, list[int]] | None) -> None:
+        """Copy a decode-only plan of T ≤ B sequences in (rows T..B-1: scratch). block_tables:
+        the rank's slot -> block ids (after the plan's updates), None for a model without MLA.
+        Waits for the previous fill's copy (an event long complete in serving)."""
+        B, T, sc = self.bucket, plan.num_seqs, self.scratch
+        if not 1 <= T <= B:
+            raise ValueError(f"step {plan.step_id}: {T} sequences for bucket {B}; expected "
+                             f"1..{B}")
+        if len(plan.tokens) != T:
+            raise ValueError(f"step {plan.step_id}: {len(plan.tokens)} tokens for {T} "
+                             "sequences; a graph-shaped step is decode-only (one token each)")
+        rows = []
+        for t, s in enumerate(plan.batch.seqs):
+            if s.length != 1 or s.start != t:
+                raise ValueError(f"step {plan.step_id}: sequence {s} is not a decode token at "
+                                 f"row {t}; graph-shaped steps are decode-only")
+            if not 0 <= s.slot < sc.num_slots:
+                raise ValueError(f"step {plan.step_id}: slot {s.slot} outside the real slots "
+                                 f"[0, {sc.num_slots}) (slots ≥ {sc.num_slots} are scratch)")
+            tbl = None if block_tables is None else block_tables.get(s.slot)
+            if block_tables is not None and tbl is None:
+                raise ValueError(f"step {plan.step_id}: slot {s.slot} has no block table")
+            rows.append((plan.tokens[t], s.slot, s.pos, tbl))
+        if len({r[1] for r in rows}) != T:
+            raise ValueError(f"step {plan.step_id}: slots {[r[1] for r in rows]} repeat; each "
+                             "sequence owns its slot")
+        pads = [(0, slot, PAD_POS, _PAD) for slot in sc.slots[:B - T]]
+        self._write(rows + pads, block_tables is not None, plan.step_id)
+
+    def fill_idle(self, slots: list[int]) -> None:
+        """Warm-up / capture rows on idle slots (no live sequence): every row at PAD_POS on the
+        scratch block, row t on slots[t] (B distinct slots)."""
+        assert len(slots) == self.bucket == len(set(slots)), (slots, self.bucket)
+        self._idle = list(slots)
+        self._write([(0, s, PAD_POS, _PAD) for s in slots], True, "idle")
+
+    def padded_batch(self, plan: StepPlan | None) -> StepBatch:
+        """The StepBatch the model sees for a filled bucket: the plan's T decode tokens, then
+        B - T scratch tokens at PAD_POS (plan None: `fill_idle`'s rows)."""
+        seqs = list(plan.batch.seqs) if plan is not None else []
+        slots = self._idle if plan is None else list(self.scratch.slots)
+        seqs += [SeqSlice(slot=slots[i], start=len(seqs) + i, length=1, pos=PAD_POS)
+                 for i in range(self.bucket - len(seqs))]
+        return StepBatch(seqs)
+
+    def _write(self, rows: list[tuple], paged: bool, step) -> None:
+        """rows: B × (token, slot, pos, table list | _PAD) -> staging -> device."""
+        B, W, bs, sc = self.bucket, self.max_blocks, self.block_size, self.scratch
+        D, r = self.dcp_size, self.dcp_rank
+        # every row is checked before the staging is touched: a refused fill changes nothing
+        stores, lens, todo = [], [], []        # todo: (row, table) to copy again
+        for t, (_, slot, p, tbl) in enumerate(rows):
+            n = (p + D - r) // D                   # rows of positions ≤ p on this rank
+            stores.append(p // D if p % D == r else -1)
+            lens.append(n)
+            if not paged:
+                continue
+            held = self._rows[t]
+            if tbl is _PAD:
+                if held is not _PAD:
+                    todo.append((t, _PAD))
+                continue
+            if len(tbl) > W or -(-n // bs) > len(tbl):
+                raise (ValueError if len(tbl) > W else RuntimeError)(
+                    f"step {step}: slot {slot} at position {p} with {len(tbl)} cache blocks; "
+                    f"expected ⌈{n}/{bs}⌉ ≤ blocks ≤ max_blocks = {W}")
+            if held is _PAD or held is None or held[0] is not tbl or held[1] != len(tbl):
+                if tbl and (min(tbl) < 0 or max(tbl) >= sc.block):
+                    raise ValueError(f"step {step}: slot {slot}'s blocks {tbl} leave the real "
+                                     f"blocks [0, {sc.block}) (block {sc.block} is scratch)")
+                todo.append((t, tbl))
+        if self._copied is not None:
+            self._copied.synchronize()     # the staging is read by the previous copy
+        ht = self._h32[:B * W].view(B, W)
+        for t, tbl in todo:
+            if tbl is _PAD:
+                ht[t] = sc.block
+                self._rows[t] = _PAD
+            else:
+                ht[t, :len(tbl)] = torch.tensor(tbl, dtype=torch.int32)
+                ht[t, len(tbl):] = sc.block
+                self._rows[t] = (tbl, len(tbl))     # the list is held: its id stays unique
+        changed = [t for t, _ in todo]
+        self._h32[B * W:] = torch.tensor(stores + lens, dtype=torch.int32)
+        self._h64.copy_(torch.tensor([[row[0] for row in rows], [row[1] for row in rows]],
+                                     dtype=torch.int64))
+        nb = self._cuda
+        if changed:
+            lo, hi = min(changed) * W, (max(changed) + 1) * W
+            self._d32[lo:hi].copy_(self._h32[lo:hi], non_blocking=nb)
+        self._d32[B * W:].copy_(self._h32[B * W:], non_blocking=nb)
+        self._d64.copy_(self._h64, non_blocking=nb)
+        if self._cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+def graph_support(model, caches: ModelCaches) -> tuple[bool, str]:
+    """Whether every layer of `model` runs the fused decode on `caches` (what a graph-shaped
+    step needs), the reason if not. Per-step conditions are the runner's (`why_not`)."""
+    ok, why = getattr(model, "specialized_support", (False, "model has no specialized step"))
+    if not ok:
+        return False, why
+    cfg, dtype = model.cfg, model.dtype
+    if caches.mla is not None:
+        if dtype != torch.bfloat16 or caches.mla.pool.dtype != torch.bfloat16:
+            return False, (f"model dtype {dtype}, MLA pool {caches.mla.pool.dtype}: the fused "
+                           "MLA decode needs bf16")
+        if not cfg.mla.use_output_gate:
+            return False, "the fused MLA decode needs the output gate (mla_use_output_gate)"
+    if caches.kda is not None:
+        if cfg.kda.head_dim not in kda_decode_op.HEAD_DIMS or cfg.kda.conv_size < 2:
+            return False, (f"KDA head_dim {cfg.kda.head_dim}, conv {cfg.kda.conv_size}: the "
+                           f"fused op takes head_dim in {kda_decode_op.HEAD_DIMS}, conv ≥ 2")
+        if caches.kda.conv.dtype != dtype:
+            return False, f"KDA conv state {caches.kda.conv.dtype} ≠ model dtype {dtype}"
+    return True, "ok"
+
+
+@dataclass
+class _Captured:
+    graph: "torch.cuda.CUDAGraph"
+    logits: torch.Tensor              # (B, V) fp32, rewritten by every replay
+
+
+class GraphedRunner(ModelRunner):
+    """ModelRunner whose decode-only specialized steps of ≤ max(buckets) sequences run
+    graph-shaped: statics of the bucket filled, then on CUDA one graph replay per step
+    (captured at `capture_all` or on the bucket's first step, after an eager warm-up that is
+    that step), on CPU the same statics path eagerly. Every other plan runs ModelRunner.run.
+    A bucket whose capture raises keeps running eagerly on the statics (`capture_failed`
+    says why; `ready` is False for it, so the coordinator's envelope can choose stock).
+
+    The caches must hold the scratch rows: built with `graph_cache_sizes(num_slots,
+    num_blocks)`; num_slots / num_blocks are the counts the scheduler allocates from."""
+
+    def __init__(self, model, caches: ModelCaches, device="cpu", *, num_slots: int,
+                 num_blocks: int, max_blocks: int | None = None, buckets=BUCKETS,
+                 capture: bool | None = None):
+        super().__init__(model, caches, device)
+        self.buckets = check_buckets(buckets)
+        need_slots, need_blocks = graph_cache_sizes(num_slots, num_blocks, self.buckets)
+        have = (caches.kda.conv.shape[1] if caches.kda is not None else need_slots,
+                caches.mla.pool.shape[1] if caches.mla is not None else need_blocks)
+        if num_slots < 1 or num_blocks < 1 or have[0] < need_slots or have[1] < need_blocks:
+            raise ValueError(f"caches with {have[0]} KDA slots and {have[1]} MLA blocks for "
+                             f"num_slots={num_slots}, num_blocks={num_blocks}: step graphs "
+                             f"need {need_slots} slots and {need_blocks} blocks (the scratch "
+                             "rows; build the caches with graph_cache_sizes)")
+        self.max_blocks = num_blocks if max_blocks is None else max_blocks
+        if isinstance(self.max_blocks, bool) or not isinstance(self.max_blocks, int) \
+                or not 1 <= self.max_blocks <= num_blocks:
+            raise ValueError(f"max_blocks={max_blocks!r}: expected an int in [1, {num_blocks}]"
+                             " (⌈⌈max model length / DCP⌉ / block size⌉)")
+        self.capture = self.device.type == "cuda" if capture is None else bool(capture)
+        if self.capture and self.device.type != "cuda":
+            raise ValueError(f"capture=True on device {self.device}; CUDA graphs need a CUDA "
+                             "device (capture=False runs the statics path eagerly)")
+        self.scratch = ScratchRows(num_slots, max_padding(self.buckets), num_blocks)
+        self.support = graph_support(model, caches)
+        if self.capture and self.support[0]:
+            moe = [m for m in model.modules() if hasattr(m, "mxfp4") and not m.mxfp4]
+            if moe:
+                self.support = (False, "bf16 routed experts loop over experts on the host "
+                                       "(not capturable); graphs need MXFP4 experts")
+        self.statics: dict[int, StepStatics] = {}
+        self.graphs: dict[int, _Captured] = {}
+        self.capture_failed: dict[int, str] = {}     # bucket -> why (it then runs eagerly)
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.counts = {"graphed": 0, "eager_statics": 0, "plain": 0, "captured": 0}
+
+    # ---- which steps -------------------------------------------------------------------------
+    def why_not(self, plan: StepPlan) -> str | None:
+        """None if `plan` runs graph-shaped, else why it runs ModelRunner.run."""
+        if not self.support[0]:
+            return self.support[1]
+        if plan.path != "specialized":
+            return f"path {plan.path!r}"
+        if getattr(plan, "spec_k", None) is not None:
+            return "speculative verification step"
+        if not plan.batch.is_decode_only:
+            return "a prefill chunk in the batch"
+        T = plan.num_seqs
+        if not 1 <= T <= self.buckets[-1]:
+            return f"{T} sequences; the buckets go to {self.buckets[-1]}"
+        if any(s.pos == 0 for s in plan.batch.seqs):
+            return "a sequence at position 0 (the fused KDA path needs history)"
+        if plan.sample_rows != list(range(T)):
+            return f"sample rows {plan.sample_rows}; a decode step samples every row in order"
+        if self.caches.kda_observer is not None:
+            return "a KDA observer is set (speculative rollback)"
+        return None
+
+    def ready(self, num_seqs: int) -> bool:
+        """Whether a step of num_seqs runs graph-shaped without capturing first (CUDA: its
+        bucket is captured; CPU: the eager statics path needs nothing)."""
+        b = bucket_for(num_seqs, self.buckets)
+        return (self.support[0] and b is not None and num_seqs >= 1
+                and (not self.capture or b in self.graphs))
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """(T, V) fp32 logits, a fresh tensor (the graph's output buffer is copied out)."""
+        if self.why_not(plan) is not None:
+            self.counts["plain"] += 1
+            return super().run(plan)
+        self.update_caches(plan)
+        T, B = plan.num_seqs, bucket_for(plan.num_seqs, self.buckets)
+        st = self._statics(B)
+        st.fill(plan, self._tables())
+        if not self.capture or B in self.capture_failed:
+            self.counts["eager_statics"] += 1
+            return self._forward(st, st.padded_batch(plan))[:T]
+        if B not in self.graphs:      # this step is the warm-up, then capture (no execution)
+            logits = self._warm_and_capture(B, st, st.padded_batch(plan))
+            self.counts["graphed" if B in self.graphs else "eager_statics"] += 1
+            return logits[:T]
+        g = self.graphs[B]
+        g.graph.replay()
+        self.counts["graphed"] += 1
+        return g.logits[:T].clone()
+
+    @torch.inference_mode()
+    def capture_all(self) -> list[int]:
+        """Startup, before any sequence holds a slot: warm up and (CUDA) capture every bucket,
+        largest first, on idle rows (scratch slots, then real slots 0.., which are reset after;
+        MLA rows go to the scratch block). Collective at TP > 1: every rank calls it. -> the
+        buckets now ready (a failed capture is in `capture_failed`)."""
+        if not self.support[0]:
+            raise RuntimeError(f"step graphs unsupported: {self.support[1]}")
+        if self.caches.mla is not None and self.caches.mla.block_tables:
+            raise RuntimeError(f"capture_all with live sequences (slots "
+                               f"{sorted(self.caches.mla.block_tables)} hold blocks); call it "
+                               "before serving")
+        done = []
+        for B in sorted(self.buckets, reverse=True):
+            if B in self.graphs or B in self.capture_failed:
+                continue
+            slots = list(self.scratch.slots)[:B]
+            real = list(range(B - len(slots)))
+            if len(real) > self.scratch.num_slots:
+                raise RuntimeError(f"bucket {B} needs {B} idle slots; there are "
+                                   f"{self.scratch.num_slots} real + {self.scratch.count} "
+                                   "scratch")
+            st = self._statics(B)
+            st.fill_idle(slots + real)
+            if self.capture:
+                self._warm_and_capture(B, st, st.padded_batch(None))
+            else:
+                self._forward(st, st.padded_batch(None))
+            if self.caches.kda is not None:
+                for s in real:
+                    self.caches.kda.reset(s)
+            if not self.capture or B in self.graphs:
+                done.append(B)
+        return done
+
+    # ---- internals -------------------------------------------------------------------------
+    def _tables(self):
+        return self.caches.mla.block_tables if self.caches.mla is not None else None
+
+    def _statics(self, B: int) -> StepStatics:
+        if B not in self.statics:
+            m = self.caches.mla
+            self.statics[B] = StepStatics(
+                B, self.max_blocks if m is not None else 1, self.scratch,
+                m.block_size if m is not None else 1, m.dcp_rank if m is not None else 0,
+                m.dcp_size if m is not None else 1, self.device)
+        return self.statics[B]
+
+    def _forward(self, st: StepStatics, batch: StepBatch) -> torch.Tensor:
+        """(B, V) fp32 logits of the statics' rows, the model reading caches.statics."""
+        self.caches.statics = st
+        try:
+            hidden = self.model(st.tokens, batch, self.caches, path="specialized")   # (B, H)
+            return self.model.compute_logits(hidden).float()
+        finally:
+            self.caches.statics = None
+
+    def _warm_and_capture(self, B: int, st: StepStatics, batch: StepBatch) -> torch.Tensor:
+        """Eager run on a side stream (JIT, lazy handles; it IS the step: caches advance once),
+        then capture the same forward (recorded, not executed) into the shared pool."""
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            logits = self._forward(st, batch)
+        cur.wait_stream(side)
+        logits.record_stream(cur)          # allocated on `side`, read on `cur` by the caller
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        try:   # thread_local: other threads (NCCL watchdog, Ray) may query CUDA meanwhile
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                out = self._forward(st, batch)
+        except Exception as e:     # the step itself ran (the warm-up): this bucket stays eager
+            self.capture_failed[B] = f"{type(e).__name__}: {e}"
+            return logits
+        self.graphs[B] = _Captured(g, out)
+        self.counts["captured"] += 1
+        return logits
+
+
+__all__ = ["BUCKETS", "ENV", "PAD_POS", "GraphedRunner", "ScratchRows", "StepStatics",
+           "bucket_for", "check_buckets", "enabled", "graph_cache_sizes", "graph_support",
+           "max_padding", "scratch_bytes"]
