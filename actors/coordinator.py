@@ -134,7 +134,8 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
         config.model, tp, dcp, config.resolved_dtype(), num_slots=ecfg.max_num_seqs,
         num_blocks=ecfg.blocks, block_size=ecfg.block_size,
         step_timeout_s=config.rank_step_timeout_s, placement=placement,
-        domain_verified=verified, num_cpus_per_rank=rank_cpus,
+        domain_verified=verified, num_cpus_per_rank=rank_cpus, max_model_len=ecfg.max_model_len,
+        # a speculating replica's SpecRunner stays eager: no step graphs (rank_group.py)
         runner_factory=None if spec is None else spec_runner_factory(spec))
 
 

@@ -9,7 +9,8 @@ kills every rank actor, blocked or not) and builds a new group.
 
 `RankGroupExecutor` satisfies the coordinator's `ReplicaExecutor` protocol (tp_size, dcp_size,
 domain_verified, specialized_ready, execute, close); `make_rank_group_executor` builds one from
-the deployment's values.
+the deployment's values. With step graphs on (RAYDECODE_STEP_GRAPHS=1, read here on the driver)
+a step of n sequences is specialized-ready only when every rank captured n's bucket.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import ray
 import torch
 
 from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.step_graph import bucket_for, enabled as step_graphs_enabled
 from raydecode.models.specialized import check_path
 
 from .rank_worker import RankWorker, RunnerFactory, ShardSpec, load_runner
@@ -54,6 +56,35 @@ class GroupOptions:
                                  "of seconds")
 
 
+@dataclass(frozen=True)
+class GroupReadiness:
+    """What the ranks reported at build: the model's specialized step for this config and TP
+    (ok, why) and, with step graphs on, the buckets every rank captured (None: graphs off)."""
+    support: tuple[bool, str] = (False, "group not started")
+    graph_buckets: frozenset[int] | None = None
+    graph_failed: str | None = None          # why a rank lacks buckets ("rank r: ...")
+
+    @classmethod
+    def from_infos(cls, infos: list[dict]) -> "GroupReadiness":
+        """infos: RankWorker.init_group / set_dcp answers, in rank order."""
+        # every rank built the same model for the same TP: they agree; keep rank 0's answer
+        support = tuple(infos[0]["specialized"])
+        got = [i.get("graph_buckets") for i in infos]
+        if all(g is None for g in got):
+            return cls(support)
+        # a bucket counts only where every rank replays it (a rank reporting None has none)
+        common = frozenset.intersection(*(frozenset(g or ()) for g in got))
+        why = "; ".join(f"rank {i['rank']}: {i['graph_failed']}" for i in infos
+                        if i.get("graph_failed"))
+        return cls(support, common, why or None)
+
+    def specialized_ready(self, num_seqs: int) -> bool:
+        """Graphs off: the specialized step exists. On: also num_seqs' bucket is captured."""
+        if not self.support[0]:
+            return False
+        return self.graph_buckets is None or bucket_for(num_seqs) in self.graph_buckets
+
+
 class RankGroupExecutor:
     def __init__(self, factory: RunnerFactory, opts: GroupOptions):
         self.opts = opts
@@ -61,7 +92,7 @@ class RankGroupExecutor:
         self.domain_verified = opts.domain_verified
         self.replica_id = uuid.uuid4().hex[:12]
         self.healthy = False
-        self.specialized_support: tuple[bool, str] = (False, "group not started")
+        self.readiness = GroupReadiness()
         remote = ray.remote(RankWorker)
         self.workers = []
         try:
@@ -81,15 +112,18 @@ class RankGroupExecutor:
         except BaseException:
             self.close()
             raise
-        # every rank built the same model for the same TP: they agree; keep rank 0's answer
-        self.specialized_support = tuple(infos[0]["specialized"])
+        self.readiness = GroupReadiness.from_infos(infos)
         self.healthy = True
+
+    @property
+    def specialized_support(self) -> tuple[bool, str]:
+        return self.readiness.support
 
     # ---- the ReplicaExecutor protocol ----------------------------------------------------------
     def specialized_ready(self, num_seqs: int) -> bool:
-        """The model's specialized step exists for this config and TP. (On GPU this will also
-        require the kernels compiled and the graph of num_seqs' bucket captured.)"""
-        return self.healthy and self.specialized_support[0]
+        """The model's specialized step exists for this config and TP (the kernels were
+        compiled at build), and with step graphs on every rank captured num_seqs' bucket."""
+        return self.healthy and self.readiness.specialized_ready(num_seqs)
 
     def execute(self, plan: StepPlan, timeout_s: float | None = None) -> torch.Tensor:
         """Run `plan` on every rank (on plan.path) within timeout_s (default: the group's
@@ -132,9 +166,10 @@ class RankGroupExecutor:
         if not self.healthy:
             raise RankFailure(f"replica {self.replica_id} is unhealthy; cannot re-lay it out",
                               [], "set_dcp")
-        self._wait([w.set_dcp.remote(dcp_size) for w in self.workers],
-                   f"re-lay out for decode_context_parallel_size {dcp_size}",
-                   self.opts.init_timeout_s)
+        infos = self._wait([w.set_dcp.remote(dcp_size) for w in self.workers],
+                           f"re-lay out for decode_context_parallel_size {dcp_size}",
+                           self.opts.init_timeout_s)
+        self.readiness = GroupReadiness.from_infos(infos)     # graphs were recaptured
         self.dcp_size = dcp_size
 
     # ---- inspection ----------------------------------------------------------------------------
@@ -224,7 +259,9 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
                              placement=None, *, init_timeout_s: float = 180.0,
                              domain_verified: bool = False, num_cpus_per_rank: float = 1.0,
                              num_gpus_per_rank: float | None = None,
-                             runner_factory: RunnerFactory | None = None) -> RankGroupExecutor:
+                             runner_factory: RunnerFactory | None = None,
+                             max_model_len: int | None = None,
+                             step_graphs: bool | None = None) -> RankGroupExecutor:
     """A started TP group of `tp` rank actors for `model` (preset or checkpoint folder).
 
     Each rank loads only its shard and owns caches for num_slots sequences and num_blocks
@@ -233,14 +270,17 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
     placement: a cluster.placement.ReplicaPlacement (rank r in its assigned bundle). Raises RankFailure when the group does not come up
     within init_timeout_s, ValueError for sizes that cannot shard. runner_factory: what each
     rank builds (default: load_runner of this model; a speculating replica passes
-    spec_runner_factory(...))."""
+    spec_runner_factory(...)). step_graphs (None: RAYDECODE_STEP_GRAPHS on this driver): the
+    default factory builds GraphedRunners, each capturing every bucket at build; max_model_len
+    bounds their block-table width. A runner_factory ignores both (SpecRunner stays eager)."""
     from raydecode.models.parallel import Parallel
 
     Parallel(0, tp, dcp)          # validates tp >= 1 and dcp | tp with a clear message
     if num_gpus_per_rank is None:
         num_gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     spec = ShardSpec(model=str(model), dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
-                     block_size=block_size)
+                     block_size=block_size, max_model_len=max_model_len,
+                     step_graphs=step_graphs_enabled() if step_graphs is None else step_graphs)
     opts = GroupOptions(tp_size=tp, dcp_size=dcp, step_timeout_s=step_timeout_s,
                         init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
                         num_cpus_per_rank=num_cpus_per_rank, placement=placement,
@@ -251,11 +291,13 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
 def spec_runner_factory(spec) -> RunnerFactory:
     """RunnerFactory of a speculating replica: each rank loads its target shard, its drafter
     shard and caches with the drafter's MLA rows (engine.spec_runner.load_spec_runner).
-    spec: an engine.spec_runner.SpecShardSpec (picklable)."""
+    spec: an engine.spec_runner.SpecShardSpec (picklable). No step graphs here: a SpecRunner
+    runs eagerly (its k+1-token verify steps are not graph-shaped), whatever
+    RAYDECODE_STEP_GRAPHS says."""
     from raydecode.engine.spec_runner import load_spec_runner
 
     return functools.partial(load_spec_runner, spec)
 
 
-__all__ = ["RankFailure", "GroupOptions", "RankGroupExecutor", "make_rank_group_executor",
-           "spec_runner_factory"]
+__all__ = ["RankFailure", "GroupOptions", "GroupReadiness", "RankGroupExecutor",
+           "make_rank_group_executor", "spec_runner_factory"]

@@ -6,6 +6,10 @@ DCP share, KDA state of its heads), and runs the StepPlan it is told to run on `
 Rendezvous comes from Ray, never a fixed port: rank 0 opens a TCPStore on an OS-chosen port and
 the executor passes (host, port) to the others; keys carry the replica id, so several replicas
 (and several test runs) never collide.
+
+With `ShardSpec.step_graphs` (the driver sets it from RAYDECODE_STEP_GRAPHS) the runner is a
+`GraphedRunner` (engine/step_graph.py): caches with the scratch rows, and every bucket up to the
+one of num_slots captured at build, before any step (`capture_all`, collective at TP > 1).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.step_graph import BUCKETS, GraphedRunner, bucket_for, graph_cache_sizes
 from raydecode.models.parallel import Comm, Parallel, TorchComm
 from raydecode.models.specialized import PATHS
 
@@ -34,19 +39,44 @@ class ShardSpec:
     """What every rank of a replica loads (picklable, sent to the actors)."""
     model: str
     dtype: str = "float32"
-    num_slots: int = 16
+    num_slots: int = 16                # what the scheduler allocates from (real slots/blocks)
     num_blocks: int = 256
     block_size: int = 16
+    max_model_len: int | None = None   # bounds a graph's block-table width; None: num_blocks
+    step_graphs: bool = False          # GraphedRunner + capture at build (step_graph.enabled())
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """BUCKETS up to the one holding num_slots: no step has more sequences, and capturing
+        bucket B needs B idle slots (num_slots real + max_padding scratch covers exactly
+        these; all of BUCKETS would need num_slots ≥ 33)."""
+        top = bucket_for(self.num_slots)
+        return BUCKETS if top is None else tuple(b for b in BUCKETS if b <= top)
+
+    def max_blocks(self, dcp_size: int) -> int:
+        """Blocks of one sequence per rank: ⌈⌈max_model_len / DCP⌉ / block_size⌉, at most
+        num_blocks (a table never holds more)."""
+        if self.max_model_len is None:
+            return self.num_blocks
+        per_rank = -(-self.max_model_len // dcp_size)
+        return min(self.num_blocks, -(-per_rank // self.block_size))
 
 
 def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> ModelRunner:
-    """The default factory: checkpoint slice for this rank → model shard + caches → runner."""
+    """The default factory: checkpoint slice for this rank → model shard + caches → runner
+    (spec.step_graphs: a GraphedRunner on caches holding the scratch rows as well)."""
     from raydecode.engine.loader import load_shard
 
+    ns, nb = spec.num_slots, spec.num_blocks
+    if spec.step_graphs:
+        ns, nb = graph_cache_sizes(spec.num_slots, spec.num_blocks, spec.graph_buckets)
     shard = load_shard(spec.model, par, comm, dtype=spec.dtype, device=device,
-                       num_slots=spec.num_slots, num_blocks=spec.num_blocks,
-                       block_size=spec.block_size)
-    return ModelRunner(shard.model, shard.caches, device)
+                       num_slots=ns, num_blocks=nb, block_size=spec.block_size)
+    if not spec.step_graphs:
+        return ModelRunner(shard.model, shard.caches, device)
+    return GraphedRunner(shard.model, shard.caches, device, num_slots=spec.num_slots,
+                         num_blocks=spec.num_blocks, max_blocks=spec.max_blocks(par.dcp_size),
+                         buckets=spec.graph_buckets)
 
 
 class RankWorker:
@@ -81,7 +111,9 @@ class RankWorker:
     def init_group(self, host: str, port: int, timeout_s: float = 120.0,
                    op_timeout_s: float | None = None) -> dict:
         """Join the group (rendezvous within timeout_s; each collective then times out after
-        op_timeout_s), load this rank's shard. -> {"rank", "device", "specialized": (ok, why)}"""
+        op_timeout_s), load this rank's shard (step graphs on: capture them). -> {"rank",
+        "dcp_rank", "device", "specialized": (ok, why), "kernel_cache", "graph_buckets": the
+        captured buckets or None (graphs off), "graph_failed": why not all, or None}"""
         import torch.distributed as dist
 
         store = self._store or dist.TCPStore(host, port, self.par.tp_size, is_master=False,
@@ -97,10 +129,10 @@ class RankWorker:
     def set_dcp(self, dcp_size: int) -> dict:
         """Re-lay this rank out for another DCP size inside the same TP group (collective:
         every rank of the group calls it): new DCP subgroups, the shard rebuilt with caches of
-        the new layout. Cache contents are dropped."""
+        the new layout (step graphs recaptured). Cache contents are dropped. -> as init_group"""
         old = self.comm
         self.par = Parallel(self.par.tp_rank, self.par.tp_size, dcp_size)
-        self.runner = None
+        self.runner = None               # and its graphs (they hold the old comm's buffers)
         if hasattr(old, "close"):
             old.close()                   # collective: the one-shot buffers of the old comm
         info = self._build()
@@ -129,8 +161,24 @@ class RankWorker:
             kernels = None if events is None else {
                 "compiled": sum(e.get("action") == "compiled" for e in events),
                 "loaded": sum(e.get("action") == "loaded" for e in events)}
+        buckets, failed = self._capture_graphs()
         return {"rank": self.par.tp_rank, "dcp_rank": self.par.dcp_rank, "device": self.device,
-                "specialized": support, "kernel_cache": kernels}
+                "specialized": support, "kernel_cache": kernels,
+                "graph_buckets": buckets, "graph_failed": failed}
+
+    def _capture_graphs(self) -> tuple[list[int] | None, str | None]:
+        """Collective at TP > 1 (every rank's runner is graphed or none is: one ShardSpec).
+        -> (buckets ready on this rank, why some or all are not); (None, None): graphs off.
+        A model the graphs do not support captures nothing on any rank (the same check
+        everywhere, before any collective); any other error propagates and fails the build."""
+        r = self.runner
+        if not isinstance(r, GraphedRunner):
+            return None, None
+        if not r.support[0]:
+            return [], f"step graphs unsupported: {r.support[1]}"
+        ready = sorted(r.capture_all())
+        failed = "; ".join(f"bucket {b}: {why}" for b, why in sorted(r.capture_failed.items()))
+        return ready, failed or None
 
     def _connect_oneshot(self) -> None:
         """Collective over the TP group: the model's bf16 (T, hidden) all-reduces with
@@ -174,7 +222,7 @@ class RankWorker:
         """Collective when the comm holds one-shot buffers (every rank calls it)."""
         import torch.distributed as dist
 
-        self.runner = None                # its CUDA graphs may hold the one-shot kernel
+        self.runner = None       # first: its CUDA graphs hold the one-shot kernel's buffers
         if hasattr(self.comm, "close"):
             self.comm.close()
         if dist.is_initialized():
