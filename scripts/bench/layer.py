@@ -346,6 +346,9 @@ def main(argv=None) -> int:
                          "moe_mxfp4_decode_mma.TUNED per shape (auto)")
     ap.add_argument("--mma-config", action="append", default=[],
                     help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
+    ap.add_argument("--decode-config", action="append", default=[],
+                    help="E,I,L={DecodeConfig JSON}: the CUDA-core MoE decode config for that "
+                         "shape (same-lease A/B, e.g. words vs f16x2)")
     ap.add_argument("--attnres", choices=("cute", "triton"), default="cute",
                     help="AttnRes mix + norm kernel of the specialized step (cute: the CuTe DSL "
                          "kernel where it supports the layout, else Triton)")
@@ -354,18 +357,24 @@ def main(argv=None) -> int:
     from raydecode.kernels import moe_mxfp4_decode_mma
     attnres_norm.USE_CUTE = args.attnres == "cute"
     moe_mxfp4_decode_mma.USE_MMA = {"auto": None, "mma": True, "cuda-core": False}[args.moe_decode]
-    for c in args.mma_config:       # "E,I,L={json of MmaConfig fields}"
-        try:
-            key, js = c.split("=", 1)
-            shape = tuple(int(x) for x in key.split(","))
-            if len(shape) != 3:
-                raise ValueError(f"{len(shape)} numbers before '='")
-            cfg_mma = moe_mxfp4_decode_mma.MmaConfig(**json.loads(js))
-            cfg_mma.validate(shape[1], shape[2])
-        except (ValueError, TypeError) as e:     # JSONDecodeError is a ValueError
-            ap.error(f"--mma-config {c!r}: expected E,I,L={{MmaConfig fields as JSON}} that "
-                     f"fit I and L ({e})")
-        moe_mxfp4_decode_mma.TUNED[shape] = cfg_mma
+    from raydecode.kernels import moe_mxfp4_decode
+    for flag, values, cls, table in (
+            ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,
+             moe_mxfp4_decode_mma.TUNED),
+            ("--decode-config", args.decode_config, moe_mxfp4_decode.DecodeConfig,
+             moe_mxfp4_decode.TUNED)):
+        for c in values:             # "E,I,L={json of the config's fields}"
+            try:
+                key, js = c.split("=", 1)
+                shape = tuple(int(x) for x in key.split(","))
+                if len(shape) != 3:
+                    raise ValueError(f"{len(shape)} numbers before '='")
+                conf = cls(**json.loads(js))
+                conf.validate(shape[1], shape[2])
+            except (ValueError, TypeError) as e:     # JSONDecodeError is a ValueError
+                ap.error(f"{flag} {c!r}: expected E,I,L={{{cls.__name__} fields as JSON}} "
+                         f"that fit I and L ({e})")
+            table[shape] = conf
     for name, conv in (("tps", int), ("kinds", str), ("batches", int),
                        ("moe_decode_sweep_batches", int)):
         vals = [conv(v) for v in getattr(args, name).split(",") if v]
