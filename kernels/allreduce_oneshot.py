@@ -41,6 +41,10 @@ import torch
 from raydecode.kernels import allreduce_oneshot_triton as _tri
 
 BUFFER_DTYPE = torch.bfloat16
+# the connect-time self-test's wait bound: the ranks just met in a collective, so a broken
+# mapping falls back to NCCL after 2**24 polls (the bound every step had before it became
+# _tri.DEFAULT_MAX_SPINS) instead of holding up the replica's start for 8× as long
+SELF_TEST_MAX_SPINS = 1 << 24
 
 
 # ---- the spec -------------------------------------------------------------------------------
@@ -446,7 +450,7 @@ class OneShotComm:
         try:
             x = torch.full((1, peers.hidden), float(peers.rank + 1), dtype=BUFFER_DTYPE,
                            device=peers.device)
-            y = peers.all_reduce(x)
+            y = peers.all_reduce(x, max_spins=SELF_TEST_MAX_SPINS)
             torch.cuda.synchronize(peers.device)
             peers.check_timeouts()
             want = self.world * (self.world + 1) // 2
