@@ -23,6 +23,12 @@ and one int32 op chain decodes the nibble pair (j, j + 4) of a word into two fp1
 products accumulate elementwise (FMAs) before one 4-wide sum (`_group_dot_words`). ≈ 16 instead
 of ≈ 21.5 thread-instructions per weight byte; measured TP16 batch 1 17.8 vs 20.9 µs for the pair.
 
+`DecodeConfig.f16x2` (round 11; TUNED at TP16): the int32 words are decoded and multiplied in
+packed fp16 by one inline-PTX block per word (`_F16X2_WORD_DOT`), each group's activations
+scaled by a power of two into fp16's range (`_x_f16x2`). It pays only on tiles that give a
+thread several rows of one group (the packed activations reused): TP16 pair 15.3 µs in the
+sweep (words 17.5), −0.7 to −1.0 µs inside the layer; rel err 2.2e-3 (fp16 partial sums).
+
 No runs kernel and no Σ_k kernel: gate_up zeroes `out` (each program a slice; the down kernel
 starts after it) and the down programs add their pair's rows with fp32 atomics. 2 launches
 per call, no host sync, capturable. Triton (round 2 of issue 6); a CuTe DSL version is the
@@ -219,8 +225,9 @@ if triton is not None:
     def _group_dot_f16x2(w_ptr, s_ptr, rows, grp, xp0, xp1, xp2, xp3, inv, KB: tl.constexpr,
                          KG: tl.constexpr, ASM: tl.constexpr):
         """`_group_dot_words` on packed fp16 math: per int32 word of 8 codes, 4 fp16x2 decodes
-        and 4 fp16x2 multiply-adds (`_F16X2_WORD_DOT`, ≈ 6 instead of ≈ 16 thread-instructions
-        per weight byte), the two fp16 lanes summed in fp32 per word. xp_j, inv from
+        and 4 fp16x2 multiply-adds (`_F16X2_WORD_DOT`: ≈ 6.5 SASS instructions per weight
+        byte for the word itself; whole kernels 7.7–8.6 on row-reuse tiles against ≈ 11 for
+        words, PERF round 11), the two fp16 lanes summed in fp32 per word. xp_j, inv from
         `_x_f16x2`; the group scale 2**(s − 113) × inv -> (BN,) fp32."""
         wi = tl.arange(0, 4)
         w32 = w_ptr.to(tl.pointer_type(tl.int32))
