@@ -131,14 +131,32 @@ if triton is not None:
         return x0, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
-    def _nibble_pair(w, j: tl.constexpr):
+    def _f16_lanes(v):
+        """int32 holding an fp16 pair -> (low, high) fp16."""
+        return (v.to(tl.int16).to(tl.float16, bitcast=True),
+                (v >> 16).to(tl.int16).to(tl.float16, bitcast=True))
+
+    @triton.jit
+    def _nibble_pair_f16(w, j: tl.constexpr):
         """Codes of nibbles j and j + 4 of int32 words (bits 4j.. and 16 + 4j..), both decoded
-        by one int32 op chain into an fp16 pair (e2m1 · 2**-14 each), -> two fp32 tensors."""
+        by one int32 op chain into an fp16 pair (e2m1 · 2**-14 each), -> two fp16 tensors."""
         v = w >> (4 * j)
-        h = ((v & 0x00070007) << 9) | ((v & 0x00080008) << 12)
-        lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, hi
+        return _f16_lanes(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12))
+
+    @triton.jit
+    def _nibble_pair(w, j: tl.constexpr):
+        """`_nibble_pair_f16` as two fp32 tensors."""
+        lo, hi = _nibble_pair_f16(w, j)
+        return lo.to(tl.float32), hi.to(tl.float32)
+
+    @triton.jit
+    def _load_words(w_ptr, rows, grp, KB: tl.constexpr):
+        """The codes of rows × groups `grp` as int32 words (4 per 16-byte group row): w_ptr the
+        (N, KB) packed bytes -> (BN, GB, 4) int32."""
+        wi = tl.arange(0, 4)
+        w32 = w_ptr.to(tl.pointer_type(tl.int32))
+        return tl.load(w32 + rows[:, None, None] * (KB // 4) + grp[None, :, None] * 4
+                       + wi[None, None, :])
 
     @triton.jit
     def _group_dot_words(w_ptr, s_ptr, rows, grp, x32, KB: tl.constexpr, KG: tl.constexpr):
@@ -146,10 +164,7 @@ if triton is not None:
         per int32 op, and the products accumulate elementwise (fused multiply-adds) before one
         4-wide sum. x32 (GB, 32) fp32 activations of the groups -> (BN,) fp32."""
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_words(x32)
-        wi = tl.arange(0, 4)
-        w32 = w_ptr.to(tl.pointer_type(tl.int32))
-        w = tl.load(w32 + rows[:, None, None] * (KB // 4) + grp[None, :, None] * 4
-                    + wi[None, None, :])                                  # (BN, GB, 4)
+        w = _load_words(w_ptr, rows, grp, KB)                                  # (BN, GB, 4)
         lo, hi = _nibble_pair(w, 0)
         acc = lo * x0[None, :, :] + hi * x4[None, :, :]
         lo, hi = _nibble_pair(w, 1)
@@ -196,12 +211,6 @@ if triton is not None:
                 _pack_f16x2(x2, x6, c, ASM), _pack_f16x2(x3, x7, c, ASM), inv)
 
     @triton.jit
-    def _f16_lanes(v):
-        """int32 holding an fp16 pair -> (low, high) fp16."""
-        return (v.to(tl.int16).to(tl.float16, bitcast=True),
-                (v >> 16).to(tl.int16).to(tl.float16, bitcast=True))
-
-    @triton.jit
     def _word_dot_f16x2_emulated(w, x0, x1, x2, x3):
         """`_F16X2_WORD_DOT` in Triton ops (the interpreter has no inline PTX): the same fp16
         patterns and fp16 products and sums (a separate multiply and add where the PTX fuses
@@ -216,8 +225,7 @@ if triton is not None:
     @triton.jit
     def _pair_products_f16(w, xp, j: tl.constexpr):
         """fp16 products of nibbles j, j + 4 of the words w with the packed pairs xp."""
-        v = w >> (4 * j)
-        hl, hh = _f16_lanes(((v & 0x00070007) << 9) | ((v & 0x00080008) << 12))
+        hl, hh = _nibble_pair_f16(w, j)
         xl, xh = _f16_lanes(xp)
         return hl * xl, hh * xh
 
@@ -229,10 +237,7 @@ if triton is not None:
         byte for the word itself; whole kernels 7.7–8.6 on row-reuse tiles against ≈ 11 for
         words, PERF round 11), the two fp16 lanes summed in fp32 per word. xp_j, inv from
         `_x_f16x2`; the group scale 2**(s − 113) × inv -> (BN,) fp32."""
-        wi = tl.arange(0, 4)
-        w32 = w_ptr.to(tl.pointer_type(tl.int32))
-        w = tl.load(w32 + rows[:, None, None] * (KB // 4) + grp[None, :, None] * 4
-                    + wi[None, None, :])                                  # (BN, GB, 4)
+        w = _load_words(w_ptr, rows, grp, KB)                                  # (BN, GB, 4)
         x0 = tl.broadcast_to(xp0[None, :, :], w.shape)
         x1 = tl.broadcast_to(xp1[None, :, :], w.shape)
         x2 = tl.broadcast_to(xp2[None, :, :], w.shape)
@@ -242,8 +247,10 @@ if triton is not None:
                                           dtype=tl.float32, is_pure=True, pack=1)
         else:
             d = _word_dot_f16x2_emulated(w, x0, x1, x2, x3)
+        # `_scaled_sum`'s scale, with inv folded in, written out: calling a helper for it
+        # reorders the compiled kernel (SASS differs from the one measured in round 11)
         s = tl.load(s_ptr + rows[:, None] * KG + grp[None, :]).to(tl.int32)
-        sc = ((s + 14) << 23).to(tl.float32, bitcast=True)          # as `_scaled_sum`
+        sc = ((s + 14) << 23).to(tl.float32, bitcast=True)
         return tl.sum(tl.sum(d, 2) * (sc * inv[None, :]), 1)
 
     @triton.jit
