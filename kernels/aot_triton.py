@@ -24,7 +24,7 @@ import torch
 from raydecode.kernels.router_triton import SORT_DEFAULT
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "int64": torch.int64, "int32": torch.int32}
+           "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,11 @@ def _arg(a):
 def compile_spec(spec: TritonSpec, arch: str, cache: str | os.PathLike) -> str:
     """triton.compile `spec` for `arch` into Triton cache dir `cache`; returns the kernel hash.
     Needs no GPU (ptxas ships with Triton)."""
+    return compile_kernel(spec, arch, cache).hash
+
+
+def compile_kernel(spec: TritonSpec, arch: str, cache: str | os.PathLike):
+    """`compile_spec`, returning Triton's CompiledKernel (its .asm holds ptx / cubin)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -117,7 +122,7 @@ def compile_spec(spec: TritonSpec, arch: str, cache: str | os.PathLike) -> str:
             os.environ.pop("TRITON_CACHE_DIR", None)
         else:
             os.environ["TRITON_CACHE_DIR"] = old
-    return k.hash
+    return k
 
 
-__all__ = ["TritonSpec", "compile_spec", "triton_specs"]
+__all__ = ["TritonSpec", "compile_kernel", "compile_spec", "triton_specs"]

@@ -233,9 +233,10 @@ if triton is not None:
     def _group_dot_f16x2(w_ptr, s_ptr, rows, grp, xp0, xp1, xp2, xp3, inv, KB: tl.constexpr,
                          KG: tl.constexpr, ASM: tl.constexpr):
         """`_group_dot_words` on packed fp16 math: per int32 word of 8 codes, 4 fp16x2 decodes
-        and 4 fp16x2 multiply-adds (`_F16X2_WORD_DOT`: ≈ 6.5 SASS instructions per weight
-        byte for the word itself; whole kernels 7.7–8.6 on row-reuse tiles against ≈ 11 for
-        words, PERF round 11), the two fp16 lanes summed in fp32 per word. xp_j, inv from
+        and 4 fp16x2 multiply-adds (`_F16X2_WORD_DOT`: 28 PTX instructions per 4-byte word;
+        whole kernels 7.7–8.6 SASS instructions per weight byte on row-reuse tiles against
+        ≈ 11 for words, scripts/bench/moe_decode_sass.py), the two fp16 lanes summed in fp32
+        per word. xp_j, inv from
         `_x_f16x2`; the group scale 2**(s − 113) × inv -> (BN,) fp32."""
         w = _load_words(w_ptr, rows, grp, KB)                                  # (BN, GB, 4)
         x0 = tl.broadcast_to(xp0[None, :, :], w.shape)
