@@ -32,6 +32,7 @@ The structure is generic SIMT code (no wgmma, no TMA), so it builds unchanged fo
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -193,8 +194,15 @@ def _m_tile(M: int) -> int:
 
 
 def config_for(M: int, N: int, K: int) -> GemvConfig:
+    return _config_for(M, N, K, PDL_DEFAULT)
+
+
+@functools.lru_cache(maxsize=4096)
+def _config_for(M: int, N: int, K: int, pdl: bool) -> GemvConfig:
+    # memoized: default_config's search cost ≈ 35 µs of host time per GEMV call (an eager
+    # K3 TP16 step made 3126 calls: 108 ms of its 213; bench/results/step-*.json host profile)
     cfg = TUNED.get((M, N, K)) or default_config(M, N, K)
-    return replace(cfg, pdl=PDL_DEFAULT)
+    return replace(cfg, pdl=pdl)
 
 
 def linear_uses_cute(M: int, N: int, K: int) -> bool:
