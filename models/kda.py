@@ -37,9 +37,10 @@ from raydecode.kernels import kda_decode as kda_decode_op
 
 from .cache import ModelCaches, StepBatch
 from .config import K3Config
-from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, replicated_linear,
-                     rms_norm, row_linear)
+from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, pack_rows_,
+                     replicated_linear, rms_norm, row_linear)
 from .parallel import Comm, LocalComm, Parallel
+from .params import FUSED_ROW_ALIGN
 from .specialized import linear_for
 
 L2_EPS = 1e-6
@@ -190,6 +191,14 @@ class KDAAttention(nn.Module):
             return lin(x, self.g_proj.weight)
         return lin(lin(x, self.g_a_proj.weight), self.g_b_proj.weight)
 
+    def _in_proj(self) -> torch.Tensor:
+        """(4C + h + d padded to FUSED_ROW_ALIGN, H): q, k, v, g, b, f_a as one weight. The six
+        parameters' storage moves into it (`pack_rows_`): no second copy of their bytes."""
+        ps = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.g_proj.weight,
+              self.b_proj.weight, self.f_a_proj.weight]
+        return self._derived.get("in_proj", ps, lambda: pack_rows_(
+            ps, old=self._derived.peek("in_proj"), align=FUSED_ROW_ALIGN))
+
     def _fused_decode_ok(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                          path: str) -> bool:
         """Whether this step runs `kda_decode` (kernels/kda_decode.py) over the slot pool:
@@ -215,12 +224,13 @@ class KDAAttention(nn.Module):
         """One token per sequence through the fused op; the layer's cache rows are updated in
         place at the sequences' slots. -> o (T, h·d) in the model dtype (before o_proj)."""
         cache, row = caches.kda, caches.kda_index[self.layer_idx]
-        # proj (T, [q C | k C | v C | g C | b h | f_a d]): the op's input layout. The cat copies
-        # T·(4C + h + d) model-dtype values (K3 TP16: 6.4 KB per token) on top of the six GEMVs;
-        # one fused in_proj weight would remove it but changes the parameter layout.
-        proj = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
-                          lin(x, self.v_proj.weight), self._out_gate(x, lin),
-                          lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight)], -1)
+        # proj (T, [q C | k C | v C | g C | b h | f_a d | pad]): the op's input layout
+        if hasattr(self, "g_proj"):     # one GEMV over the packed in_proj
+            proj = lin(x, self._in_proj())
+        else:                           # low-rank gate: six GEMVs and a cat
+            proj = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
+                              lin(x, self.v_proj.weight), self._out_gate(x, lin),
+                              lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight)], -1)
         convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
         conv_w = self._derived.get("conv_w", convs,
                                    lambda: torch.cat(convs).squeeze(1))            # (3·h·d, W)

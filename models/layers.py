@@ -108,15 +108,53 @@ class DerivedWeights:
     def __init__(self) -> None:
         self._memo: dict[str, tuple] = {}
 
-    def get(self, name: str, sources, build) -> torch.Tensor:
-        key = tuple((t.data_ptr(), 0 if t.is_inference() else t._version, t.device, t.dtype)
-                    for t in sources)
+    @staticmethod
+    def _key(sources) -> tuple:
+        return tuple((t.data_ptr(), 0 if t.is_inference() else t._version, t.device, t.dtype)
+                     for t in sources)
+
+    def peek(self, name: str) -> torch.Tensor | None:
+        """The last tensor built under `name` (whether or not it is still current)."""
         hit = self._memo.get(name)
-        if hit is None or hit[0] != key:
+        return None if hit is None else hit[1]
+
+    def get(self, name: str, sources, build) -> torch.Tensor:
+        hit = self._memo.get(name)
+        if hit is None or hit[0] != self._key(sources):
             with torch.inference_mode(False), torch.no_grad():
-                hit = (key, build())
-            self._memo[name] = hit
+                out = build()
+            # keyed after the build: a build may move its sources (`pack_rows_`)
+            hit = self._memo[name] = (self._key(sources), out)
         return hit[1]
+
+
+@torch.no_grad()
+def pack_rows_(params: list[nn.Parameter], copies: list[torch.Tensor] = (),
+               old: torch.Tensor | None = None, align: int = 1) -> torch.Tensor:
+    """One contiguous (Σ rows, K) buffer: `copies` (row slices of replicated weights: copied)
+    then `params`, whose storage moves into the buffer (each becomes a row view of it, so their
+    bytes are held once; the stock path reads the same views). `old`: the buffer a previous
+    call returned; it is reused, and only the copies are rewritten, while the params are still
+    its views (a loader's copy_ wrote through them). Rows are zero-padded to a multiple of
+    `align` (GEMV tiling). For one GEMV over many weights sharing their input."""
+    n_copy = sum(c.shape[0] for c in copies)
+    rows = [p.shape[0] for p in params]
+    at = [n_copy + sum(rows[:i]) for i in range(len(rows))]
+    n = -(-(n_copy + sum(rows)) // align) * align
+    buf = old
+    if buf is None or buf.shape[0] != n or not all(
+            p.data_ptr() == buf[a].data_ptr() and p.shape == buf[a:a + r].shape
+            for p, a, r in zip(params, at, rows)):
+        ref = params[0] if params else copies[0]
+        buf = torch.zeros(n, ref.shape[1], dtype=ref.dtype, device=ref.device)
+        for p, a, r in zip(params, at, rows):
+            buf[a:a + r].copy_(p)
+            p.data = buf[a:a + r]
+    a = 0
+    for c in copies:
+        buf[a:a + c.shape[0]].copy_(c)
+        a += c.shape[0]
+    return buf
 
 
 class RMSNorm(nn.Module):

@@ -8,9 +8,16 @@ down-projected latent, RMSNorm of the latent sum, up-projection, plus shared exp
     y_lat  = Σ_k w_k · w2_e(SiTU(w1_e z, w3_e z))                            (T, L) fp32
     out    = routed_expert_up_proj(RMSNorm(y_lat)) + shared_experts(x)       (T, H)
 
-Specialized step (models/specialized.py): router, latent down and latent up rows are computed
-1/TP per rank from row views of the replicated weights and all-gathered; routing is the fused
-`kernels.router.route_topk` (one expert group).
+Specialized step (models/specialized.py): router and latent down rows are computed 1/TP per
+rank and all-gathered; routing is the fused `kernels.router.route_topk` (one expert group).
+With shared experts, the latent norm and a bf16 model (K3) the block is fused
+(`LatentMoE._forward_fused`, the layer benchmark's kernel sequence): one fp32-out GEMV for
+router rows ‖ latent down rows ‖ shared gate ‖ up, the experts, one op for the latent norm +
+shared SiTU, one GEMV for this rank's latent up columns ‖ shared down whose partial sums are
+all-reduced (bf16, like every row-parallel output). Its packed weights: the shared gate/up
+params live inside the first (`pack_rows_`: no second copy); the 1/TP router / latent-down
+rows and the second weight are copies, (E + L)/TP·H + H·(L/TP + I_sh, padded) values per
+layer (K3 TP16: 4.0 + 9.2 MB, 1.2 GB per rank). RAYDECODE_MOE_FUSED=0 runs the unfused block (A/B runs).
 
 TP: the router, latent down/up projections and latent norm are replicated; each expert's
 intermediate I is split (w1/w3 rows, w2 columns), so y_lat is a partial sum per rank that is
@@ -36,12 +43,14 @@ Routed experts, two storages (`RoutedExperts`; which one: `routed_experts_mxfp4(
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from raydecode.kernels._triton import triton as _triton
+from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.kernels.moe_mxfp4 import (MAX_SCALE, MXFP4Experts, fused_moe_mxfp4,
                                          moe_mxfp4_reference)
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
@@ -50,10 +59,26 @@ from raydecode.kernels.router import route_topk, router_logits
 
 from .checkpoint import PREFIX, expert_is_mxfp4
 from .config import K3Config
-from .layers import GatedMLP, RMSNorm, new_param, replicated_linear, situ
+from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_,
+                     replicated_linear, situ)
 from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
+from .params import FFN_K_ALIGN
 from .specialized import linear_for, row_slice, sharded_gemv
+
+
+def _fused_default() -> bool:
+    v = os.environ.get("RAYDECODE_MOE_FUSED", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"RAYDECODE_MOE_FUSED={v!r}; accepted: '1' (the fused specialized "
+                         "MoE block, default) or '0' (the unfused one: A/B runs)")
+    return v == "1"
+
+
+# The specialized MoE block: fused (`LatentMoE._forward_fused`) where the layer has its parts,
+# else the unfused one. Off for A/B runs, and in tests of other layers that compare whole
+# models stock vs specialized closer than the fused block's re-association allows.
+FUSED_SPECIALIZED = _fused_default()
 
 
 def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
@@ -241,6 +266,7 @@ class LatentMoE(nn.Module):
         self.shared_experts = (GatedMLP(H, m.shared_intermediate, cfg.situ_beta,
                                         cfg.situ_linear_beta, par, comm, dtype)
                                if m.num_shared_experts > 0 else None)
+        self._derived = DerivedWeights()    # the fused specialized block's packed weights
 
     def forward(self, x: torch.Tensor, path: str = "stock") -> torch.Tensor:
         """(T, H) -> (T, H), full sum."""
@@ -268,9 +294,76 @@ class LatentMoE(nn.Module):
         both = self.comm.all_reduce(both).to(x.dtype)       # (T, L + H)
         return both[:, :L], both[:, L:]
 
+    def _fused_ok(self, x: torch.Tensor) -> bool:
+        """The fused specialized block (`_forward_fused`): shared experts and the latent norm
+        present, a bf16 model (the norm + SiTU op writes the bf16 GEMV input)."""
+        return (FUSED_SPECIALIZED and self.shared_experts is not None
+                and self.routed_expert_norm is not None and x.dtype == torch.bfloat16)
+
+    def _h2_proj(self) -> torch.Tensor:
+        """(E/TP + L/TP + 2·I_sh, H): this rank's router rows and latent-down rows (copies of
+        row slices, 1/TP of the replicated weights; at TP 1 the weights themselves) over the
+        shared gate ‖ up, whose storage moves into the buffer (`pack_rows_`): one fp32-out
+        GEMV for all four."""
+        sh = self.shared_experts
+        rep = [self.gate.weight, self.routed_expert_down_proj.weight]
+        own = [sh.gate_proj.weight, sh.up_proj.weight]
+        if self.par.tp_size == 1:       # the whole replicated weights: moved in as well
+            own, rep = rep + own, []
+        return self._derived.get("h2_proj", rep + own, lambda: pack_rows_(
+            own, copies=[row_slice(w, self.par) for w in rep],
+            old=self._derived.peek("h2_proj")))
+
+    def _ffn_out(self) -> torch.Tensor:
+        """(H, L/TP + I_sh padded to FFN_K_ALIGN): [this rank's latent-up columns ‖ shared
+        down ‖ 0], a copy (columns cannot be views of row-major weights): one GEMV whose
+        partial sums the all-reduce adds."""
+        up, down = self.routed_expert_up_proj.weight, self.shared_experts.down_proj.weight
+        n = self.par.shard(up.shape[1], "routed_expert_hidden_size")
+
+        def build():
+            k = n + down.shape[1]
+            w = up.new_zeros(up.shape[0], -(-k // FFN_K_ALIGN) * FFN_K_ALIGN)
+            w[:, :n].copy_(up[:, self.par.tp_rank * n:(self.par.tp_rank + 1) * n])
+            w[:, n:k].copy_(down)
+            return w
+
+        return self._derived.get("ffn_out", [up, down], build)
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The specialized block in 4 GEMV/elementwise kernels + the router and experts:
+
+            y   = x · [router 1/TP ‖ latent down 1/TP ‖ shared gate ‖ up]ᵀ   fp32 (T, ·)
+            logits, z = all-gather(y router cols), all-gather(y latent cols)
+            lat = all-reduce(Σ_k w · expert(z))                               fp32 (T, L)
+            a   = [RMSNorm(bf16(lat))[rank's L/TP cols] ‖ SiTU(bf16(gate, up)) ‖ 0]  one op
+            out = all-reduce(a · [latent up cols ‖ shared down ‖ 0]ᵀ)         (T, H)
+
+        Rounding points are the stock block's (fp32 GEMV outputs round where they are read);
+        the latent up and shared down partials add in one fp32 accumulator and the ranks'
+        bf16 partials in the all-reduce, where stock all-gathers the up rows and adds."""
+        m, sh, par = self.cfg.moe, self.shared_experts, self.par
+        ne, nz = par.shard(m.num_experts, "num_experts"), par.shard(m.latent_size, "latent")
+        y = linear_for("specialized")(x, self._h2_proj(), torch.float32)
+        logits = self.comm.all_gather(y[:, :ne], dim=-1)                   # (T, E) fp32
+        w, ids = route_topk(logits.contiguous(), self.gate.e_score_correction_bias, m.top_k,
+                            m.renormalize, m.routed_scaling_factor)
+        z = self.comm.all_gather(y[:, ne:ne + nz], dim=-1)                 # (T, L) fp32
+        if not (z.is_cuda and self.experts.mxfp4):   # moe_decode rounds fp32 z as it loads
+            z = z.to(x.dtype)
+        lat = self.comm.all_reduce(self.experts(z, w, ids, "specialized"))
+        w_out = self._ffn_out()
+        a = latent_norm_situ(lat, self.routed_expert_norm.weight, self.routed_expert_norm.eps,
+                             par.tp_rank * nz, nz, y[:, ne + nz:], sh.beta, sh.linear_beta,
+                             x.new_empty(x.shape[0], w_out.shape[1]))
+        return self.comm.all_reduce(linear_for("specialized")(a, w_out))
+
     def _forward_specialized(self, x: torch.Tensor) -> torch.Tensor:
         """Router rows, latent down rows and latent up rows 1/TP per rank + all-gathers; the
-        fused router op; experts and shared experts on the kernels/ GEMVs."""
+        fused router op; experts and shared experts on the kernels/ GEMVs. `_forward_fused`
+        where the layer has its parts (K3 does)."""
+        if self._fused_ok(x):
+            return self._forward_fused(x)
         m = self.cfg.moe
         logits = self.comm.all_gather(router_logits(x, row_slice(self.gate.weight, self.par)),
                                       dim=-1)                          # (T, E) fp32

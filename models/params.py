@@ -40,6 +40,9 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 # shape 6288 is the 6284 fused rows (4·1536 + 12 + 128) rounded up to a multiple of 16; the
 # alignment is inferred from that shape.
 FUSED_ROW_ALIGN = 16
+# K alignment of the fused [latent up ‖ shared down] GEMV of the specialized MoE block: 16 lanes
+# × 16-byte chunks tile each row (the layer benchmark's measured layout, docs/PERF.md round 3)
+FFN_K_ALIGN = 128
 
 
 class ShardError(ValueError):

@@ -4,8 +4,10 @@ The specialized step runs the same weights, caches, inputs and outputs as the st
 differs in how it computes, never in what:
 - the projections stock replicates on every rank — router gate (E × H), latent down (L × H) and
   up (H × L), MLA q_a + kv_a_proj_with_mqa (fused qkv_a, rows concatenated) — are computed 1/TP
-  per rank from the rank's row slice of the full weight it already holds (a view: no memory),
-  and the TP ranks exchange the slices with one all-gather;
+  per rank from the rank's row slice of the full weight it already holds (a view, or a small
+  copy packed with other rows into one GEMV weight: models/moe.py), and the TP ranks exchange
+  the slices with one all-gather; the fused MoE block computes the latent up as 1/TP columns
+  whose partial sums are all-reduced instead;
 - GEMVs go through `kernels.gemv.linear`; the router and the AttnRes mix + norm through their
   fused ops in kernels/ (CuTe DSL on supported GPUs, the PyTorch references elsewhere).
 

@@ -33,10 +33,9 @@ from raydecode.kernels.moe_mxfp4 import MXFP4Experts
 from raydecode.models.config import K3Config
 from raydecode.models.k3 import K3DecoderLayer
 from raydecode.models.parallel import LocalComm, Parallel
-from raydecode.models.params import FUSED_ROW_ALIGN
+from raydecode.models.params import FFN_K_ALIGN, FUSED_ROW_ALIGN
 
 BF16 = torch.bfloat16
-FFN_K_ALIGN = 128      # ffn_out K padded so 16 lanes × 16-byte chunks tile each row
 
 
 @dataclass(frozen=True)

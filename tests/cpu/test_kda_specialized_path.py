@@ -17,6 +17,7 @@ import torch
 
 from raydecode.engine.spec_runner import KDARollback
 from raydecode.kernels import kda_decode as kda_decode_op
+from raydecode.models import moe
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
@@ -40,6 +41,13 @@ def _cfg(name: str):
                                      use_full_rank_gate=False),
            "odd_dim": dict(head_dim=24)}[name]
     return dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, **kda))
+
+
+@pytest.fixture(autouse=True)
+def unfused_moe(monkeypatch):
+    """Whole models are compared at bf16 tolerance here; the fused specialized MoE block's
+    re-association (tests/cpu/test_moe_fused.py) is not this file's subject."""
+    monkeypatch.setattr(moe, "FUSED_SPECIALIZED", False)
 
 
 @pytest.fixture

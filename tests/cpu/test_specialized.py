@@ -8,6 +8,7 @@ import torch
 
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 from raydecode.kernels.router import route_topk, router_logits
+from raydecode.models import moe
 from raydecode.models.attnres import AttnResStream
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -173,7 +174,10 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_specialized_step_equals_stock_tp1(dtype, tol):
+def test_specialized_step_equals_stock_tp1(dtype, tol, monkeypatch):
+    # the unfused MoE block: bf16 whole models stay within tol of stock only without the fused
+    # block's re-association (its own whole-model test: tests/cpu/test_moe_fused.py)
+    monkeypatch.setattr(moe, "FUSED_SPECIALIZED", False)
     cfg = load_config("tiny")
     model = init_random_(K3ForCausalLM(cfg, dtype=dtype), seed=11)
     toks = torch.randint(0, cfg.vocab_size, (10,), generator=_gen(3))

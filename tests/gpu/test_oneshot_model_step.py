@@ -12,7 +12,8 @@ one prefill step of ≤ 60 rows, then NEW − 1 decode steps on `path`):
            could spin on a peer that is still compiling;
   oneshot  peers open on every rank; every step makes exactly 1 + L + (dense FFN layers)
            one-shot calls (embedding, each attention output, each dense FFN; the MoE's fp32
-           reduction stays on NCCL), counted by the device epoch peers.state[0].
+           reduction stays on NCCL), + 1 per MoE layer on a specialized step (the fused MoE
+           block's bf16 output), counted by the device epoch peers.state[0].
 Per step: logits within TOL and identical greedy tokens; then identical outputs.
 
 TOL: max |Δlogit| ≤ 1e-2 · max |logit| of the step (≈ 2.5 bf16 ulps of the largest logit). At
@@ -89,6 +90,7 @@ def _drive(w, info, path: str, ckpt, seed: int) -> dict:
     from raydecode.engine.engine import EngineConfig, LLMEngine
     from raydecode.engine.request import SamplingParams
     from raydecode.engine.tokenizer import Tokenizer
+    from raydecode.models import moe
 
     cfg = w.runner.model.cfg
     fan, counters = _FanOut(w, bool(info["specialized"][0])), PathCounters()
@@ -105,8 +107,12 @@ def _drive(w, info, path: str, ckpt, seed: int) -> dict:
                                                 ignore_eos=True))
     dist.broadcast_object_list([None], src=0)        # rank 1: no more steps
     dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    base = 1 + cfg.num_layers + dense
+    # the fused specialized MoE block all-reduces its (T, H) bf16 output: one more per MoE layer
+    fused = (cfg.num_layers - dense) if moe.FUSED_SPECIALIZED else 0
     return {"logits": fan.logits, "calls": fan.calls, "steps": dict(counters.steps),
-            "out": [r.output_ids for r in reqs], "expect": 1 + cfg.num_layers + dense}
+            "out": [r.output_ids for r in reqs],
+            "expect": {"stock": base, "specialized": base + fused}}
 
 
 def _compare(runs: dict, path: str, seed: int) -> dict:
@@ -116,9 +122,11 @@ def _compare(runs: dict, path: str, seed: int) -> dict:
     for mode, r in runs.items():
         assert r["steps"] == want, f"seed {seed} {mode}: steps per path {r['steps']}, want {want}"
     assert ref["calls"] == [0] * n, f"seed {seed}: one-shot calls {ref['calls']} with it off"
-    assert got["calls"] == [got["expect"]] * n, \
-        f"seed {seed}: one-shot calls per step {got['calls']}; expected {got['expect']} each " \
-        "(embedding + each layer's attention output + each dense FFN)"
+    e = got["expect"]
+    expect = [e["stock"]] * n if path == "stock" else [e["stock"]] + [e["specialized"]] * (n - 1)
+    assert got["calls"] == expect, \
+        f"seed {seed}: one-shot calls per step {got['calls']}; expected {expect} (embedding " \
+        "+ each layer's attention output + each dense FFN [+ each fused MoE block's output])"
     worst, same = 0.0, 0
     for k, (a, b) in enumerate(zip(got["logits"], ref["logits"])):
         msg = f"seed {seed} {path} step {k} ({'prefill' if k == 0 else 'decode'})"
@@ -132,7 +140,7 @@ def _compare(runs: dict, path: str, seed: int) -> dict:
         worst, same = max(worst, err / scale), same + torch.equal(a, b)
     assert got["out"] == ref["out"], f"seed {seed} {path}: outputs differ"
     return {"seed": seed, "path": path, "steps": n, "bit_identical_steps": same,
-            "max_rel_logit_diff": worst, "oneshot_calls_per_step": got["expect"]}
+            "max_rel_logit_diff": worst, "oneshot_calls_per_step": expect}
 
 
 def _receive():
