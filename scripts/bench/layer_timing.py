@@ -105,9 +105,15 @@ def profile_kernel_count(fn) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    return kernel_summary(prof.events())
+
+
+def kernel_summary(events, top_n: int = 40) -> dict:
+    """Profiler CUDA events -> {kernel, memcpy, memset counts, kernel_us, names: the top_n
+    kernel names by total µs}."""
     kinds = {"kernel": 0, "memcpy": 0, "memset": 0, "kernel_us": 0.0}
     names: dict[str, list] = {}
-    for ev in prof.events():
+    for ev in events:
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         nm = ev.name
@@ -120,7 +126,7 @@ def profile_kernel_count(fn) -> dict:
             ent = names.setdefault(nm[:90], [0, 0.0])
             ent[0] += 1
             ent[1] += us
-    top = sorted(names.items(), key=lambda kv: -kv[1][1])[:40]
+    top = sorted(names.items(), key=lambda kv: -kv[1][1])[:top_n]
     kinds["names"] = {n: {"count": c, "us": round(t, 2)} for n, (c, t) in top}
     return kinds
 

@@ -1,0 +1,366 @@
+"""The served decode step of K3 at one rank's shapes: stock eager, specialized eager and
+specialized as one CUDA graph per batch bucket (engine/step_graph.py), side by side.
+
+    python -m raydecode.scripts.bench.step [--tp 16] [--layers 93] [--batches 1,8,64]
+        [--context 1024] [--steps 20] [--out bench/results/step-….json] [--commit SHA]
+
+One GPU plays rank 0 of a TP group (`SoloRankComm`): the all-reduces are skipped and counted
+(their time is not in the figures: bench/results/allreduce-*.json has them), the all-gathers
+tile this rank's slice TP times, so every later shape and copy is the real one. The model is
+K3 from its published config with the first `--layers` layers (93: all of them; at TP16 the
+whole rank, ≈ 110 GB of bf16 + MXFP4 weights, fits one H200), random weights drawn on the
+device (`init_on_device_`, the scales of models/k3.py `_random_full`).
+
+Each batch T starts T sequences at position `--context` (their caches hold whatever the
+pool held: the timing does not depend on the values) and runs `--steps` decode steps; every
+step runs once per variant, interleaved, each on its own caches:
+  stock        ModelRunner, path "stock" (the eager PyTorch/cuBLAS path every engine has)
+  specialized  ModelRunner, path "specialized", eager (what RankWorker runs without graphs)
+  graphed      GraphedRunner: the bucket's graph, captured on its first step, replayed after
+Times are host wall time of `runner.run(plan)` between two device syncs: host preparation,
+the step, the logits copy (what a served step costs). The graphed variant's logits are
+compared with the eager specialized ones (max-abs relative, reported).
+
+Bytes: weights one step must read at batch T (every bf16 / fp32 parameter; of each MoE layer's
+routed experts the expected distinct ones under uniform routing, E·(1 − (1 − k/E)^T)) plus the
+MLA latent cache read, against the HBM read bandwidth measured in the same run. Off CUDA
+(`--device cpu`, the tiny config; tests/cpu/test_bench_step.py) it runs eagerly, no graphs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from raydecode.engine.cache import BlockAllocator, SlotAllocator
+from raydecode.engine.runner import ModelRunner
+from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
+from raydecode.models.cache import SeqSlice, StepBatch
+from raydecode.models.config import load_config
+from raydecode.models.k3 import K3ForCausalLM, make_caches
+from raydecode.models import moe
+from raydecode.models.moe import MXFP4_PARAMS, random_mxfp4
+from raydecode.models.parallel import Comm, Parallel
+
+from .layer_weights import ParamSpec, init_value
+
+VARIANTS = ("stock", "specialized", "graphed")
+BLOCK = 16
+
+
+class SoloRankComm(Comm):
+    """One device playing rank 0 of TP `par.tp_size`: all-reduce is the identity (counted),
+    the gathers concatenate this rank's slice TP (DCP) times: the shapes and copies of the real
+    gather, the values of rank 0 everywhere."""
+
+    def __init__(self, par: Parallel):
+        self.par, self.counts = par, Counter()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.counts["all_reduce"] += 1
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        self.counts["all_gather"] += 1
+        return torch.cat([x] * self.par.tp_size, dim=dim) if self.par.tp_size > 1 else x
+
+    def dcp_all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        self.counts["dcp_all_gather"] += 1
+        return torch.cat([x] * self.par.dcp_size, dim=dim) if self.par.dcp_size > 1 else x
+
+
+@torch.no_grad()
+def init_on_device_(model: K3ForCausalLM, seed: int) -> K3ForCausalLM:
+    """Random local parameters drawn where they live (no full host tensors: K3 has 2.8T
+    parameters). Scales follow models/k3.py `_random_full` with the full fan-in; MXFP4 codes
+    are uniform bytes, scales drawn for the full group count and sliced."""
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in MXFP4_PARAMS and leaf.endswith("_scale"):
+            full = random_mxfp4(tuple(p.shape[:-1]) + (p.full_shape[-1],), True, gen)
+            p.copy_(full[..., :p.shape[-1]])
+        elif leaf in MXFP4_PARAMS:
+            p.copy_(random_mxfp4(tuple(p.shape), False, gen))
+        else:
+            spec = ParamSpec(tuple(p.shape), tuple(p.full_shape), p.dtype)
+            p.copy_(init_value(name, spec, model.cfg, gen, dev))
+    return model
+
+
+# replicated weights the specialized path reads 1/TP of (models/specialized.py sharded_gemv,
+# row_slice), then all-gathers the outputs; the stock path reads them whole
+ROW_SHARDED = ("q_a_proj", "kv_a_proj_with_mqa", "gate", "routed_expert_down_proj",
+               "routed_expert_up_proj")
+
+
+def step_bytes(model: K3ForCausalLM, T: int, context: int, path: str) -> dict[str, float]:
+    """Bytes one decode step of T sequences reads on `path` (module docstring): the embedding
+    is T rows; ROW_SHARDED weights count 1/TP on the specialized path."""
+    cfg, tp, dense, experts, embed = model.cfg, model.par.tp_size, 0.0, 0.0, 0.0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        leaf_owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+        if name.rsplit(".", 1)[-1] in MXFP4_PARAMS:
+            experts += nbytes
+        elif leaf_owner == "embed_tokens":
+            embed += T * p.shape[-1] * p.element_size()
+        elif path != "stock" and leaf_owner in ROW_SHARDED and p.shape == p.full_shape:
+            dense += nbytes / tp
+        else:
+            dense += nbytes
+    E, k = cfg.moe.num_experts, cfg.moe.top_k
+    distinct = E * (1.0 - (1.0 - k / E) ** T)
+    kv_row = cfg.mla.latent_dim * next(model.parameters()).element_size()
+    kv = len(cfg.mla_layers) * T * math.ceil((context + 1) / model.par.dcp_size) * kv_row
+    routed = experts * distinct / E
+    return {"dense": dense, "embedding": embed, "experts": routed, "kv": float(kv),
+            "total": dense + embed + routed + kv, "distinct_experts": round(distinct, 2)}
+
+
+class Bench:
+    """The three runners on their own caches, fed the same plans."""
+
+    def __init__(self, model, device, num_slots: int, context: int, variants=VARIANTS):
+        self.model, self.device, self.context = model, torch.device(device), context
+        per_seq = math.ceil((context + 64) / BLOCK)
+        self.num_slots, self.max_blocks = num_slots, per_seq
+        self.num_blocks = num_slots * per_seq
+        ns, nb = graph_cache_sizes(num_slots, self.num_blocks)
+        self.runners = {}
+        for v in variants:
+            c = make_caches(model.cfg, model.par, ns, nb, BLOCK, model.dtype, device=device)
+            self.runners[v] = (GraphedRunner(model, c, device, num_slots=num_slots,
+                                             num_blocks=self.num_blocks,
+                                             max_blocks=self.max_blocks)
+                               if v == "graphed" else ModelRunner(model, c, device))
+        self.slots, self.blocks = SlotAllocator(num_slots), BlockAllocator(self.num_blocks, BLOCK)
+        self.pos: dict[int, int] = {}
+        self.gen = torch.Generator().manual_seed(0)
+        self.step_id = 0
+
+    def start(self, T: int) -> list[int]:
+        """T fresh sequences at position `context` (state reset on their first step)."""
+        for s in list(self.pos):
+            self.slots.release(s)
+            self.blocks.release(s)
+        self.pos.clear()
+        slots = [self.slots.allocate() for _ in range(T)]
+        for s in slots:
+            self.pos[s] = self.context
+        self._reset = list(slots)
+        return slots
+
+    def plan(self, slots: list[int], path: str) -> StepPlan:
+        changed = {}
+        for s in slots:
+            if self.blocks.ensure(s, self.pos[s] + 1):
+                changed[s] = list(self.blocks.tables[s])
+        toks = torch.randint(0, self.model.cfg.vocab_size, (len(slots),),
+                             generator=self.gen).tolist()
+        batch = StepBatch([SeqSlice(s, i, 1, self.pos[s]) for i, s in enumerate(slots)])
+        return StepPlan(self.step_id, batch, toks, list(range(len(slots))), changed,
+                        list(self._reset), path)
+
+    def step(self, slots: list[int], around=None) -> dict[str, tuple[float, torch.Tensor]]:
+        """One decode step per variant -> {variant: (seconds, logits)}. around(variant): a
+        context manager the variant's run is timed inside (a profiler), or None."""
+        self.step_id += 1
+        base = self.plan(slots, "specialized")
+        out = {}
+        for v, r in self.runners.items():
+            plan = dataclasses.replace(base, path="stock" if v == "stock" else "specialized")
+            with (around(v) if around else contextlib.nullcontext()):
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                logits = r.run(plan)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                out[v] = (time.perf_counter() - t0, logits)
+        self._reset = []
+        for s in slots:
+            self.pos[s] += 1
+        return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def run_batch(bench: Bench, T: int, steps: int, warm: int = 3) -> dict:
+    slots = bench.start(T)
+    times = {v: [] for v in bench.runners}
+    rel, finite, spread = [], True, {}
+    for i in range(warm + steps):
+        out = bench.step(slots)
+        if i >= warm:
+            for v, (t, _) in out.items():
+                times[v].append(t)
+        for v, (_, lg) in out.items():
+            finite &= bool(torch.isfinite(lg).all())
+            spread[v] = float(lg.float().std())
+        if "graphed" in out and "specialized" in out:
+            rel.append(_rel(out["graphed"][1], out["specialized"][1]))
+    row = {"batch": T, "steps": steps,
+           "ms": {v: round(statistics.median(ts) * 1e3, 3) for v, ts in times.items()},
+           "ms_min": {v: round(min(ts) * 1e3, 3) for v, ts in times.items()},
+           "logits_finite": finite, "last_logits_std": spread}
+    if rel:
+        row["graphed_vs_specialized_max_rel"] = max(rel)
+    g = bench.runners.get("graphed")
+    if g is not None:
+        row["graph_counts"] = dict(g.counts)
+        row["capture_failed"] = {str(k): v for k, v in g.capture_failed.items()}
+    return row, slots
+
+
+def profile_step(bench: Bench, slots: list[int]) -> dict:
+    """One more step per variant under the CUDA profiler: kernels launched, device µs (sum of
+    kernel times: no gaps) against the step's wall µs, the kernel names by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .layer_timing import kernel_summary
+
+    profs = {}
+
+    @contextlib.contextmanager
+    def around(v):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            yield
+        profs[v] = prof
+
+    out = bench.step(slots, around)
+    res = {}
+    for v, prof in profs.items():
+        k = kernel_summary(prof.events(), top_n=25)
+        k["wall_us"] = round(out[v][0] * 1e6, 1)
+        k["kernel_us"] = round(k["kernel_us"], 1)
+        k["busy_fraction"] = round(k["kernel_us"] / k["wall_us"], 3)
+        res[v] = k
+    return res
+
+
+def host_profile_step(bench: Bench, slots: list[int], variant: str = "specialized",
+                      top: int = 30) -> list[dict]:
+    """cProfile of one more eager step of `variant` (other variants run too, unprofiled):
+    the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+
+    @contextlib.contextmanager
+    def around(v):
+        if v == variant:
+            pr.enable()
+        try:
+            yield
+        finally:
+            if v == variant:
+                pr.disable()
+
+    bench.step(slots, around)
+    st = pstats.Stats(pr)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{os.path.basename(fn)}:{line}({name})", "calls": nc,
+             "own_ms": round(tt * 1e3, 2), "cum_ms": round(ct * 1e3, 2)}
+            for (fn, line, name), (cc, nc, tt, ct, _) in rows]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="k3", help="model config: k3 (default), tiny or a path")
+    ap.add_argument("--tp", type=int, default=16, help="tensor-parallel size one device plays")
+    ap.add_argument("--layers", type=int, default=0, help="first N layers (0: all)")
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated sequences per step")
+    ap.add_argument("--context", type=int, default=1024, help="tokens cached per sequence")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per batch")
+    ap.add_argument("--device", default="cuda", help="cuda (graphs) or cpu (eager, tests)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated subset of {','.join(VARIANTS)}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="per batch, one more step per variant under the CUDA profiler")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="per batch, cProfile of one more eager specialized step")
+    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    variants = tuple(args.variants.split(","))
+    if not variants or any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--variants {args.variants}: accepted {', '.join(VARIANTS)}")
+    if any(b < 1 or b > 64 for b in batches):
+        raise SystemExit(f"--batches {args.batches}: each must be in 1..64 (the graph buckets)")
+    cfg = load_config(args.config)
+    if args.layers:
+        if not 1 <= args.layers <= cfg.num_layers:
+            raise SystemExit(f"--layers {args.layers}: expected 1..{cfg.num_layers}")
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    par = Parallel(0, args.tp)
+    comm = SoloRankComm(par)
+    dtype = torch.bfloat16
+    t0 = time.perf_counter()
+    with torch.device(args.device):
+        model = init_on_device_(K3ForCausalLM(cfg, par, comm, dtype), args.seed)
+    build_s = time.perf_counter() - t0
+    env = {"device": str(args.device)}
+    hbm = None
+    if args.device == "cuda":
+        from .layer import _env
+        from .layer_timing import hbm_read_bandwidth
+        env = _env()
+        hbm = hbm_read_bandwidth()
+    bench = Bench(model, args.device, max(batches), args.context, variants)
+    rows = []
+    for T in batches:
+        comm.counts.clear()
+        row, slots = run_batch(bench, T, args.steps)
+        row["collectives_per_step"] = {k: v // (3 + args.steps) // len(bench.runners)
+                                       for k, v in comm.counts.items()}
+        if args.profile and args.device == "cuda":
+            row["profile"] = profile_step(bench, slots)
+        if args.host_profile and "specialized" in bench.runners:
+            row["host_profile_specialized"] = host_profile_step(bench, slots)
+        ms = row["ms"]
+        row["bytes"] = {p: step_bytes(model, T, args.context, p) for p in ("stock", "specialized")}
+        if hbm:
+            need = {v: row["bytes"]["stock" if v == "stock" else "specialized"]["total"]
+                    for v in ms}
+            row["roofline_ms"] = {v: round(b / hbm * 1e3, 3) for v, b in need.items()}
+            row["hbm_fraction"] = {v: round(need[v] / hbm / (ms[v] * 1e-3), 3) for v in ms}
+        row["ratios"] = {f"{a}/{c}": round(ms[a] / ms[c], 2) for a, c in
+                         (("stock", "graphed"), ("specialized", "graphed"),
+                          ("stock", "specialized")) if a in ms and c in ms}
+        rows.append(row)
+        print(f"[step] TP{args.tp} L={cfg.num_layers} T={T}: " +
+              ", ".join(f"{v} {t:.2f} ms" for v, t in ms.items()) +
+              f"  {row['ratios']}" + (f"  HBM fraction {row['hbm_fraction']}" if hbm else ""),
+              flush=True)
+    report = {**env, "commit": args.commit,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "config": cfg.name, "tp": args.tp, "layers": cfg.num_layers,
+              "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
+              "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
+              "moe_fused": moe.FUSED_SPECIALIZED,
+              "method": __doc__.split("\n\n", 2)[2], "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
