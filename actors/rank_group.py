@@ -9,8 +9,9 @@ kills every rank actor, blocked or not) and builds a new group.
 
 `RankGroupExecutor` satisfies the coordinator's `ReplicaExecutor` protocol (tp_size, dcp_size,
 domain_verified, specialized_ready, execute, close); `make_rank_group_executor` builds one from
-the deployment's values. With step graphs on (RAYDECODE_STEP_GRAPHS=1, read here on the driver)
-a step of n sequences is specialized-ready only when every rank captured n's bucket.
+the deployment's values. With step graphs on (RAYDECODE_STEP_GRAPHS, read here on the driver:
+unset is auto, on for CUDA ranks whose model they support; '1' forces, '0' turns them off) a step
+of n sequences is specialized-ready only when every rank captured n's bucket.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import ray
 import torch
 
 from raydecode.engine.scheduler import StepPlan
-from raydecode.engine.step_graph import bucket_for, enabled as step_graphs_enabled
+from raydecode.engine.step_graph import bucket_for, setting as step_graphs_setting
 from raydecode.models.specialized import check_path
 
 from .rank_worker import RankWorker, RunnerFactory, ShardSpec, load_runner
@@ -270,8 +271,9 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
     placement: a cluster.placement.ReplicaPlacement (rank r in its assigned bundle). Raises RankFailure when the group does not come up
     within init_timeout_s, ValueError for sizes that cannot shard. runner_factory: what each
     rank builds (default: load_runner of this model; a speculating replica passes
-    spec_runner_factory(...)). step_graphs (None: RAYDECODE_STEP_GRAPHS on this driver): the
-    default factory builds GraphedRunners, each capturing every bucket at build; max_model_len
+    spec_runner_factory(...)). step_graphs (None: RAYDECODE_STEP_GRAPHS on this driver, and
+    unset there: auto, `step_graph.resolve`): the default factory builds GraphedRunners, each
+    capturing every bucket at build; max_model_len
     bounds their block-table width. A runner_factory ignores both (SpecRunner stays eager)."""
     from raydecode.models.parallel import Parallel
 
@@ -280,7 +282,7 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
         num_gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     spec = ShardSpec(model=str(model), dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
                      block_size=block_size, max_model_len=max_model_len,
-                     step_graphs=step_graphs_enabled() if step_graphs is None else step_graphs)
+                     step_graphs=step_graphs_setting() if step_graphs is None else step_graphs)
     opts = GroupOptions(tp_size=tp, dcp_size=dcp, step_timeout_s=step_timeout_s,
                         init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
                         num_cpus_per_rank=num_cpus_per_rank, placement=placement,

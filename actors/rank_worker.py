@@ -7,9 +7,10 @@ Rendezvous comes from Ray, never a fixed port: rank 0 opens a TCPStore on an OS-
 the executor passes (host, port) to the others; keys carry the replica id, so several replicas
 (and several test runs) never collide.
 
-With `ShardSpec.step_graphs` (the driver sets it from RAYDECODE_STEP_GRAPHS) the runner is a
-`GraphedRunner` (engine/step_graph.py): caches with the scratch rows, and every bucket up to the
-one of num_slots captured at build, before any step (`capture_all`, collective at TP > 1).
+With step graphs on (`ShardSpec.step_graphs`, from RAYDECODE_STEP_GRAPHS on the driver; unset:
+auto, on for CUDA ranks whose model the graphs support) the runner is a `GraphedRunner`
+(engine/step_graph.py): caches with the scratch rows, and every bucket up to the one of
+num_slots captured at build, before any step (`capture_all`, collective at TP > 1).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import torch
 
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
-from raydecode.engine.step_graph import BUCKETS, GraphedRunner, bucket_for, graph_cache_sizes
+from raydecode.engine.step_graph import (BUCKETS, GraphedRunner, bucket_for, graph_cache_sizes,
+                                         resolve)
 from raydecode.models.parallel import Comm, Parallel, TorchComm
 from raydecode.models.specialized import PATHS
 
@@ -43,7 +45,7 @@ class ShardSpec:
     num_blocks: int = 256
     block_size: int = 16
     max_model_len: int | None = None   # bounds a graph's block-table width; None: num_blocks
-    step_graphs: bool = False          # GraphedRunner + capture at build (step_graph.enabled())
+    step_graphs: bool | None = None    # GraphedRunner + capture at build; None: auto (resolve)
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -68,15 +70,21 @@ def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> Mode
     from raydecode.engine.loader import load_shard
 
     ns, nb = spec.num_slots, spec.num_blocks
-    if spec.step_graphs:
+    graphs = resolve(spec.step_graphs, device)
+    if graphs:
         ns, nb = graph_cache_sizes(spec.num_slots, spec.num_blocks, spec.graph_buckets)
     shard = load_shard(spec.model, par, comm, dtype=spec.dtype, device=device,
                        num_slots=ns, num_blocks=nb, block_size=spec.block_size)
-    if not spec.step_graphs:
+    if not graphs:
         return ModelRunner(shard.model, shard.caches, device)
-    return GraphedRunner(shard.model, shard.caches, device, num_slots=spec.num_slots,
-                         num_blocks=spec.num_blocks, max_blocks=spec.max_blocks(par.dcp_size),
-                         buckets=spec.graph_buckets)
+    runner = GraphedRunner(shard.model, shard.caches, device, num_slots=spec.num_slots,
+                           num_blocks=spec.num_blocks, max_blocks=spec.max_blocks(par.dcp_size),
+                           buckets=spec.graph_buckets)
+    if spec.step_graphs is None and not runner.support[0]:
+        # auto: a model the graphs do not support runs the eager specialized step (with '1'
+        # it captures nothing and runs stock, DESIGN §3); the scratch rows stay unused
+        return ModelRunner(shard.model, shard.caches, device)
+    return runner
 
 
 class RankWorker:

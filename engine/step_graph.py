@@ -1,5 +1,6 @@
 """One CUDA graph per batch bucket for the whole specialized decode step (DESIGN §4, lever 5).
-Off unless asked for: `GraphedRunner` is built only when `enabled()` (RAYDECODE_STEP_GRAPHS=1).
+On by default for CUDA ranks (`setting`, `resolve`: RAYDECODE_STEP_GRAPHS unset; '0' turns them
+off, '1' forces them); verified on H200 (docs/PERF.md rounds 12-13).
 
 A graph replays fixed kernels on fixed addresses, so everything the decode-only specialized
 forward reads per step lives in preallocated device tensors of one bucket B (`StepStatics`):
@@ -46,12 +47,20 @@ PAD_POS = 1          # scratch rows' position: > 0 as the fused KDA path needs
 _PAD = object()      # a table row holding the scratch block only
 
 
-def enabled() -> bool:
-    """RAYDECODE_STEP_GRAPHS: '1' on, '0' or unset off."""
-    v = os.environ.get(ENV, "0")
+def setting() -> bool | None:
+    """RAYDECODE_STEP_GRAPHS: '1' on, '0' off, unset or '' -> None: auto (`resolve`)."""
+    v = os.environ.get(ENV, "")
     if v not in ("0", "1", ""):
-        raise ValueError(f"{ENV}={v!r}; accepted: '1' (graphs on) or '0' (off, default)")
-    return v == "1"
+        raise ValueError(f"{ENV}={v!r}; accepted: '1' (graphs on), '0' (off) or unset (auto: "
+                         "on for CUDA ranks whose model the graphs support)")
+    return None if v == "" else v == "1"
+
+
+def resolve(step_graphs: bool | None, device) -> bool:
+    """Whether a rank on `device` builds a GraphedRunner: the setting, or for auto (None) on
+    a CUDA device. Auto then keeps the runner only where the model is supported
+    (actors/rank_worker.py `load_runner`); '1' keeps it anyway (stock where unsupported)."""
+    return torch.device(device).type == "cuda" if step_graphs is None else bool(step_graphs)
 
 
 def check_buckets(buckets) -> tuple[int, ...]:

@@ -16,8 +16,8 @@ from raydecode.engine.cache import BlockAllocator, SlotAllocator
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_graph import (PAD_POS, GraphedRunner, ScratchRows, StepStatics,
-                                         bucket_for, enabled, graph_cache_sizes, max_padding,
-                                         scratch_bytes)
+                                         bucket_for, graph_cache_sizes, max_padding, resolve,
+                                         scratch_bytes, setting)
 from raydecode.kernels import kda_decode as kda_decode_op
 from raydecode.models.cache import MLALatentCache, SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -287,12 +287,15 @@ def test_runner_and_env_validation(model, monkeypatch):
     with pytest.raises(ValueError, match="capture=True on device cpu"):
         GraphedRunner(model, ok, num_slots=NS, num_blocks=NB, buckets=BUCKETS, capture=True)
     monkeypatch.delenv("RAYDECODE_STEP_GRAPHS", raising=False)
-    assert enabled() is False
+    assert setting() is None                                  # auto
+    assert resolve(None, "cuda:0") and not resolve(None, "cpu")
     monkeypatch.setenv("RAYDECODE_STEP_GRAPHS", "1")
-    assert enabled() is True
+    assert setting() is True and resolve(True, "cpu")
+    monkeypatch.setenv("RAYDECODE_STEP_GRAPHS", "0")
+    assert setting() is False and not resolve(False, "cuda")
     monkeypatch.setenv("RAYDECODE_STEP_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="RAYDECODE_STEP_GRAPHS='yes'"):
-        enabled()
+    with pytest.raises(ValueError, match="RAYDECODE_STEP_GRAPHS='yes'; accepted"):
+        setting()
 
 
 def test_statics_set_but_not_fused_raises(model):

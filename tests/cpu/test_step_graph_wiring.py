@@ -24,7 +24,7 @@ from raydecode.engine.cache import BlockAllocator, SlotAllocator
 from raydecode.engine.engine import EngineConfig
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
-from raydecode.engine.step_graph import ENV, GraphedRunner, enabled
+from raydecode.engine.step_graph import ENV, GraphedRunner, setting
 from raydecode.models.cache import SeqSlice, StepBatch
 
 torch.set_num_threads(1)
@@ -51,7 +51,7 @@ def num_blocks(dcp: int) -> int:
                         dcp_size=dcp).blocks
 
 
-def spec(step_graphs: bool, dcp: int = 1) -> ShardSpec:
+def spec(step_graphs: bool | None, dcp: int = 1) -> ShardSpec:
     return ShardSpec(model="tiny", dtype="bfloat16", num_slots=SLOTS,
                      num_blocks=num_blocks(dcp), block_size=BS, max_model_len=MAX_LEN,
                      step_graphs=step_graphs)
@@ -175,6 +175,14 @@ def test_tp1_worker_graphs_on_equal_off():
     assert all(off_ready.specialized_ready(k) for k in (1, 5, 9, 64, 65, 1000))
 
 
+def test_auto_setting_graphs_only_cuda_ranks():
+    """ShardSpec.step_graphs None (RAYDECODE_STEP_GRAPHS unset): graphs on CUDA ranks only
+    (the CUDA side: tests/gpu/test_step_graph_gpu.py::test_rank_runner_defaults_to_graphs_on_cuda)."""
+    with tp1_worker(spec(None)) as (w, info):
+        assert isinstance(w.runner, GraphedRunner) == ON_CUDA
+        assert (info["graph_buckets"] is None) == (not ON_CUDA)
+
+
 def test_unsupported_graphs_capture_nothing_and_say_why():
     """fp32: the specialized step exists but the graphs (fused bf16 decode) do not, so with
     step graphs on no bucket is ready (the envelope chooses stock); steps still run."""
@@ -271,7 +279,7 @@ def test_driver_env_turns_graphs_on_and_gates_specialized_by_bucket(monkeypatch)
             make_rank_group_executor("tiny", 2, 1, "bfloat16", SLOTS, num_blocks(1), BS,
                                      TIMEOUT_S, num_cpus_per_rank=0.5, max_model_len=MAX_LEN)
         monkeypatch.setenv(ENV, "1")
-        assert enabled()
+        assert setting() is True
         ex = make_rank_group_executor("tiny", 2, 1, "bfloat16", SLOTS, num_blocks(1), BS,
                                       TIMEOUT_S, num_cpus_per_rank=0.5, max_model_len=MAX_LEN)
         assert ex.readiness.graph_buckets == {1, 2, 4, 8}

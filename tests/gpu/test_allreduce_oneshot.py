@@ -388,7 +388,9 @@ def _rank_worker_proc(rank, world, port, seed):
 
     for k in ("RAYDECODE_KERNEL_CACHE", "RAYDECODE_ONESHOT_ALLREDUCE"):
         os.environ.pop(k, None)                      # no AOT warm-up; the default (on)
-    factory = functools.partial(load_runner, ShardSpec("tiny", dtype="bfloat16", num_slots=4))
+    # eager steps (graphs are on by default for CUDA ranks: test_step_graph_wiring_gpu.py)
+    factory = functools.partial(load_runner, ShardSpec("tiny", dtype="bfloat16", num_slots=4,
+                                                       step_graphs=False))
     w = RankWorker(rank, world, 1, factory, f"oneshot-{seed}", backend="gloo")
     info = w.init_group("127.0.0.1", port, timeout_s=120.0)
     comm, model = w.comm, w.runner.model

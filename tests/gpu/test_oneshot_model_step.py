@@ -169,8 +169,9 @@ def _rank(rank: int, port: int, ckpt, path: str, seed: int, out) -> None:
             f.write(f"{time.monotonic() - t0:7.1f}s {what}\n")
 
     os.environ.pop("RAYDECODE_KERNEL_CACHE", None)   # no AOT warm-up: the kernels JIT
+    # eager steps: the one-shot inside graphed steps is test_step_graph_wiring_gpu.py's
     spec = ShardSpec(str(ckpt), dtype="bfloat16", num_slots=SEQS, num_blocks=BLOCKS,
-                     block_size=BLOCK)
+                     block_size=BLOCK, step_graphs=False)
     runs = {}
     try:
         for mode in ("nccl", "oneshot"):

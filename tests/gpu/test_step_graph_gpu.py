@@ -10,6 +10,7 @@ eager step's table width does, and the MoE decode kernels sum with fp32 atomics 
 run to run)."""
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -183,3 +184,24 @@ def test_time_eager_vs_graphed_step(model):
         eager, graph = (statistics.median(times[k]) * 1e3 for k in ("plain", "graph"))
         print(f"\n[step graph] tiny bf16 T={T}: eager {eager:.2f} ms, graphed {graph:.2f} ms, "
               f"eager/graphed {eager / graph:.1f}x")
+
+
+def test_rank_runner_defaults_to_graphs_on_cuda(monkeypatch):
+    """RAYDECODE_STEP_GRAPHS unset (auto): a CUDA rank builds a GraphedRunner for a model the
+    graphs support, the eager ModelRunner for one they do not (fp32: eager specialized, where
+    '1' would capture nothing and run stock); '0' turns them off."""
+    from raydecode.actors.rank_worker import ShardSpec, load_runner
+    from raydecode.models.parallel import LocalComm, Parallel
+
+    monkeypatch.delenv("RAYDECODE_STEP_GRAPHS", raising=False)
+    spec = ShardSpec("tiny", dtype="bfloat16", num_slots=4)
+
+    def build(**kw):
+        return load_runner(dataclasses.replace(spec, **kw), Parallel(), LocalComm(), "cuda")
+
+    auto = build()
+    assert isinstance(auto, GraphedRunner) and auto.support == (True, "ok")
+    assert type(build(step_graphs=False)) is ModelRunner
+    assert type(build(dtype="float32")) is ModelRunner
+    forced = build(dtype="float32", step_graphs=True)
+    assert isinstance(forced, GraphedRunner) and not forced.support[0]
