@@ -43,9 +43,10 @@ from raydecode.kernels.mla_decode import (folded_q_b_weight, mla_absorb, mla_att
 
 from .cache import MLALatentCache, ModelCaches, StepBatch
 from .config import K3Config
-from .layers import DerivedWeights, RMSNorm, column_linear, replicated_linear, row_linear
+from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
+                     row_linear)
 from .parallel import Comm, LocalComm, Parallel
-from .specialized import linear_for, sharded_gemv
+from .specialized import linear_for, row_pieces, sharded_gemv
 
 BF16 = torch.bfloat16
 
@@ -169,10 +170,18 @@ class MLAAttention(nn.Module):
         T = x.shape[0]
         lin = linear_for(path)
         if path == "specialized":   # fused qkv_a: 1/TP of [q_a; kv_a] rows per rank + gather
-            qkv = sharded_gemv(x, [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight],
-                               self.par, self.comm)
+            gate = None
+            if self.g_proj is not None:     # and the gate rows in the same GEMV
+                y = lin(x, self._qkv_a_g())
+                n = y.shape[1] - self.g_proj.weight.shape[0]
+                qkv, gate = self.comm.all_gather(y[:, :n], dim=-1), y[:, n:]
+                if self.par.tp_size == 1:   # a column view of y: the ops want dense rows
+                    qkv = qkv.contiguous()
+            else:
+                qkv = sharded_gemv(x, [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight],
+                                   self.par, self.comm)
             if self._fused_decode_ok(qkv, batch, caches):
-                o = self._fused_decode(x, qkv, batch, caches, lin)     # (T, h·v) gated
+                o = self._fused_decode(x, qkv, batch, caches, lin, gate)   # (T, h·v) gated
                 return self.comm.all_reduce(lin(o, self.o_proj.weight))
             q_a, kv = qkv.split([self.q_lora, qkv.shape[1] - self.q_lora], dim=-1)
         else:
@@ -202,16 +211,36 @@ class MLAAttention(nn.Module):
                 and batch.is_decode_only and qkv.dtype == BF16
                 and caches.mla.pool.dtype == BF16 and qkv.stride(-1) == 1)
 
-    def _fused_decode(self, x, qkv, batch: StepBatch, caches: ModelCaches, lin) -> torch.Tensor:
+    def _qkv_a_g(self) -> torch.Tensor:
+        """(ΣN/TP + h·v, H): this rank's rows of [q_a; kv_a] (copies of row slices of the
+        replicated weights, models/specialized.py `row_pieces`; at TP 1 the weights themselves)
+        over g_proj, whose storage moves into the buffer (`pack_rows_`): one GEMV."""
+        rep = [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]
+        own = [self.g_proj.weight]
+        if self.par.tp_size == 1:
+            own, rep = rep + own, []
+
+        def build():
+            pieces = row_pieces(tuple(w.shape[0] for w in rep), self.par.tp_rank,
+                                self.par.tp_size) if rep else ()
+            return pack_rows_(own, copies=[rep[i].narrow(0, a, n) for i, a, n in pieces],
+                              old=self._derived.peek("qkv_a_g"))
+
+        return self._derived.get("qkv_a_g", rep + own, build)
+
+    def _fused_decode(self, x, qkv, batch: StepBatch, caches: ModelCaches, lin,
+                      gate: torch.Tensor | None = None) -> torch.Tensor:
         """One token per sequence: store this step's rows, attend, W_uv, gate.
-        x (T, H), qkv (T, q_lora + kv_lora + rope) bf16 -> o (T, h·v) bf16, before o_proj."""
+        x (T, H), qkv (T, q_lora + kv_lora + rope) bf16, gate (T, h·v) or None (computed
+        here) -> o (T, h·v) bf16, before o_proj."""
         assert self.q_a_layernorm.eps == self.kv_a_layernorm.eps     # mla_prep takes one eps
         T, h, c = x.shape[0], self.heads, self.kv_lora
         pool = caches.mla.pool[caches.mla_index[self.layer_idx]]      # (blocks, bs, c + rope)
         st = caches.statics        # graph-shaped step: the preallocated paging (B rows)
         table, store, seq_lens = ((st.table, st.store, st.seq_lens) if st is not None
                                   else decode_meta(batch, caches.mla, x.device))
-        gate = lin(x, self.g_proj.weight)                                   # (T, h·v)
+        if gate is None:
+            gate = lin(x, self.g_proj.weight)                               # (T, h·v)
         D = self.par.dcp_size
         if D == 1:      # after the q_b GEMV: q norm scale + absorb + row, attention, output
             q = lin(qkv[:, :self.q_lora], self._q_b_folded(), torch.float32)    # rounded once,

@@ -1,5 +1,6 @@
-"""The fused specialized MoE block (models/moe.py `_forward_fused`) and the packed weights it
-and the KDA in_proj read (models/layers.py `pack_rows_`), on the CPU references.
+"""The fused specialized MoE block (models/moe.py `_forward_fused`) and the packed weights it,
+the KDA in_proj and the MLA qkv_a ‖ gate GEMV read (models/layers.py `pack_rows_`), on the CPU
+references.
 
 The fused block adds the latent up and the shared down outputs in one fp32 accumulator where
 stock rounds each to bf16 and adds: it is a re-association, so it is checked against an fp32
@@ -92,6 +93,13 @@ def test_whole_model_as_accurate_as_stock(device):
     e_stock, e_fused = _rel(logits["stock"], logits["ref"]), _rel(logits["fused"], logits["ref"])
     assert e_fused < 1.5 * e_stock + 5e-3, (e_fused, e_stock)
     assert all(b._fused_ok(torch.empty(1, 1, dtype=BF)) for b in _moe_blocks(model))
+    # the MLA decode steps read [q_a; kv_a; g_proj] as one weight (TP 1: all three in place)
+    for mla in (l.self_attn for l in model.model.layers if l.kind == "mla"):
+        w, at = mla._derived.peek("qkv_a_g"), 0
+        for p in (mla.q_a_proj.weight, mla.kv_a_proj_with_mqa.weight, mla.g_proj.weight):
+            assert p.data_ptr() == w[at].data_ptr()
+            at += p.shape[0]
+        assert at == w.shape[0]
 
 
 def test_packed_weights_hold_the_params_once_and_follow_a_reload():
