@@ -17,7 +17,8 @@ shared SiTU, one GEMV for this rank's latent up columns ‖ shared down whose pa
 all-reduced (bf16, like every row-parallel output). Its packed weights: the shared gate/up
 params live inside the first (`pack_rows_`: no second copy); the 1/TP router / latent-down
 rows and the second weight are copies, (E + L)/TP·H + H·(L/TP + I_sh, padded) values per
-layer (K3 TP16: 4.0 + 9.2 MB, 1.2 GB per rank). RAYDECODE_MOE_FUSED=0 runs the unfused block (A/B runs).
+layer (K3 TP16: 4.0 + 9.2 MB, 1.2 GB per rank). RAYDECODE_MOE_FUSED=0 runs the unfused
+block (A/B runs).
 
 TP: the router, latent down/up projections and latent norm are replicated; each expert's
 intermediate I is split (w1/w3 rows, w2 columns), so y_lat is a partial sum per rank that is
@@ -331,7 +332,8 @@ class LatentMoE(nn.Module):
         return self._derived.get("ffn_out", [up, down], build)
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """The specialized block in 4 GEMV/elementwise kernels + the router and experts:
+        """The specialized block in two GEMVs and one norm + SiTU op around the router and
+        the experts:
 
             y   = x · [router 1/TP ‖ latent down 1/TP ‖ shared gate ‖ up]ᵀ   fp32 (T, ·)
             logits, z = all-gather(y router cols), all-gather(y latent cols)
