@@ -147,6 +147,7 @@ class Bench:
                                if v == "graphed" else ModelRunner(model, c, device))
         self.slots, self.blocks = SlotAllocator(num_slots), BlockAllocator(self.num_blocks, BLOCK)
         self.pos: dict[int, int] = {}
+        self.collectives: dict[str, dict] = {}    # eager variant -> comm calls of its last step
         self.gen = torch.Generator().manual_seed(0)
         self.step_id = 0
 
@@ -181,6 +182,7 @@ class Bench:
         out = {}
         for v, r in self.runners.items():
             plan = dataclasses.replace(base, path="stock" if v == "stock" else "specialized")
+            before = Counter(self.model.comm.counts)
             with (around(v) if around else contextlib.nullcontext()):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -189,6 +191,8 @@ class Bench:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 out[v] = (time.perf_counter() - t0, logits)
+            if v != "graphed":     # a replay makes no Python comm calls (its capture did)
+                self.collectives[v] = dict(self.model.comm.counts - before)
         self._reset = []
         for s in slots:
             self.pos[s] += 1
@@ -326,10 +330,8 @@ def main(argv=None) -> int:
     bench = Bench(model, args.device, max(batches), args.context, variants)
     rows = []
     for T in batches:
-        comm.counts.clear()
         row, slots = run_batch(bench, T, args.steps)
-        row["collectives_per_step"] = {k: v // (3 + args.steps) // len(bench.runners)
-                                       for k, v in comm.counts.items()}
+        row["collectives_per_step"] = bench.collectives
         if args.profile and args.device == "cuda":
             row["profile"] = profile_step(bench, slots)
         if args.host_profile and "specialized" in bench.runners:
