@@ -137,9 +137,10 @@ class Bench:
         per_seq = math.ceil((context + 64) / BLOCK)
         self.num_slots, self.max_blocks = num_slots, per_seq
         self.num_blocks = num_slots * per_seq
-        ns, nb = graph_cache_sizes(num_slots, self.num_blocks)
         self.runners = {}
-        for v in variants:
+        for v in variants:     # only the graphed runner needs the scratch rows
+            ns, nb = (graph_cache_sizes(num_slots, self.num_blocks) if v == "graphed"
+                      else (num_slots, self.num_blocks))
             c = make_caches(model.cfg, model.par, ns, nb, BLOCK, model.dtype, device=device)
             self.runners[v] = (GraphedRunner(model, c, device, num_slots=num_slots,
                                              num_blocks=self.num_blocks,
