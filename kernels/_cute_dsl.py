@@ -15,13 +15,17 @@ try:  # CPU-only machines have no cutlass: kernel classes are defined but never 
     from cutlass import Float32, const_expr
 
     _dsl = cute
+    try:  # cp.async.bulk.prefetch.L2.global (sm_90+), for kernels that stream weights
+        from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
+    except Exception:  # pragma: no cover - older DSL without the experimental wrapper
+        cp_async_bulk_prefetch = None
     _Tensor = cute.Tensor
     try:
         from cuda.bindings.driver import CUstream as _Stream
     except Exception:  # pragma: no cover - cuda-python missing
         _Stream = object
 except Exception:  # ImportError, or a broken native library
-    cutlass = cute = Float32 = None
+    cutlass = cute = Float32 = cp_async_bulk_prefetch = None
 
     class _dsl:  # stand-in decorators so the kernel class still defines without cutlass
         @staticmethod
@@ -38,4 +42,5 @@ except Exception:  # ImportError, or a broken native library
         return v
 
 
-__all__ = ["cutlass", "cute", "Float32", "const_expr", "_dsl", "_Tensor", "_Stream"]
+__all__ = ["cutlass", "cute", "Float32", "const_expr", "_dsl", "_Tensor", "_Stream",
+           "cp_async_bulk_prefetch"]

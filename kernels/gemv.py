@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels._cute import CompileCache, cute_available
-from raydecode.kernels._cute_dsl import Float32, _dsl, _Stream, _Tensor, const_expr, cute, cutlass
+from raydecode.kernels._cute_dsl import (Float32, _dsl, _Stream, _Tensor, const_expr, cp_async_bulk_prefetch,
+                                         cute, cutlass)
 
 
 WARP = 32
@@ -66,6 +67,8 @@ class GemvConfig:
     m_tile: int  # MT: rows of x per CTA
     batch: int = 0  # U: chunks per lane loaded together (double-buffered); 0 = auto
     pdl: bool = False  # programmatic dependent launch: W loads start before the previous kernel ends
+    l2_prefetch_mib: int = 0  # > 0: bulk-prefetch the leading bytes of each row into L2 at entry,
+    #                           at most this many MiB per launch (`prefetch_row_bytes`); 0 = off
 
     @property
     def groups_per_warp(self) -> int:
@@ -89,6 +92,14 @@ class GemvConfig:
             return min(self.batch, J)
         return max(1, min(J, 12 // (self.m_tile + self.rows_per_group)))
 
+    def prefetch_row_bytes(self, N: int, K: int) -> int:
+        """Bytes of each W row the entry prefetch requests (0: none): the whole row (2·K) while
+        N rows fit the budget, else the leading floor16(budget / N) bytes, which the K-ordered
+        loop reads first."""
+        if self.l2_prefetch_mib <= 0:
+            return 0
+        return min(2 * K, (self.l2_prefetch_mib * 2**20 // N) // 16 * 16)
+
     def validate(self, M: int, N: int, K: int) -> None:
         """Raise ValueError when this mapping does not tile (M, N, K) exactly."""
         L, KW = self.lanes_per_row, self.k_warps
@@ -103,6 +114,8 @@ class GemvConfig:
             problems.append(f"m_tile={self.m_tile} must be in [1, {MAX_M_TILE}] and divide M={M}")
         if self.batch < 0:
             problems.append(f"batch={self.batch} must be ≥ 0 (0 = auto)")
+        if self.l2_prefetch_mib < 0:
+            problems.append(f"l2_prefetch_mib={self.l2_prefetch_mib} must be ≥ 0 (0 = off)")
         if self.threads > 1024:
             problems.append(f"{self.threads} threads per CTA exceeds 1024")
         if KW > 1 and self.rows_per_cta * self.m_tile > self.threads:
@@ -182,6 +195,9 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
 }
 # Launch with programmatic dependent launch (PDL): W loads overlap the previous kernel's tail.
 PDL_DEFAULT = True
+# Entry L2 prefetch budget per launch in MiB (GemvConfig.l2_prefetch_mib; 0 = off):
+# RAYDECODE_GEMV_L2_PREFETCH_MIB overrides it for A/B runs.
+L2_PREFETCH_MIB = int(os.environ.get("RAYDECODE_GEMV_L2_PREFETCH_MIB", "0"))
 # `linear` takes the CuTe kernel where it measured faster than cuBLAS (run2): every M = 1 shape,
 # M = 2 below this many weight bytes; M > 2 is FMA-bound on CUDA cores (docs/PERF.md).
 LINEAR_M2_MAX_BYTES = 16 * 2**20
@@ -194,15 +210,15 @@ def _m_tile(M: int) -> int:
 
 
 def config_for(M: int, N: int, K: int) -> GemvConfig:
-    return _config_for(M, N, K, PDL_DEFAULT)
+    return _config_for(M, N, K, PDL_DEFAULT, L2_PREFETCH_MIB)
 
 
 @functools.lru_cache(maxsize=4096)
-def _config_for(M: int, N: int, K: int, pdl: bool) -> GemvConfig:
+def _config_for(M: int, N: int, K: int, pdl: bool, l2_prefetch_mib: int) -> GemvConfig:
     # memoized: default_config's search cost ≈ 35 µs of host time per GEMV call (an eager
     # K3 TP16 step made 3126 calls: 108 ms of its 213; bench/results/step-*.json host profile)
     cfg = TUNED.get((M, N, K)) or default_config(M, N, K)
-    return replace(cfg, pdl=pdl)
+    return replace(cfg, pdl=pdl, l2_prefetch_mib=l2_prefetch_mib)
 
 
 def linear_uses_cute(M: int, N: int, K: int) -> bool:
@@ -289,6 +305,18 @@ class GemvKernel:
             bufs.append((rx, rw))
         # W never depends on the previous kernel: its first batch is requested before the PDL wait,
         # so it streams while the previous grid drains; x (and the y store) come after the wait.
+        # Entry L2 prefetch (`l2_prefetch_mib`): in the first M-tile's CTA, lane 0 of warp w asks
+        # for the leading `prefetch_row_bytes` of the CTA's rows w, w + warps, … (one lane per
+        # warp: a bulk prefetch is a uniform instruction, so divergent lanes would serialize).
+        # Bulk prefetches hold no registers or shared memory, so the whole tile can be in flight
+        # at once (the register loads keep only a few chunks per lane); under PDL they run while
+        # the previous kernel drains.
+        pf = cfg.prefetch_row_bytes(self.N, self.K)
+        if const_expr(pf > 0):
+            n_warps = cfg.threads // WARP
+            for w0 in cutlass.range_constexpr(0, cfg.rows_per_cta, n_warps):
+                if mb == 0 and lane == 0 and warp + w0 < cfg.rows_per_cta:
+                    cp_async_bulk_prefetch(mW.iterator + (nb * cfg.rows_per_cta + warp + w0) * self.K, pf)
         self._load_w(gW, bufs[0], 0, U, J, row0, kw, kl)
         if const_expr(cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()

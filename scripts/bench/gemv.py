@@ -144,7 +144,7 @@ def sweep_configs(M: int, N: int, K: int, limit: int) -> list:
     """The production mapping (`config_for`) first, then up to limit-1 others: one per (split-K
     warps, rows per group), ranked by how close their warp count is to half the H200's 132 × 64
     warp slots. Each mapping is returned with PDL off and on."""
-    base = dataclasses.replace(G.config_for(M, N, K), pdl=False)
+    base = dataclasses.replace(G.config_for(M, N, K), pdl=False, l2_prefetch_mib=0)
     L = base.lanes_per_row
     per_lane = K // G.VEC // L
     out = []
@@ -192,6 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop sweeping after this many seconds")
     ap.add_argument("--no-ffi", action="store_true", help="launch through DLPack + explicit stream")
     ap.add_argument("--shapes", default="", help="comma-separated NxK subset")
+    ap.add_argument("--l2-prefetch-mibs", default="",
+                    help="comma-separated entry-prefetch budgets (MiB): each PDL config is also timed "
+                         "with each (GemvConfig.l2_prefetch_mib), reported under the `_pf` keys")
     args = ap.parse_args(argv)
     if args.no_ffi:
         G.FFI_DEFAULT = False
@@ -218,6 +221,7 @@ def main(argv=None) -> int:
     sweep_ms = {int(m) for m in args.sweep_ms.split(",") if m}
     big_m_shapes = {tuple(int(v) for v in s.split("x")) for s in args.cute_big_m_shapes.split(",") if s}
     subset = {tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s}
+    pf_mibs = [int(m) for m in args.l2_prefetch_mibs.split(",") if m]
     rows = []
     done = set()
     for name, N, K, tp in SHAPES:
@@ -233,6 +237,8 @@ def main(argv=None) -> int:
                 over = time.time() - t_start > args.budget_s
                 n_cfg = args.sweep if (M in sweep_ms and not over) else 1
                 configs = sweep_configs(M, N, K, n_cfg)
+                configs += [dataclasses.replace(c, l2_prefetch_mib=mib) for mib in pf_mibs
+                            for c in configs if c.pdl]
             else:
                 configs = []
             r = bench_shape(N, K, M, configs)
@@ -240,8 +246,9 @@ def main(argv=None) -> int:
             r["linear_uses_cute"] = G.linear_uses_cute(M, N, K)
             r["cublas_bytes_per_s"] = r["weight_bytes"] / (r["cublas_us"] * 1e-6)
             r["cublas_frac_hbm"] = r["cublas_bytes_per_s"] / hbm
-            for tag, pdl in (("", False), ("_pdl", True)):
-                timed = [c for c in r["cute"] if "us" in c and c["config"]["pdl"] == pdl]
+            for tag, pdl, pf in (("", False, False), ("_pdl", True, False), ("_pf", True, True)):
+                timed = [c for c in r["cute"] if "us" in c and c["config"]["pdl"] == pdl
+                         and (c["config"]["l2_prefetch_mib"] > 0) == pf]
                 best = min(timed, key=lambda c: c["us"]) if timed else None
                 r[f"cute{tag}_us"] = best["us"] if best else None
                 r[f"cute{tag}_best_config"] = best["config"] if best else None
@@ -258,6 +265,7 @@ def main(argv=None) -> int:
             print(f"{name:14s} {N:5d}x{K:<4d} M={M:<2d} {r['weight_bytes'] / 1e6:6.1f}MB cublas {r['cublas_us']:7.2f} "
                   f"cute {fmt('cute_us', '7.2f')} ({fmt('cute_frac_hbm', '.2f')}, {fmt('speedup_vs_cublas', '.2f')}x) "
                   f"pdl {fmt('cute_pdl_us', '7.2f')} ({fmt('cute_pdl_frac_hbm', '.2f')}, {fmt('speedup_pdl_vs_cublas', '.2f')}x) "
+                  f"pf {fmt('cute_pf_us', '7.2f')} ({fmt('cute_pf_frac_hbm', '.2f')}) "
                   f"t={time.time() - t_start:.0f}s", flush=True)
             with open(args.out, "w") as f:  # keep partial results if the call is cut short
                 json.dump(report | {"results": rows}, f, indent=1)

@@ -84,6 +84,8 @@ def _env() -> dict:
     env["cute_available"] = cute_available()
     from raydecode.kernels._triton import PDL_DEFAULT
     env["triton_pdl"] = PDL_DEFAULT          # RAYDECODE_TRITON_PDL (kernels/_triton.py)
+    from raydecode.kernels import gemv
+    env["gemv_l2_prefetch_mib"] = gemv.L2_PREFETCH_MIB   # RAYDECODE_GEMV_L2_PREFETCH_MIB
     return env
 
 

@@ -105,6 +105,7 @@ def test_default_mappings_cover_w_once():
         (G.GemvConfig(32, 1, 1, 4, 3), "m_tile=3"),
         (G.GemvConfig(32, 8, 1, 8, 1), "threads per CTA"),
         (G.GemvConfig(32, 1, 4, 4, 1, -1), "batch"),
+        (G.GemvConfig(32, 1, 1, 4, 1, l2_prefetch_mib=-1), "l2_prefetch_mib=-1"),
     ],
 )
 def test_bad_mapping_is_rejected_with_reason(cfg, match):
@@ -115,6 +116,17 @@ def test_bad_mapping_is_rejected_with_reason(cfg, match):
 def test_unsupported_k_is_rejected():
     with pytest.raises(ValueError, match="K=100"):
         G.default_config(1, 64, 100)
+
+
+def test_l2_prefetch_takes_whole_rows_under_the_budget_and_leading_bytes_past_it():
+    assert G.GemvConfig(32, 1, 2, 4, 1).prefetch_row_bytes(7168, 768) == 0          # off
+    on = G.GemvConfig(32, 1, 2, 4, 1, l2_prefetch_mib=32)
+    assert on.prefetch_row_bytes(7168, 768) == 2 * 768                              # 11 MB: whole
+    lead = on.prefetch_row_bytes(10240, 7168)                                       # lm_head TP16
+    assert lead % 16 == 0 and 0 < lead < 2 * 7168
+    assert 10240 * lead <= 32 * 2**20 < 10240 * (lead + 16)                          # fills the budget
+    # the budget is part of the config, so the compile caches key prefetching kernels apart
+    assert on != G.GemvConfig(32, 1, 2, 4, 1) and on != G.GemvConfig(32, 1, 2, 4, 1, l2_prefetch_mib=16)
 
 
 def test_batch_auto_and_explicit():

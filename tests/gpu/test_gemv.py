@@ -83,6 +83,29 @@ def test_gemv_configs_agree(cfg: G.GemvConfig, pdl: bool):
     _check(out, x, w, seed)
 
 
+@pytest.mark.parametrize("mib", [1, 32])
+@pytest.mark.parametrize("M,N,K", [(1, 3584, 7168), (1, 7168, 768), (2, 896, 7168), (1, 10240, 7168)])
+def test_gemv_l2_prefetch_computes_the_same_function(M: int, N: int, K: int, mib: int):
+    """The entry L2 prefetch (whole rows under the budget, leading bytes past it: 1 MiB gives
+    partial rows everywhere, 32 MiB whole rows except lm_head) only warms L2: the result is the
+    reference's, in a graph replayed after the weights change too."""
+    cfg = dataclasses.replace(G.config_for(M, N, K), pdl=True, l2_prefetch_mib=mib)
+    assert 0 < cfg.prefetch_row_bytes(N, K) <= 2 * K
+    x, w, _ = _inputs(M, N, K)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=x.dtype)
+    G.gemv_into(x, w, out, cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        G.gemv_into(x, w, out, cfg)
+    x2, w2, seed = _inputs(M, N, K)
+    x.copy_(x2)
+    w.copy_(w2)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    _check(out, x, w, seed)
+
+
 def test_gemv_replays_in_cuda_graph_with_new_inputs():
     """Captured once, replayed after the inputs change in place: the result follows the inputs."""
     M, N, K = 1, 3584, 7168
