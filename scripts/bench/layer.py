@@ -212,7 +212,7 @@ def run(args) -> dict:
               "model": cfg.name, "context": args.context, "layer_idx": args.layer_idx,
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
-              "mma_config": args.mma_config,
+              "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "method": __doc__.split("Method")[1].strip(), "results": [], "collectives": [],
               "shapes": {}}
     report["hbm_read_Bps"] = args.hbm = hbm_read_bandwidth()
@@ -308,6 +308,22 @@ def _ratios(report: dict) -> None:
             r["speedup_vs_stock"] = s["us"] / r["us"]
 
 
+def set_gemv_mapping(spec: str) -> None:
+    """'N,K={"lanes_per_row": …, "k_warps": …, "rows_per_group": …, "row_warps": …}' → the
+    M = 1 entry of kernels.gemv.TUNED (validated; PDL and the prefetch budget stay the defaults)."""
+    from raydecode.kernels import gemv
+    key, js = spec.split("=", 1)
+    N, K = (int(x) for x in key.split(","))
+    fields = json.loads(js)
+    allowed = {"lanes_per_row", "k_warps", "rows_per_group", "row_warps", "batch"}
+    if not isinstance(fields, dict) or set(fields) - allowed:
+        raise ValueError(f"fields {fields!r}; accepted keys {sorted(allowed)}")
+    cfg = gemv.GemvConfig(m_tile=1, **fields)
+    cfg.validate(1, N, K)
+    gemv.TUNED[(1, N, K)] = cfg
+    gemv._config_for.cache_clear()
+
+
 def _write(report: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
@@ -351,6 +367,10 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-config", action="append", default=[],
                     help="E,I,L={DecodeConfig JSON}: the CUDA-core MoE decode config for that "
                          "shape (same-lease A/B, e.g. words vs f16x2)")
+    ap.add_argument("--gemv-config", action="append", default=[],
+                    help="M=1 GEMV mapping override, repeatable: N,K={json of GemvConfig mapping "
+                         "fields: lanes_per_row, k_warps, rows_per_group, row_warps[, batch]} "
+                         "(kernels.gemv.TUNED; A/B runs of scripts/bench/gemv_tune.py)")
     ap.add_argument("--attnres", choices=("cute", "triton"), default="cute",
                     help="AttnRes mix + norm kernel of the specialized step (cute: the CuTe DSL "
                          "kernel where it supports the layout, else Triton)")
@@ -377,6 +397,12 @@ def main(argv=None) -> int:
                 ap.error(f"{flag} {c!r}: expected E,I,L={{{cls.__name__} fields as JSON}} "
                          f"that fit I and L ({e})")
             table[shape] = conf
+    for c in args.gemv_config:
+        try:
+            set_gemv_mapping(c)
+        except (ValueError, TypeError) as e:
+            ap.error(f"--gemv-config {c!r}: expected N,K={{GemvConfig mapping fields as JSON}} "
+                     f"that tile (1, N, K) ({e})")
     for name, conv in (("tps", int), ("kinds", str), ("batches", int),
                        ("moe_decode_sweep_batches", int)):
         vals = [conv(v) for v in getattr(args, name).split(",") if v]
