@@ -179,18 +179,30 @@ def default_config(M: int, N: int, K: int, sm_count: int = 132) -> GemvConfig:
     return best[1]
 
 
-# Per-shape M = 1 mappings: the fastest PDL launch of an 8-config sweep in
-# bench/results/gemv-h200-2026-11-29-run2.json (H200, CUDA graph, rotating weights).
+# Per-shape M = 1 mappings. First the fastest PDL launch of an 8-config sweep in
+# bench/results/gemv-h200-2026-11-29-run2.json; then (marked *) the winners of
+# scripts/bench/gemv_tune.py over 25 mappings per shape, adopted where ≥ 3% faster and confirmed
+# inside the layer (bench/results/gemv-tune-h200-2026-11-30-tp{16,8}.json, docs/PERF.md round 14;
+# the packed shapes of the served step had no entry before). H200, CUDA graph, rotating weights.
 # Key (M, N, K) -> (lanes_per_row, k_warps, rows_per_group, row_warps); others use default_config.
 TUNED: dict[tuple[int, int, int], GemvConfig] = {
     (1, N, K): GemvConfig(L, KW, R, WR, 1)
     for (N, K), (L, KW, R, WR) in {
-        (1152, 1536): (32, 6, 2, 2), (2304, 1536): (32, 6, 4, 1), (2112, 7168): (32, 2, 1, 2),
-        (3144, 7168): (32, 2, 2, 4), (6288, 7168): (32, 2, 4, 2), (7168, 768): (32, 1, 2, 4),
-        (7168, 1536): (32, 1, 2, 4), (3584, 7168): (32, 4, 4, 4), (7168, 3584): (32, 1, 2, 4),
-        (896, 7168): (32, 14, 4, 1), (768, 7168): (32, 7, 2, 2), (1536, 7168): (32, 2, 1, 4),
+        (1152, 1536): (32, 6, 2, 2), (2304, 1536): (32, 6, 4, 1), (2112, 7168): (32, 7, 4, 1),  # *
+        (3216, 7168): (32, 4, 2, 1),  # * KDA in_proj TP16
+        (6288, 7168): (16, 7, 2, 1),  # * KDA in_proj TP8
+        (7168, 768): (16, 3, 4, 1),  # * o_proj TP16
+        (7168, 1536): (32, 1, 2, 4),
+        (3584, 7168): (16, 7, 2, 1),  # * latent_down (replicated, stock)
+        (7168, 3584): (32, 1, 2, 4),
+        (896, 7168): (16, 7, 1, 2),  # * router (replicated, stock)
+        (768, 7168): (32, 7, 2, 2), (1536, 7168): (32, 2, 1, 4),
         (7168, 384): (16, 3, 2, 2), (10240, 7168): (32, 2, 4, 2), (20480, 7168): (32, 1, 2, 4),
         (16384, 7168): (32, 2, 4, 2),
+        # * packed GEMVs of the specialized step (models/moe.py _h2_proj / _ffn_out,
+        #   models/mla.py _qkv_a_g): TP16, then TP8
+        (1048, 7168): (16, 7, 1, 1), (7168, 640): (8, 5, 4, 2), (900, 7168): (16, 8, 1, 2),
+        (2096, 7168): (16, 7, 2, 1), (1800, 7168): (32, 7, 4, 1),
     }.items()
 }
 # Launch with programmatic dependent launch (PDL): W loads overlap the previous kernel's tail.

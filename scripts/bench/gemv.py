@@ -34,7 +34,7 @@ SHAPES = [
     ("q_b", 1152, 1536, "16"),
     ("q_b", 2304, 1536, "8"),
     ("fused_qkv_a", 2112, 7168, "16/8"),
-    ("kda_in_proj", 3144, 7168, "16"),
+    ("kda_in_proj", 3216, 7168, "16"),
     ("kda_in_proj", 6288, 7168, "8"),
     ("o_proj", 7168, 768, "16"),
     ("o_proj", 7168, 1536, "8"),
@@ -48,6 +48,13 @@ SHAPES = [
     ("lm_head", 10240, 7168, "16"),
     ("lm_head", 20480, 7168, "8"),
     ("big", 16384, 7168, "-"),
+    # the packed GEMVs of the specialized step (models/moe.py _h2_proj, _ffn_out; models/mla.py _qkv_a_g)
+    ("h2_proj", 1048, 7168, "16"),
+    ("h2_proj", 2096, 7168, "8"),
+    ("ffn_out", 7168, 640, "16"),
+    ("ffn_out", 7168, 1280, "8"),
+    ("qkv_a_g", 900, 7168, "16"),
+    ("qkv_a_g", 1800, 7168, "8"),
 ]
 
 

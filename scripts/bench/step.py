@@ -300,9 +300,18 @@ def main(argv=None) -> int:
                     help="per batch, one more step per variant under the CUDA profiler")
     ap.add_argument("--host-profile", action="store_true",
                     help="per batch, cProfile of one more eager specialized step")
+    ap.add_argument("--gemv-config", action="append", default=[],
+                    help="M=1 GEMV mapping override, repeatable (layer.py --gemv-config syntax)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
     args = ap.parse_args(argv)
+    from .layer import set_gemv_mapping
+    for c in args.gemv_config:
+        try:
+            set_gemv_mapping(c)
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"--gemv-config {c!r}: expected N,K={{GemvConfig mapping fields as "
+                             f"JSON}} that tile (1, N, K) ({e})")
     batches = [int(b) for b in args.batches.split(",")]
     variants = tuple(args.variants.split(","))
     if not variants or any(v not in VARIANTS for v in variants):
@@ -357,7 +366,7 @@ def main(argv=None) -> int:
               "config": cfg.name, "tp": args.tp, "layers": cfg.num_layers,
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
-              "moe_fused": moe.FUSED_SPECIALIZED,
+              "moe_fused": moe.FUSED_SPECIALIZED, "gemv_config": args.gemv_config,
               "method": __doc__.split("\n\n", 2)[2], "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
