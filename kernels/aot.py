@@ -2,9 +2,10 @@
 
     plan_kernels(cfg, tp, buckets, arch)  -> KernelPlan: every CuTe GEMV `linear` sends to CuTe
         for this (model, TP, M bucket) — `decode_gemv_shapes` × M ∈ buckets with
-        `linear_uses_cute(M, N, K)` and `config_for(M, N, K)` — plus the Triton launches whose
-        signature the config fixes (`aot_triton.triton_specs`); shapes that go to cuBLAS or have
-        no GEMV mapping are listed in `skipped` with the reason.
+        `linear_uses_cute(M, N, K)` and `config_for(M, N, K)`, each with its output dtype
+        (`params.gemv_out_dtype`: an fp32-out GEMV is a kernel of its own) — plus the Triton
+        launches whose signature the config fixes (`aot_triton.triton_specs`); shapes that go
+        to cuBLAS or have no GEMV mapping are listed in `skipped` with the reason.
     warm(plan, root)  -> compiles what the cache dir lacks (one process per kernel per node, the
         others wait on the kernel's flock and load), returns per-kernel events.
     prepare_kernel_cache(cfg, par, buckets) -> the rank-worker hook: run before CUDA-graph capture
@@ -25,12 +26,13 @@ from pathlib import Path
 import torch
 
 from raydecode.kernels.aot_store import (
-    ENV, STATS, KernelCacheError, _store, cache_dir, check_arch, current_arch, digest,
+    ENV, STATS, KernelCacheError, _dname, _store, cache_dir, check_arch, current_arch, digest,
     file_lock, load_or_compile_gemv, use_triton_cache, versions,
 )
 from raydecode.kernels.aot_triton import TritonSpec, compile_spec, triton_specs
 
 DEFAULT_BUCKETS = (1, 2)
+OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}   # params.gemv_out_dtype -> torch
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,12 @@ class GemvItem:
     K: int
     config: object                    # kernels.gemv.GemvConfig
     dtype: torch.dtype = torch.bfloat16
+    out_dtype: torch.dtype = torch.bfloat16   # y's dtype: bf16, or fp32 (the accumulator)
+
+    @property
+    def kernel_key(self) -> tuple:
+        """What makes a distinct compiled kernel (kernels/gemv.py `_compiled`)."""
+        return (self.dtype, self.M, self.N, self.K, self.config, self.out_dtype)
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,8 @@ class KernelPlan:
     skipped: tuple[tuple[str, int, int, int, str], ...]   # (name, M, N, K, why)
 
     def describe(self) -> list[str]:
-        lines = [f"{g.name:16s} gemv  M={g.M} N={g.N} K={g.K} {g.config}" for g in self.gemvs]
+        lines = [f"{g.name:16s} gemv  M={g.M} N={g.N} K={g.K} out={_dname(g.out_dtype)} "
+                 f"{g.config}" for g in self.gemvs]
         lines += [f"{t.name:16s} triton {t.kernel}" for t in self.triton]
         lines += [f"{n:16s} skip  M={m} N={nn} K={k}: {why}" for n, m, nn, k, why in self.skipped]
         return lines
@@ -71,7 +80,7 @@ def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
                  path: str = "specialized") -> KernelPlan:
     """What one rank of a (cfg, TP) replica compiles for decode at these M buckets on `arch`."""
     from raydecode.kernels.gemv import config_for, linear_uses_cute
-    from raydecode.models.params import ShardError, decode_gemv_shapes
+    from raydecode.models.params import ShardError, decode_gemv_shapes, gemv_out_dtype
 
     buckets, arch = check_buckets(buckets), check_arch(arch)
     try:
@@ -89,9 +98,11 @@ def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
             except ValueError as e:
                 skipped.append((name, M, N, K, f"no GEMV mapping: {e}"))
                 continue
-            if (M, N, K, cfg_m) not in seen:      # two weights of one shape share a kernel
-                seen.add((M, N, K, cfg_m))
-                gemvs.append(GemvItem(name, M, N, K, cfg_m))
+            out = OUT_DTYPES[gemv_out_dtype(name, path)]
+            item = GemvItem(name, M, N, K, cfg_m, out_dtype=out)
+            if item.kernel_key not in seen:     # two weights of one shape share a kernel
+                seen.add(item.kernel_key)
+                gemvs.append(item)
     return KernelPlan(cfg.name, tp, buckets, arch, tuple(gemvs), tuple(triton_specs(cfg)),
                       tuple(skipped))
 
@@ -123,16 +134,18 @@ def warm(plan: KernelPlan, root: Path, triton: bool = True, log=None) -> list[di
             why = "nvidia-cutlass-dsl missing" if gemv.cute is None else \
                 "RAYDECODE_CUTE_TVM_FFI=0: export needs TVM-FFI"
             ev = {"name": g.name, "kind": "cute_gemv", "M": g.M, "N": g.N, "K": g.K,
-                  "action": f"skipped ({why})", "seconds": 0.0}
+                  "out_dtype": _dname(g.out_dtype), "action": f"skipped ({why})",
+                  "seconds": 0.0}
         else:
             if via_compiled:
-                gemv._compiled(g.dtype, g.M, g.N, g.K, g.config)
+                gemv._compiled(g.dtype, g.M, g.N, g.K, g.config, g.out_dtype)
             else:
                 load_or_compile_gemv(g.dtype, g.M, g.N, g.K, g.config, gemv.compile_gemv, root,
-                                     plan.arch)
+                                     plan.arch, out_dtype=g.out_dtype)
             action = store.events[n0]["action"] if len(store.events) > n0 else "in-process"
             ev = {"name": g.name, "kind": "cute_gemv", "M": g.M, "N": g.N, "K": g.K,
-                  "action": action, "seconds": time.monotonic() - t0}
+                  "out_dtype": _dname(g.out_dtype), "action": action,
+                  "seconds": time.monotonic() - t0}
         events.append(ev)
         if log:
             log(ev)

@@ -7,7 +7,8 @@ is arithmetic over that list:
 - `param_counts(cfg)`: total and per-token active parameters, by kind.
 - `weight_bytes_per_rank(cfg, tp, path)`: bytes one rank holds (`stock` layout) or reads per step
   (`specialized`), by kind.
-- `decode_gemv_shapes(cfg, tp, path)`: per-rank (N, K) of the decode GEMVs (DESIGN §1).
+- `decode_gemv_shapes(cfg, tp, path)`: per-rank (N, K) of the decode GEMVs (DESIGN §1), their
+  output dtypes `gemv_out_dtype(name, path)` (FP32_OUT_GEMVS).
 - `decode_reads(...)`, `drafter_reads(...)`: bytes and FLOPs one rank moves per decode step,
   per sublayer kind; `kv_bytes_per_token`, `kda_state_bytes_per_seq`: cache sizes.
 
@@ -242,13 +243,58 @@ def _pad(n: int, a: int = FUSED_ROW_ALIGN) -> int:
     return -(-n // a) * a
 
 
+# Decode GEMVs whose kernel writes the fp32 accumulator unrounded (`kernels.gemv.linear(...,
+# out_dtype=torch.float32)`), by path; every other entry of `decode_gemv_shapes` writes bf16. An
+# fp32-out GEMV is a different compiled kernel (kernels/aot.py plans it with that out dtype).
+# - router: fp32 logits (the routing top-k reads them unrounded);
+# - q_b_folded: MLA q_b' at DCP 1 (kernels/mla_decode.py `folded_q_b_weight`: the q norm scale is
+#   applied to the fp32 output, which is rounded once after it);
+# - h2_proj: the fused MoE block's [router ‖ latent down ‖ shared gate ‖ up] (each consumer
+#   rounds its columns itself).
+FP32_OUT_GEMVS: dict[DecodePath, frozenset[str]] = {
+    "stock": frozenset({"router"}),
+    "specialized": frozenset({"router", "q_b_folded", "h2_proj"}),
+}
+
+
+def gemv_out_dtype(name: str, path: DecodePath = "stock") -> str:
+    """'fp32' or 'bf16': the output dtype of `decode_gemv_shapes` entry `name` on `path`."""
+    return "fp32" if name in FP32_OUT_GEMVS[path] else "bf16"
+
+
+def moe_block_fused(cfg: K3Config) -> bool:
+    """Whether the specialized MoE block has the fused form's parts (models/moe.py
+    `LatentMoE._fused_ok`, besides its bf16 / RAYDECODE_MOE_FUSED run-time conditions): shared
+    experts and the latent norm."""
+    return cfg.moe.num_shared_experts > 0 and cfg.moe.latent_norm
+
+
 def decode_gemv_shapes(cfg: K3Config, tp: int,
                        path: DecodePath = "stock") -> dict[str, tuple[int, int]]:
-    """Per-rank (N, K) of each decode GEMV (bf16 unless noted), as a layer kernel sees it.
+    """Per-rank (N, K) of each decode GEMV, as a layer kernel sees it; output dtype
+    `gemv_out_dtype(name, path)` (bf16 unless listed in FP32_OUT_GEMVS).
 
     Fused: `fused_qkv_a` = q_a ‖ kv_a; `kda_in_proj` = q ‖ k ‖ v ‖ g ‖ b (split) ‖ f_a
-    (whole), rows padded to FUSED_ROW_ALIGN."""
+    (whole), rows padded to FUSED_ROW_ALIGN; `shared_gate_up`, `dense_gate_up` and
+    `expert_gate_up` = gate ‖ up (layer-benchmark layouts; the model launches gate and up as
+    the two GEMVs `*_gate`, `*_up`).
+
+    Also listed, so that kernels/aot.py plans every CuTe GEMV a step launches:
+    - both paths: `kda_qkvg` (each of the q, k, v, g projections), `kda_b`, `kda_f_a` (the KDA
+      step outside the fused decode: a sequence's first token, speculative verify),
+      `dense_gate`, `dense_up`, `shared_gate`, `shared_up` (GatedMLP);
+    - specialized, the packed weights of the fused decode (models/mla.py `_qkv_a_g`,
+      `_q_b_folded`; models/moe.py `_h2_proj`, `_ffn_out`):
+        `qkv_a_g`    (ΣN/TP of [q_a; kv_a] + h·v/TP of g_proj, H)   with the output gate
+        `q_b_folded` q_b's shape, fp32 out                          with the output gate
+        `h2_proj`    (E/TP + L/TP + 2·I_sh/TP, H), fp32 out         `moe_block_fused(cfg)`
+        `ffn_out`    (H, L/TP + I_sh/TP padded to FFN_K_ALIGN)       `moe_block_fused(cfg)`
+      and the unfused MoE block's (RAYDECODE_MOE_FUSED=0) latent up, computed as H/TP rows:
+        `latent_up_rows` (H/TP, L).
+    At TP 1 the packers move the replicated weights into the buffer instead of copying rows
+    of them; the row counts are the same formulas at tp = 1."""
     by = {t.name: t for t in inventory(cfg)}
+    specialized = path == "specialized"
 
     def rows(name: str) -> int:
         t = by[name]
@@ -266,24 +312,41 @@ def decode_gemv_shapes(cfg: K3Config, tp: int,
         out["o_proj"] = (H, cols("mla.o_proj"))
         if "mla.g_proj" in by:
             out["g_proj"] = (rows("mla.g_proj"), H)
+            if specialized:     # row_pieces of [q_a; kv_a] sum to ΣN/TP on every rank
+                out["qkv_a_g"] = (out["fused_qkv_a"][0] + out["g_proj"][0], H)
+                out["q_b_folded"] = out["q_b"]
     if cfg.kda_layer_ids:
         kda_rows = sum(rows(f"kda.{p}_proj") for p in "qkvgb") + rows("kda.f_a_proj")
         out["kda_in_proj"] = (_pad(kda_rows), H)
         out["kda_f_b"] = (rows("kda.f_b_proj"), cfg.kda.head_dim)
         out["kda_o_proj"] = (H, cols("kda.o_proj"))
+        out["kda_qkvg"] = (rows("kda.q_proj"), H)
+        out["kda_b"] = (rows("kda.b_proj"), H)
+        out["kda_f_a"] = (rows("kda.f_a_proj"), H)
     if "mlp.gate" in by:
         out["router"] = (rows("mlp.gate"), H)
         out["latent_down"] = (rows("mlp.latent_down_proj"), H)
         out["latent_up"] = (H, cols("mlp.latent_up_proj"))
+        if specialized:     # the unfused block's latent up: 1/TP of its H rows, K = L
+            if H % tp:
+                raise ShardError(f"mlp.latent_up_proj: hidden_size = {H} rows are not "
+                                 f"divisible by TP = {tp}; choose a TP that divides {H}")
+            out["latent_up_rows"] = (H // tp, cfg.moe.latent_size)
     if "mlp.shared_experts.gate_up_proj" in by:
         out["shared_gate_up"] = (rows("mlp.shared_experts.gate_up_proj"), H)
         out["shared_down"] = (H, cols("mlp.shared_experts.down_proj"))
+        out["shared_gate"] = out["shared_up"] = (out["shared_gate_up"][0] // 2, H)
+        if specialized and "mlp.gate" in by and moe_block_fused(cfg):
+            out["h2_proj"] = (out["router"][0] + out["latent_down"][0]
+                              + out["shared_gate_up"][0], H)
+            out["ffn_out"] = (H, _pad(out["latent_up"][1] + out["shared_down"][1], FFN_K_ALIGN))
     if "mlp.experts.gate_up_proj" in by:   # one expert's slice (MXFP4 when quantized)
         out["expert_gate_up"] = (rows("mlp.experts.gate_up_proj"), cfg.moe.latent_size)
         out["expert_down"] = (cfg.moe.latent_size, cols("mlp.experts.down_proj"))
     if "mlp.gate_up_proj" in by:
         out["dense_gate_up"] = (rows("mlp.gate_up_proj"), H)
         out["dense_down"] = (H, cols("mlp.down_proj"))
+        out["dense_gate"] = out["dense_up"] = (out["dense_gate_up"][0] // 2, H)
     lm = "lm_head" if "lm_head" in by else "embed_tokens"
     out["lm_head"] = (rows(lm), H)
     return out

@@ -54,8 +54,30 @@ def test_plan_k3_tp16_lists_the_expected_gemvs():
     assert all(g.M in (1, 2) and g.config == config_for(g.M, g.N, g.K) for g in plan.gemvs)
     # o_proj and kda_o_proj share (7168, 768): one kernel, not two
     assert not {("kda_o_proj", 1, 7168, 768)} & got
-    assert len({(g.M, g.N, g.K) for g in plan.gemvs}) == len(plan.gemvs) == 28
+    assert len({g.kernel_key for g in plan.gemvs}) == len(plan.gemvs)
     assert {t.name for t in plan.triton} == {"route_topk", "latent_rms_norm_cast"}
+
+
+def test_plan_k3_tp16_packed_gemvs_with_their_out_dtypes():
+    """The fused specialized decode's packed GEMVs (models/params.py docstring), each compiled
+    with the output dtype the model launches it with."""
+    plan = aot.plan_kernels(load_config("k3"), 16, (1, 2), "sm_90a")
+    got = {(g.name, g.M, g.N, g.K, g.out_dtype) for g in plan.gemvs}
+    bf, f32 = torch.bfloat16, torch.float32
+    for M in (1, 2):
+        assert ("qkv_a_g", M, 132 + 768, 7168, bf) in got          # 2112/16 + 12288/16 rows
+        assert ("q_b_folded", M, 1152, 1536, f32) in got           # q_b' of the fused MLA decode
+        assert ("q_b", M, 1152, 1536, bf) in got                   # DCP > 1: q_b, bf16 out
+        assert ("h2_proj", M, 56 + 224 + 768, 7168, f32) in got    # E, L, 2·I_sh over 16
+        assert ("ffn_out", M, 7168, 640, bf) in got                # 224 + 384 → 640
+        assert ("router", M, 56, 7168, f32) in got
+        assert ("shared_gate", M, 384, 7168, bf) in got            # unfused block: gate, up
+        assert ("latent_up_rows", M, 448, 3584, bf) in got         # unfused block: H/16 rows
+    assert ("dense_gate", 1, 2112, 7168, bf) in got                # layer 0: 33792/16
+    # one weight shape, two out dtypes: two kernels; bf16 out is the default
+    assert sum((g.M, g.N, g.K) == (1, 1152, 1536) for g in plan.gemvs) == 2
+    assert aot.GemvItem("x", 1, 8, 64, config_for(1, 8, 64)).out_dtype == bf
+    assert any("h2_proj" in ln and "out=float32" in ln for ln in plan.describe())
 
 
 def test_plan_rejects_bad_input_by_name():
@@ -250,6 +272,39 @@ def test_cute_gemv_concurrent_processes_compile_once_and_corruption_recovers(tmp
     third = _run("import warnings; warnings.simplefilter('always')\n" + textwrap.dedent(_GEMV_WORKER), env)
     assert (third["compiled"], third["recompiled_corrupt"]) == (1, 1)
     assert third["errors"] == res[0]["errors"]
+
+
+_WARM_WORKER = """
+    import json, os, torch
+    from pathlib import Path
+    from raydecode.kernels import aot, aot_store, gemv
+    M, N, K = 1, 256, 512
+    cfg = gemv.config_for(M, N, K)
+    items = tuple(aot.GemvItem(f"g_{o}", M, N, K, cfg, out_dtype=getattr(torch, o))
+                  for o in ("bfloat16", "float32"))
+    plan = aot.KernelPlan("toy", 1, (1,), "sm_90a", items, (), ())
+    events = {}
+    for root in (os.environ[aot.ENV], os.environ["OTHER_ROOT"]):   # via _compiled / direct
+        events[root] = [(e["out_dtype"], e["action"]) for e in aot.warm(plan, Path(root))]
+    gemv._compiled(torch.bfloat16, M, N, K, cfg, torch.float32)   # gemv_into's fp32-out kernel
+    print(json.dumps({"events": events, **aot_store.STATS}))
+"""
+
+
+@pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl not installed (run in venv-cute)")
+def test_warm_compiles_each_out_dtype_as_its_own_kernel(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    env = {aot.ENV: str(a), "OTHER_ROOT": str(b), "CUTE_DSL_ARCH": "sm_90a"}
+    first, second = _run(_WARM_WORKER, env), _run(_WARM_WORKER, env)
+    for root in (a, b):
+        assert first["events"][str(root)] == [["bfloat16", "compiled"], ["float32", "compiled"]]
+        assert second["events"][str(root)] == [["bfloat16", "loaded"], ["float32", "loaded"]]
+        entries = json.loads((root / "manifest.json").read_text())["entries"].values()
+        assert sorted(e["key"]["out_dtype"] for e in entries) == ["bfloat16", "float32"]
+    # the warmed fp32-out kernel is the one gemv_into asks for: no compile in either process
+    # beyond the 2 × 2 warm builds of the first
+    assert (first["compiled"], first["loaded"]) == (4, 0)
+    assert (second["compiled"], second["loaded"]) == (0, 4)
 
 
 # ---- real offline Triton compile (venv-triton) ---------------------------------------------

@@ -3,6 +3,7 @@ K3's published dimensions (DESIGN §1): H 7168, vocab 163840, 93 layers (24 MLA,
 dense FFN 33792, 92 latent-MoE layers), MLA 96 heads q_lora 1536 kv_lora 512 nope 128 rope 64
 v 128 with output gate, KDA 96×128 conv 4, 896 experts top-16 intermediate 3072 in a 3584
 latent, 2 shared experts (6144), routed experts MXFP4 (0.5 B + 1/32 B per param)."""
+import dataclasses
 import random
 
 import pytest
@@ -103,6 +104,49 @@ def test_design_shapes_tp16_and_specialized(k3):
     sp = P.decode_gemv_shapes(k3, 16, "specialized")
     assert sp["fused_qkv_a"] == (132, 7168) and sp["router"] == (56, 7168)
     assert sp["latent_down"] == (224, 7168) and sp["latent_up"] == (7168, 224)
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_specialized_packed_gemvs(k3, tp):
+    """The fused specialized decode's packed GEMVs (models/mla.py `_qkv_a_g`, models/moe.py
+    `_h2_proj`, `_ffn_out`) and the unfused block's / GatedMLP's separate launches."""
+    sp = P.decode_gemv_shapes(k3, tp, "specialized")
+    # qkv_a_g: [q_a; kv_a] rows (1536 + 576)/TP ‖ g_proj rows 96·128/TP
+    # h2_proj: router 896/TP ‖ latent down 3584/TP ‖ shared gate ‖ up 2·6144/TP
+    # ffn_out: K = latent up cols 3584/TP ‖ shared down cols 6144/TP, padded to 128
+    expect = {16: {"qkv_a_g": (900, H),        # 132 + 768
+                   "h2_proj": (1048, H),       # 56 + 224 + 768
+                   "ffn_out": (H, 640)},       # 224 + 384 = 608 → 640
+              8: {"qkv_a_g": (1800, H),        # 264 + 1536
+                  "h2_proj": (2096, H),        # 112 + 448 + 1536
+                  "ffn_out": (H, 1280)}}[tp]   # 448 + 768 = 1216 → 1280
+    for name, shape in expect.items():
+        assert sp[name] == shape, name
+    assert sp["q_b_folded"] == sp["q_b"] == (96 * 192 // tp, 1536)
+    assert sp["dense_gate"] == sp["dense_up"] == (I_DENSE // tp, H)
+    assert sp["shared_gate"] == sp["shared_up"] == (SHARED_I // tp, H)
+    assert sp["latent_up_rows"] == (H // tp, LAT)
+    assert sp["kda_qkvg"] == (INNER // tp, H) and sp["kda_b"] == (96 // tp, H)
+    assert sp["kda_f_a"] == (128, H)                               # replicated
+    fp32 = {n for n in sp if P.gemv_out_dtype(n, "specialized") == "fp32"}
+    assert fp32 == {"router", "q_b_folded", "h2_proj"}
+    # the packed weights exist only on the specialized path; stock keeps every other key
+    st = P.decode_gemv_shapes(k3, tp, "stock")
+    assert set(sp) - set(st) == {"qkv_a_g", "q_b_folded", "h2_proj", "ffn_out", "latent_up_rows"}
+    assert P.gemv_out_dtype("router", "stock") == "fp32"
+    assert P.gemv_out_dtype("q_b", "stock") == P.gemv_out_dtype("q_b", "specialized") == "bf16"
+
+
+def test_fused_moe_shapes_need_the_fused_blocks_parts(k3):
+    """No shared experts or no latent norm: the unfused block runs, no h2_proj / ffn_out;
+    no MLA output gate: no qkv_a_g / q_b_folded (the fused MLA decode needs the gate)."""
+    for moe in (dataclasses.replace(k3.moe, num_shared_experts=0),
+                dataclasses.replace(k3.moe, latent_norm=False)):
+        sp = P.decode_gemv_shapes(dataclasses.replace(k3, moe=moe), 16, "specialized")
+        assert "h2_proj" not in sp and "ffn_out" not in sp and sp["router"] == (56, H)
+    no_gate = dataclasses.replace(k3, mla=dataclasses.replace(k3.mla, use_output_gate=False))
+    sp = P.decode_gemv_shapes(no_gate, 16, "specialized")
+    assert "qkv_a_g" not in sp and "q_b_folded" not in sp and sp["fused_qkv_a"] == (132, H)
 
 
 def test_total_and_active_params(k3):
