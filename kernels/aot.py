@@ -103,7 +103,7 @@ def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
             if item.kernel_key not in seen:     # two weights of one shape share a kernel
                 seen.add(item.kernel_key)
                 gemvs.append(item)
-    return KernelPlan(cfg.name, tp, buckets, arch, tuple(gemvs), tuple(triton_specs(cfg)),
+    return KernelPlan(cfg.name, tp, buckets, arch, tuple(gemvs), tuple(triton_specs(cfg, tp)),
                       tuple(skipped))
 
 

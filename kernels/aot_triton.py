@@ -49,11 +49,18 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def triton_specs(cfg) -> list[TritonSpec]:
-    """The decode-path Triton launches whose signature follows from the model config alone
-    (TP-independent): the fused router top-k and the routed latent's RMSNorm cast. Kernels with
-    data-dependent specializations (AttnRes bank count per layer, MoE runs) are left to the JIT,
-    which shares TRITON_CACHE_DIR across the node's ranks."""
+def triton_specs(cfg, tp: int = 1) -> list[TritonSpec]:
+    """The decode-path Triton launches whose signature follows from the model config and TP:
+    the fused router top-k, and the fused MoE block's latent norm + SiTU (models/moe.py
+    `_forward_fused` → `latent_norm_situ`; its widths are 1/TP, from `decode_gemv_shapes`).
+    Kernels with data-dependent specializations (AttnRes bank count per layer, MoE runs) are
+    left to the JIT, which shares TRITON_CACHE_DIR across the node's ranks.
+
+    The norm + SiTU spec takes rank 0's latent offset c0 = 0; another rank's c0 = r·L/TP
+    specializes the same way while L/TP is a multiple of 16 (K3: 224 at TP16, 448 at TP8),
+    else that rank JITs it once."""
+    from raydecode.models.params import decode_gemv_shapes, moe_block_fused
+
     out = []
     if cfg.moe is not None and any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
         E, k = cfg.moe.num_experts, cfg.moe.top_k
@@ -65,13 +72,21 @@ def triton_specs(cfg) -> list[TritonSpec]:
             (("K", k), ("KP", _next_pow2(k)), ("BLOCK_E", be), ("HAS_BIAS", True),
              ("RENORM", True), ("SORT", SORT_DEFAULT),
              ("num_warps", max(1, min(8, be // 256)))) + PDL_KW))
-        D = cfg.moe.latent_size
-        bd = _next_pow2(D)
-        out.append(TritonSpec(   # kernels/decode_elementwise_triton.py rms_norm_cast, (T, D) fp32
-            "latent_rms_norm_cast", "raydecode.kernels.decode_elementwise_triton:_rms_cast_kernel",
-            (("ptr", "float32"), ("int", D), ("ptr", "bfloat16"), ("ptr", "bfloat16"),
-             ("int", D), ("int", D), ("float", 1e-6)),
-            (("BLOCK", bd), ("num_warps", max(1, min(16, bd // 512)))) + PDL_KW))
+        if moe_block_fused(cfg) and cfg.dtype == "bfloat16":
+            sh = decode_gemv_shapes(cfg, tp, "specialized")
+            D, n_cols, I = cfg.moe.latent_size, sh["latent_down"][0], sh["shared_gate"][0]
+            y_cols, k_out = sh["h2_proj"][0], sh["ffn_out"][1]
+            lin = cfg.situ_linear_beta
+            out.append(TritonSpec(   # kernels/decode_elementwise_triton.py latent_norm_situ
+                "latent_norm_situ", "raydecode.kernels.decode_elementwise_triton:_norm_situ_kernel",
+                (("ptr", "float32"), ("int", D), ("ptr", "bfloat16"), ("int", D),
+                 ("float", cfg.rms_norm_eps), ("int", 0), ("int", n_cols),
+                 ("ptr", "float32"), ("int", y_cols), ("int", I), ("float", cfg.situ_beta),
+                 ("float", lin if lin is not None else 1.0), ("ptr", "bfloat16"),
+                 ("int", k_out), ("int", k_out)),
+                (("HAS_LIN", lin is not None), ("BLOCK_D", _next_pow2(D)),
+                 ("BLOCK", min(1024, _next_pow2(k_out - n_cols))), ("num_warps", 8))
+                + PDL_KW))
     return out
 
 

@@ -64,7 +64,7 @@ from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_,
                      replicated_linear, situ)
 from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
-from .params import FFN_K_ALIGN
+from .params import FFN_K_ALIGN, moe_block_fused
 from .specialized import linear_for, row_slice, sharded_gemv
 
 
@@ -298,8 +298,8 @@ class LatentMoE(nn.Module):
     def _fused_ok(self, x: torch.Tensor) -> bool:
         """The fused specialized block (`_forward_fused`): shared experts and the latent norm
         present, a bf16 model (the norm + SiTU op writes the bf16 GEMV input)."""
-        return (FUSED_SPECIALIZED and self.shared_experts is not None
-                and self.routed_expert_norm is not None and x.dtype == torch.bfloat16)
+        # the parts: params.moe_block_fused(cfg), which the kernel plan (kernels/aot.py) reads
+        return (FUSED_SPECIALIZED and moe_block_fused(self.cfg) and x.dtype == torch.bfloat16)
 
     def _h2_proj(self) -> torch.Tensor:
         """(E/TP + L/TP + 2·I_sh, H): this rank's router rows and latent-down rows (copies of

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     warm(plan, root, triton=not args.no_triton,
          log=lambda ev: print(f"{ev['action']:9s} {ev['seconds']:7.2f}s  {ev['kind']:9s} "
                               f"{ev['name']}" + (f" M={ev['M']} N={ev['N']} K={ev['K']}"
+                                                 f" out={ev['out_dtype']}"
                                                  if "M" in ev else ""), flush=True))
     print(f"# done in {time.monotonic() - t0:.1f}s; cache {root} (manifest.json)")
     return 0

@@ -55,7 +55,7 @@ def test_plan_k3_tp16_lists_the_expected_gemvs():
     # o_proj and kda_o_proj share (7168, 768): one kernel, not two
     assert not {("kda_o_proj", 1, 7168, 768)} & got
     assert len({g.kernel_key for g in plan.gemvs}) == len(plan.gemvs)
-    assert {t.name for t in plan.triton} == {"route_topk", "latent_rms_norm_cast"}
+    assert {t.name for t in plan.triton} == {"route_topk", "latent_norm_situ"}
 
 
 def test_plan_k3_tp16_packed_gemvs_with_their_out_dtypes():
