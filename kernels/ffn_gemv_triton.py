@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from raydecode.kernels import gemv_norm_situ as _cute_ns
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.decode_elementwise_triton import (latent_norm_situ,
                                                          latent_norm_situ_reference)
@@ -61,6 +62,10 @@ from raydecode.kernels.decode_elementwise_triton import (latent_norm_situ,
 MAX_T = 8              # tokens the kernel serves (weight-bound GEMV; above: the pair + cuBLAS)
 MAX_TILE_COLS = 1280   # Σ column pieces: the (32, ·) bf16 tile is ≤ 160 registers a thread
 LAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# `norm_situ_gemv` takes the CuTe form (kernels/gemv_norm_situ.py: the CuTe GEMV with this
+# prologue in shared memory) where it serves (M ≤ 2, fp32 lat and gu), this Triton kernel
+# elsewhere up to MAX_T. False: Triton only (the round-10 form, for A/B runs).
+USE_CUTE = True
 HBM_BYTES_PER_S = 4.8e12   # H200 nominal
 
 if triton is not None:
@@ -229,9 +234,13 @@ def _validate(lat, w_norm, c0, n_cols, gu, beta, linear_beta, weight, out) -> No
         raise ValueError(f"norm_situ_gemv: tensors on several devices {sorted(map(str, devs))}")
 
 
-def uses_kernel(lat: torch.Tensor, n_cols: int, gu: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The fused kernel serves these (validated) inputs; else the latent_norm_situ + F.linear
-    pair. I ≥ 16 keeps the SiTU piece IA inside the row."""
+def uses_kernel(lat: torch.Tensor, n_cols: int, gu: torch.Tensor, weight: torch.Tensor,
+                w_norm: torch.Tensor | None = None) -> bool:
+    """A fused kernel serves these (validated) inputs: the CuTe form (with `w_norm` given and
+    USE_CUTE) or this Triton one; else the latent_norm_situ + F.linear pair. I ≥ 16 keeps the
+    SiTU piece IA inside the row."""
+    if USE_CUTE and w_norm is not None and _cute_ns.supports(lat, w_norm, n_cols, gu, weight):
+        return True
     I = gu.shape[1] // 2
     return (available(lat, gu, weight) and 1 <= lat.shape[0] <= MAX_T and I >= 16
             and sum(pieces(n_cols, I)) <= MAX_TILE_COLS and weight.stride(1) == 1
@@ -245,12 +254,18 @@ def norm_situ_gemv(lat: torch.Tensor, w_norm: torch.Tensor, eps: float, c0: int,
     """out (T, N) bf16 = [RMSNorm(bf16(lat); w_norm)[:, c0:c0+n_cols] ‖ SiTU(bf16(gu)) ‖ 0] · Wᵀ.
 
     One kernel for 1 ≤ T ≤ 8 on CUDA (no allocation when `out` is given, no host sync:
-    capturable in a CUDA graph); otherwise latent_norm_situ + F.linear (on CPU: the reference
-    composition)."""
+    capturable in a CUDA graph): the CuTe form where it serves (`USE_CUTE`; not with an explicit
+    Triton `config`), else this module's; otherwise latent_norm_situ + F.linear (on CPU: the
+    reference composition)."""
     _validate(lat, w_norm, c0, n_cols, gu, beta, linear_beta, weight, out)
     T, D = lat.shape
     N, K = weight.shape
     I = gu.shape[1] // 2
+    if USE_CUTE and config is None and _cute_ns.supports(lat, w_norm, n_cols, gu, weight, out):
+        if out is None:
+            out = torch.empty(T, N, dtype=torch.bfloat16, device=lat.device)
+        return _cute_ns.norm_situ_gemv_cute(lat, w_norm, eps, c0, n_cols, gu, beta,
+                                            linear_beta, weight, out)
     if not uses_kernel(lat, n_cols, gu, weight):
         x = torch.empty(T, K, dtype=torch.bfloat16, device=lat.device)
         y = F.linear(latent_norm_situ(lat, w_norm, eps, c0, n_cols, gu, beta, linear_beta, x),

@@ -281,6 +281,13 @@ class GemvKernel:
 
     @_dsl.kernel
     def kernel(self, mX: _Tensor, mW: _Tensor, mY: _Tensor):
+        self._gemv(mW, mY, lambda smem, tidx, warp, lane: cute.zipped_divide(mX, (1, VEC)))
+
+    @_dsl.jit
+    def _gemv(self, mW: _Tensor, mY: _Tensor, x_tiles):
+        """The kernel body. x_tiles(smem, tidx, warp, lane) -> x as ((1, 8), (M, K/8)) tiles,
+        called after the PDL wait: the plain GEMV's x in global memory, or an operand a fused
+        prologue builds in shared memory (kernels/gemv_norm_situ.py)."""
         cfg = self.cfg
         L = cfg.lanes_per_row
         KW = cfg.k_warps
@@ -300,7 +307,6 @@ class GemvKernel:
         row0 = row_index(cfg, nb, wr, grp, 0)  # this group's R rows of W / y: row0 .. row0+R-1
         m0 = mb * MT
 
-        gX = cute.zipped_divide(mX, (1, VEC))  # ((1, 8), (M, K/8))
         gW = cute.zipped_divide(mW, (1, VEC))  # ((1, 8), (N, K/8))
 
         # acc[i][r]: 8 fp32 partial sums (one per element of a 16-byte chunk) of y[m0+i, row0+r]
@@ -311,7 +317,7 @@ class GemvKernel:
         bufs = []
         for _ in cutlass.range_constexpr(2):
             rx = cute.make_rmem_tensor(
-                cute.make_layout((U, MT, VEC), stride=(MT * VEC, VEC, 1)), mX.element_type)
+                cute.make_layout((U, MT, VEC), stride=(MT * VEC, VEC, 1)), mW.element_type)
             rw = cute.make_rmem_tensor(
                 cute.make_layout((U, R, VEC), stride=(R * VEC, VEC, 1)), mW.element_type)
             bufs.append((rx, rw))
@@ -333,6 +339,8 @@ class GemvKernel:
         if const_expr(cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
+        smem = cutlass.memory.SmemAllocator()
+        gX = x_tiles(smem, tidx, warp, lane)  # ((1, 8), (M, K/8)), x's dtype = W's
         self._load_x(gX, bufs[0], 0, U, J, m0, kw, kl)
         for b in cutlass.range_constexpr(n_batches):
             if const_expr(b + 1 < n_batches):  # batch b+1 in flight while batch b is summed
@@ -349,7 +357,6 @@ class GemvKernel:
                         mY[(m0 + i, row0 + r)] = s.to(mY.element_type)
         else:
             # partials (KW, rows_per_cta·MT): slot = (local row)·MT + i
-            smem = cutlass.memory.SmemAllocator()
             red = smem.allocate_tensor(
                 Float32, cute.make_layout((KW, cfg.rows_per_cta * MT), stride=(cfg.rows_per_cta * MT, 1)),
                 byte_alignment=16,

@@ -52,6 +52,8 @@ from torch import nn
 
 from raydecode.kernels._triton import triton as _triton
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
+from raydecode.kernels.gemv_norm_situ import norm_situ_gemv_cute
+from raydecode.kernels.gemv_norm_situ import supports as norm_situ_gemv_supports
 from raydecode.kernels.moe_mxfp4 import (MAX_SCALE, MXFP4Experts, fused_moe_mxfp4,
                                          moe_mxfp4_reference)
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
@@ -68,18 +70,20 @@ from .params import FFN_K_ALIGN, moe_block_fused
 from .specialized import linear_for, row_slice, sharded_gemv
 
 
-def _fused_default() -> bool:
-    v = os.environ.get("RAYDECODE_MOE_FUSED", "1")
+def _switch(env: str, on: str) -> bool:
+    v = os.environ.get(env, "1")
     if v not in ("0", "1"):
-        raise ValueError(f"RAYDECODE_MOE_FUSED={v!r}; accepted: '1' (the fused specialized "
-                         "MoE block, default) or '0' (the unfused one: A/B runs)")
+        raise ValueError(f"{env}={v!r}; accepted: '1' ({on}, default) or '0' (off: A/B runs)")
     return v == "1"
 
 
 # The specialized MoE block: fused (`LatentMoE._forward_fused`) where the layer has its parts,
 # else the unfused one. Off for A/B runs, and in tests of other layers that compare whole
 # models stock vs specialized closer than the fused block's re-association allows.
-FUSED_SPECIALIZED = _fused_default()
+FUSED_SPECIALIZED = _switch("RAYDECODE_MOE_FUSED", "the fused specialized MoE block")
+# Inside the fused block at T ≤ 2 on CUDA: the latent norm + SiTU as the prologue of the
+# ffn_out CuTe GEMV (kernels/gemv_norm_situ.py), one launch instead of two.
+FUSED_FFN_OUT = _switch("RAYDECODE_FFN_OUT_FUSED", "norm + SiTU in the ffn_out GEMV")
 
 
 def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
@@ -340,6 +344,7 @@ class LatentMoE(nn.Module):
             lat = all-reduce(Σ_k w · expert(z))                               fp32 (T, L)
             a   = [RMSNorm(bf16(lat))[rank's L/TP cols] ‖ SiTU(bf16(gate, up)) ‖ 0]  one op
             out = all-reduce(a · [latent up cols ‖ shared down ‖ 0]ᵀ)         (T, H)
+        (a and the GEMV in one CuTe kernel at T ≤ 2 on CUDA: FUSED_FFN_OUT)
 
         Rounding points are the stock block's (fp32 GEMV outputs round where they are read);
         the latent up and shared down partials add in one fp32 accumulator and the ranks'
@@ -354,11 +359,15 @@ class LatentMoE(nn.Module):
         if not (z.is_cuda and self.experts.mxfp4):   # moe_decode rounds fp32 z as it loads
             z = z.to(x.dtype)
         lat = self.comm.all_reduce(self.experts(z, w, ids, "specialized"))
-        w_out = self._ffn_out()
-        a = latent_norm_situ(lat, self.routed_expert_norm.weight, self.routed_expert_norm.eps,
-                             par.tp_rank * nz, nz, y[:, ne + nz:], sh.beta, sh.linear_beta,
-                             x.new_empty(x.shape[0], w_out.shape[1]))
-        return self.comm.all_reduce(linear_for("specialized")(a, w_out))
+        w_out, nw, gu = self._ffn_out(), self.routed_expert_norm.weight, y[:, ne + nz:]
+        args = (nw, self.routed_expert_norm.eps, par.tp_rank * nz, nz, gu, sh.beta,
+                sh.linear_beta)
+        if FUSED_FFN_OUT and norm_situ_gemv_supports(lat, nw, nz, gu, w_out):
+            out = norm_situ_gemv_cute(lat, *args, w_out, x.new_empty(x.shape[0], w_out.shape[0]))
+        else:
+            a = latent_norm_situ(lat, *args, x.new_empty(x.shape[0], w_out.shape[1]))
+            out = linear_for("specialized")(a, w_out)
+        return self.comm.all_reduce(out)
 
     def _forward_specialized(self, x: torch.Tensor) -> torch.Tensor:
         """Router rows, latent down rows and latent up rows 1/TP per rank + all-gathers; the

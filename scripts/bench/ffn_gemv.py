@@ -10,8 +10,11 @@ kernel nodes per call):
   (a) pair:  latent_norm_situ → x (T, K), then kernels/gemv.linear(x, W) (the specialized
              step today: the CuTe GEMV where `linear_uses_cute`, else cuBLAS; F.linear when
              the CuTe DSL is not installed — the JSON says which)
-  (b) fused: kernels/ffn_gemv_triton.norm_situ_gemv (one launch; W's zero-pad columns unread)
+  (b) fused: kernels/ffn_gemv_triton.norm_situ_gemv (one launch): the CuTe form
+             (kernels/gemv_norm_situ.py) where it serves (T ≤ 2; `fused_form` says which), else
+             the Triton kernel (W's zero-pad columns unread)
   (c) gemv:  the GEMV of (a) alone on a ready x (how much of (a) is the norm kernel)
+  (d) fused_triton: the Triton kernel alone (an explicit config), beside (b)
 (b) is checked against latent_norm_situ_reference + F.linear (NaN-poisoned output, rel err
 ≤ 4e-3) before it is timed. Bytes/s are W bytes each variant reads / time; `frac_hbm` divides
 by 4.8e12 (H200 nominal). `--sweep` also times other (BN, warps) configs of (b).
@@ -29,6 +32,7 @@ import torch
 
 from raydecode.kernels import ffn_gemv_triton as FG
 from raydecode.kernels import gemv as G
+from raydecode.kernels import gemv_norm_situ as NS
 from raydecode.kernels._cute import cute_available
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.models.config import load_config
@@ -80,7 +84,9 @@ def bench_case(s: dict, T: int, timer: GraphTimer, sweep: bool, device: str = "c
            "a_gemv": ("cute" if cute_available() and G.linear_uses_cute(T, N, K)
                       else "cublas (F.linear)") + ("" if cute_available()
                                                    else ": CuTe DSL not installed"),
-           "fused_uses_kernel": FG.uses_kernel(lat, n, gu, Ws[0]),
+           "fused_uses_kernel": FG.uses_kernel(lat, n, gu, Ws[0], w),
+           "fused_form": "cute" if FG.USE_CUTE and NS.supports(lat, w, n, gu, Ws[0], out)
+           else "triton",
            "fused_config": FG.config_for(T, D).__dict__,
            "predicted_fused_us": FG.predicted_us(N, n + I)}
     # check (b) first
@@ -100,14 +106,16 @@ def bench_case(s: dict, T: int, timer: GraphTimer, sweep: bool, device: str = "c
 
     latent_norm_situ(lat, w, eps, 0, n, gu, beta, lb, x)
     variants = {"a_pair": pair, "b_fused": fused,
-                "c_gemv": lambda i: G.linear(x, Ws[i % copies])}
+                "c_gemv": lambda i: G.linear(x, Ws[i % copies]),
+                "d_fused_triton": lambda i: fused(i, FG.config_for(T, D))}
     for name, fn in variants.items():
         t = timer.run([lambda i=i, fn=fn: fn(i) for i in range(calls)])
         row[f"{name}_us"] = t.us_per_call
         row[f"{name}_us_min_max"] = [t.us_min, t.us_max]
         row[f"{name}_kernels_per_call"] = (t.nodes_per_call or {}).get("kernel")
-    for v, nbytes in (("a_pair", wbytes), ("b_fused", row["fused_read_bytes"]),
-                      ("c_gemv", wbytes)):
+    fused_bytes = wbytes if row["fused_form"] == "cute" else row["fused_read_bytes"]
+    for v, nbytes in (("a_pair", wbytes), ("b_fused", fused_bytes),
+                      ("c_gemv", wbytes), ("d_fused_triton", row["fused_read_bytes"])):
         row[f"{v}_bytes_per_s"] = nbytes / (row[f"{v}_us"] * 1e-6)
         row[f"{v}_frac_hbm"] = row[f"{v}_bytes_per_s"] / HBM_NOMINAL
     row["saving_us"] = row["a_pair_us"] - row["b_fused_us"]
@@ -167,7 +175,8 @@ def main(argv=None) -> int:
             row = bench_case(s, T, timer, args.sweep)
             report["results"].append(row)
             print(json.dumps({k: row.get(k) for k in (
-                "tp", "T", "a_gemv", "a_pair_us", "b_fused_us", "c_gemv_us", "saving_us",
+                "tp", "T", "a_gemv", "fused_form", "a_pair_us", "b_fused_us", "c_gemv_us",
+                "d_fused_triton_us", "saving_us",
                 "b_fused_frac_hbm", "predicted_fused_us", "fused_rel_err",
                 "a_pair_kernels_per_call", "b_fused_kernels_per_call", "error")}), flush=True)
             with open(args.out, "w") as f:          # partial results survive a cut-short run

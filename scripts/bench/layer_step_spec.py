@@ -60,9 +60,10 @@ from .layer_step import BF16, DecodeStep, mm_f32
 # RAYDECODE_BENCH_MLA=r8: the MLA block as round 8 ran it (prep, q_b on q_n, absorb, split,
 # output; the specialized weights still count q_b_folded), for same-lease A/B runs only
 MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r9")
-# RAYDECODE_BENCH_FFN=fused: latent norm + SiTU as the prologue of a Triton ffn_out GEMV
-# (kernels/ffn_gemv_triton.py, one launch instead of two) where it serves; "pair" (default):
-# latent_norm_situ + the CuTe GEMV
+# RAYDECODE_BENCH_FFN=fused: latent norm + SiTU as the prologue of the ffn_out GEMV (one
+# launch instead of two) where it serves: the CuTe form at T ≤ 2 (kernels/gemv_norm_situ.py),
+# the Triton one (kernels/ffn_gemv_triton.py) above, or with ffn_gemv_triton.USE_CUTE = False;
+# "pair" (default): latent_norm_situ + the CuTe GEMV
 FFN_PATH = os.environ.get("RAYDECODE_BENCH_FFN", "pair")
 
 
@@ -162,7 +163,7 @@ class SpecializedStep(DecodeStep):
         else:
             lat = fused_moe_mxfp4(z.to(BF16), weights, ids, W.experts)   # [all-reduce]
         if FFN_PATH == "fused" and uses_ffn_kernel(lat, nz, y[:, ne + nz:],
-                                                   W.spec["ffn_out_local"]):
+                                                   W.spec["ffn_out_local"], t["latent_norm"]):
             return norm_situ_gemv(lat, t["latent_norm"], self.eps, 0, nz, y[:, ne + nz:],
                                   W.cfg.situ_beta, W.cfg.situ_linear_beta,
                                   W.spec["ffn_out_local"])      # [all-reduce]

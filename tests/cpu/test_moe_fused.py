@@ -146,9 +146,12 @@ def test_packed_weights_hold_the_params_once_and_follow_a_reload():
     assert w.shape[0] % 16 == 0 and (w[at:] == 0).all()
 
 
-def test_env_switch_is_validated(monkeypatch):
-    monkeypatch.setenv("RAYDECODE_MOE_FUSED", "yes")
-    with pytest.raises(ValueError, match="RAYDECODE_MOE_FUSED='yes'; accepted"):
-        moe._fused_default()
-    monkeypatch.setenv("RAYDECODE_MOE_FUSED", "0")
-    assert moe._fused_default() is False
+@pytest.mark.parametrize("env", ["RAYDECODE_MOE_FUSED", "RAYDECODE_FFN_OUT_FUSED"])
+def test_env_switch_is_validated(monkeypatch, env):
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError, match=f"{env}='yes'; accepted"):
+        moe._switch(env, "on")
+    monkeypatch.setenv(env, "0")
+    assert moe._switch(env, "on") is False
+    monkeypatch.delenv(env)
+    assert moe._switch(env, "on") is True

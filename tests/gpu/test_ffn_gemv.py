@@ -1,5 +1,6 @@
-"""The fused latent-norm + SiTU + FFN-out GEMV kernel (kernels/ffn_gemv_triton.py) against the
-composition it replaces, `latent_norm_situ_reference` then F.linear.
+"""The fused latent-norm + SiTU + FFN-out GEMV kernels (kernels/ffn_gemv_triton.py and its CuTe
+form kernels/gemv_norm_situ.py, every case once per form on a GPU) against the composition they
+replace, `latent_norm_situ_reference` then F.linear.
 
 GPU: every case. CPU: the small cases and K3's columns on 96 rows run the kernel through the
 interpreter, `TRITON_INTERPRET=1 python -m pytest tests/gpu/test_ffn_gemv.py -q`; the full K3
@@ -22,6 +23,7 @@ import torch
 
 from raydecode.kernels import decode_elementwise_triton as X
 from raydecode.kernels import ffn_gemv_triton as FG
+from raydecode.kernels import gemv_norm_situ as NS
 
 ON_GPU = torch.cuda.is_available() and FG.triton is not None
 INTERPRET = (not torch.cuda.is_available() and FG.triton is not None
@@ -35,6 +37,15 @@ BF = torch.bfloat16
 TOL = 4e-3
 BETA, LIN = 4.0, 25.0          # K3 situ_beta, situ_linear_beta
 K3 = {"tp16": (3584, 224, 384, 640, 7168), "tp8": (3584, 448, 768, 1280, 7168)}  # D n I K N
+
+
+@pytest.fixture(autouse=True, params=[True, False] if ON_GPU else [False],
+                ids=["cute", "triton"] if ON_GPU else ["triton"])
+def form(request, monkeypatch):
+    """Each case with the CuTe form (kernels/gemv_norm_situ.py, T ≤ 2 where it serves) and
+    with the Triton kernel alone (ffn_gemv_triton.USE_CUTE)."""
+    monkeypatch.setattr(FG, "USE_CUTE", request.param)
+    return request.param
 
 
 def _seed() -> int:
@@ -105,8 +116,12 @@ def test_k3_columns_few_rows(tp, T):
 @gpu_only
 @pytest.mark.parametrize("tp", ["tp16", "tp8"])
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 8])
-def test_k3_shapes(tp, T):
+def test_k3_shapes(tp, T, form):
     D, n, I, K, N = K3[tp]
+    lat, w, gu, W = _inputs(T, D, I, K, N, 0)
+    # the CuTe form serves K3 at T ≤ 2 (bf16 and fp32 norm weights: model and layer bench)
+    assert NS.supports(lat, w, n, gu, W) == (T <= 2 and NS.cute_available())
+    assert NS.supports(lat, w.to(BF), n, gu, W) == (T <= 2 and NS.cute_available())
     for c0 in (0, D - n):                 # rank 0 and the last rank's latent slice
         _check(T, D, c0, n, I, K, N, LIN, _seed())
 
