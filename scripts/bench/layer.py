@@ -42,7 +42,7 @@ from raydecode.models.params import decode_gemv_shapes
 
 from .layer_report import markdown_table, plot, predicted_bytes
 from .layer_step import gemv_linear
-from .layer_step_spec import make_step
+from .layer_step_spec import FFN_PATH, MLA_PATH, make_step
 from .layer_timing import GraphTimer, hbm_read_bandwidth, profile_kernel_count
 from .layer_weights import LayerState, LayerWeights, random_experts, random_params
 
@@ -213,6 +213,7 @@ def run(args) -> dict:
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
+              "ffn_path": FFN_PATH, "mla_path": MLA_PATH,
               "method": __doc__.split("Method")[1].strip(), "results": [], "collectives": [],
               "shapes": {}}
     report["hbm_read_Bps"] = args.hbm = hbm_read_bandwidth()

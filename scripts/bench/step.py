@@ -366,7 +366,8 @@ def main(argv=None) -> int:
               "config": cfg.name, "tp": args.tp, "layers": cfg.num_layers,
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
-              "moe_fused": moe.FUSED_SPECIALIZED, "gemv_config": args.gemv_config,
+              "moe_fused": moe.FUSED_SPECIALIZED, "ffn_out_fused": moe.FUSED_FFN_OUT,
+              "gemv_config": args.gemv_config,
               "method": __doc__.split("\n\n", 2)[2], "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
