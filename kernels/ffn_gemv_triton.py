@@ -63,7 +63,7 @@ MAX_T = 8              # tokens the kernel serves (weight-bound GEMV; above: the
 MAX_TILE_COLS = 1280   # Σ column pieces: the (32, ·) bf16 tile is ≤ 160 registers a thread
 LAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # `norm_situ_gemv` takes the CuTe form (kernels/gemv_norm_situ.py: the CuTe GEMV with this
-# prologue in shared memory) where it serves (M ≤ 2, fp32 lat and gu), this Triton kernel
+# prologue in shared memory) where it serves (`gemv_norm_situ.supports`), this Triton kernel
 # elsewhere up to MAX_T. False: Triton only (the round-10 form, for A/B runs).
 USE_CUTE = True
 HBM_BYTES_PER_S = 4.8e12   # H200 nominal

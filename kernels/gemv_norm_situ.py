@@ -9,7 +9,8 @@ docs/PERF.md round 10: one kernel fewer but ≈ 1 µs slower, its tensor-core ti
 
 lat (M, D) fp32 (the all-reduced routed latent), w (D,) bf16 or fp32, gu (M, 2I) fp32 gate ‖ up (a
 column slice of the h2 GEMV's fp32 output: row stride free, last dim contiguous), W (N, K) bf16
-with K ≥ n + I, M ≤ 2 (`linear` sends M > 2 to cuBLAS: the pair serves those).
+with K ≥ n + I; served where it measured faster than the pair: M = 1 and n + I ≤
+PROLOGUE_MAX_COLS (K3 TP16; `supports`).
 
 Per CTA (the GEMV's grid and mapping, `gemv.config_for(M, N, K)`):
   1. the GEMV's entry: W's first load batch in flight, then the PDL wait;
@@ -26,6 +27,8 @@ profile) + the ffn_out GEMV 2.95 µs (7168 × 640, `gemv-h200-2026-11-30-r14.jso
 graph boundary; the prologue adds ≈ 1 µs (L2 round trip + reduction + barrier) to the GEMV
 after its PDL wait. Fused ≈ 4 µs vs ≈ 5.2 µs: ≈ −1 µs per layer at TP16 batch 1, one kernel
 fewer (KDA 11 → 10, MLA 14 → 13).
+Outcome (H200, docs/PERF.md round 15): TP16 T = 1 4.61 vs 5.10 µs for the pair (−0.5); the
+layer fell 11 → 10 / 14 → 13 kernels; T = 2 and TP8 lose (PROLOGUE_MAX_COLS above).
 """
 from __future__ import annotations
 
@@ -37,6 +40,11 @@ from raydecode.kernels._cute_dsl import Float32, _dsl, _Stream, _Tensor, const_e
 
 WARP = 32
 LAT_VEC = 4          # fp32 lat values per 16-byte load
+# Where the fused form serves (`supports`): one token and at most this many a columns (n + I).
+# Measured against the pair on the H200 (scripts/bench/ffn_gemv.py, docs/PERF.md round 15):
+# TP16 T = 1 (608 columns) 4.61 vs 5.10 µs; TP16 T = 2 10.48 vs 5.53; TP8 T = 1 (1216) 8.73
+# vs 6.89: every CTA redoes the prologue, and its SiTU work grows with the columns and tokens.
+PROLOGUE_MAX_COLS = 640
 
 
 class NormSituGemvKernel(G.GemvKernel):
@@ -164,7 +172,7 @@ def supports(lat: torch.Tensor, w_norm: torch.Tensor, n_cols: int, gu: torch.Ten
     M, D = lat.shape
     N, K = weight.shape
     I = gu.shape[1] // 2
-    if not (1 <= M <= 2 and G.linear_uses_cute(M, N, K) and D % LAT_VEC == 0
+    if not (M == 1 and n_cols + I <= PROLOGUE_MAX_COLS and D % LAT_VEC == 0
             and n_cols + I <= K and lat.dtype == gu.dtype == torch.float32
             and weight.dtype == torch.bfloat16 and lat.is_contiguous() and weight.is_contiguous()
             and gu.stride(1) == 1 and gu.stride(0) % 4 == 0

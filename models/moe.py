@@ -81,8 +81,9 @@ def _switch(env: str, on: str) -> bool:
 # else the unfused one. Off for A/B runs, and in tests of other layers that compare whole
 # models stock vs specialized closer than the fused block's re-association allows.
 FUSED_SPECIALIZED = _switch("RAYDECODE_MOE_FUSED", "the fused specialized MoE block")
-# Inside the fused block at T ≤ 2 on CUDA: the latent norm + SiTU as the prologue of the
-# ffn_out CuTe GEMV (kernels/gemv_norm_situ.py), one launch instead of two.
+# Inside the fused block on CUDA where it serves (T = 1 at K3 TP16: `gemv_norm_situ.supports`):
+# the latent norm + SiTU as the prologue of the ffn_out CuTe GEMV (kernels/gemv_norm_situ.py),
+# one launch instead of two.
 FUSED_FFN_OUT = _switch("RAYDECODE_FFN_OUT_FUSED", "norm + SiTU in the ffn_out GEMV")
 
 
@@ -344,7 +345,7 @@ class LatentMoE(nn.Module):
             lat = all-reduce(Σ_k w · expert(z))                               fp32 (T, L)
             a   = [RMSNorm(bf16(lat))[rank's L/TP cols] ‖ SiTU(bf16(gate, up)) ‖ 0]  one op
             out = all-reduce(a · [latent up cols ‖ shared down ‖ 0]ᵀ)         (T, H)
-        (a and the GEMV in one CuTe kernel at T ≤ 2 on CUDA: FUSED_FFN_OUT)
+        (a and the GEMV in one CuTe kernel where it serves: FUSED_FFN_OUT)
 
         Rounding points are the stock block's (fp32 GEMV outputs round where they are read);
         the latent up and shared down partials add in one fp32 accumulator and the ranks'

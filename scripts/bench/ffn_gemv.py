@@ -11,7 +11,7 @@ kernel nodes per call):
              step today: the CuTe GEMV where `linear_uses_cute`, else cuBLAS; F.linear when
              the CuTe DSL is not installed — the JSON says which)
   (b) fused: kernels/ffn_gemv_triton.norm_situ_gemv (one launch): the CuTe form
-             (kernels/gemv_norm_situ.py) where it serves (T ≤ 2; `fused_form` says which), else
+             (kernels/gemv_norm_situ.py) where it serves (`supports`; `fused_form` says which), else
              the Triton kernel (W's zero-pad columns unread)
   (c) gemv:  the GEMV of (a) alone on a ready x (how much of (a) is the norm kernel)
   (d) fused_triton: the Triton kernel alone (an explicit config), beside (b)

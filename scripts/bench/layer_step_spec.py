@@ -61,7 +61,7 @@ from .layer_step import BF16, DecodeStep, mm_f32
 # output; the specialized weights still count q_b_folded), for same-lease A/B runs only
 MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r9")
 # RAYDECODE_BENCH_FFN=fused: latent norm + SiTU as the prologue of the ffn_out GEMV (one
-# launch instead of two) where it serves: the CuTe form at T ≤ 2 (kernels/gemv_norm_situ.py),
+# launch instead of two) where it serves: the CuTe form (kernels/gemv_norm_situ.py `supports`),
 # the Triton one (kernels/ffn_gemv_triton.py) above, or with ffn_gemv_triton.USE_CUTE = False;
 # "pair" (default): latent_norm_situ + the CuTe GEMV
 FFN_PATH = os.environ.get("RAYDECODE_BENCH_FFN", "pair")
