@@ -16,7 +16,9 @@ costs a JIT compile at the first launch (Triton re-derives the key), never a wro
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +99,16 @@ def _arg(a):
     return int(v) if kind == "int" else float(v)
 
 
+def _run_compilation_knobs() -> list[tuple[str, str]]:
+    """(kwarg, knob) pairs `JITFunction.run` sets from `knobs.compilation` in this Triton:
+    3.9 sets instrumentation_mode and fpsan_homomorphic_casts; 3.6 (the H200 host's) lacks the
+    latter knob, and reading it there raised AttributeError."""
+    from triton.runtime.jit import JITFunction
+
+    src = inspect.getsource(JITFunction.run)
+    return re.findall(r'kwargs\["(\w+)"\]\s*=\s*knobs\.compilation\.(\w+)', src)
+
+
 def compile_spec(spec: TritonSpec, arch: str, cache: str | os.PathLike) -> str:
     """triton.compile `spec` for `arch` into Triton cache dir `cache`; returns the kernel hash.
     Needs no GPU (ptxas ships with Triton)."""
@@ -121,10 +133,11 @@ def compile_kernel(spec: TritonSpec, arch: str, cache: str | os.PathLike):
     if cc < 90 and "PDL" in kw:        # pdl_launch: no programmatic launch before sm_90
         kw.pop("launch_pdl", None)
         kw["PDL"] = False
-    # the keyword options JITFunction.run adds before binding (same knobs → same cache key)
+    # the keyword options JITFunction.run adds before binding (same knobs → same cache key);
+    # which compilation knobs it adds varies by Triton release, so read them off its source
     kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
-    kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kw["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for name, knob in _run_compilation_knobs():
+        kw[name] = getattr(knobs.compilation, knob)
     bound, special, options = binder(*(_arg(a) for a in spec.args), **kw)
     options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, special, options)
     old = os.environ.get("TRITON_CACHE_DIR")

@@ -324,3 +324,16 @@ def test_triton_offline_compile_fills_shared_cache(tmp_path, monkeypatch):
     assert len(cubins) == 2 and all(c.stat().st_size > 0 for c in cubins)
     meta = json.loads(next((tmp_path / "triton").rglob("_route_topk_kernel.json")).read_text())
     assert meta["target"]["arch"] == 90
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (run in venv-triton)")
+def test_offline_compile_sets_the_knobs_this_tritons_launch_sets():
+    """compile_kernel mirrors JITFunction.run's knob kwargs as read off this Triton's source
+    (3.6 on the H200 host lacks a knob 3.9 has; reading it unconditionally raised there)."""
+    from triton import knobs
+
+    from raydecode.kernels.aot_triton import _run_compilation_knobs
+
+    pairs = _run_compilation_knobs()
+    assert ("instrumentation_mode", "instrumentation_mode") in pairs
+    assert all(hasattr(knobs.compilation, knob) for _, knob in pairs)
