@@ -1,8 +1,8 @@
 """The Triton half of the kernel plan on a GPU: after `aot.warm` compiled the plan's Triton specs
 offline into a fresh cache, the real launches of the served K3 TP16 step (the router top-k and
 the fused MoE block's latent norm + SiTU, at rank 0's shapes and strides) find their kernels
-there: a second process launching them adds no entry to the Triton cache (a JIT compile would),
-and the results match the references. Needs CUDA + Triton."""
+there: a second process launching them writes no kernel (cubin) to the Triton cache, as a JIT
+compile would, and the results match the references. Needs CUDA + Triton."""
 from __future__ import annotations
 
 import json
@@ -71,6 +71,9 @@ def test_warmed_specs_serve_the_launches_without_a_jit_compile(tmp_path):
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and line, r.stderr[-3000:]
     res = json.loads(line[0][len("RESULT "):])
-    assert _entries(tdir) == before, f"launches JIT-compiled: {sorted(_entries(tdir) - before)}"
+    # a JIT compile writes the kernel's cubin; Triton's launcher stubs (.so, first use per
+    # process and signature) may land in the cache dir too and are not kernels
+    new = {p.name for e in _entries(tdir) - before for p in (tdir / e).iterdir()}
+    assert not [f for f in new if f.endswith(".cubin")], f"launches JIT-compiled: {sorted(new)}"
     assert res["ids_equal"] and res["w_err"] < 1e-5, (seed, res)
     assert res["finite"] and res["over_1ulp"] == 0, (seed, res)      # ≤ 1 bf16 ulp each
