@@ -47,6 +47,7 @@ from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_nor
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.kernels.ffn_gemv_triton import norm_situ_gemv
 from raydecode.kernels.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
+from raydecode.kernels.gemv_norm_situ import supports as cute_ffn_supports
 from raydecode.kernels.kda_decode import kda_decode
 from raydecode.kernels.mla_decode import mla_absorb, mla_decode, mla_decode_fused, mla_prep
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
@@ -60,11 +61,16 @@ from .layer_step import BF16, DecodeStep, mm_f32
 # RAYDECODE_BENCH_MLA=r8: the MLA block as round 8 ran it (prep, q_b on q_n, absorb, split,
 # output; the specialized weights still count q_b_folded), for same-lease A/B runs only
 MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r9")
-# RAYDECODE_BENCH_FFN=fused: latent norm + SiTU as the prologue of the ffn_out GEMV (one
-# launch instead of two) where it serves: the CuTe form (kernels/gemv_norm_situ.py `supports`),
-# the Triton one (kernels/ffn_gemv_triton.py) above, or with ffn_gemv_triton.USE_CUTE = False;
-# "pair" (default): latent_norm_situ + the CuTe GEMV
-FFN_PATH = os.environ.get("RAYDECODE_BENCH_FFN", "pair")
+# RAYDECODE_BENCH_FFN: the latent norm + SiTU and the ffn_out GEMV as
+#   served (default): the model's rule (models/moe.py FUSED_FFN_OUT): the CuTe form with the
+#       norm + SiTU as its prologue where it serves (kernels/gemv_norm_situ.py `supports`:
+#       T = 1 at TP16), else the pair;
+#   pair: latent_norm_situ + the CuTe GEMV (round 14 and before);
+#   fused: a fused kernel wherever one serves: the CuTe form, else the Triton one
+#       (kernels/ffn_gemv_triton.py, round 10).
+FFN_PATH = os.environ.get("RAYDECODE_BENCH_FFN", "served")
+if FFN_PATH not in ("served", "pair", "fused"):
+    raise ValueError(f"RAYDECODE_BENCH_FFN={FFN_PATH!r}; accepted: served, pair, fused")
 
 
 class SpecializedStep(DecodeStep):
@@ -162,8 +168,9 @@ class SpecializedStep(DecodeStep):
             lat = moe_decode(z, weights, ids, W.experts)         # (T, L) fp32 [all-reduce]
         else:
             lat = fused_moe_mxfp4(z.to(BF16), weights, ids, W.experts)   # [all-reduce]
-        if FFN_PATH == "fused" and uses_ffn_kernel(lat, nz, y[:, ne + nz:],
-                                                   W.spec["ffn_out_local"], t["latent_norm"]):
+        gu, w_out, w_norm = y[:, ne + nz:], W.spec["ffn_out_local"], t["latent_norm"]
+        if ((FFN_PATH == "served" and cute_ffn_supports(lat, w_norm, nz, gu, w_out))
+                or (FFN_PATH == "fused" and uses_ffn_kernel(lat, nz, gu, w_out, w_norm))):
             return norm_situ_gemv(lat, t["latent_norm"], self.eps, 0, nz, y[:, ne + nz:],
                                   W.cfg.situ_beta, W.cfg.situ_linear_beta,
                                   W.spec["ffn_out_local"])      # [all-reduce]
