@@ -52,6 +52,22 @@ class GemvItem:
 
 
 @dataclass(frozen=True)
+class NormSituItem:
+    """The ffn_out GEMV with the latent norm + SiTU prologue (kernels/gemv_norm_situ.py), where
+    the fused MoE block launches it (`gemv_norm_situ.shape_ok`)."""
+    M: int
+    N: int
+    K: int
+    D: int
+    n_cols: int
+    I: int
+    gu_stride: int                    # the h2 GEMV's width: gate ‖ up is a column slice of it
+    has_lin: bool
+    config: object                    # kernels.gemv.GemvConfig
+    name: str = "ffn_out_norm_situ"
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     model: str
     tp: int
@@ -60,10 +76,13 @@ class KernelPlan:
     gemvs: tuple[GemvItem, ...]
     triton: tuple[TritonSpec, ...]
     skipped: tuple[tuple[str, int, int, int, str], ...]   # (name, M, N, K, why)
+    fused: tuple[NormSituItem, ...] = ()
 
     def describe(self) -> list[str]:
         lines = [f"{g.name:16s} gemv  M={g.M} N={g.N} K={g.K} out={_dname(g.out_dtype)} "
                  f"{g.config}" for g in self.gemvs]
+        lines += [f"{f.name:16s} fused M={f.M} N={f.N} K={f.K} (norm D={f.D}, n={f.n_cols}, "
+                  f"SiTU I={f.I}) {f.config}" for f in self.fused]
         lines += [f"{t.name:16s} triton {t.kernel}" for t in self.triton]
         lines += [f"{n:16s} skip  M={m} N={nn} K={k}: {why}" for n, m, nn, k, why in self.skipped]
         return lines
@@ -104,7 +123,27 @@ def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
                 seen.add(item.kernel_key)
                 gemvs.append(item)
     return KernelPlan(cfg.name, tp, buckets, arch, tuple(gemvs), tuple(triton_specs(cfg, tp)),
-                      tuple(skipped))
+                      tuple(skipped), _fused_items(cfg, tp, buckets, shapes, path))
+
+
+def _fused_items(cfg, tp, buckets, shapes, path) -> tuple[NormSituItem, ...]:
+    """The fused ffn_out kernel at each bucket the fused MoE block launches it (models/moe.py
+    `_forward_fused` with FUSED_FFN_OUT, a bf16 model)."""
+    from raydecode.kernels import gemv_norm_situ as NS
+    from raydecode.kernels.gemv import config_for
+    from raydecode.models.params import moe_block_fused
+
+    if path != "specialized" or "ffn_out" not in shapes or cfg.dtype != "bfloat16" \
+            or not moe_block_fused(cfg):
+        return ()
+    N, K = shapes["ffn_out"]
+    D, n, I = cfg.moe.latent_size, shapes["latent_down"][0], shapes["shared_gate"][0]
+    ys, gu0 = shapes["h2_proj"][0], shapes["router"][0] + n    # gate ‖ up = y[:, gu0:]
+    if ys % 4 or gu0 % 4:       # fp32 rows / the slice start off 16 bytes: `supports` declines
+        return ()
+    return tuple(NormSituItem(M, N, K, D, n, I, ys, cfg.situ_linear_beta is not None,
+                              config_for(M, N, K))
+                 for M in buckets if NS.shape_ok(M, N, K, D, n, I))
 
 
 def _arch_or_none() -> str | None:
@@ -149,6 +188,21 @@ def warm(plan: KernelPlan, root: Path, triton: bool = True, log=None) -> list[di
         events.append(ev)
         if log:
             log(ev)
+    for f in plan.fused:
+        t0 = time.monotonic()
+        if not gemv.FFI_DEFAULT or gemv.cute is None:
+            action = "skipped (nvidia-cutlass-dsl missing or RAYDECODE_CUTE_TVM_FFI=0)"
+        else:
+            from raydecode.kernels import gemv_norm_situ as NS
+            n0 = len(store.events)
+            NS.compiled(f.M, f.N, f.K, f.D, f.n_cols, f.I, f.gu_stride, f.has_lin, f.config,
+                        root=None if via_compiled else root, arch=plan.arch)
+            action = store.events[n0]["action"] if len(store.events) > n0 else "in-process"
+        ev = {"name": f.name, "kind": "cute_fused", "M": f.M, "N": f.N, "K": f.K,
+              "out_dtype": "bfloat16", "action": action, "seconds": time.monotonic() - t0}
+        events.append(ev)
+        if log:
+            log(ev)
     if triton and plan.triton and importlib.util.find_spec("triton") is None:
         events += [{"name": t.name, "kind": "triton", "action": "skipped (triton missing)",
                     "seconds": 0.0} for t in plan.triton]
@@ -186,5 +240,5 @@ def prepare_kernel_cache(cfg, par, buckets=DEFAULT_BUCKETS, root=None) -> list[d
     return warm(plan, root)
 
 
-__all__ = ["DEFAULT_BUCKETS", "ENV", "GemvItem", "KernelPlan", "check_buckets", "plan_kernels",
-           "prepare_kernel_cache", "warm"]
+__all__ = ["DEFAULT_BUCKETS", "ENV", "GemvItem", "KernelPlan", "NormSituItem", "check_buckets",
+           "plan_kernels", "prepare_kernel_cache", "warm"]

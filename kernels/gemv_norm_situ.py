@@ -32,6 +32,9 @@ layer fell 11 → 10 / 14 → 13 kernels; T = 2 and TP8 lose (PROLOGUE_MAX_COLS 
 """
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 
 from raydecode.kernels import gemv as G
@@ -159,6 +162,58 @@ def compile_norm_situ_gemv(M: int, N: int, K: int, D: int, n_cols: int, I: int, 
                         Float32(1.0), stream, options=f"--enable-tvm-ffi {extra_options}".strip())
 
 
+def cache_key(M: int, N: int, K: int, D: int, n_cols: int, I: int, gu_stride: int,
+              has_lin: bool, cfg: G.GemvConfig, w_norm_dtype: torch.dtype, arch: str) -> dict:
+    """The node kernel cache key (kernels/aot_store.py): shapes, config, arch, package versions
+    and both sources (this file and the GEMV body in kernels/gemv.py)."""
+    from raydecode.kernels import aot_store as S
+    return {"kind": "cute_gemv_norm_situ", "M": M, "N": N, "K": K, "D": D, "n_cols": n_cols,
+            "I": I, "gu_stride": gu_stride, "has_lin": has_lin,
+            "w_norm_dtype": S._dname(w_norm_dtype), "config": dataclasses.asdict(cfg),
+            "arch": arch, "ffi": True,
+            "versions": {k: v for k, v in S.versions().items() if k != "triton"},
+            "source": S.source_sha() + S.source_sha(Path(__file__))}
+
+
+def compiled(M: int, N: int, K: int, D: int, n_cols: int, I: int, gu_stride: int, has_lin: bool,
+             cfg: G.GemvConfig, w_norm_dtype: torch.dtype = torch.bfloat16, root=None,
+             arch: str | None = None):
+    """The launch function: from this process's cache, else the node kernel cache
+    ($RAYDECODE_KERNEL_CACHE: compiled once per node, loaded by the other ranks), else a JIT
+    compile. root / arch: an explicit cache dir and target (kernels/aot.py `warm`)."""
+    def build():
+        from raydecode.kernels import aot_store as S
+        where = S.cache_dir(root)
+        if where is None:
+            return compile_norm_situ_gemv(M, N, K, D, n_cols, I, gu_stride, has_lin, cfg,
+                                          w_norm_dtype)
+        key = cache_key(M, N, K, D, n_cols, I, gu_stride, has_lin, cfg, w_norm_dtype,
+                        arch or S.current_arch())
+
+        def export(path: Path, symbol: str) -> None:
+            compile_norm_situ_gemv(M, N, K, D, n_cols, I, gu_stride, has_lin, cfg,
+                                   w_norm_dtype).export_to_c(str(path), function_name=symbol)
+        return S._store(where).get_or_build(key, export, S._load_gemv)
+
+    if root is not None:        # warming another cache dir: not this process's launch cache
+        return build()
+    return _CACHE.get((M, N, K, D, n_cols, I, gu_stride, has_lin, cfg, w_norm_dtype), build)
+
+
+def shape_ok(M: int, N: int, K: int, D: int, n_cols: int, I: int) -> bool:
+    """The shapes the fused form serves (where it measured faster than the pair: one token,
+    ≤ PROLOGUE_MAX_COLS columns of a) and a GEMV mapping tiles; `supports` and the kernel plan
+    (kernels/aot.py) both ask this."""
+    if not (M == 1 and n_cols + I <= PROLOGUE_MAX_COLS and n_cols + I <= K and D % LAT_VEC == 0
+            and n_cols <= D):
+        return False
+    try:
+        G.config_for(M, N, K)
+    except ValueError:
+        return False
+    return True
+
+
 def supports(lat: torch.Tensor, w_norm: torch.Tensor, n_cols: int, gu: torch.Tensor,
              weight: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     """Whether the CuTe kernel serves these (validated) operands; no exception: used by
@@ -171,18 +226,11 @@ def supports(lat: torch.Tensor, w_norm: torch.Tensor, n_cols: int, gu: torch.Ten
         return False
     M, D = lat.shape
     N, K = weight.shape
-    I = gu.shape[1] // 2
-    if not (M == 1 and n_cols + I <= PROLOGUE_MAX_COLS and D % LAT_VEC == 0
-            and n_cols + I <= K and lat.dtype == gu.dtype == torch.float32
-            and weight.dtype == torch.bfloat16 and lat.is_contiguous() and weight.is_contiguous()
+    return (shape_ok(M, N, K, D, n_cols, gu.shape[1] // 2)
+            and lat.dtype == gu.dtype == torch.float32 and weight.dtype == torch.bfloat16
+            and lat.is_contiguous() and weight.is_contiguous()
             and gu.stride(1) == 1 and gu.stride(0) % 4 == 0
-            and all(t.data_ptr() % 16 == 0 for t in (lat, gu, weight))):
-        return False
-    try:
-        G.config_for(M, N, K)
-    except ValueError:
-        return False
-    return True
+            and all(t.data_ptr() % 16 == 0 for t in (lat, gu, weight)))
 
 
 def norm_situ_gemv_cute(lat: torch.Tensor, w_norm: torch.Tensor, eps: float, c0: int,
@@ -195,12 +243,11 @@ def norm_situ_gemv_cute(lat: torch.Tensor, w_norm: torch.Tensor, eps: float, c0:
     I = gu.shape[1] // 2
     cfg = G.config_for(M, N, K)
     has_lin = linear_beta is not None
-    key = (M, N, K, D, n_cols, I, gu.stride(0), has_lin, cfg, w_norm.dtype)
-    fn = _CACHE.get(key, lambda: compile_norm_situ_gemv(M, N, K, D, n_cols, I, gu.stride(0),
-                                                         has_lin, cfg, w_norm.dtype))
+    fn = compiled(M, N, K, D, n_cols, I, gu.stride(0), has_lin, cfg, w_norm.dtype)
     fn(lat, w_norm, gu, weight, out, c0, float(eps), float(beta),
        float(linear_beta) if has_lin else 1.0)
     return out
 
 
-__all__ = ["NormSituGemvKernel", "compile_norm_situ_gemv", "norm_situ_gemv_cute", "supports"]
+__all__ = ["NormSituGemvKernel", "cache_key", "compile_norm_situ_gemv", "compiled",
+           "norm_situ_gemv_cute", "shape_ok", "supports"]

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     arch = check_arch(args.arch)
     plan = plan_kernels(load_config(args.config), args.tp, _buckets(args.batch_buckets), arch)
     print(f"# {plan.model} TP{plan.tp} buckets {list(plan.buckets)} {arch}: {len(plan.gemvs)} "
-          f"CuTe GEMVs, {len(plan.triton) * (not args.no_triton)} Triton kernels, "
+          f"CuTe GEMVs, {len(plan.fused)} fused CuTe kernels, "
+          f"{len(plan.triton) * (not args.no_triton)} Triton kernels, "
           f"{len(plan.skipped)} shapes left to cuBLAS / unsupported")
     if args.dry_run:
         print("\n".join(plan.describe()))

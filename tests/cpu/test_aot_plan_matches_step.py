@@ -105,6 +105,10 @@ def test_packed_shapes_match_the_packers_on_every_rank(tp):
             assert tuple(kda._in_proj().shape) == shapes["kda_in_proj"], (tp, r)
             assert tuple(blk._h2_proj().shape) == shapes["h2_proj"], (tp, r)
             assert tuple(blk._ffn_out().shape) == shapes["ffn_out"], (tp, r)
+            # the fused ffn_out kernel is planned for the weight and the h2 width the block has
+            for f in aot.plan_kernels(cfg, tp, (1,), "sm_90a").fused:
+                assert (f.N, f.K, f.gu_stride) == (*blk._ffn_out().shape,
+                                                   blk._h2_proj().shape[0]), (tp, r)
         sizes = (cfg.mla.q_lora_rank, cfg.mla.latent_dim)
         straddles += len(spec.row_pieces(sizes, r, tp)) > 1
     assert straddles > 0 or tp == 1      # (tiny: 32 + 40 rows; one rank straddles at TP 2, 4)

@@ -307,6 +307,42 @@ def test_warm_compiles_each_out_dtype_as_its_own_kernel(tmp_path):
     assert (second["compiled"], second["loaded"]) == (0, 4)
 
 
+def test_plan_k3_lists_the_fused_ffn_out_kernel_where_the_block_launches_it():
+    """The fused MoE block's ffn_out GEMV with the norm + SiTU prologue (gemv_norm_situ.shape_ok:
+    one token, ≤ 640 columns): K3 TP16 at M = 1 only; TP8 (1216 columns) runs the pair."""
+    cfg = load_config("k3")
+    p16 = aot.plan_kernels(cfg, 16, (1, 2), "sm_90a")
+    assert [(f.M, f.N, f.K, f.D, f.n_cols, f.I, f.gu_stride, f.has_lin) for f in p16.fused] == \
+        [(1, 7168, 640, 3584, 224, 384, 1048, True)]
+    assert p16.fused[0].config == config_for(1, 7168, 640)
+    assert any("ffn_out_norm_situ" in line for line in p16.describe())
+    assert aot.plan_kernels(cfg, 8, (1, 2), "sm_90a").fused == ()
+    assert aot.plan_kernels(cfg, 16, (1,), "sm_90a", path="stock").fused == ()
+
+
+_FUSED_WARM_WORKER = """
+    import json, os, torch
+    from pathlib import Path
+    from raydecode.kernels import aot, aot_store, gemv, gemv_norm_situ as NS
+    M, N, K, D, n, I, ys = 1, 256, 128, 512, 40, 48, 144
+    item = aot.NormSituItem(M, N, K, D, n, I, ys, True, gemv.config_for(M, N, K))
+    plan = aot.KernelPlan("toy", 1, (1,), "sm_90a", (), (), (), (item,))
+    ev = [e["action"] for e in aot.warm(plan, Path(os.environ[aot.ENV]))]
+    NS.compiled(M, N, K, D, n, I, ys, True, item.config)     # the launch path: no second build
+    print(json.dumps({"events": ev, **aot_store.STATS}))
+"""
+
+
+@pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl not installed (run in venv-cute)")
+def test_warm_stores_the_fused_kernel_once_per_node(tmp_path):
+    env = {aot.ENV: str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
+    first, second = _run(_FUSED_WARM_WORKER, env), _run(_FUSED_WARM_WORKER, env)
+    assert first["events"] == ["compiled"] and second["events"] == ["loaded"]
+    assert (first["compiled"], second["compiled"], second["loaded"]) == (1, 0, 1)
+    (entry,) = json.loads((tmp_path / "manifest.json").read_text())["entries"].values()
+    assert entry["key"]["kind"] == "cute_gemv_norm_situ" and entry["key"]["gu_stride"] == 144
+
+
 # ---- real offline Triton compile (venv-triton) ---------------------------------------------
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed (run in venv-triton)")
