@@ -1,7 +1,8 @@
 """The node kernel cache on a GPU (needs CUDA + nvidia-cutlass-dsl): a GEMV compiled and stored
 by one process is loaded by a second one WITHOUT compiling, launches, matches the fp64
-reference, and replays inside a CUDA graph; so does the fused norm + SiTU ffn_out kernel (docs/KERNEL_CACHE.md; the CPU half of these checks
-is tests/cpu/test_kernels_aot.py)."""
+reference, and replays inside a CUDA graph; the fused norm + SiTU ffn_out kernel is stored,
+reloaded and checked the same way (docs/KERNEL_CACHE.md; the CPU half of these checks is
+tests/cpu/test_kernels_aot.py)."""
 from __future__ import annotations
 
 import json
