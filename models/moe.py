@@ -66,7 +66,7 @@ from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_,
                      replicated_linear, situ)
 from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
-from .params import FFN_K_ALIGN, moe_block_fused
+from .params import ffn_out_k, moe_block_fused
 from .specialized import linear_for, row_slice, sharded_gemv
 
 
@@ -329,7 +329,7 @@ class LatentMoE(nn.Module):
 
         def build():
             k = n + down.shape[1]
-            w = up.new_zeros(up.shape[0], -(-k // FFN_K_ALIGN) * FFN_K_ALIGN)
+            w = up.new_zeros(up.shape[0], ffn_out_k(n, down.shape[1]))
             w[:, :n].copy_(up[:, self.par.tp_rank * n:(self.par.tp_rank + 1) * n])
             w[:, n:k].copy_(down)
             return w

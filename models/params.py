@@ -262,6 +262,12 @@ def gemv_out_dtype(name: str, path: DecodePath = "stock") -> str:
     return "fp32" if name in FP32_OUT_GEMVS[path] else "bf16"
 
 
+def ffn_out_k(latent_cols: int, shared_cols: int) -> int:
+    """K of the fused MoE block's [latent up columns ‖ shared down ‖ 0] weight: the columns
+    padded to FFN_K_ALIGN (models/moe.py `_ffn_out`, the layer benchmark's `ffn_out_local`)."""
+    return _pad(latent_cols + shared_cols, FFN_K_ALIGN)
+
+
 def moe_block_fused(cfg: K3Config) -> bool:
     """Whether the specialized MoE block has the fused form's parts (models/moe.py
     `LatentMoE._fused_ok`, besides its bf16 / RAYDECODE_MOE_FUSED run-time conditions): shared
@@ -339,7 +345,7 @@ def decode_gemv_shapes(cfg: K3Config, tp: int,
         if specialized and "mlp.gate" in by and moe_block_fused(cfg):
             out["h2_proj"] = (out["router"][0] + out["latent_down"][0]
                               + out["shared_gate_up"][0], H)
-            out["ffn_out"] = (H, _pad(out["latent_up"][1] + out["shared_down"][1], FFN_K_ALIGN))
+            out["ffn_out"] = (H, ffn_out_k(out["latent_up"][1], out["shared_down"][1]))
     if "mlp.experts.gate_up_proj" in by:   # one expert's slice (MXFP4 when quantized)
         out["expert_gate_up"] = (rows("mlp.experts.gate_up_proj"), cfg.moe.latent_size)
         out["expert_down"] = (cfg.moe.latent_size, cols("mlp.experts.down_proj"))

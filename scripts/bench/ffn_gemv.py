@@ -36,9 +36,9 @@ from raydecode.kernels import gemv_norm_situ as NS
 from raydecode.kernels._cute import cute_available
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.models.config import load_config
+from raydecode.models.params import ffn_out_k
 
 from .layer_timing import GraphTimer
-from .layer_weights import FFN_K_ALIGN
 
 L2_BYTES = 50 * 2**20                  # H200
 ROTATE_BYTES = 3 * L2_BYTES + 16 * 2**20
@@ -53,7 +53,7 @@ def k3_shape(tp: int) -> dict:
     m = cfg.moe
     n, I = m.latent_size // tp, m.shared_intermediate // tp
     return {"tp": tp, "D": m.latent_size, "n_cols": n, "I": I, "N": cfg.hidden_size,
-            "K": -(-(n + I) // FFN_K_ALIGN) * FFN_K_ALIGN, "lead": m.num_experts // tp + n,
+            "K": ffn_out_k(n, I), "lead": m.num_experts // tp + n,
             "beta": cfg.situ_beta, "linear_beta": cfg.situ_linear_beta}
 
 

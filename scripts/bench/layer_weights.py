@@ -33,7 +33,7 @@ from raydecode.kernels.moe_mxfp4 import MXFP4Experts
 from raydecode.models.config import K3Config
 from raydecode.models.k3 import K3DecoderLayer
 from raydecode.models.parallel import LocalComm, Parallel
-from raydecode.models.params import FFN_K_ALIGN, FUSED_ROW_ALIGN
+from raydecode.models.params import FUSED_ROW_ALIGN, ffn_out_k
 
 BF16 = torch.bfloat16
 
@@ -196,7 +196,7 @@ class LayerWeights:
                                              t["shared_gate_up"]]).contiguous()
         up = W.spec.pop("latent_up_local")
         k = up.shape[1] + t["shared_down"].shape[1]
-        k_pad = -(-k // FFN_K_ALIGN) * FFN_K_ALIGN
+        k_pad = ffn_out_k(up.shape[1], t["shared_down"].shape[1])
         W.spec["ffn_out_local"] = torch.cat([up, t["shared_down"],
                                              up.new_zeros(up.shape[0], k_pad - k)], 1).contiguous()
         W.spec_drops |= {"shared_gate_up", "shared_down"}
