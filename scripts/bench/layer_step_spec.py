@@ -48,6 +48,7 @@ from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.kernels.ffn_gemv_triton import norm_situ_gemv
 from raydecode.kernels.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
 from raydecode.kernels.gemv_norm_situ import supports as cute_ffn_supports
+from raydecode.models import moe as served_moe
 from raydecode.kernels.kda_decode import kda_decode
 from raydecode.kernels.mla_decode import mla_absorb, mla_decode, mla_decode_fused, mla_prep
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
@@ -62,9 +63,9 @@ from .layer_step import BF16, DecodeStep, mm_f32
 # output; the specialized weights still count q_b_folded), for same-lease A/B runs only
 MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r9")
 # RAYDECODE_BENCH_FFN: the latent norm + SiTU and the ffn_out GEMV as
-#   served (default): the model's rule (models/moe.py FUSED_FFN_OUT): the CuTe form with the
-#       norm + SiTU as its prologue where it serves (kernels/gemv_norm_situ.py `supports`:
-#       T = 1 at TP16), else the pair;
+#   served (default): the model's rule (models/moe.py FUSED_FFN_OUT, RAYDECODE_FFN_OUT_FUSED):
+#       the CuTe form with the norm + SiTU as its prologue where it serves
+#       (kernels/gemv_norm_situ.py `supports`: T = 1 at TP16), else the pair;
 #   pair: latent_norm_situ + the CuTe GEMV (round 14 and before);
 #   fused: a fused kernel wherever one serves: the CuTe form, else the Triton one
 #       (kernels/ffn_gemv_triton.py, round 10).
@@ -169,7 +170,8 @@ class SpecializedStep(DecodeStep):
         else:
             lat = fused_moe_mxfp4(z.to(BF16), weights, ids, W.experts)   # [all-reduce]
         gu, w_out, w_norm = y[:, ne + nz:], W.spec["ffn_out_local"], t["latent_norm"]
-        if ((FFN_PATH == "served" and cute_ffn_supports(lat, w_norm, nz, gu, w_out))
+        if ((FFN_PATH == "served" and served_moe.FUSED_FFN_OUT
+             and cute_ffn_supports(lat, w_norm, nz, gu, w_out))
                 or (FFN_PATH == "fused" and uses_ffn_kernel(lat, nz, gu, w_out, w_norm))):
             return norm_situ_gemv(lat, t["latent_norm"], self.eps, 0, nz, y[:, ne + nz:],
                                   W.cfg.situ_beta, W.cfg.situ_linear_beta,
