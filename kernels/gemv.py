@@ -495,13 +495,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 
 
 def linear_f32_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x · Wᵀ with bf16 products accumulated in fp32 and returned unrounded (fp32)."""
+    """x · Wᵀ with bf16 products accumulated in fp32 and returned unrounded (fp32).
+
+    Off CUDA the sums run in fp64, then round to fp32 once: the CPU BLAS blocks an fp32 GEMM
+    by its row count, so row t of an M-row call could differ by an ulp from the same row in
+    an M+1-row call (a padded graph bucket, tests/cpu/test_step_graph.py); fp64 sums round to
+    the same fp32 whatever M is."""
     if x.is_cuda:
         try:
             return torch.mm(x, w.t(), out_dtype=torch.float32)
         except (TypeError, RuntimeError):  # torch without out_dtype for bf16 mm
             pass
-    return F.linear(x.float(), w.float())
+        return F.linear(x.float(), w.float())
+    return F.linear(x.double(), w.double()).float()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -17,6 +17,9 @@ Ops (kernels in kernels/mla_decode_triton.py; counts are kernel launches):
   mla_attention  1–2 split-KV attention -> merged (o_lat, lse) for DCP (2 when S > 1)
   mla_output     1   merge of S partials + bf16 + W_uv + gate
   mla_decode     2   mla_attention's split kernel + mla_output's kernel on its partials
+  mla_decode_absorbed  2   the served DCP-1 form: q from a q_b GEMV with W_uk and the q_a norm
+                     weight folded in; the split kernel scales q and stores the new row
+  mla_decode_fused     3   the round-9 form: rms scale + absorb + row store; split; output
 
 Paged cache (models/cache.py MLALatentCache, one layer's pool): cache (num_blocks, block_size,
 c + rope) bf16; row p of token t's sequence at cache[block_table[t, p // bs], p % bs];
@@ -179,14 +182,23 @@ def mla_output_reference(o_lat_partials, lse_partials, w_uv_t, gate, *, out=None
     return out
 
 
-def absorbed_q_weight(q_b_w, w_uk, heads: int, nope: int, rope: int) -> torch.Tensor:
+def absorbed_q_weight(q_b_w, w_uk, heads: int, nope: int, rope: int,
+                      q_norm_w: torch.Tensor | None = None) -> torch.Tensor:
     """q_b weight (h·(nope + rope), q_lora) with W_uk (h, nope, c) folded in ->
-    (h·(c + rope), q_lora) bf16: per head [W_ukᵀ · W_q_nope (c, q_lora) (fp32); W_q_pe]."""
+    (h·(c + rope), q_lora) bf16: per head [W_ukᵀ · W_q_nope (c, q_lora) (fp32); W_q_pe].
+    q_norm_w (q_lora,): the q_a RMSNorm weight folded into the columns too (in fp32, one bf16
+    rounding at the end), the weight `mla_decode_absorbed` consumes: W_q'' with
+    q_abs = rms_scale(x) · x·W_q''ᵀ."""
     _need(q_b_w.dim() == 2 and q_b_w.shape[0] == heads * (nope + rope),
           f"q_b weight of shape {_shape(q_b_w)}; expected ({heads * (nope + rope)}, q_lora)")
     _need(w_uk.dim() == 3 and _shape(w_uk)[:2] == (heads, nope),
           f"w_uk of shape {_shape(w_uk)}; expected ({heads}, {nope}, kv_lora)")
-    wq = q_b_w.view(heads, nope + rope, -1).float()
+    wq = q_b_w.float()
+    if q_norm_w is not None:
+        _need(_shape(q_norm_w) == (q_b_w.shape[1],),
+              f"q norm weight of shape {_shape(q_norm_w)}; expected ({q_b_w.shape[1]},)")
+        wq = wq * q_norm_w.float()[None, :]
+    wq = wq.view(heads, nope + rope, -1)
     lat = torch.bmm(w_uk.float().transpose(1, 2), wq[:, :nope])            # (h, c, q_lora)
     return torch.cat([lat, wq[:, nope:]], 1).reshape(-1, q_b_w.shape[1]).to(BF16)
 
@@ -211,6 +223,19 @@ def mla_decode_fused_reference(qkv, q, kv_norm_w, w_uk, cache, block_table, posi
     qn = (q.float() * rs[:, None, None]).to(BF16)
     _store_rows(qkv, kv_norm_w, cache, block_table, positions, q_lora, kv_lora, eps)
     q_abs = mla_absorb_reference(qn, w_uk, nope=q.shape[2] - (qkv.shape[1] - q_lora - kv_lora))
+    o_lat, lse = mla_attention_reference(q_abs, cache, block_table, seq_lens, kv_lora=kv_lora,
+                                         scale=scale)
+    return mla_output_reference(o_lat, lse, w_uv_t, gate, out=out)
+
+
+def mla_decode_absorbed_reference(qkv, q, kv_norm_w, cache, block_table, positions, seq_lens,
+                                  w_uv_t, gate, *, q_lora, kv_lora, eps, scale, out=None):
+    """`mla_decode_absorbed`'s math at its rounding points: q_abs = bf16(rms_scale(x) · q)
+    with x = qkv[:, :q_lora], the row store, then the attention and output references."""
+    x = qkv[:, :q_lora].float()
+    rs = torch.rsqrt(x.pow(2).mean(-1) + eps)                                # (T,)
+    q_abs = (q.float() * rs[:, None, None]).to(cache.dtype)
+    _store_rows(qkv, kv_norm_w, cache, block_table, positions, q_lora, kv_lora, eps)
     o_lat, lse = mla_attention_reference(q_abs, cache, block_table, seq_lens, kv_lora=kv_lora,
                                          scale=scale)
     return mla_output_reference(o_lat, lse, w_uv_t, gate, out=out)
@@ -446,8 +471,51 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
     return out
 
 
+def mla_decode_absorbed(qkv, q, kv_norm_w, cache, block_table, positions, seq_lens, w_uv_t,
+                        gate, *, q_lora: int, kv_lora: int, eps: float, scale: float, out=None,
+                        num_splits: int | None = None) -> torch.Tensor:
+    """mla_prep's row store and q norm + attention + output (DCP = 1) in TWO kernels: the
+    split kernel scales q and the split holding the new row stores it first
+    (`split_rows_triton`), then the output kernel. Replaces `mla_decode_fused`'s phase A:
+    W_uk is folded into the q_b GEMV's weight instead (`absorbed_q_weight` with the q norm
+    weight: h·(c + rope) rows instead of h·(nope + rope), docs/PERF.md round 16).
+
+    qkv (T, q_lora + kv_lora + rope) bf16: the gathered q_a ‖ kv_a latents; q (T, h, kv_lora +
+    rope) = x · W_q''ᵀ with x = qkv[:, :q_lora], best fp32 (rounded once, after the scale).
+    Every token must be its own sequence (a decode step, no two tokens sharing a block written
+    in this call): a stored row is read by its own token's split only. -> (T, h·v) bf16."""
+    _need(qkv.dim() == 2 and qkv.dtype == BF16 and qkv.stride(1) == 1
+          and qkv.shape[1] > q_lora + kv_lora,
+          f"qkv of shape {_shape(qkv)} dtype {qkv.dtype}: expected bf16 (T, q_lora + kv_lora "
+          f"+ rope) = (T, {q_lora} + {kv_lora} + rope) with a contiguous last dim")
+    T, rope = qkv.shape[0], qkv.shape[1] - q_lora - kv_lora
+    _need(q.dim() == 3 and q.dtype in (BF16, torch.float32) and q.shape[0] == T
+          and q.shape[2] == kv_lora + rope and q.stride(2) == 1,
+          f"q of shape {_shape(q)} dtype {q.dtype}: expected fp32 or bf16 ({T}, h, {kv_lora} "
+          f"+ {rope}) with a contiguous last dim (the absorbed q)")
+    h = q.shape[1]
+    _need(_shape(kv_norm_w) == (kv_lora,),
+          f"kv norm weight of shape {_shape(kv_norm_w)}; expected ({kv_lora},)")
+    _check_paged(cache, block_table, T, kv_lora + rope)
+    _check_vec(positions, T, "positions")
+    _check_vec(seq_lens, T, "seq_lens")
+    hv = _check_output_args(w_uv_t, gate, out, T, h, kv_lora)
+    if not _use_triton(q):
+        return mla_decode_absorbed_reference(qkv, q, kv_norm_w, cache, block_table, positions,
+                                             seq_lens, w_uv_t, gate, q_lora=q_lora,
+                                             kv_lora=kv_lora, eps=eps, scale=scale, out=out)
+    S = _num_splits(q, cache, block_table, num_splits)
+    out = out if out is not None else gate.new_empty(T, hv, dtype=BF16)
+    o_part = q.new_empty(T, S, h, kv_lora, dtype=torch.float32)
+    lse_part = q.new_empty(T, S, h, dtype=torch.float32)
+    _tri.split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens, q_lora,
+                           kv_lora, eps, scale, o_part, lse_part)
+    return _tri.output_triton(o_part, lse_part, w_uv_t, gate, out)
+
+
 __all__ = ["mla_prep", "mla_absorb", "mla_attention", "mla_output", "mla_decode",
            "attention_partials", "absorbed_q_weight", "default_num_splits", "paged_rows",
            "mla_prep_reference", "mla_absorb_reference", "mla_attention_reference",
            "mla_output_reference", "USE_TRITON", "mla_decode_fused", "mla_decode_fused_reference",
-           "folded_q_b_weight", "fused_sync", "check_fused_sync", "FUSED_ONE_LAUNCH_MAX_T"]
+           "folded_q_b_weight", "fused_sync", "check_fused_sync", "FUSED_ONE_LAUNCH_MAX_T",
+           "mla_decode_absorbed", "mla_decode_absorbed_reference"]

@@ -17,6 +17,10 @@ strided views as they come (last dim contiguous) and never synchronise with the 
                       l  = α·l + Σ p;      acc = α·acc + bf16(p)·K_c     (HP, c) fp32
                   writes o_part = acc / l, lse_part = (m + log2 l)·ln2; an empty split writes
                   o 0, lse −inf (so every partial element is written: no zero-init needed)
+  _split_rows_kernel  `_split_kernel` for `mla_decode_absorbed`: q is the raw absorbed q
+                  (W_uk and the q_a norm weight folded into q_b, one GEMV), scaled by
+                  rsqrt(mean(x²) + eps) and rounded here; the split whose rows hold
+                  positions[t] first stores the cache row (as _prep_kernel), then attends
   _output_token_kernel  grid (T, h, ⌈v/16⌉), T ≤ OUTPUT_TOKEN_MAX_T: the PROJECT merge below for
                   one token per program (all S partials in one tile load, M = 1 product)
   _merge_kernel   grid (⌈T/16⌉, h, ⌈v/BV⌉): over the S partials of (t, h)
@@ -142,10 +146,15 @@ if triton is not None:
     def _split_part(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
                     o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
                     H, KL, R, BS, qk_scale, NS, MINC, t, s,
+                    x_ptr, x_st, XL, wkv_ptr, pos_ptr, eps,
                     HP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    BX: tl.constexpr, ROWS: tl.constexpr, DOT_F32: tl.constexpr):
         """Split s of token t (module docstring, `_split_kernel`). q_abs and the cache rows
-        are loaded .cg (L2): in the fused kernel other programs wrote them moments ago."""
+        are loaded .cg (L2): in the fused kernel other programs wrote them moments ago.
+        ROWS (`_split_rows_kernel`): q_ptr holds the raw absorbed q = x·W_q''ᵀ (x = x_ptr[t,
+        :XL], the q_a norm weight and W_uk folded into W_q''), scaled here by rms_scale(x)
+        and rounded to the cache dtype; and the split whose rows hold positions[t] first
+        stores token t's cache row (`_row_store_part`), then reads its tiles."""
         t = t.to(tl.int64)
         L = tl.load(len_ptr + t).to(tl.int32)
         chunk = tl.maximum(tl.cdiv(tl.cdiv(L, NS), BN) * BN, MINC)
@@ -162,6 +171,16 @@ if triton is not None:
                      cache_modifier=".cg")                                          # (HP, BC)
         qr = tl.load(qb + KL + orr[None, :], mask=mh[:, None] & mr[None, :], other=0.0,
                      cache_modifier=".cg")
+        if ROWS:    # the q_a norm's scalar and this step's cache row, before the first tile
+            tt = t + tl.arange(0, 1)                                   # (1,): token t as a tile
+            rs = _rms_scale(x_ptr, x_st, tt, tt == t, XL, eps, 1, BX)[:, None]
+            qc = (qc.to(tl.float32) * rs).to(c_ptr.dtype.element_ty)
+            qr = (qr.to(tl.float32) * rs).to(c_ptr.dtype.element_ty)
+            pos = tl.load(pos_ptr + tt).to(tl.int32)                           # (1,)
+            own = (pos >= 0) & (tl.minimum(pos // chunk, NS - 1) == s)
+            _row_store_part(x_ptr, x_st, XL, KL, R, wkv_ptr, c_ptr, c_sb, c_sr, bt_ptr, bt_st,
+                            pos_ptr, BS, eps, tt, own, BC, BR)
+            tl.debug_barrier()      # the row's stores before this CTA's tile loads
         m_i = tl.full((HP,), float("-inf"), tl.float32)
         l_i = tl.zeros((HP,), tl.float32)
         acc = tl.zeros((HP, BC), tl.float32)
@@ -314,7 +333,21 @@ if triton is not None:
         pdl_enter(PDL)
         _split_part(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
                     o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS, qk_scale,
-                    NS, MINC, tl.program_id(0), tl.program_id(1), HP, BC, BR, BN, DOT_F32)
+                    NS, MINC, tl.program_id(0), tl.program_id(1), q_ptr, 0, 0, q_ptr, len_ptr,
+                    0.0, HP, BC, BR, BN, 16, False, DOT_F32)
+
+    @triton.jit
+    def _split_rows_kernel(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
+                           o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
+                           H, KL, R, BS, qk_scale, NS, MINC, x_ptr, x_st, XL, wkv_ptr,
+                           pos_ptr, eps, HP: tl.constexpr, BC: tl.constexpr,
+                           BR: tl.constexpr, BN: tl.constexpr, BX: tl.constexpr,
+                           DOT_F32: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        _split_part(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
+                    o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS, qk_scale,
+                    NS, MINC, tl.program_id(0), tl.program_id(1), x_ptr, x_st, XL, wkv_ptr,
+                    pos_ptr, eps, HP, BC, BR, BN, BX, True, DOT_F32)
 
     @triton.jit
     def _merge_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
@@ -403,7 +436,8 @@ if triton is not None:
                 k = tk - n_a
                 _split_part(qa_ptr, qa_st, qa_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
                             o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS,
-                            qk_scale, NS, MINC, k // NS, k % NS, HP, BC, BR, BN, DOT_F32)
+                            qk_scale, NS, MINC, k // NS, k % NS, x_ptr, x_st, XL, wkv_ptr,
+                            pos_ptr, eps, HP, BC, BR, BN, BX, False, DOT_F32)
                 tl.debug_barrier()
                 tl.atomic_add(sync_ptr + 2, 1, sem="release", scope="gpu")
             else:                                  # C: merge + W_uv + gate, after all of B
@@ -491,6 +525,26 @@ def split_triton(q_abs, cache, block_table, seq_lens, kv_lora: int, scale: float
                           HP=_p2(h), BC=_p2(kv_lora), BR=_p2(R), BN=BN,
                           DOT_F32=not q_abs.is_cuda, num_warps=4 if kv_lora <= 256 else 8,
                           num_stages=2, **pdl_launch(o_part))
+
+
+def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens,
+                      q_lora: int, kv_lora: int, eps: float, scale: float,
+                      o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+    """`split_triton` on the raw absorbed q (T, h, c + R) fp32 or bf16, x·W_q''ᵀ with x =
+    qkv[:, :q_lora]: scaled by rms_scale(x) and rounded to the cache dtype per program; the
+    split holding positions[t] stores token t's row (qkv's kv part, `_row_store_part`) first.
+    Every token its own sequence: a row stored here is read by its own split only."""
+    T, h, d = q.shape
+    S = o_part.shape[1]
+    R = d - kv_lora
+    _split_rows_kernel[(T, S)](
+        q, q.stride(0), q.stride(1), cache, cache.stride(0), cache.stride(1), block_table,
+        block_table.stride(0), seq_lens, o_part, o_part.stride(0), o_part.stride(1),
+        o_part.stride(2), lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        h, kv_lora, R, cache.shape[1], float(scale) * LOG2E, S, MIN_CHUNK, qkv, qkv.stride(0),
+        q_lora, kv_norm_w, positions, float(eps), HP=_p2(h), BC=_p2(kv_lora), BR=_p2(R),
+        BN=32 if kv_lora >= 256 else 64, BX=min(512, _p2(q_lora)), DOT_F32=not q.is_cuda,
+        num_warps=4 if kv_lora <= 256 else 8, num_stages=2, **pdl_launch(o_part))
 
 
 def merge_triton(o_part, lse_part, o_lat: torch.Tensor, lse: torch.Tensor) -> None:
@@ -581,5 +635,6 @@ def fused_triton(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq_len
     return q_abs if only_a else out
 
 
-__all__ = ["available", "prep_triton", "absorb_triton", "split_triton", "merge_triton",
-           "output_triton", "fused_triton", "fused_grid", "FUSED_MAX_SPINS", "MIN_CHUNK"]
+__all__ = ["available", "prep_triton", "absorb_triton", "split_triton", "split_rows_triton",
+           "merge_triton", "output_triton", "fused_triton", "fused_grid", "FUSED_MAX_SPINS",
+           "MIN_CHUNK"]

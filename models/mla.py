@@ -24,8 +24,10 @@ step computes [q_a; kv_a] (q_lora + kv_lora + rope rows) 1/TP per rank and all-g
 
 Specialized decode (path "specialized", caches given, every sequence one token, bf16 model and
 pool, output gate present): the fused ops of kernels/mla_decode.py replace the per-sequence
-PyTorch code — at D = 1 the q_b GEMV with the q_a norm weight folded in (`_q_b_folded`) then
-mla_decode_fused (rms scale + absorb + row store; attention; W_uv + gate: 3 kernels); at D > 1
+PyTorch code — at D = 1 the q_b GEMV with W_uk and the q_a norm weight folded in
+(`_q_b_absorbed`: the absorbed q straight out of the GEMV) then mla_decode_absorbed (attention
+with the q norm scale and the row store in the split kernel; W_uv + gate: 2 kernels; with
+RAYDECODE_MLA_ABSORBED_Q=0 round 9's `_q_b_folded` GEMV + mla_decode_fused, 3 kernels); at D > 1
 mla_prep (norms + row store), q_b, mla_absorb, the q exchange, mla_attention over this rank's
 rows + the DCP exchange + mla_output. Per-token paging (`decode_meta`): block table rows (T, max_blocks) int32, store index
 (T,) = p // D on the rank owning p (else −1: not stored), seq_lens (T,) = rows of positions
@@ -38,7 +40,8 @@ import weakref
 import torch
 from torch import nn
 
-from raydecode.kernels.mla_decode import (folded_q_b_weight, mla_absorb, mla_attention,
+from raydecode.kernels.mla_decode import (absorbed_q_weight, folded_q_b_weight, mla_absorb,
+                                          mla_attention, mla_decode_absorbed,
                                           mla_decode_fused, mla_output, mla_prep)
 
 from .cache import MLALatentCache, ModelCaches, StepBatch
@@ -46,9 +49,14 @@ from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
                      row_linear)
 from .parallel import Comm, LocalComm, Parallel
-from .specialized import linear_for, row_pieces, sharded_gemv
+from .specialized import env_switch, linear_for, row_pieces, sharded_gemv
 
 BF16 = torch.bfloat16
+# Specialized decode at DCP 1: W_uk (and the q_a norm weight) folded into the q_b GEMV's weight,
+# then mla_decode_absorbed's two kernels (docs/PERF.md round 16), instead of the q_b' GEMV and
+# mla_decode_fused's three (rms scale + absorb + row store as a kernel of their own). Off for
+# A/B runs.
+ABSORBED_Q = env_switch("RAYDECODE_MLA_ABSORBED_Q", "W_uk folded into the q_b GEMV")
 
 
 # ---- attention math (fp32) -----------------------------------------------------------------
@@ -242,6 +250,13 @@ class MLAAttention(nn.Module):
         if gate is None:
             gate = lin(x, self.g_proj.weight)                               # (T, h·v)
         D = self.par.dcp_size
+        if D == 1 and ABSORBED_Q:   # q_abs from one GEMV; split (+ q scale, row), output
+            q = lin(qkv[:, :self.q_lora], self._q_b_absorbed(), torch.float32)  # rounded once,
+            q = q.view(T, h, c + self.rope)                                    # after the scale
+            return mla_decode_absorbed(qkv, q, self.kv_a_layernorm.weight, pool, table, store,
+                                       seq_lens, self._w_uv_t(), gate, q_lora=self.q_lora,
+                                       kv_lora=c, eps=self.q_a_layernorm.eps,
+                                       scale=self.scale)
         if D == 1:      # after the q_b GEMV: q norm scale + absorb + row, attention, output
             q = lin(qkv[:, :self.q_lora], self._q_b_folded(), torch.float32)    # rounded once,
             q = q.view(T, h, self.nope + self.rope)                            # after the scale
@@ -267,6 +282,17 @@ class MLAAttention(nn.Module):
         return self._derived.get("q_b_folded", [self.q_b_proj.weight, self.q_a_layernorm.weight],
                                  lambda: folded_q_b_weight(self.q_b_proj.weight.detach(),
                                                            self.q_a_layernorm.weight.detach()))
+
+    def _q_b_absorbed(self) -> torch.Tensor:
+        """q_b with W_uk and the q_a norm weight folded in (`absorbed_q_weight`), (h·(kv_lora +
+        rope), q_lora): the weight of mla_decode_absorbed's q; rebuilt when a source changes."""
+        return self._derived.get(
+            "q_b_absorbed", [self.q_b_proj.weight, self.kv_b_proj.weight,
+                             self.q_a_layernorm.weight],
+            lambda: absorbed_q_weight(self.q_b_proj.weight.detach(),
+                                      self.absorbed_weights()[0].detach(), self.heads,
+                                      self.nope, self.rope,
+                                      q_norm_w=self.q_a_layernorm.weight.detach()))
 
     def _w_uv_t(self) -> torch.Tensor:
         """W_uv as mla_output wants it, (h, kv_lora, v) contiguous (the kv_b view is

@@ -44,7 +44,6 @@ Routed experts, two storages (`RoutedExperts`; which one: `routed_experts_mxfp4(
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -67,24 +66,17 @@ from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_,
 from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
 from .params import ffn_out_k, moe_block_fused
-from .specialized import linear_for, row_slice, sharded_gemv
-
-
-def _switch(env: str, on: str) -> bool:
-    v = os.environ.get(env, "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"{env}={v!r}; accepted: '1' ({on}, default) or '0' (off: A/B runs)")
-    return v == "1"
+from .specialized import env_switch, linear_for, row_slice, sharded_gemv
 
 
 # The specialized MoE block: fused (`LatentMoE._forward_fused`) where the layer has its parts,
 # else the unfused one. Off for A/B runs, and in tests of other layers that compare whole
 # models stock vs specialized closer than the fused block's re-association allows.
-FUSED_SPECIALIZED = _switch("RAYDECODE_MOE_FUSED", "the fused specialized MoE block")
+FUSED_SPECIALIZED = env_switch("RAYDECODE_MOE_FUSED", "the fused specialized MoE block")
 # Inside the fused block on CUDA where it serves (T = 1 at K3 TP16: `gemv_norm_situ.supports`):
 # the latent norm + SiTU as the prologue of the ffn_out CuTe GEMV (kernels/gemv_norm_situ.py),
 # one launch instead of two.
-FUSED_FFN_OUT = _switch("RAYDECODE_FFN_OUT_FUSED", "norm + SiTU in the ffn_out GEMV")
+FUSED_FFN_OUT = env_switch("RAYDECODE_FFN_OUT_FUSED", "norm + SiTU in the ffn_out GEMV")
 
 
 def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,

@@ -247,13 +247,14 @@ def _pad(n: int, a: int = FUSED_ROW_ALIGN) -> int:
 # out_dtype=torch.float32)`), by path; every other entry of `decode_gemv_shapes` writes bf16. An
 # fp32-out GEMV is a different compiled kernel (kernels/aot.py plans it with that out dtype).
 # - router: fp32 logits (the routing top-k reads them unrounded);
-# - q_b_folded: MLA q_b' at DCP 1 (kernels/mla_decode.py `folded_q_b_weight`: the q norm scale is
-#   applied to the fp32 output, which is rounded once after it);
+# - q_b_absorbed: MLA W_q'' at DCP 1 (kernels/mla_decode.py `absorbed_q_weight` with the q norm
+#   weight: the q norm scale is applied to the fp32 output, which is rounded once after it);
+# - q_b_folded: the same for round 9's q_b' (`folded_q_b_weight`, RAYDECODE_MLA_ABSORBED_Q=0);
 # - h2_proj: the fused MoE block's [router ‖ latent down ‖ shared gate ‖ up] (each consumer
 #   rounds its columns itself).
 FP32_OUT_GEMVS: dict[DecodePath, frozenset[str]] = {
     "stock": frozenset({"router"}),
-    "specialized": frozenset({"router", "q_b_folded", "h2_proj"}),
+    "specialized": frozenset({"router", "q_b_absorbed", "q_b_folded", "h2_proj"}),
 }
 
 
@@ -290,9 +291,10 @@ def decode_gemv_shapes(cfg: K3Config, tp: int,
       step outside the fused decode: a sequence's first token, speculative verify),
       `dense_gate`, `dense_up`, `shared_gate`, `shared_up` (GatedMLP);
     - specialized, the packed weights of the fused decode (models/mla.py `_qkv_a_g`,
-      `_q_b_folded`; models/moe.py `_h2_proj`, `_ffn_out`):
+      `_q_b_absorbed`, `_q_b_folded`; models/moe.py `_h2_proj`, `_ffn_out`):
         `qkv_a_g`    (ΣN/TP of [q_a; kv_a] + h·v/TP of g_proj, H)   with the output gate
-        `q_b_folded` q_b's shape, fp32 out                          with the output gate
+        `q_b_absorbed` (h/TP·(kv_lora + rope), q_lora), fp32 out    with the output gate
+        `q_b_folded` q_b's shape, fp32 out (RAYDECODE_MLA_ABSORBED_Q=0)   "
         `h2_proj`    (E/TP + L/TP + 2·I_sh/TP, H), fp32 out         `moe_block_fused(cfg)`
         `ffn_out`    (H, L/TP + I_sh/TP padded to FFN_K_ALIGN)       `moe_block_fused(cfg)`
       and the unfused MoE block's (RAYDECODE_MOE_FUSED=0) latent up, computed as H/TP rows:
@@ -320,6 +322,8 @@ def decode_gemv_shapes(cfg: K3Config, tp: int,
             out["g_proj"] = (rows("mla.g_proj"), H)
             if specialized:     # row_pieces of [q_a; kv_a] sum to ΣN/TP on every rank
                 out["qkv_a_g"] = (out["fused_qkv_a"][0] + out["g_proj"][0], H)
+                out["q_b_absorbed"] = (out["q_b"][0] // cfg.mla.qk_head_dim
+                                       * cfg.mla.latent_dim, out["q_b"][1])
                 out["q_b_folded"] = out["q_b"]
     if cfg.kda_layer_ids:
         kda_rows = sum(rows(f"kda.{p}_proj") for p in "qkvgb") + rows("kda.f_a_proj")
@@ -461,6 +465,16 @@ def _mla_reads(by, prefix: str, heads: int, kv_lora: int, latent: int, nope: int
     }
     if gate:
         r["g_proj"] = _weights(by, (f"{p}.g_proj",), tp, path, tokens)
+    if path == "specialized" and dcp == 1 and gate:
+        # W_uk folded into q_b (models/mla.py `_q_b_absorbed`, the served fast path): one GEMV
+        # of h·(kv_lora + rope) rows instead of h·(nope + rope), and no W_uk read
+        rope = latent - kv_lora
+        grow = latent / (nope + rope)
+        w = by[f"{p}.q_b_proj"].rank_bytes(tp, path)
+        q = r["q_b"]
+        r["q_b"] = Read(w * grow + (q.bytes - w) + 2.0 * tokens * hl * (kv_lora - nope),
+                        q.flops * grow, q.fmt)
+        r["w_uk"] = Read(0.0, 0.0)
     return r
 
 

@@ -19,6 +19,7 @@ in rank order, which is the row order of the concatenation.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,15 @@ from .config import K3Config
 from .parallel import Comm, Parallel
 
 PATHS = ("stock", "specialized")
+
+
+def env_switch(env: str, on: str) -> bool:
+    """An on/off switch of the specialized step read from the environment at import: '1'
+    (default, `on` describes it) or '0' (off: A/B runs); anything else raises, naming both."""
+    v = os.environ.get(env, "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"{env}={v!r}; accepted: '1' ({on}, default) or '0' (off: A/B runs)")
+    return v == "1"
 
 
 def check_path(path: str) -> None:

@@ -62,10 +62,13 @@ VARIANTS = {
                     "down] over a concatenated K; MLA [qkv_a|g_proj]); bf16 projections "
                     "through kernels.gemv.linear (CuTe GEMV) for batch <= gemv_max_batch; "
                     "fused kernels: AttnRes mix + RMSNorm x2, router top-k, KDA decode (f_b, "
-                    "gate, conv, L2 norms, delta rule, gated RMSNorm: one kernel), MLA prep "
-                    "(norms + paged cache write), q absorption, split-KV attention over the "
-                    "paged cache + merge/W_uv/gate, few-token MXFP4 expert GEMV for T*k <= 64 "
-                    "(the stock grouped kernel above), latent RMSNorm + shared SiTU in one"),
+                    "gate, conv, L2 norms, delta rule, gated RMSNorm: one kernel), MLA as "
+                    "mla_path says (r16: W_uk and the q_a norm folded into q_b, split-KV "
+                    "attention over the paged cache with the q norm scale and the cache-row "
+                    "write, merge/W_uv/gate; r9: + a kernel for rms scale, absorption and the "
+                    "row), few-token MXFP4 expert GEMV for T*k <= 64 (the stock grouped "
+                    "kernel above), latent RMSNorm + shared SiTU (or the ffn_out GEMV's "
+                    "prologue, ffn_path)"),
 }
 
 

@@ -11,11 +11,15 @@ one token each, at per-rank shapes, in the fewest kernels that keep the stock st
            attn = o_proj(o)                                       GEMV            [all-reduce]
     MLA:   y    = [qkv_a 1/TP ‖ g_proj](h)                        GEMV
            qkv  = all-gather(y[:, :qkv_a/TP])                     (memcpy stand-in)
-           q'   = q_b'(qkv[:, :q_lora])                           GEMV (q_a norm weight folded
-                                                                  into q_b: round 9)
-           o    = mla_decode_fused(qkv, q', pages, W_uk, W_uv,    3 kernels (rms scale + absorb
-                                   gate = y[:, qkv_a/TP:])        + cache row; split-KV
-                                                                  attention; merge + W_uv + gate)
+           q''  = W_q''(qkv[:, :q_lora])                          GEMV (W_uk and the q_a norm
+                                                                  weight folded into q_b:
+                                                                  round 16)
+           o    = mla_decode_absorbed(qkv, q'', pages, W_uv,      2 kernels (split-KV attention
+                                   gate = y[:, qkv_a/TP:])        with the rms scale of q and
+                                                                  the cache row; merge + W_uv
+                                                                  + gate). RAYDECODE_BENCH_MLA
+                                                                  = r9: q_b' + mla_decode_fused
+                                                                  (3 kernels), r8: round 8's
            attn = o_proj(o)                                       GEMV            [all-reduce]
     prefix, h2 = prefix + attn, AttnRes mix + RMSNorm             1 kernel (residual-add form)
     y2     = [router 1/TP ‖ latent down 1/TP ‖ shared gate|up](h2)   one GEMV, fp32 out
@@ -50,18 +54,17 @@ from raydecode.kernels.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
 from raydecode.kernels.gemv_norm_situ import supports as cute_ffn_supports
 from raydecode.models import moe as served_moe
 from raydecode.kernels.kda_decode import kda_decode
-from raydecode.kernels.mla_decode import mla_absorb, mla_decode, mla_decode_fused, mla_prep
+from raydecode.kernels.mla_decode import (mla_absorb, mla_decode, mla_decode_absorbed,
+                                          mla_decode_fused, mla_prep)
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
 from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
 from raydecode.kernels.router import route_topk
 
 from .layer_step import BF16, DecodeStep, mm_f32
+from .layer_weights import MLA_PATH
 
 
-# RAYDECODE_BENCH_MLA=r8: the MLA block as round 8 ran it (prep, q_b on q_n, absorb, split,
-# output; the specialized weights still count q_b_folded), for same-lease A/B runs only
-MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r9")
 # RAYDECODE_BENCH_FFN: the latent norm + SiTU and the ffn_out GEMV as
 #   served (default): the model's rule (models/moe.py FUSED_FFN_OUT, RAYDECODE_FFN_OUT_FUSED):
 #       the CuTe form with the norm + SiTU as its prologue where it serves
@@ -144,6 +147,15 @@ class SpecializedStep(DecodeStep):
                            t["w_uv_t"], y[:, nq:], kv_lora=m.kv_lora_rank,
                            scale=m.qk_head_dim ** -0.5)
             return self._lin(o, t["o_proj"])
+        if MLA_PATH == "r16":           # the served form: q_abs out of the GEMV, 2 kernels
+            q = self._lin(qkv[:, :m.q_lora_rank], W.spec["q_b_absorbed"], f32=True).view(
+                T, w["heads"], m.latent_dim)                    # fp32: rounded after the scale
+            o = mla_decode_absorbed(qkv, q, t["kv_a_norm"], S.mla_pages(),
+                                    S.mla_block_table[:T], S.mla_positions[:T],
+                                    S.mla_seq_lens[:T], t["w_uv_t"], y[:, nq:],
+                                    q_lora=m.q_lora_rank, kv_lora=m.kv_lora_rank, eps=self.eps,
+                                    scale=m.qk_head_dim ** -0.5)
+            return self._lin(o, t["o_proj"])                     # [all-reduce]
         q = self._lin(qkv[:, :m.q_lora_rank], W.spec["q_b_folded"], f32=True).view(
             T, w["heads"], m.qk_head_dim)                       # fp32: rounded after the scale
         o = mla_decode_fused(qkv, q, t["kv_a_norm"], t["w_uk"], S.mla_pages(),

@@ -17,18 +17,22 @@ Routed experts are MXFP4 (`kernels.moe_mxfp4.MXFP4Experts`), never dequantized a
                into one weight: h2_proj = [router 1/TP ‖ latent down 1/TP ‖ shared gate|up]
                rows (one fp32-out GEMV of h2), ffn_out = [latent up 1/TP ‖ shared down ‖ 0]
                columns (one GEMV, the two partial sums accumulated together), MLA qkv_a_g =
-               [fused_qkv_a 1/TP ‖ g_proj] rows; (round 9) MLA q_b_folded = q_b with the
-               q_a norm weight folded into its columns. `spec_drops` names the shared
-               tensors the specialized step reads only inside those (not counted twice).
+               [fused_qkv_a 1/TP ‖ g_proj] rows; (round 16, the default MLA path) MLA
+               q_b_absorbed = q_b with W_uk and the q_a norm weight folded in (models/mla.py
+               `_q_b_absorbed`; w_uk is then not read), or (round 9, RAYDECODE_BENCH_MLA=r9)
+               q_b_folded = q_b with the q_a norm weight folded into its columns.
+               `spec_drops` names the shared tensors the specialized step reads only inside
+               those (not counted twice).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from raydecode.kernels.mla_decode import folded_q_b_weight
+from raydecode.kernels.mla_decode import absorbed_q_weight, folded_q_b_weight
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts
 from raydecode.models.config import K3Config
 from raydecode.models.k3 import K3DecoderLayer
@@ -36,6 +40,15 @@ from raydecode.models.parallel import LocalComm, Parallel
 from raydecode.models.params import FUSED_ROW_ALIGN, ffn_out_k
 
 BF16 = torch.bfloat16
+# RAYDECODE_BENCH_MLA: the specialized MLA block as
+#   r16 (default): the model's served form (q_b with W_uk folded in, mla_decode_absorbed);
+#   r9: round 9's (q_b', mla_decode_fused: rms scale + absorb + row store as a kernel);
+#   r8: round 8's (prep, q_b on q_n, absorb, split, output; the weights counted are r9's).
+# Same-lease A/B runs only; the weights built (and counted) follow it.
+MLA_PATHS = ("r16", "r9", "r8")
+MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r16")
+if MLA_PATH not in MLA_PATHS:
+    raise ValueError(f"RAYDECODE_BENCH_MLA={MLA_PATH!r}; accepted: {', '.join(MLA_PATHS)}")
 
 
 @dataclass(frozen=True)
@@ -168,10 +181,16 @@ class LayerWeights:
             t["g_proj"] = p[f"{a}.g_proj.weight"].contiguous()
             t["o_proj"] = p[f"{a}.o_proj.weight"].contiguous()
             W.spec["qkv_a_g_local"] = torch.cat([W.spec.pop("fused_qkv_a_local"), t["g_proj"]])
-            # round 9: q_a norm weight folded into q_b's columns (mla_decode_fused applies
-            # the rms scale; no prep kernel before the q_b GEMV)
-            W.spec["q_b_folded"] = folded_q_b_weight(t["q_b"], t["q_a_norm"]).contiguous()
             W.spec_drops |= {"g_proj", "q_b", "q_a_norm"}
+            if MLA_PATH == "r16":   # W_uk and the q_a norm weight folded into q_b (the split
+                # kernel applies the rms scale; no kernel between the q_b GEMV and attention)
+                W.spec["q_b_absorbed"] = absorbed_q_weight(
+                    t["q_b"], t["w_uk"], hl, m.qk_nope_head_dim, m.qk_rope_head_dim,
+                    q_norm_w=t["q_a_norm"]).contiguous()
+                W.spec_drops.add("w_uk")
+            else:   # round 9: q_a norm weight folded into q_b's columns (mla_decode_fused
+                # applies the rms scale; no prep kernel before the q_b GEMV)
+                W.spec["q_b_folded"] = folded_q_b_weight(t["q_b"], t["q_a_norm"]).contiguous()
             W.widths.update(heads=hl, qkv_a=qkv_a.shape[0], q_lora=m.q_lora_rank,
                             qkv_a_local=par.shard(qkv_a.shape[0]))
         mo = "block_sparse_moe"

@@ -15,7 +15,7 @@ import torch
 
 from raydecode.kernels import aot
 from raydecode.kernels.gemv import config_for, linear_uses_cute
-from raydecode.models import moe
+from raydecode.models import mla, moe
 from raydecode.models import specialized as spec
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -74,12 +74,13 @@ def test_plan_covers_every_cute_gemv_of_a_specialized_step(monkeypatch, fused, f
             missing.append(f"M={M} N={N} K={K} out={out}")
     assert not missing, f"CuTe GEMVs the step launches and the plan lacks: {missing}"
     # the fused MoE block's fp32-out GEMV ran (and is what the fp32 entries cover), and the
-    # MLA layers ran their fused decode: q_b' with fp32 out
+    # MLA layers ran their fused decode: W_q'' (round 9's q_b' with the A/B switch off) with
+    # fp32 out
     blocks = [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
     assert all(("h2_proj" in b._derived._memo) == fused for b in blocks)
     sh = decode_gemv_shapes(cfg, 1, "specialized")
     assert ((1, *sh["h2_proj"], torch.float32) in cute) == fused
-    assert (1, *sh["q_b_folded"], torch.float32) in cute
+    assert (1, *sh["q_b_absorbed" if mla.ABSORBED_Q else "q_b_folded"], torch.float32) in cute
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

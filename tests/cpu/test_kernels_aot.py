@@ -66,7 +66,8 @@ def test_plan_k3_tp16_packed_gemvs_with_their_out_dtypes():
     bf, f32 = torch.bfloat16, torch.float32
     for M in (1, 2):
         assert ("qkv_a_g", M, 132 + 768, 7168, bf) in got          # 2112/16 + 12288/16 rows
-        assert ("q_b_folded", M, 1152, 1536, f32) in got           # q_b' of the fused MLA decode
+        assert ("q_b_absorbed", M, 6 * 576, 1536, f32) in got      # W_q'': W_uk folded in
+        assert ("q_b_folded", M, 1152, 1536, f32) in got           # q_b' (the A/B switch off)
         assert ("q_b", M, 1152, 1536, bf) in got                   # DCP > 1: q_b, bf16 out
         assert ("h2_proj", M, 56 + 224 + 768, 7168, f32) in got    # E, L, 2·I_sh over 16
         assert ("ffn_out", M, 7168, 640, bf) in got                # 224 + 384 → 640

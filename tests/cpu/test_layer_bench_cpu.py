@@ -74,10 +74,15 @@ def test_fused_weights_are_counted_once():
         stock, sp = W.weight_bytes("stock"), W.weight_bytes("specialized")
         pad = ffn[:, k:].numel() * 2
         folded = 0
-        if kind == "mla":   # the q_a norm weight lives in q_b_folded's columns
-            qn = W.t["q_a_norm"]
-            assert W.spec["q_b_folded"].shape == W.t["q_b"].shape
-            folded = qn.numel() * qn.element_size()
+        if kind == "mla":   # the q_a norm weight and W_uk live in q_b_absorbed (the default
+            # path r16): h·(c + rope) rows in place of q_b's h·(nope + rope), W_uk not read
+            qn, wuk, qb = W.t["q_a_norm"], W.t["w_uk"], W.t["q_b"]
+            m = W.cfg.mla
+            assert "q_b_folded" not in W.spec
+            assert W.spec["q_b_absorbed"].shape == (W.widths["heads"] * m.latent_dim,
+                                                    qb.shape[1])
+            folded = (qn.numel() * qn.element_size() + wuk.numel() * wuk.element_size()
+                      + qb.numel() * 2 - W.spec["q_b_absorbed"].numel() * 2)
         # at TP = 1 sharding saves nothing: spec = stock + the ffn K padding exactly
         assert sp == stock + pad - folded, (kind, stock, sp, pad, folded)
 

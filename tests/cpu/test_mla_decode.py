@@ -250,6 +250,74 @@ def test_fused_composition_matches_layer_step_mla():
     assert _rel(one, two) < 1e-12
 
 
+def test_absorbed_composition_matches_layer_step_mla():
+    """DecodeStep.mla (stock) vs the served form: W_q'' = q_b with W_uk and the q_a norm
+    weight folded in, applied to the raw latent, then mla_decode_absorbed (reference on the
+    CPU) over a paged copy of the cache; the written row bit for bit equals mla_prep's."""
+    T, ctx, bs = 3, 48, 16
+    cfg, W, S, h, bt, cache, ref = _stock_mla_case(T, ctx, bs, seed=25)
+    m, t = cfg.mla, W.t
+    qkv = F.linear(h, W.stock["fused_qkv_a"])
+    hl, ql = W.widths["heads"], m.q_lora_rank
+    wa = M.absorbed_q_weight(t["q_b"], t["w_uk"], hl, m.qk_nope_head_dim, m.qk_rope_head_dim,
+                             q_norm_w=t["q_a_norm"])
+    assert wa.shape == (hl * (m.kv_lora_rank + m.qk_rope_head_dim), ql)
+    q = (qkv[:, :ql].float() @ wa.float().t()).view(T, hl, -1)   # fp32 GEMV output
+    o = M.mla_decode_absorbed(qkv, q, t["kv_a_norm"], cache, bt, torch.full((T,), ctx - 1),
+                              torch.full((T,), ctx, dtype=torch.int32), t["w_uv_t"],
+                              F.linear(h, t["g_proj"]), q_lora=ql, kv_lora=m.kv_lora_rank,
+                              eps=cfg.rms_norm_eps, scale=m.qk_head_dim ** -0.5)
+    assert torch.equal(M.paged_rows(cache, bt, T)[0], S.mla_cache[:T])
+    assert _rel(F.linear(o, t["o_proj"]), ref) < 1.5e-2
+    # the fold is exact in the math: q_abs = rms_scale(x) · x·W_q''ᵀ before rounding
+    x = qkv[:, :ql].double()
+    rs = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    qn = (x * rs * t["q_a_norm"].double()) @ t["q_b"].double().t()
+    qn = qn.view(T, hl, -1)
+    nope = m.qk_nope_head_dim
+    two = torch.cat([torch.einsum("thn,hnc->thc", qn[..., :nope], t["w_uk"].double()),
+                     qn[..., nope:]], -1)
+    one = rs[:, :, None] * q.double()
+    assert _rel(one, two) < 1e-2                                # W_q'' rounded to bf16 once
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernels: Triton + TRITON_INTERPRET=1")
+@pytest.mark.parametrize("ctx_rows", [(1, 40, 17, 64), (1, 129, 5, 3)])
+def test_split_rows_kernel_equals_reference(ctx_rows):
+    """split_rows_triton + output_triton (the two kernels of mla_decode_absorbed) vs
+    mla_decode_absorbed_reference on fresh random inputs: per token a different length, the
+    new row at positions[t] = len − 1 (one token −1: not stored, its row read as it was), a
+    shuffled table over a pool with spare blocks, S = 3 splits (so the row's owner is not
+    always the last split). Output ≤ 2e-2 rel, every row but the stored ones untouched, the
+    stored rows equal the reference's bits up to 1 bf16 ulp."""
+    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    g = torch.Generator().manual_seed(seed)
+    T, bs, mb, S = len(ctx_rows), 16, 9, 3
+    nb = T * mb + 3
+    cache0 = torch.randn(nb, bs, KL + R, generator=g).to(BF)
+    bt = torch.randperm(nb, generator=g)[:T * mb].view(T, mb).int()
+    qkv = (torch.randn(T, QL + KL + R, generator=g) * 2).to(BF)
+    q = torch.randn(T, H, KL + R, generator=g)
+    wkv = (1 + 0.2 * torch.randn(KL, generator=g)).to(BF)
+    w_uv = torch.randn(H, KL, V, generator=g).to(BF)
+    gate = torch.randn(T, H * V, generator=g).to(BF)
+    seq = torch.tensor(ctx_rows, dtype=torch.int32)
+    pos = (seq - 1).long()
+    pos[0] = -1
+    kw = dict(q_lora=QL, kv_lora=KL, eps=1e-6, scale=0.1)
+    ref_c = cache0.clone()
+    ref = M.mla_decode_absorbed_reference(qkv, q, wkv, ref_c, bt, pos, seq, w_uv, gate, **kw)
+    got_c = cache0.clone()
+    o_p, l_p = torch.empty(T, S, H, KL), torch.empty(T, S, H)
+    MT.split_rows_triton(q, qkv, wkv, got_c, bt, pos, seq, QL, KL, 1e-6, 0.1, o_p, l_p)
+    got = MT.output_triton(o_p, l_p, w_uv, gate, torch.empty(T, H * V, dtype=BF))
+    msg = f"seed {seed}"
+    assert _rel(got, ref) < 2e-2, msg
+    changed = (got_c != cache0).any(-1)
+    assert int(changed.sum()) <= T - 1, msg
+    assert float(_ulps(got_c, ref_c).max()) <= 1, msg
+
+
 def test_fused_op_inputs_are_named():
     T = 2
     cache, bt, g = _paged(T, 2, 16, seed=17)

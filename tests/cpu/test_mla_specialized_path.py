@@ -33,12 +33,16 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+# the DCP-1 fast path's op: round 16's absorbed-q form, or round 9's (RAYDECODE_MLA_ABSORBED_Q=0)
+DCP1 = "mla_decode_absorbed" if mla.ABSORBED_Q else "mla_decode_fused"
+
+
 class Spy:
-    """Counts calls of the real models.mla.mla_decode_fused / mla_attention and still runs
-    them."""
+    """Counts calls of the real models.mla.mla_decode_absorbed / mla_decode_fused /
+    mla_attention and still runs them."""
 
     def __init__(self, monkeypatch=None):
-        self.calls = {"mla_decode_fused": 0, "mla_attention": 0}
+        self.calls = {"mla_decode_absorbed": 0, "mla_decode_fused": 0, "mla_attention": 0}
         self.real = {n: getattr(mla, n) for n in self.calls}
         for n in self.calls:
             wrapped = self._wrap(n)
@@ -102,13 +106,18 @@ def bf16_model():
     return cfg, init_random_(K3ForCausalLM(cfg, dtype=BF), SEED)
 
 
-def test_layer_fused_decode_equals_stock(bf16_model, monkeypatch):
+@pytest.mark.parametrize("absorbed", [True, False])
+def test_layer_fused_decode_equals_stock(bf16_model, monkeypatch, absorbed):
+    """Both DCP-1 forms: the served absorbed-q one and round 9's (the A/B switch)."""
     cfg, model = bf16_model
     attn = model.model.layers[cfg.mla_layers[0]].self_attn
     x = torch.randn(30, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(BF)
+    monkeypatch.setattr(mla, "ABSORBED_Q", absorbed)
     spy = Spy(monkeypatch)
     got = run_layer(attn, cfg, model.par, x, ("stock", "specialized"))
-    assert spy.calls["mla_decode_fused"] == 4                     # every decode step, fused
+    op, other = (("mla_decode_absorbed", "mla_decode_fused") if absorbed
+                 else ("mla_decode_fused", "mla_decode_absorbed"))
+    assert spy.calls[op] == 4 and spy.calls[other] == 0          # every decode step, fused
     (ys, ps), (yf, pf) = got["stock"], got["specialized"]
     n = PREFILL.num_tokens
     assert torch.equal(yf[:n], ys[:n])                       # prefill ran stock in both
@@ -134,22 +143,22 @@ def test_fast_path_only_inside_its_envelope(bf16_model, monkeypatch):
         attn(x[:3], mixed, c, "specialized")                           # decode + prefill
         dec = StepBatch.decode([2], [3])
         attn(x[3:4], dec, c, "stock")                                  # stock path
-        assert spy.calls["mla_decode_fused"] == 0
+        assert spy.calls[DCP1] == 0
         attn(x[4:5], StepBatch.decode([2], [4]), c, "specialized")
-        assert spy.calls["mla_decode_fused"] == 1
+        assert spy.calls[DCP1] == 1
     # no output gate; fp32 model and pool: the PyTorch code
     gateless = init_random_(K3ForCausalLM(cfg, dtype=BF), SEED)
     ga = gateless.model.layers[cfg.mla_layers[0]].self_attn
     ga.g_proj = None
     with torch.inference_mode():
         ga(x[5:6], StepBatch.decode([2], [0]), fresh_caches(cfg, gateless.par), "specialized")
-    assert spy.calls["mla_decode_fused"] == 1
+    assert spy.calls[DCP1] == 1
     f32 = init_random_(K3ForCausalLM(cfg), SEED)
     a32 = f32.model.layers[cfg.mla_layers[0]].self_attn
     c32 = fresh_caches(cfg, f32.par, torch.float32)
     with torch.inference_mode():
         a32(x[:1].float(), StepBatch.decode([0], [0]), c32, "specialized")
-    assert spy.calls["mla_decode_fused"] == 1                                # unchanged
+    assert spy.calls[DCP1] == 1                                              # unchanged
 
 
 def test_position_beyond_the_blocks_is_refused(bf16_model):
@@ -214,9 +223,9 @@ def test_model_decode_error_matches_stock_bf16(monkeypatch):
 
     truth = run(torch.float32, "stock")
     stock = run(BF, "stock")
-    assert spy.calls["mla_decode_fused"] == 0
+    assert spy.calls[DCP1] == 0
     fused = run(BF, "specialized")
-    assert spy.calls["mla_decode_fused"] == 4 * len(cfg.mla_layers)
+    assert spy.calls[DCP1] == 4 * len(cfg.mla_layers)
     e_stock, e_fused = rel(stock, truth), rel(fused, truth)
     assert e_fused < 1.25 * e_stock + 1e-2, (e_fused, e_stock)
 
@@ -242,7 +251,7 @@ def _dcp_worker(rank: int, world: int, port: int) -> None:
             before = dict(spy.calls)
             got = run_layer(attn, cfg, par, x, ("stock", "specialized"))
             (ys, ps), (yf, pf) = got["stock"], got["specialized"]
-            fused = "mla_decode_fused" if dcp == 1 else "mla_attention"
+            fused = DCP1 if dcp == 1 else "mla_attention"
             assert spy.calls[fused] - before[fused] == 4, (dcp, spy.calls)
             for t in range(PREFILL.num_tokens, yf.shape[0]):
                 assert rel(yf[t], ys[t]) < TOL, (dcp, t, rel(yf[t], ys[t]))

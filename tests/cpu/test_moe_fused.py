@@ -18,6 +18,7 @@ from raydecode.models import moe
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
+from raydecode.models.specialized import env_switch
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
@@ -146,12 +147,13 @@ def test_packed_weights_hold_the_params_once_and_follow_a_reload():
     assert w.shape[0] % 16 == 0 and (w[at:] == 0).all()
 
 
-@pytest.mark.parametrize("env", ["RAYDECODE_MOE_FUSED", "RAYDECODE_FFN_OUT_FUSED"])
+@pytest.mark.parametrize("env", ["RAYDECODE_MOE_FUSED", "RAYDECODE_FFN_OUT_FUSED",
+                                 "RAYDECODE_MLA_ABSORBED_Q"])
 def test_env_switch_is_validated(monkeypatch, env):
     monkeypatch.setenv(env, "yes")
     with pytest.raises(ValueError, match=f"{env}='yes'; accepted"):
-        moe._switch(env, "on")
+        env_switch(env, "on")
     monkeypatch.setenv(env, "0")
-    assert moe._switch(env, "on") is False
+    assert env_switch(env, "on") is False
     monkeypatch.delenv(env)
-    assert moe._switch(env, "on") is True
+    assert env_switch(env, "on") is True

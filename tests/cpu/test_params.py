@@ -123,16 +123,18 @@ def test_specialized_packed_gemvs(k3, tp):
     for name, shape in expect.items():
         assert sp[name] == shape, name
     assert sp["q_b_folded"] == sp["q_b"] == (96 * 192 // tp, 1536)
+    assert sp["q_b_absorbed"] == (96 * 576 // tp, 1536)            # W_uk folded: c + rope
     assert sp["dense_gate"] == sp["dense_up"] == (I_DENSE // tp, H)
     assert sp["shared_gate"] == sp["shared_up"] == (SHARED_I // tp, H)
     assert sp["latent_up_rows"] == (H // tp, LAT)
     assert sp["kda_qkvg"] == (INNER // tp, H) and sp["kda_b"] == (96 // tp, H)
     assert sp["kda_f_a"] == (128, H)                               # replicated
     fp32 = {n for n in sp if P.gemv_out_dtype(n, "specialized") == "fp32"}
-    assert fp32 == {"router", "q_b_folded", "h2_proj"}
+    assert fp32 == {"router", "q_b_absorbed", "q_b_folded", "h2_proj"}
     # the packed weights exist only on the specialized path; stock keeps every other key
     st = P.decode_gemv_shapes(k3, tp, "stock")
-    assert set(sp) - set(st) == {"qkv_a_g", "q_b_folded", "h2_proj", "ffn_out", "latent_up_rows"}
+    assert set(sp) - set(st) == {"qkv_a_g", "q_b_absorbed", "q_b_folded", "h2_proj", "ffn_out",
+                                 "latent_up_rows"}
     assert P.gemv_out_dtype("router", "stock") == "fp32"
     assert P.gemv_out_dtype("q_b", "stock") == P.gemv_out_dtype("q_b", "specialized") == "bf16"
 
@@ -197,6 +199,19 @@ def test_decode_reads_routed_bytes(k3):
     touched = 896 * (1 - (1 - 16 / 896) ** 64)
     assert r64["experts_gate_up"].bytes + r64["experts_down"].bytes == \
         pytest.approx(touched * per_expert)
+
+
+def test_specialized_mla_reads_fold_w_uk_into_q_b(k3):
+    """At DCP 1 the specialized MLA reads W_q'' (h·(512 + 64) rows) and no W_uk; DCP 2 keeps
+    the q_b + absorb reads (models/mla.py runs the unfolded ops there)."""
+    st = P.decode_reads(k3, 16, "stock", 1, context=1024)["mla"]
+    sp = P.decode_reads(k3, 16, "specialized", 1, context=1024)["mla"]
+    wq = 96 * 192 * 1536 * 2 / 16
+    assert sp["q_b"].bytes - st["q_b"].bytes == pytest.approx(wq * (576 / 192 - 1)
+                                                              + 2 * 6 * (576 - 192))
+    assert st["w_uk"].bytes == 6 * 128 * 512 * 2 and sp["w_uk"].bytes == 0
+    d2 = P.decode_reads(k3, 16, "specialized", 1, context=1024, dcp=2)["mla"]
+    assert d2["q_b"].bytes == st["q_b"].bytes and d2["w_uk"].bytes == st["w_uk"].bytes
 
 
 def test_decode_reads_caches(k3):

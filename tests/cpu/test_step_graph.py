@@ -128,21 +128,24 @@ class Twin:
 
 def test_graph_shaped_decode_equals_plain(model, monkeypatch):
     seen = {"kda": 0, "mla": 0}       # fused calls that received the statics' own tensors
-    real_kda, real_mla = kda_decode_op.kda_decode, mla.mla_decode_fused
+    op = "mla_decode_absorbed" if mla.ABSORBED_Q else "mla_decode_fused"   # the DCP-1 op
+    real_kda, real_mla = kda_decode_op.kda_decode, getattr(mla, op)
+    n_pre = 3 if mla.ABSORBED_Q else 4            # arguments before (pool, table, store, lens)
 
     def kda_spy(*a, **kw):
         st = twin.graphed.caches.statics
         seen["kda"] += st is not None and kw["slots"] is st.slots
         return real_kda(*a, **kw)
 
-    def mla_spy(qkv, q, kvw, wuk, pool, table, store, seq_lens, *a, **kw):
+    def mla_spy(*a, **kw):
         st = twin.graphed.caches.statics
+        _, table, store, seq_lens = a[n_pre:n_pre + 4]
         seen["mla"] += (st is not None and table is st.table and store is st.store
                         and seq_lens is st.seq_lens)
-        return real_mla(qkv, q, kvw, wuk, pool, table, store, seq_lens, *a, **kw)
+        return real_mla(*a, **kw)
 
     monkeypatch.setattr(kda_decode_op, "kda_decode", kda_spy)
-    monkeypatch.setattr(mla, "mla_decode_fused", mla_spy)
+    monkeypatch.setattr(mla, op, mla_spy)
     twin = Twin(model)
     a, b, c, d, e = twin.admit([3, 6, 2, 7, 4])           # slots 0..4
     decode_steps = 0

@@ -400,23 +400,107 @@ def test_fused_graph_replays(shape, T, ctx):
         assert _rel(c.cache, ref_cache) <= TOL["row"], f"{c.msg} replay {k}"
 
 
+# ---- the absorbed-q op (round 16, the served DCP-1 form): split (+ q scale, row), output -----
+
+def _absorbed_q(c: Case, qkv, wq, q_b, w_uk):
+    """W_q'' (W_uk and the q norm weight folded into q_b) and q = x·W_q''ᵀ in fp32, as the
+    step's GEMV writes it."""
+    wa = M.absorbed_q_weight(q_b, w_uk, c.h, c.nope, c.r, q_norm_w=wq).float()
+    return wa, (qkv[:, :c.ql].float() @ wa.t()).view(c.T, c.h, c.kl + c.r)
+
+
+@pytest.mark.parametrize("shape,T,ctx,bs", FUSED)
+def test_absorbed_equals_reference_and_stock(shape, T, ctx, bs):
+    """mla_decode_absorbed (2 kernels) vs its reference (same rounding points) and vs the
+    stock 4-op composition with unfolded weights; the cache rows (one token's position −1:
+    not stored); two calls back to back on NaN outputs."""
+    c = Case(shape, T, ctx, bs, _seed())
+    g = torch.Generator(device=DEV).manual_seed(c.seed + 7)
+    qkv, wq, wkv, q_b, w_uk, pos = _fused_inputs(c, g)
+    wa, q = _absorbed_q(c, qkv, wq, q_b, w_uk)
+    for call in range(2):
+        before = c.cache.clone()
+        ref_cache, stock_cache = before.clone(), before.clone()
+        out = _nan(T, c.h * c.v)
+        M.mla_decode_absorbed(qkv, q, wkv, c.cache, c.bt, pos, c.seq, c.w_uv, c.gate,
+                              q_lora=c.ql, kv_lora=c.kl, eps=1e-6, scale=c.scale, out=out)
+        msg = f"{c.msg} call {call}"
+        ref = M.mla_decode_absorbed_reference(qkv, q, wkv, ref_cache, c.bt, pos, c.seq,
+                                              c.w_uv, c.gate, q_lora=c.ql, kv_lora=c.kl,
+                                              eps=1e-6, scale=c.scale)
+        assert not out.isnan().any(), msg
+        assert _rel(out, ref) <= TOL["fused"], msg
+        written = (ref_cache != before).any(-1)
+        assert int(written.sum()) == T - (T > 2), msg
+        assert _rel(c.cache[written], ref_cache[written]) <= TOL["row"], msg
+        assert torch.equal(c.cache[~written], before[~written]), f"{msg}: a row off positions"
+        stock = _stock_mla(c, qkv, wq, wkv, q_b, w_uk, pos, stock_cache)
+        assert _rel(out, stock) <= TOL["fused"], f"{msg}: folded W_uk and q norm vs stock"
+        qkv.copy_(torch.randn(qkv.shape, generator=g, device=DEV))
+        q = (qkv[:, :c.ql].float() @ wa.t()).view(c.T, c.h, c.kl + c.r)
+
+
+@gpu_only
+@pytest.mark.parametrize("shape,T,ctx", [("tp16", 1, 1024), ("tp16", 2, 1024),
+                                         ("tp16", 64, 1024), ("tp8", 1, 8192)])
+def test_absorbed_graph_replays(shape, T, ctx):
+    """The absorbed op captured once and replayed with new inputs, lengths and positions (the
+    row's owning split moves with them): every replay equals the reference."""
+    c = Case(shape, T, ctx, 64, _seed())
+    g = torch.Generator(device=DEV).manual_seed(c.seed + 9)
+    qkv, wq, wkv, q_b, w_uk, pos = _fused_inputs(c, g)
+    wa, _ = _absorbed_q(c, qkv, wq, q_b, w_uk)
+    q = torch.empty(T, c.h, c.kl + c.r, device=DEV)                    # fp32, as the step
+    out = _nan(T, c.h * c.v)
+
+    def step():
+        torch.matmul(qkv[:, :c.ql].float(), wa.t(), out=q.view(T, -1))
+        M.mla_decode_absorbed(qkv, q, wkv, c.cache, c.bt, pos, c.seq, c.w_uv, c.gate,
+                              q_lora=c.ql, kv_lora=c.kl, eps=1e-6, scale=c.scale, out=out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for k in range(3):
+        qkv.copy_(torch.randn(qkv.shape, generator=g, device=DEV))
+        c.gate.copy_(torch.randn(c.gate.shape, generator=g, device=DEV))
+        c.seq.copy_(torch.randint(1, ctx + 1, (T,), generator=g, device=DEV))
+        pos.copy_(c.seq - 1)
+        ref_cache = c.cache.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = M.mla_decode_absorbed_reference(qkv, q, wkv, ref_cache, c.bt, pos, c.seq,
+                                              c.w_uv, c.gate, q_lora=c.ql, kv_lora=c.kl,
+                                              eps=1e-6, scale=c.scale)
+        assert _rel(out, ref) <= TOL["fused"], f"{c.msg} replay {k}"
+        assert _rel(c.cache, ref_cache) <= TOL["row"], f"{c.msg} replay {k}"
+
+
 # ---- the served model's specialized MLA decode (models/mla.py) on these kernels --------------
 
 @pytest.fixture
 def kernels_dispatched(monkeypatch):
     """The public ops run the kernels: on CUDA as shipped; under the interpreter also on CPU
-    tensors (the ops otherwise take their references off-GPU). Counts fused-kernel launches
-    (the model's D = 1 decode is one `fused_triton` per layer and step)."""
+    tensors (the ops otherwise take their references off-GPU). Counts the launches of the
+    DCP-1 decode's first kernel (the model's D = 1 decode is one `split_rows_triton` per layer
+    and step; `fused_triton` with RAYDECODE_MLA_ABSORBED_Q=0)."""
     if not ON_GPU:
         monkeypatch.setattr(M, "_use_triton", lambda x: M.USE_TRITON and MT.available(x))
     launches = [0]
-    real = MT.fused_triton
+    for name in ("fused_triton", "split_rows_triton"):
+        real = getattr(MT, name)
 
-    def counted(*a, **k):
-        launches[0] += 1
-        return real(*a, **k)
+        def counted(*a, _real=real, **k):
+            launches[0] += 1
+            return _real(*a, **k)
 
-    monkeypatch.setattr(MT, "fused_triton", counted)
+        monkeypatch.setattr(MT, name, counted)
     return launches
 
 
