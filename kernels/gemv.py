@@ -203,6 +203,9 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
         #   models/mla.py _qkv_a_g): TP16, then TP8
         (1048, 7168): (16, 7, 1, 1), (7168, 640): (8, 5, 4, 2), (900, 7168): (16, 8, 1, 2),
         (2096, 7168): (16, 7, 2, 1), (1800, 7168): (32, 7, 4, 1),
+        # * W_q'' (models/mla.py _q_b_absorbed) TP16, round 16's sweep (3.46 -> 3.30 µs;
+        #   bench/results/gemv-tune-h200-2026-11-30-r16-wq.json); TP8's 6912 × 1536 kept
+        (3456, 1536): (32, 2, 4, 1),
     }.items()
 }
 # Launch with programmatic dependent launch (PDL): W loads overlap the previous kernel's tail.

@@ -19,8 +19,9 @@ strided views as they come (last dim contiguous) and never synchronise with the 
                   o 0, lse −inf (so every partial element is written: no zero-init needed)
   _split_rows_kernel  `_split_kernel` for `mla_decode_absorbed`: q is the raw absorbed q
                   (W_uk and the q_a norm weight folded into q_b, one GEMV), scaled by
-                  rsqrt(mean(x²) + eps) and rounded here; the split whose rows hold
-                  positions[t] first stores the cache row (as _prep_kernel), then attends
+                  rsqrt(mean(x²) + eps) and rounded here; the cache row is built in
+                  registers (as _prep_kernel's), used for row positions[t] of the tiles and
+                  stored by the split whose rows hold positions[t]
   _output_token_kernel  grid (T, h, ⌈v/16⌉), T ≤ OUTPUT_TOKEN_MAX_T: the PROJECT merge below for
                   one token per program (all S partials in one tile load, M = 1 product)
   _merge_kernel   grid (⌈T/16⌉, h, ⌈v/BV⌉): over the S partials of (t, h)
@@ -153,8 +154,10 @@ if triton is not None:
         are loaded .cg (L2): in the fused kernel other programs wrote them moments ago.
         ROWS (`_split_rows_kernel`): q_ptr holds the raw absorbed q = x·W_q''ᵀ (x = x_ptr[t,
         :XL], the q_a norm weight and W_uk folded into W_q''), scaled here by rms_scale(x)
-        and rounded to the cache dtype; and the split whose rows hold positions[t] first
-        stores token t's cache row (`_row_store_part`), then reads its tiles."""
+        and rounded to the cache dtype; every program builds token t's cache row [bf16(
+        RMSNorm(x[XL:XL+KL]; w_kv)), x[XL+KL:]] in registers and uses it for row positions[t]
+        of its tiles, and the split whose rows hold positions[t] stores it (no barrier: no
+        program reads that row from memory in this call). BX ≥ XL."""
         t = t.to(tl.int64)
         L = tl.load(len_ptr + t).to(tl.int32)
         chunk = tl.maximum(tl.cdiv(tl.cdiv(L, NS), BN) * BN, MINC)
@@ -171,16 +174,25 @@ if triton is not None:
                      cache_modifier=".cg")                                          # (HP, BC)
         qr = tl.load(qb + KL + orr[None, :], mask=mh[:, None] & mr[None, :], other=0.0,
                      cache_modifier=".cg")
-        if ROWS:    # the q_a norm's scalar and this step's cache row, before the first tile
-            tt = t + tl.arange(0, 1)                                   # (1,): token t as a tile
-            rs = _rms_scale(x_ptr, x_st, tt, tt == t, XL, eps, 1, BX)[:, None]
+        pos = -1
+        if ROWS:    # the q_a norm's scalar and this step's cache row; every load issued at once
+            ox = tl.arange(0, BX)                                      # BX ≥ XL: x in one load
+            xq = tl.load(x_ptr + t * x_st + ox, mask=ox < XL, other=0.0).to(tl.float32)
+            xc = tl.load(x_ptr + t * x_st + XL + oc, mask=mc, other=0.0).to(tl.float32)
+            xr = tl.load(x_ptr + t * x_st + XL + KL + orr, mask=mr, other=0.0)
+            wc = tl.load(wkv_ptr + oc, mask=mc, other=0.0).to(tl.float32)
+            pos = tl.load(pos_ptr + t).to(tl.int32)
+            rs = tl.rsqrt(tl.sum(xq * xq, 0) / XL + eps)
             qc = (qc.to(tl.float32) * rs).to(c_ptr.dtype.element_ty)
             qr = (qr.to(tl.float32) * rs).to(c_ptr.dtype.element_ty)
-            pos = tl.load(pos_ptr + tt).to(tl.int32)                           # (1,)
-            own = (pos >= 0) & (tl.minimum(pos // chunk, NS - 1) == s)
-            _row_store_part(x_ptr, x_st, XL, KL, R, wkv_ptr, c_ptr, c_sb, c_sr, bt_ptr, bt_st,
-                            pos_ptr, BS, eps, tt, own, BC, BR)
-            tl.debug_barrier()      # the row's stores before this CTA's tile loads
+            rowc = (xc * tl.rsqrt(tl.sum(xc * xc, 0) / KL + eps) * wc).to(c_ptr.dtype.element_ty)
+            rowr = xr.to(c_ptr.dtype.element_ty)
+            if (pos >= 0) & (tl.minimum(pos // chunk, NS - 1) == s):   # one split stores it;
+                p = pos.to(tl.int64)                                  # the tiles take it from
+                blk = tl.load(bt_ptr + t * bt_st + p // BS).to(tl.int64)     # registers below
+                dst = c_ptr + blk * c_sb + (p % BS) * c_sr
+                tl.store(dst + oc, rowc, mask=mc)
+                tl.store(dst + KL + orr, rowr, mask=mr)
         m_i = tl.full((HP,), float("-inf"), tl.float32)
         l_i = tl.zeros((HP,), tl.float32)
         acc = tl.zeros((HP, BC), tl.float32)
@@ -193,6 +205,10 @@ if triton is not None:
                          other=0.0, cache_modifier=".cg")                           # (BN, BC)
             kr = tl.load(base[:, None] + KL + orr[None, :], mask=mn[:, None] & mr[None, :],
                          other=0.0, cache_modifier=".cg")                           # (BN, BR)
+            if ROWS:    # row pos is this step's: from registers (its store may be in flight)
+                hit = ((rows == pos) & mn)[:, None]
+                kc = tl.where(hit, rowc[None, :], kc)
+                kr = tl.where(hit, rowr[None, :], kr)
             sc = _mm(qc, tl.trans(kc), DOT_F32) + _mm(qr, tl.trans(kr), DOT_F32)   # (HP, BN)
             sc = sc * qk_scale
             sc = tl.where(mn[None, :], sc, float("-inf"))
@@ -532,8 +548,8 @@ def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens
                       o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
     """`split_triton` on the raw absorbed q (T, h, c + R) fp32 or bf16, x·W_q''ᵀ with x =
     qkv[:, :q_lora]: scaled by rms_scale(x) and rounded to the cache dtype per program; the
-    split holding positions[t] stores token t's row (qkv's kv part, `_row_store_part`) first.
-    Every token its own sequence: a row stored here is read by its own split only."""
+    split holding positions[t] stores token t's row (qkv's kv part), which every split of t
+    takes from registers. Every token its own sequence: no other token reads that row here."""
     T, h, d = q.shape
     S = o_part.shape[1]
     R = d - kv_lora
@@ -543,7 +559,7 @@ def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens
         o_part.stride(2), lse_part, lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         h, kv_lora, R, cache.shape[1], float(scale) * LOG2E, S, MIN_CHUNK, qkv, qkv.stride(0),
         q_lora, kv_norm_w, positions, float(eps), HP=_p2(h), BC=_p2(kv_lora), BR=_p2(R),
-        BN=32 if kv_lora >= 256 else 64, BX=min(512, _p2(q_lora)), DOT_F32=not q.is_cuda,
+        BN=32 if kv_lora >= 256 else 64, BX=_p2(q_lora), DOT_F32=not q.is_cuda,
         num_warps=4 if kv_lora <= 256 else 8, num_stages=2, **pdl_launch(o_part))
 
 
