@@ -157,7 +157,7 @@ if triton is not None:
         and rounded to the cache dtype; every program builds token t's cache row [bf16(
         RMSNorm(x[XL:XL+KL]; w_kv)), x[XL+KL:]] in registers, the split whose rows hold
         positions[t] stores it and the one whose [start, end) holds it attends it from
-        registers before its tile loop, which skips that row (no barrier: no program reads
+        registers after its tile loop, which skips that row (no barrier: no program reads
         the row from memory in this call). BX ≥ XL."""
         t = t.to(tl.int64)
         L = tl.load(len_ptr + t).to(tl.int32)
@@ -197,18 +197,10 @@ if triton is not None:
                 dst = c_ptr + blk * c_sb + (prow % BS) * c_sr
                 tl.store(dst + oc, rowc, mask=mc)
                 tl.store(dst + KL + orr, rowr, mask=mr)
-            if (pos >= start) & (pos < end):    # row pos first, from registers: the tile loop
-                # below masks it out, so its loads feed the dots unchanged (a select on the
-                # loaded tiles broke the load pipelining: +33 µs at batch 64), and the
-                # running max is finite from here on. p = 2^(s − s) = 1, bf16-exact.
-                m_i = (tl.sum(qc.to(tl.float32) * rowc.to(tl.float32)[None, :], 1)
-                       + tl.sum(qr.to(tl.float32) * rowr.to(tl.float32)[None, :], 1)) * qk_scale
-                l_i = tl.full((HP,), 1.0, tl.float32)
-                acc = tl.zeros((HP, BC), tl.float32) + rowc.to(tl.float32)[None, :]
         for n0 in range(start, end, BN):
             rows = n0 + tl.arange(0, BN)
             mn = rows < end
-            if ROWS:    # row pos was attended from registers before the loop
+            if ROWS:    # row pos is attended from registers after the loop
                 mn = mn & (rows != pos)
             blk = tl.load(bt_ptr + t * bt_st + rows // BS, mask=mn, other=0).to(tl.int64)
             base = c_ptr + blk * c_sb + (rows % BS).to(tl.int64) * c_sr            # (BN,)
@@ -220,11 +212,29 @@ if triton is not None:
             sc = sc * qk_scale
             sc = tl.where(mn[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))          # finite: row n0 < end is valid
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
+            m_use = m_new
+            if ROWS:    # ... unless the tile's one valid row is pos: then nothing changes
+                m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(sc - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + _mm(p.to(kc.dtype), kc, DOT_F32)
             m_i = m_new
+        if ROWS:
+            if (pos >= start) & (pos < end):    # row pos from registers, as one more tile row:
+                # the loop masked it out, so its loads feed the dots unchanged (a select on
+                # the loaded tiles broke the load pipelining: +33 µs at batch 64; attending it
+                # before the loop changed the accumulator's start: +20 µs)
+                sp = (tl.sum(qc.to(tl.float32) * rowc.to(tl.float32)[None, :], 1)
+                      + tl.sum(qr.to(tl.float32) * rowr.to(tl.float32)[None, :], 1)) * qk_scale
+                m_new = tl.maximum(m_i, sp)
+                alpha = tl.exp2(m_i - m_new)
+                pr = tl.exp2(sp - m_new)
+                l_i = l_i * alpha + pr
+                acc = (acc * alpha[:, None]
+                       + pr.to(c_ptr.dtype.element_ty).to(tl.float32)[:, None]
+                       * rowc.to(tl.float32)[None, :])
+                m_i = m_new
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634,
