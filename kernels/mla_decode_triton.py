@@ -19,9 +19,8 @@ strided views as they come (last dim contiguous) and never synchronise with the 
                   o 0, lse −inf (so every partial element is written: no zero-init needed)
   _split_rows_kernel  `_split_kernel` for `mla_decode_absorbed`: q is the raw absorbed q
                   (W_uk and the q_a norm weight folded into q_b, one GEMV), scaled by
-                  rsqrt(mean(x²) + eps) and rounded here; the cache row is built in
-                  registers (as _prep_kernel's), used for row positions[t] of the tiles and
-                  stored by the split whose rows hold positions[t]
+                  rsqrt(mean(x²) + eps) and rounded here; the split whose rows hold
+                  positions[t] stores the cache row (as _prep_kernel) before its tiles
   _output_token_kernel  grid (T, h, ⌈v/16⌉), T ≤ OUTPUT_TOKEN_MAX_T: the PROJECT merge below for
                   one token per program (all S partials in one tile load, M = 1 product)
   _merge_kernel   grid (⌈T/16⌉, h, ⌈v/BV⌉): over the S partials of (t, h)
@@ -154,11 +153,9 @@ if triton is not None:
         are loaded .cg (L2): in the fused kernel other programs wrote them moments ago.
         ROWS (`_split_rows_kernel`): q_ptr holds the raw absorbed q = x·W_q''ᵀ (x = x_ptr[t,
         :XL], the q_a norm weight and W_uk folded into W_q''), scaled here by rms_scale(x)
-        and rounded to the cache dtype; every program builds token t's cache row [bf16(
-        RMSNorm(x[XL:XL+KL]; w_kv)), x[XL+KL:]] in registers, the split whose rows hold
-        positions[t] stores it and the one whose [start, end) holds it attends it from
-        registers after its tile loop, which skips that row (no barrier: no program reads
-        the row from memory in this call). BX ≥ XL."""
+        and rounded to the cache dtype; the split whose rows hold positions[t] stores token
+        t's cache row [bf16(RMSNorm(x[XL:XL+KL]; w_kv)), x[XL+KL:]] first (its loads issued
+        with x's and q's), then one CTA barrier before the tiles. BX ≥ XL."""
         t = t.to(tl.int64)
         L = tl.load(len_ptr + t).to(tl.int32)
         chunk = tl.maximum(tl.cdiv(tl.cdiv(L, NS), BN) * BN, MINC)
@@ -175,10 +172,6 @@ if triton is not None:
                      cache_modifier=".cg")                                          # (HP, BC)
         qr = tl.load(qb + KL + orr[None, :], mask=mh[:, None] & mr[None, :], other=0.0,
                      cache_modifier=".cg")
-        m_i = tl.full((HP,), float("-inf"), tl.float32)
-        l_i = tl.zeros((HP,), tl.float32)
-        acc = tl.zeros((HP, BC), tl.float32)
-        pos = -1
         if ROWS:    # the q_a norm's scalar and this step's cache row; every load issued at once
             ox = tl.arange(0, BX)                                      # BX ≥ XL: x in one load
             xq = tl.load(x_ptr + t * x_st + ox, mask=ox < XL, other=0.0).to(tl.float32)
@@ -197,11 +190,15 @@ if triton is not None:
                 dst = c_ptr + blk * c_sb + (prow % BS) * c_sr
                 tl.store(dst + oc, rowc, mask=mc)
                 tl.store(dst + KL + orr, rowr, mask=mr)
+            tl.debug_barrier()      # the row's stores before this CTA's tile loads; the tile
+            # loop stays the plain split's (masking the row out of the tiles and attending it
+            # from registers cost +22 µs at batch 64: docs/PERF.md round 16)
+        m_i = tl.full((HP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((HP,), tl.float32)
+        acc = tl.zeros((HP, BC), tl.float32)
         for n0 in range(start, end, BN):
             rows = n0 + tl.arange(0, BN)
             mn = rows < end
-            if ROWS:    # row pos is attended from registers after the loop
-                mn = mn & (rows != pos)
             blk = tl.load(bt_ptr + t * bt_st + rows // BS, mask=mn, other=0).to(tl.int64)
             base = c_ptr + blk * c_sb + (rows % BS).to(tl.int64) * c_sr            # (BN,)
             kc = tl.load(base[:, None] + oc[None, :], mask=mn[:, None] & mc[None, :],
@@ -212,29 +209,11 @@ if triton is not None:
             sc = sc * qk_scale
             sc = tl.where(mn[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))          # finite: row n0 < end is valid
-            m_use = m_new
-            if ROWS:    # ... unless the tile's one valid row is pos: then nothing changes
-                m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(sc - m_use[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + _mm(p.to(kc.dtype), kc, DOT_F32)
             m_i = m_new
-        if ROWS:
-            if (pos >= start) & (pos < end):    # row pos from registers, as one more tile row:
-                # the loop masked it out, so its loads feed the dots unchanged (a select on
-                # the loaded tiles broke the load pipelining: +33 µs at batch 64; attending it
-                # before the loop changed the accumulator's start: +20 µs)
-                sp = (tl.sum(qc.to(tl.float32) * rowc.to(tl.float32)[None, :], 1)
-                      + tl.sum(qr.to(tl.float32) * rowr.to(tl.float32)[None, :], 1)) * qk_scale
-                m_new = tl.maximum(m_i, sp)
-                alpha = tl.exp2(m_i - m_new)
-                pr = tl.exp2(sp - m_new)
-                l_i = l_i * alpha + pr
-                acc = (acc * alpha[:, None]
-                       + pr.to(c_ptr.dtype.element_ty).to(tl.float32)[:, None]
-                       * rowc.to(tl.float32)[None, :])
-                m_i = m_new
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634,
@@ -565,8 +544,8 @@ def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens
                       o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
     """`split_triton` on the raw absorbed q (T, h, c + R) fp32 or bf16, x·W_q''ᵀ with x =
     qkv[:, :q_lora]: scaled by rms_scale(x) and rounded to the cache dtype per program; the
-    split holding positions[t] stores token t's row (qkv's kv part), which every split of t
-    takes from registers. Every token its own sequence: no other token reads that row here."""
+    split holding positions[t] stores token t's row (qkv's kv part) before reading its tiles.
+    Every token its own sequence: no other token reads that row here."""
     T, h, d = q.shape
     S = o_part.shape[1]
     R = d - kv_lora
