@@ -48,7 +48,7 @@ from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
-from raydecode.models import moe
+from raydecode.models import mla, moe
 from raydecode.models.moe import MXFP4_PARAMS, random_mxfp4
 from raydecode.models.parallel import Comm, Parallel
 
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
               "moe_fused": moe.FUSED_SPECIALIZED, "ffn_out_fused": moe.FUSED_FFN_OUT,
-              "gemv_config": args.gemv_config,
+              "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,
               "method": __doc__.split("\n\n", 2)[2], "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
