@@ -247,11 +247,7 @@ def mla_prep(qkv, q_norm_w, kv_norm_w, cache, block_table, positions, *, q_lora:
              kv_lora: int, eps: float, q_out=None) -> torch.Tensor:
     """qkv (T, q_lora + kv_lora + rope) bf16 (row stride ok) -> q_out (T, q_lora) bf16; the
     normalised latent row written at cache position positions[t] (< 0: not written)."""
-    _need(qkv.dim() == 2 and qkv.dtype == BF16 and qkv.stride(1) == 1
-          and qkv.shape[1] > q_lora + kv_lora,
-          f"qkv of shape {_shape(qkv)} dtype {qkv.dtype}: expected bf16 (T, q_lora + kv_lora "
-          f"+ rope) = (T, {q_lora} + {kv_lora} + rope) with a contiguous last dim")
-    T = qkv.shape[0]
+    T, _ = _check_qkv(qkv, q_lora, kv_lora)
     _need(_shape(q_norm_w) == (q_lora,) and _shape(kv_norm_w) == (kv_lora,),
           f"norm weights of shapes {_shape(q_norm_w)}, {_shape(kv_norm_w)}; expected "
           f"({q_lora},), ({kv_lora},)")
@@ -299,6 +295,27 @@ def _check_output_args(w_uv_t, gate, out, T: int, h: int, c: int) -> int:
         _need(_shape(out) == (T, hv) and out.dtype == BF16 and out.stride(1) == 1,
               f"out of shape {_shape(out)} dtype {out.dtype}; expected bf16 ({T}, {hv})")
     return hv
+
+
+def _check_qkv(qkv, q_lora: int, kv_lora: int) -> tuple[int, int]:
+    """The fused decode ops' qkv: bf16 (T, q_lora + kv_lora + rope) -> (T, rope)."""
+    _need(qkv.dim() == 2 and qkv.dtype == BF16 and qkv.stride(1) == 1
+          and qkv.shape[1] > q_lora + kv_lora,
+          f"qkv of shape {_shape(qkv)} dtype {qkv.dtype}: expected bf16 (T, q_lora + kv_lora "
+          f"+ rope) = (T, {q_lora} + {kv_lora} + rope) with a contiguous last dim")
+    return qkv.shape[0], qkv.shape[1] - q_lora - kv_lora
+
+
+def _check_step_io(kv_norm_w, cache, block_table, positions, seq_lens, w_uv_t, gate, out,
+                   T: int, h: int, kv_lora: int, rope: int) -> int:
+    """The fused decode ops' kv norm weight, paged cache, positions, seq_lens and output
+    arguments -> h·v."""
+    _need(_shape(kv_norm_w) == (kv_lora,),
+          f"kv norm weight of shape {_shape(kv_norm_w)}; expected ({kv_lora},)")
+    _check_paged(cache, block_table, T, kv_lora + rope)
+    _check_vec(positions, T, "positions")
+    _check_vec(seq_lens, T, "seq_lens")
+    return _check_output_args(w_uv_t, gate, out, T, h, kv_lora)
 
 
 def _check_attention(q_abs, cache, block_table, seq_lens, kv_lora) -> None:
@@ -426,26 +443,18 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
     applies), best fp32 (the GEMV's accumulator: then q is rounded to bf16 once, after the
     scale, as stock rounds q once after its GEMV; bf16 works, with one more rounding). Writes the normalised kv row at positions[t] like mla_prep, then
     -> (T, h·v) bf16 as mla_decode. Phases wait on counters in `sync` (default `fused_sync`)."""
-    _need(qkv.dim() == 2 and qkv.dtype == BF16 and qkv.stride(1) == 1
-          and qkv.shape[1] > q_lora + kv_lora,
-          f"qkv of shape {_shape(qkv)} dtype {qkv.dtype}: expected bf16 (T, q_lora + kv_lora "
-          f"+ rope) = (T, {q_lora} + {kv_lora} + rope) with a contiguous last dim")
-    T, rope = qkv.shape[0], qkv.shape[1] - q_lora - kv_lora
+    T, rope = _check_qkv(qkv, q_lora, kv_lora)
     _need(q.dim() == 3 and q.dtype in (BF16, torch.float32) and q.shape[0] == T
           and q.shape[2] > rope and q.stride(2) == 1,
           f"q of shape {_shape(q)} dtype {q.dtype}: expected fp32 or bf16 ({T}, h, nope + "
           f"{rope}) with a contiguous last dim")
     h, nope = q.shape[1], q.shape[2] - rope
-    _need(_shape(kv_norm_w) == (kv_lora,),
-          f"kv norm weight of shape {_shape(kv_norm_w)}; expected ({kv_lora},)")
     _need(w_uk.dim() == 3 and _shape(w_uk) == (h, nope, kv_lora) and w_uk.dtype == BF16
           and w_uk.stride(2) == 1,
           f"w_uk of shape {_shape(w_uk)} dtype {w_uk.dtype}; expected bf16 ({h}, {nope}, "
           f"{kv_lora})")
-    _check_paged(cache, block_table, T, kv_lora + rope)
-    _check_vec(positions, T, "positions")
-    _check_vec(seq_lens, T, "seq_lens")
-    hv = _check_output_args(w_uv_t, gate, out, T, h, kv_lora)
+    hv = _check_step_io(kv_norm_w, cache, block_table, positions, seq_lens, w_uv_t, gate, out,
+                        T, h, kv_lora, rope)
     if not _use_triton(q):
         return mla_decode_fused_reference(qkv, q, kv_norm_w, w_uk, cache, block_table,
                                           positions, seq_lens, w_uv_t, gate, q_lora=q_lora,
@@ -484,22 +493,14 @@ def mla_decode_absorbed(qkv, q, kv_norm_w, cache, block_table, positions, seq_le
     rope) = x · W_q''ᵀ with x = qkv[:, :q_lora], best fp32 (rounded once, after the scale).
     Every token must be its own sequence (a decode step, no two tokens sharing a block written
     in this call): a stored row is read by its own token's split only. -> (T, h·v) bf16."""
-    _need(qkv.dim() == 2 and qkv.dtype == BF16 and qkv.stride(1) == 1
-          and qkv.shape[1] > q_lora + kv_lora,
-          f"qkv of shape {_shape(qkv)} dtype {qkv.dtype}: expected bf16 (T, q_lora + kv_lora "
-          f"+ rope) = (T, {q_lora} + {kv_lora} + rope) with a contiguous last dim")
-    T, rope = qkv.shape[0], qkv.shape[1] - q_lora - kv_lora
+    T, rope = _check_qkv(qkv, q_lora, kv_lora)
     _need(q.dim() == 3 and q.dtype in (BF16, torch.float32) and q.shape[0] == T
           and q.shape[2] == kv_lora + rope and q.stride(2) == 1,
           f"q of shape {_shape(q)} dtype {q.dtype}: expected fp32 or bf16 ({T}, h, {kv_lora} "
           f"+ {rope}) with a contiguous last dim (the absorbed q)")
     h = q.shape[1]
-    _need(_shape(kv_norm_w) == (kv_lora,),
-          f"kv norm weight of shape {_shape(kv_norm_w)}; expected ({kv_lora},)")
-    _check_paged(cache, block_table, T, kv_lora + rope)
-    _check_vec(positions, T, "positions")
-    _check_vec(seq_lens, T, "seq_lens")
-    hv = _check_output_args(w_uv_t, gate, out, T, h, kv_lora)
+    hv = _check_step_io(kv_norm_w, cache, block_table, positions, seq_lens, w_uv_t, gate, out,
+                        T, h, kv_lora, rope)
     if not _use_triton(q):
         return mla_decode_absorbed_reference(qkv, q, kv_norm_w, cache, block_table, positions,
                                              seq_lens, w_uv_t, gate, q_lora=q_lora,

@@ -352,6 +352,40 @@ def test_fused_op_inputs_are_named():
         M.check_fused_sync(sync)
 
 
+def test_absorbed_op_inputs_are_named():
+    """mla_decode_absorbed refuses bad inputs with a ValueError naming the value and what is
+    accepted, before touching the cache."""
+    T = 2
+    cache, bt, g = _paged(T, 2, 16, seed=19)
+    before = cache.clone()
+    qkv = torch.randn(T, QL + KL + R, generator=g).to(BF)
+    q = torch.randn(T, H, KL + R, generator=g)
+    w_uv = torch.randn(H, KL, V, generator=g).to(BF)
+    gate = torch.randn(T, H * V, generator=g).to(BF)
+    seq = torch.tensor([3, 4], dtype=torch.int32)
+    args = [qkv, q, torch.ones(KL), cache, bt, seq - 1, seq, w_uv, gate]
+    kw = dict(q_lora=QL, kv_lora=KL, eps=1e-5, scale=0.1)
+
+    def bad(i, value, match):
+        a = list(args)
+        a[i] = value
+        with pytest.raises(ValueError, match=match):
+            M.mla_decode_absorbed(*a, **kw)
+
+    bad(0, qkv.float(), "qkv of shape")
+    bad(1, q[:, :, :NOPE + R], rf"q of shape .*expected fp32 or bf16 \(2, h, {KL} \+ {R}\)")
+    bad(1, q.half(), "q of shape")
+    bad(2, torch.ones(KL + 1), "kv norm weight of shape")
+    bad(3, cache[..., :KL], "cache")
+    bad(5, (seq - 1)[:1], "positions of shape")
+    bad(7, w_uv[:, :KL - 1], "w_uv_t of shape")
+    bad(8, gate[:, 1:], "gate of shape")
+    assert torch.equal(cache, before)
+    with pytest.raises(ValueError, match="q norm weight of shape"):
+        M.absorbed_q_weight(torch.ones(H * (NOPE + R), QL), torch.ones(H, NOPE, KL), H, NOPE, R,
+                            q_norm_w=torch.ones(QL + 1))
+
+
 def test_absorbed_q_weight_equals_two_step_form():
     g = torch.Generator().manual_seed(7)
     q_b = (torch.randn(H * (NOPE + R), QL, generator=g) / QL ** 0.5).to(BF)

@@ -355,6 +355,36 @@ def test_fused_equals_reference_and_stock(shape, T, ctx, bs, three):
         q = (qkv[:, :c.ql].float() @ wf.t()).view(c.T, c.h, c.nope + c.r)
 
 
+def _capture(step) -> torch.cuda.CUDAGraph:
+    """`step` run once on a side stream (compiles, allocates), then captured."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _replays_equal_reference(c: Case, g, ctx: int, qkv, pos, out, graph, reference) -> None:
+    """Three replays with new qkv, gate, lengths and positions (= length − 1); after each,
+    `reference(cache copy from before the replay)` equals the replay's output and cache."""
+    for k in range(3):
+        qkv.copy_(torch.randn(qkv.shape, generator=g, device=DEV))
+        c.gate.copy_(torch.randn(c.gate.shape, generator=g, device=DEV))
+        c.seq.copy_(torch.randint(1, ctx + 1, (c.T,), generator=g, device=DEV))
+        pos.copy_(c.seq - 1)
+        ref_cache = c.cache.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(ref_cache)
+        assert _rel(out, ref) <= TOL["fused"], f"{c.msg} replay {k}"
+        assert _rel(c.cache, ref_cache) <= TOL["row"], f"{c.msg} replay {k}"
+
+
 @gpu_only
 @pytest.mark.parametrize("shape,T,ctx", [("tp16", 1, 1024), ("tp16", 2, 1024),
                                          ("tp16", 64, 1024)])
@@ -375,29 +405,13 @@ def test_fused_graph_replays(shape, T, ctx):
                            q_lora=c.ql, kv_lora=c.kl, eps=1e-6, scale=c.scale, out=out,
                            sync=sync)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for k in range(3):
-        qkv.copy_(torch.randn(qkv.shape, generator=g, device=DEV))
-        c.gate.copy_(torch.randn(c.gate.shape, generator=g, device=DEV))
-        c.seq.copy_(torch.randint(1, ctx + 1, (T,), generator=g, device=DEV))
-        pos.copy_(c.seq - 1)
-        ref_cache = c.cache.clone()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    def reference(ref_cache):
         M.check_fused_sync(sync)
-        ref = M.mla_decode_fused_reference(qkv, q, wkv, w_uk, ref_cache, c.bt, pos, c.seq,
-                                           c.w_uv, c.gate, q_lora=c.ql, kv_lora=c.kl,
-                                           eps=1e-6, scale=c.scale)
-        assert _rel(out, ref) <= TOL["fused"], f"{c.msg} replay {k}"
-        assert _rel(c.cache, ref_cache) <= TOL["row"], f"{c.msg} replay {k}"
+        return M.mla_decode_fused_reference(qkv, q, wkv, w_uk, ref_cache, c.bt, pos, c.seq,
+                                            c.w_uv, c.gate, q_lora=c.ql, kv_lora=c.kl,
+                                            eps=1e-6, scale=c.scale)
+
+    _replays_equal_reference(c, g, ctx, qkv, pos, out, _capture(step), reference)
 
 
 # ---- the absorbed-q op (round 16, the served DCP-1 form): split (+ q scale, row), output -----
@@ -458,28 +472,12 @@ def test_absorbed_graph_replays(shape, T, ctx):
         M.mla_decode_absorbed(qkv, q, wkv, c.cache, c.bt, pos, c.seq, c.w_uv, c.gate,
                               q_lora=c.ql, kv_lora=c.kl, eps=1e-6, scale=c.scale, out=out)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for k in range(3):
-        qkv.copy_(torch.randn(qkv.shape, generator=g, device=DEV))
-        c.gate.copy_(torch.randn(c.gate.shape, generator=g, device=DEV))
-        c.seq.copy_(torch.randint(1, ctx + 1, (T,), generator=g, device=DEV))
-        pos.copy_(c.seq - 1)
-        ref_cache = c.cache.clone()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = M.mla_decode_absorbed_reference(qkv, q, wkv, ref_cache, c.bt, pos, c.seq,
-                                              c.w_uv, c.gate, q_lora=c.ql, kv_lora=c.kl,
-                                              eps=1e-6, scale=c.scale)
-        assert _rel(out, ref) <= TOL["fused"], f"{c.msg} replay {k}"
-        assert _rel(c.cache, ref_cache) <= TOL["row"], f"{c.msg} replay {k}"
+    def reference(ref_cache):
+        return M.mla_decode_absorbed_reference(qkv, q, wkv, ref_cache, c.bt, pos, c.seq,
+                                               c.w_uv, c.gate, q_lora=c.ql, kv_lora=c.kl,
+                                               eps=1e-6, scale=c.scale)
+
+    _replays_equal_reference(c, g, ctx, qkv, pos, out, _capture(step), reference)
 
 
 # ---- the served model's specialized MLA decode (models/mla.py) on these kernels --------------
