@@ -223,6 +223,24 @@ def test_composition_matches_layer_step_mla(fold):
     assert _rel(out, ref) < (1.5e-2 if fold else 1e-2)
 
 
+def _served_inputs(cfg, W, h):
+    """The specialized step's inputs to its DCP-1 MLA op: qkv = fused_qkv_a(h), the local
+    heads, q_lora, x = qkv's q_a part in fp64 and its rms scale (T, 1)."""
+    qkv = F.linear(h, W.stock["fused_qkv_a"])
+    ql = cfg.mla.q_lora_rank
+    x = qkv[:, :ql].double()
+    rs = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    return qkv, W.widths["heads"], ql, x, rs
+
+
+def _check_served(o, W, S, bt, cache, ref) -> None:
+    """The op's rows equal mla_prep's bit for bit (DecodeStep.mla wrote them into
+    S.mla_cache); o_proj(o) is within bf16 tolerance of the stock layer output `ref`."""
+    T = o.shape[0]
+    assert torch.equal(M.paged_rows(cache, bt, T)[0], S.mla_cache[:T])
+    assert _rel(F.linear(o, W.t["o_proj"]), ref) < 1.5e-2
+
+
 def test_fused_composition_matches_layer_step_mla():
     """DecodeStep.mla (stock) vs the specialized form: q_b' = q_b with the q_a norm weight
     folded in, applied to the raw latent, then mla_decode_fused (reference on the CPU) over a
@@ -230,9 +248,7 @@ def test_fused_composition_matches_layer_step_mla():
     T, ctx, bs = 3, 48, 16
     cfg, W, S, h, bt, cache, ref = _stock_mla_case(T, ctx, bs, seed=15)
     m, t = cfg.mla, W.t
-
-    qkv = F.linear(h, W.stock["fused_qkv_a"])
-    hl, ql = W.widths["heads"], m.q_lora_rank
+    qkv, hl, ql, x, rs = _served_inputs(cfg, W, h)
     wf = M.folded_q_b_weight(t["q_b"], t["q_a_norm"]).float()
     q = (qkv[:, :ql].float() @ wf.t()).view(T, hl, -1)       # fp32 GEMV output, as the step
     pos = torch.full((T,), ctx - 1)
@@ -240,11 +256,8 @@ def test_fused_composition_matches_layer_step_mla():
                            torch.full((T,), ctx, dtype=torch.int32), t["w_uv_t"],
                            F.linear(h, t["g_proj"]), q_lora=ql, kv_lora=m.kv_lora_rank,
                            eps=cfg.rms_norm_eps, scale=m.qk_head_dim ** -0.5)
-    assert torch.equal(M.paged_rows(cache, bt, T)[0], S.mla_cache[:T])
-    assert _rel(F.linear(o, t["o_proj"]), ref) < 1.5e-2
+    _check_served(o, W, S, bt, cache, ref)
     # the fold is exact in the math: q_b(RMSNorm(x)) = rms_scale(x) · q_b'(x) before rounding
-    x = qkv[:, :ql].double()
-    rs = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
     two = (x * rs * t["q_a_norm"].double()) @ t["q_b"].double().t()
     one = rs * (x @ (t["q_b"].double() * t["q_a_norm"].double()).t())
     assert _rel(one, two) < 1e-12
@@ -257,8 +270,7 @@ def test_absorbed_composition_matches_layer_step_mla():
     T, ctx, bs = 3, 48, 16
     cfg, W, S, h, bt, cache, ref = _stock_mla_case(T, ctx, bs, seed=25)
     m, t = cfg.mla, W.t
-    qkv = F.linear(h, W.stock["fused_qkv_a"])
-    hl, ql = W.widths["heads"], m.q_lora_rank
+    qkv, hl, ql, x, rs = _served_inputs(cfg, W, h)
     wa = M.absorbed_q_weight(t["q_b"], t["w_uk"], hl, m.qk_nope_head_dim, m.qk_rope_head_dim,
                              q_norm_w=t["q_a_norm"])
     assert wa.shape == (hl * (m.kv_lora_rank + m.qk_rope_head_dim), ql)
@@ -267,11 +279,8 @@ def test_absorbed_composition_matches_layer_step_mla():
                               torch.full((T,), ctx, dtype=torch.int32), t["w_uv_t"],
                               F.linear(h, t["g_proj"]), q_lora=ql, kv_lora=m.kv_lora_rank,
                               eps=cfg.rms_norm_eps, scale=m.qk_head_dim ** -0.5)
-    assert torch.equal(M.paged_rows(cache, bt, T)[0], S.mla_cache[:T])
-    assert _rel(F.linear(o, t["o_proj"]), ref) < 1.5e-2
+    _check_served(o, W, S, bt, cache, ref)
     # the fold is exact in the math: q_abs = rms_scale(x) · x·W_q''ᵀ before rounding
-    x = qkv[:, :ql].double()
-    rs = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
     qn = (x * rs * t["q_a_norm"].double()) @ t["q_b"].double().t()
     qn = qn.view(T, hl, -1)
     nope = m.qk_nope_head_dim
@@ -318,6 +327,17 @@ def test_split_rows_kernel_equals_reference(ctx_rows):
     assert float(_ulps(got_c, ref_c).max()) <= 1, msg
 
 
+def _refuser(op, args: list, kw: dict):
+    """bad(i, value, match): `op(*args, **kw)` with args[i] = value raises a ValueError whose
+    message matches `match`."""
+    def bad(i, value, match):
+        a = list(args)
+        a[i] = value
+        with pytest.raises(ValueError, match=match):
+            op(*a, **kw)
+    return bad
+
+
 def test_fused_op_inputs_are_named():
     T = 2
     cache, bt, g = _paged(T, 2, 16, seed=17)
@@ -330,11 +350,7 @@ def test_fused_op_inputs_are_named():
     args = [qkv, q, torch.ones(KL), w_uk, cache, bt, seq - 1, seq, w_uv, gate]
     kw = dict(q_lora=QL, kv_lora=KL, eps=1e-5, scale=0.1)
 
-    def bad(i, value, match):
-        a = list(args)
-        a[i] = value
-        with pytest.raises(ValueError, match=match):
-            M.mla_decode_fused(*a, **kw)
+    bad = _refuser(M.mla_decode_fused, args, kw)
 
     bad(0, qkv.float(), "qkv of shape")
     bad(1, q[:, :, :R], r"q of shape .*expected fp32 or bf16 \(2, h, nope \+ 16\)")
@@ -366,11 +382,7 @@ def test_absorbed_op_inputs_are_named():
     args = [qkv, q, torch.ones(KL), cache, bt, seq - 1, seq, w_uv, gate]
     kw = dict(q_lora=QL, kv_lora=KL, eps=1e-5, scale=0.1)
 
-    def bad(i, value, match):
-        a = list(args)
-        a[i] = value
-        with pytest.raises(ValueError, match=match):
-            M.mla_decode_absorbed(*a, **kw)
+    bad = _refuser(M.mla_decode_absorbed, args, kw)
 
     bad(0, qkv.float(), "qkv of shape")
     bad(1, q[:, :, :NOPE + R], rf"q of shape .*expected fp32 or bf16 \(2, h, {KL} \+ {R}\)")

@@ -298,6 +298,19 @@ def _stock_mla(c: Case, qkv, wq, wkv, q_b, w_uk, pos, cache):
     return M.mla_output_reference(_stock_o_lat(ref), rl.float(), c.w_uv, c.gate)
 
 
+def _check_call(c: Case, out, ref, before, ref_cache, stock, msg: str, fold: str) -> None:
+    """One call of a DCP-1 decode op (output `out`, cache `c.cache`, which held `before`) vs
+    its reference (output `ref`, cache `ref_cache`) and the stock composition's `stock`: the
+    output, the rows written (every token but the one at position −1) and no other row."""
+    assert not out.isnan().any(), msg
+    assert _rel(out, ref) <= TOL["fused"], msg
+    written = (ref_cache != before).any(-1)
+    assert int(written.sum()) == c.T - (c.T > 2), msg
+    assert _rel(c.cache[written], ref_cache[written]) <= TOL["row"], msg
+    assert torch.equal(c.cache[~written], before[~written]), f"{msg}: a row off positions"
+    assert _rel(out, stock) <= TOL["fused"], f"{msg}: {fold} vs stock"
+
+
 FUSED = [("small", 1, 40, 16), ("small", 3, 150, 16), ("small", 9, 70, 16),
          ("tp16", 1, 100, 64)] + [pytest.param(*a, marks=gpu_only) for a in
                                   [("tp16", 1, 1024, 64), ("tp16", 4, 1024, 64),
@@ -343,14 +356,9 @@ def test_fused_equals_reference_and_stock(shape, T, ctx, bs, three):
         ref = M.mla_decode_fused_reference(qkv, q, wkv, w_uk, ref_cache, c.bt, pos, c.seq,
                                            c.w_uv, c.gate, q_lora=c.ql, kv_lora=c.kl,
                                            eps=1e-6, scale=c.scale)
-        assert not out.isnan().any(), msg
-        assert _rel(out, ref) <= TOL["fused"], msg
-        written = (ref_cache != before).any(-1)
-        assert int(written.sum()) == T - (T > 2), msg
-        assert _rel(c.cache[written], ref_cache[written]) <= TOL["row"], msg
-        assert torch.equal(c.cache[~written], before[~written]), f"{msg}: a row off positions"
-        stock = _stock_mla(c, qkv, wq, wkv, q_b, w_uk, pos, stock_cache)
-        assert _rel(out, stock) <= TOL["fused"], f"{msg}: folded q norm vs stock"
+        _check_call(c, out, ref, before, ref_cache,
+                    _stock_mla(c, qkv, wq, wkv, q_b, w_uk, pos, stock_cache),
+                    msg, "folded q norm")
         qkv.copy_(torch.randn(qkv.shape, generator=g, device=DEV))
         q = (qkv[:, :c.ql].float() @ wf.t()).view(c.T, c.h, c.nope + c.r)
 
@@ -442,14 +450,9 @@ def test_absorbed_equals_reference_and_stock(shape, T, ctx, bs):
         ref = M.mla_decode_absorbed_reference(qkv, q, wkv, ref_cache, c.bt, pos, c.seq,
                                               c.w_uv, c.gate, q_lora=c.ql, kv_lora=c.kl,
                                               eps=1e-6, scale=c.scale)
-        assert not out.isnan().any(), msg
-        assert _rel(out, ref) <= TOL["fused"], msg
-        written = (ref_cache != before).any(-1)
-        assert int(written.sum()) == T - (T > 2), msg
-        assert _rel(c.cache[written], ref_cache[written]) <= TOL["row"], msg
-        assert torch.equal(c.cache[~written], before[~written]), f"{msg}: a row off positions"
-        stock = _stock_mla(c, qkv, wq, wkv, q_b, w_uk, pos, stock_cache)
-        assert _rel(out, stock) <= TOL["fused"], f"{msg}: folded W_uk and q norm vs stock"
+        _check_call(c, out, ref, before, ref_cache,
+                    _stock_mla(c, qkv, wq, wkv, q_b, w_uk, pos, stock_cache),
+                    msg, "folded W_uk and q norm")
         qkv.copy_(torch.randn(qkv.shape, generator=g, device=DEV))
         q = (qkv[:, :c.ql].float() @ wa.t()).view(c.T, c.h, c.kl + c.r)
 
