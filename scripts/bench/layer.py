@@ -42,7 +42,7 @@ from raydecode.models.params import decode_gemv_shapes
 
 from .layer_report import markdown_table, plot, predicted_bytes
 from .layer_step import gemv_linear
-from .layer_step_spec import FFN_PATH, MLA_PATH, make_step
+from .layer_step_spec import FFN_PATH, L2PF, L2PF_START_MIB, MLA_PATH, make_step
 from .layer_timing import GraphTimer, hbm_read_bandwidth, profile_kernel_count
 from .layer_weights import LayerState, LayerWeights, random_experts, random_params
 
@@ -133,6 +133,9 @@ def auto_copies(cfg, tp: int, kind: str, context: int) -> int:
 def bench_one(copies, kind, idx, tp, B, variant, timer, args, cfg) -> tuple[dict, list]:
     lin = gemv_linear() if (variant == "specialized" and B <= args.gemv_max_batch) else None
     steps = [make_step(W, S, variant, B, lin) for W, S in copies]
+    for i, st in enumerate(steps):          # RAYDECODE_BENCH_L2PF=next: copy i+1 follows i
+        if hasattr(st, "link_next"):
+            st.link_next(steps[(i + 1) % len(steps)])
     t = timer.run(steps)
     touched = [int(torch.unique(S.last_ids).numel()) for _, S in copies]
     W0, S0 = copies[0]
@@ -158,7 +161,12 @@ def bench_one(copies, kind, idx, tp, B, variant, timer, args, cfg) -> tuple[dict
         "roofline_us": wbytes / args.hbm * 1e6,
         "predicted_weight_bytes": pb["weights"], "predicted_state_bytes": pb["state"],
         "gemv": ("kernels.gemv.linear" if lin else "F.linear"),
+        # side-branch L2 prefetch launches (RAYDECODE_BENCH_L2PF), counted in `kernels`, off
+        # the dependent chain: chain_kernels = kernels − prefetch_kernels
+        "prefetch_kernels": getattr(steps[0], "prefetch_launches", 0),
     }
+    if row["kernels"] is not None:
+        row["chain_kernels"] = row["kernels"] - row["prefetch_kernels"]
     if (args.profile and B in (1, max(args.batches))) or t.nodes_per_call is None:
         row["profiled"] = profile_kernel_count(steps[0])
         if row["kernels"] is None:
@@ -216,7 +224,8 @@ def run(args) -> dict:
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
-              "ffn_path": FFN_PATH, "mla_path": MLA_PATH,
+              "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
+              "l2_prefetch_start_mib": L2PF_START_MIB,
               "method": __doc__.split("Method")[1].strip(), "results": [], "collectives": [],
               "shapes": {}}
     report["hbm_read_Bps"] = args.hbm = hbm_read_bandwidth()

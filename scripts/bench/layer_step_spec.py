@@ -54,6 +54,7 @@ from raydecode.kernels.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
 from raydecode.kernels.gemv_norm_situ import supports as cute_ffn_supports
 from raydecode.models import moe as served_moe
 from raydecode.kernels.kda_decode import kda_decode
+from raydecode.kernels.l2_prefetch import SidePrefetch, prefetch_table
 from raydecode.kernels.mla_decode import (mla_absorb, mla_decode, mla_decode_absorbed,
                                           mla_decode_fused, mla_prep)
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
@@ -76,6 +77,20 @@ FFN_PATH = os.environ.get("RAYDECODE_BENCH_FFN", "served")
 if FFN_PATH not in ("served", "pair", "fused"):
     raise ValueError(f"RAYDECODE_BENCH_FFN={FFN_PATH!r}; accepted: served, pair, fused")
 
+# RAYDECODE_BENCH_L2PF: weight prefetch into L2 on a side branch (kernels/l2_prefetch.py, round
+# 17), forked where the chain enters latency-bound kernels:
+#   off (default): none;
+#   mid: after in_proj / W_q'' (o_proj + h2_proj, during the KDA step / MLA attention) and
+#        after h2_proj (ffn_out, during the router and the MoE decode);
+#   all: mid + at the layer start (the first GEMVs' leading RAYDECODE_BENCH_L2PF_START_MIB
+#        = 24 MiB, during the first AttnRes mix + norm);
+#   next: mid + the next layer's first GEMVs (the same budget) with ffn_out, during this
+#        layer's router and MoE decode (`link_next`: the bench's next weight copy).
+L2PF = os.environ.get("RAYDECODE_BENCH_L2PF", "off")
+if L2PF not in ("off", "mid", "all", "next"):
+    raise ValueError(f"RAYDECODE_BENCH_L2PF={L2PF!r}; accepted: off, mid, all, next")
+L2PF_START_MIB = int(os.environ.get("RAYDECODE_BENCH_L2PF_START_MIB", "24"))
+
 
 class SpecializedStep(DecodeStep):
     """`DecodeStep` with variant 'specialized' (the module docstring's kernel sequence)."""
@@ -84,6 +99,39 @@ class SpecializedStep(DecodeStep):
         super().__init__(W, S, "specialized", batch, linear)
         self.fold_residual = fold_residual
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None   # (prefix, ffn) when folded
+        self.first_table: torch.Tensor | None = None
+        self.pf = self._prefetch_plan() if L2PF != "off" else {}
+        self.side = SidePrefetch() if self.pf else None
+
+    def _prefetch_plan(self) -> dict[str, torch.Tensor]:
+        """{fork point: prefetch table} of this layer's weights (L2PF above)."""
+        W, t = self.W, self.W.t
+        if W.kind == "kda":
+            first, mid = [t["kda_in_proj"]], [t["kda_o_proj"], W.spec["h2_proj_local"]]
+        elif MLA_PATH == "r16":
+            first = [W.spec["qkv_a_g_local"], W.spec["q_b_absorbed"]]
+            mid = [t["o_proj"], W.spec["h2_proj_local"]]
+        else:
+            return {}
+        plan = {"attn": prefetch_table(mid), "moe": prefetch_table([W.spec["ffn_out_local"]])}
+        self.first_table = prefetch_table(first, max_bytes=L2PF_START_MIB << 20)
+        if L2PF == "all":
+            plan["start"] = self.first_table
+        return plan
+
+    def link_next(self, nxt: "SpecializedStep") -> None:
+        """L2PF=next: the MoE-time prefetch also requests `nxt`'s first GEMVs."""
+        if L2PF == "next" and "moe" in self.pf and getattr(nxt, "first_table", None) is not None:
+            self.pf["moe"] = torch.cat([self.pf["moe"], nxt.first_table])
+
+    def _prefetch(self, point: str) -> None:
+        if point in self.pf and self.side is not None:
+            self.side.issue(self.pf[point])
+
+    @property
+    def prefetch_launches(self) -> int:
+        """Side-branch prefetch kernels per step (not on the dependent chain)."""
+        return len(self.pf) if self.side is not None and self.side.stream is not None else 0
 
     def _lin(self, x: torch.Tensor, w: torch.Tensor, f32: bool = False) -> torch.Tensor:
         if self.lin is F.linear:        # batches above the GEMV kernel's: cuBLAS
@@ -95,6 +143,7 @@ class SpecializedStep(DecodeStep):
         t = W.t
         bank = S.bank_in[:T]
         blocks = [bank[:, j] for j in range(n)]          # one strided view for the kernel
+        self._prefetch("start")
         mix1 = (t["self_attention_res_norm"], t["self_attention_res_proj"][None],
                 t["input_layernorm"], eps, eps)
         if self.fold_residual:      # the previous layer's FFN output joins the prefix here
@@ -106,6 +155,8 @@ class SpecializedStep(DecodeStep):
                                           t["mlp_res_proj"][None],
                                           t["post_attention_layernorm"], eps, eps)
         ffn = self.moe(h2)
+        if self.side is not None:
+            self.side.join()
         if self.fold_residual:
             self.out = (prefix, ffn)
         else:
@@ -124,6 +175,7 @@ class SpecializedStep(DecodeStep):
         W, S, T = self.W, self.S, self.T
         t, w = W.t, W.widths
         proj = self._lin(h, t["kda_in_proj"])                    # (T, [q k v g b f_a pad])
+        self._prefetch("attn")
         o = kda_decode(proj, t["kda_f_b"], S.kda_conv[:T], t["kda_conv"], t["kda_exp_A"],
                        t["kda_dt_bias"], t["kda_o_norm"], S.kda_rec[:T], heads=w["heads"],
                        head_dim=w["head_dim"], lower_bound=W.cfg.kda.gate_lower_bound,
@@ -150,6 +202,7 @@ class SpecializedStep(DecodeStep):
         if MLA_PATH == "r16":           # the served form: q_abs out of the GEMV, 2 kernels
             q = self._lin(qkv[:, :m.q_lora_rank], W.spec["q_b_absorbed"], f32=True).view(
                 T, w["heads"], m.latent_dim)                    # fp32: rounded after the scale
+            self._prefetch("attn")
             o = mla_decode_absorbed(qkv, q, t["kv_a_norm"], S.mla_pages(),
                                     S.mla_block_table[:T], S.mla_positions[:T],
                                     S.mla_seq_lens[:T], t["w_uv_t"], y[:, nq:],
@@ -170,6 +223,7 @@ class SpecializedStep(DecodeStep):
         t = W.t
         ne, nz = w["router_local"], w["latent_local"]
         y = self._lin(h2, W.spec["h2_proj_local"], f32=True)    # (T, E/TP + L/TP + 2·I_sh)
+        self._prefetch("moe")
         logits = S.gather_logits[:T]
         logits[:, :ne].copy_(y[:, :ne])                           # [all-gather]
         z = S.gather_z[:T]

@@ -162,3 +162,44 @@ def test_decode_candidates_prior_first_then_fastest_distinct():
     assert decode_candidates(prior, rows, 16, 1) == [prior, fast]
     assert decode_candidates(None, rows, 16, 2) == [fast, mid]
     assert decode_candidates(fast, rows, 16, 2) == [fast, mid, prior]
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+@pytest.mark.parametrize("mode", ["mid", "all", "next"])
+def test_l2_prefetch_plan_covers_the_next_gemvs_and_changes_nothing(kind, mode, monkeypatch):
+    """RAYDECODE_BENCH_L2PF: each fork point's table requests exactly the weights of the GEMVs
+    that follow it (the first GEMVs within the start budget), and the step's results equal the
+    step without prefetch (on CPU the launches are no-ops; on the GPU they are cache hints)."""
+    from raydecode.kernels.l2_prefetch import prefetch_ranges, table_bytes
+    from raydecode.scripts.bench import layer_step_spec as LS
+
+    T = 1
+    W, S = _layer(kind, T)
+    a, b = _clone(S), _clone(S)
+    monkeypatch.setattr(LS, "MLA_PATH", "r16")
+    plain = make_step(W, a, "specialized", T)
+    plain.step()
+    monkeypatch.setattr(LS, "L2PF", mode)
+    t, sp = W.t, W.spec
+    attn = ([t["kda_o_proj"], sp["h2_proj_local"]] if kind == "kda"
+            else [t["o_proj"], sp["h2_proj_local"]])
+    first = [t["kda_in_proj"]] if kind == "kda" else [sp["qkv_a_g_local"], sp["q_b_absorbed"]]
+
+    def nbytes(ts):
+        return sum(hi - lo for lo, hi in prefetch_ranges(ts))
+
+    monkeypatch.setattr(LS, "L2PF_START_MIB", 0)           # the budget caps the first GEMVs
+    assert table_bytes(make_step(W, _clone(S), "specialized", T).first_table) == 0
+    monkeypatch.setattr(LS, "L2PF_START_MIB", 1)           # the tiny model's GEMVs < 1 MiB
+    step, nxt = make_step(W, b, "specialized", T), make_step(W, _clone(S), "specialized", T)
+    assert table_bytes(step.pf["attn"]) == nbytes(attn)
+    assert table_bytes(step.first_table) == nbytes(first)
+    assert ("start" in step.pf) == (mode == "all")
+    step.link_next(nxt)
+    want_moe = nbytes([sp["ffn_out_local"]]) + (nbytes(first) if mode == "next" else 0)
+    assert table_bytes(step.pf["moe"]) == want_moe
+    step.step()
+    assert plain.out is not None and step.out is not None
+    for x, y in zip(plain.out, step.out):
+        assert torch.equal(x, y)
+    assert torch.equal(a.last_ids, b.last_ids)

@@ -1,0 +1,127 @@
+"""Side-branch L2 prefetch (kernels/l2_prefetch.py) under a latency-bound kernel: does the GEMV
+that follows read its weight from L2, and how much faster is it? (GPU only.)
+
+    python -m raydecode.scripts.bench.l2_prefetch --out OUT.json --commit SHA [--spin-us 8]
+
+Per K3 TP16 matrix, one CUDA graph per variant, each call on its own weight copy (the copies
+together > 3× L2, so nothing is left in L2 from the previous replay):
+  cold:      spin(D) → GEMV                     the layer today: the GEMV reads HBM
+  prefetch:  spin(D) ‖ l2_prefetch(W) → GEMV    the prefetch forked beside the spin, joined
+                                                before the GEMV
+  hot:       spin(D) → GEMV on one copy         every call reads the same W (L2-resident):
+                                                the floor a prefetch can reach
+  spin:      spin(D)                            subtracted from each of the above
+spin(D) is a one-CTA kernel that waits D µs on %globaltimer: a stand-in for the KDA step, the
+MLA attention or the router, during which HBM is idle. A prefetch that lands in time makes
+`prefetch` ≈ `hot`; one that does not land leaves it at `cold`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+
+import torch
+
+from raydecode.kernels import gemv as G
+from raydecode.kernels._triton import tl, triton
+from raydecode.kernels.l2_prefetch import SidePrefetch, prefetch_table, table_bytes
+
+from .gemv import ROTATE_BYTES
+from .layer_timing import GraphTimer, hbm_read_bandwidth
+
+# (name, N, K, fp32 out): the TP16 GEMVs a prefetch would cover (layer_step_spec.py L2PF)
+SHAPES = [("kda_o_proj", 7168, 768, False), ("h2_proj", 1048, 7168, True),
+          ("ffn_out", 7168, 640, False), ("qkv_a_g", 900, 7168, False),
+          ("q_b_absorbed", 3456, 1536, True), ("kda_in_proj", 3216, 7168, False)]
+
+if triton is not None:
+    @triton.jit
+    def _spin_kernel(ns):
+        t0 = tl.extra.cuda.globaltimer()
+        t = t0
+        while t - t0 < ns:
+            t = tl.extra.cuda.globaltimer()
+
+
+def spin(ns: int, dev) -> None:
+    """Occupy the stream ns nanoseconds (one CTA)."""
+    _spin_kernel[(1,)](ns, num_warps=1)
+
+
+def bench_shape(name, N, K, f32, spin_us, timer, hbm) -> dict:
+    dev = torch.device("cuda")
+    copies = max(4, math.ceil(ROTATE_BYTES / (2 * N * K)))
+    ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5 for _ in range(copies)]
+    x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+    od = torch.float32 if f32 else None
+    tables = [prefetch_table([w]) for w in ws]
+    side = SidePrefetch(dev)
+    ns = int(spin_us * 1e3)
+
+    def with_prefetch(i):
+        def fn():
+            side.issue(tables[i])
+            spin(ns, dev)
+            side.join()
+            G.linear(x, ws[i], od)
+        return fn
+
+    with_prefetch(0)()                   # eager once: compiles, and the prefetch path runs
+    ref = x.float() @ ws[0].float().t()
+    err = float((G.linear(x, ws[0], od).float() - ref).abs().max() / ref.abs().max())
+    t = {
+        "spin": timer.run([lambda: spin(ns, dev)] * copies, count_nodes=False),
+        "cold": timer.run([lambda i=i: (spin(ns, dev), G.linear(x, ws[i], od))
+                           for i in range(copies)], count_nodes=False),
+        "prefetch": timer.run([with_prefetch(i) for i in range(copies)], count_nodes=False),
+        "hot": timer.run([lambda: (spin(ns, dev), G.linear(x, ws[0], od))] * copies,
+                         count_nodes=False),
+    }
+    us = {k: v.us_per_call for k, v in t.items()}
+    gemv = {k: us[k] - us["spin"] for k in ("cold", "prefetch", "hot")}
+    nbytes = 2 * N * K
+    return {"name": name, "N": N, "K": K, "fp32_out": f32, "mbytes": nbytes / 1e6,
+            "copies": copies, "spin_us": spin_us, "prefetch_bytes": table_bytes(tables[0]),
+            "us": us, "gemv_us": gemv, "rel_err": err,
+            "saving_us": gemv["cold"] - gemv["prefetch"],
+            "cold_frac_hbm": nbytes / (gemv["cold"] * 1e-6) / hbm,
+            "hbm_floor_us": nbytes / hbm * 1e6}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--spin-us", type=float, default=8.0,
+                    help="the latency-bound kernel's length (µs) the prefetch hides behind")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or triton is None or not G.cute_available():
+        print("l2_prefetch: needs a CUDA GPU, Triton and CuTe DSL", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    report = {"gpu": torch.cuda.get_device_name(), "commit": args.commit,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "method": __doc__.split("\n\n")[2].strip(), "results": []}
+    report["hbm_read_Bps"] = hbm = hbm_read_bandwidth()
+    timer = GraphTimer(replays=15, warm=3)
+    for name, N, K, f32 in SHAPES:
+        row = bench_shape(name, N, K, f32, args.spin_us, timer, hbm)
+        report["results"].append(row)
+        print(f"{name:13s} {row['mbytes']:5.1f} MB  GEMV µs cold {row['gemv_us']['cold']:5.2f} "
+              f"prefetch {row['gemv_us']['prefetch']:5.2f} hot {row['gemv_us']['hot']:5.2f}  "
+              f"(spin {row['us']['spin']:.2f}, floor {row['hbm_floor_us']:.2f}, "
+              f"err {row['rel_err']:.1e})", flush=True)
+        torch.cuda.empty_cache()
+    report["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
