@@ -35,9 +35,20 @@ import torch
 
 from raydecode.kernels._triton import tl, triton
 
+import os
+
 ROWS_PER_PROGRAM = 32        # one warp per program, one row per lane
-CHUNK_BYTES = 16384          # bytes per bulk prefetch (a multiple of 16)
 ALIGN = 16                   # cp.async.bulk.prefetch: 16-byte address and size
+LINE = 128                   # bytes per `prefetch.global.L2` (one L2 line)
+# How the rows are requested (A/B runs: RAYDECODE_L2PF_KIND, RAYDECODE_L2PF_CHUNK):
+#   bulk:  one `cp.async.bulk.prefetch.L2` per row (lane), ROWS_PER_PROGRAM rows per program;
+#   lines: one program per row, one `prefetch.global.L2` per 128-byte line of it (a thread
+#          per line: the requests come from the SM's load units, not its copy engine).
+KINDS = ("bulk", "lines")
+KIND = os.environ.get("RAYDECODE_L2PF_KIND", "bulk")
+if KIND not in KINDS:
+    raise ValueError(f"RAYDECODE_L2PF_KIND={KIND!r}; accepted: {', '.join(KINDS)}")
+CHUNK_BYTES = int(os.environ.get("RAYDECODE_L2PF_CHUNK", "16384"))  # bytes per row (16·n)
 
 
 def prefetch_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -112,17 +123,23 @@ def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def l2_prefetch(table: torch.Tensor) -> None:
-    """Request every row of `table` into L2 (one launch on the current stream). A no-op on CPU
-    tensors, without Triton, and before sm_90 (the instruction is sm_90+)."""
+def l2_prefetch(table: torch.Tensor, kind: str | None = None) -> None:
+    """Request every row of `table` into L2 (one launch on the current stream; `kind` as KIND,
+    default KIND). A no-op on CPU tensors, without Triton, and before sm_90."""
     _check_table(table)
+    kind = KIND if kind is None else kind
+    if kind not in KINDS:
+        raise ValueError(f"l2_prefetch kind={kind!r}; accepted: {', '.join(KINDS)}")
     if table.shape[0] == 0 or not table.is_cuda or triton is None:
         return
     if not _supported(table.device.index if table.device.index is not None
                       else torch.cuda.current_device()):
         return
-    _l2_prefetch_kernel[(table.shape[0] // ROWS_PER_PROGRAM,)](
-        table, ROWS=ROWS_PER_PROGRAM, num_warps=1)
+    if kind == "bulk":
+        _l2_prefetch_kernel[(table.shape[0] // ROWS_PER_PROGRAM,)](
+            table, ROWS=ROWS_PER_PROGRAM, num_warps=1)
+        return
+    _l2_prefetch_lines_kernel[(table.shape[0],)](table, LINES=128, num_warps=4)
 
 
 class SidePrefetch:
@@ -157,6 +174,17 @@ if triton is not None:
         tl.inline_asm_elementwise(
             "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
             [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _l2_prefetch_lines_kernel(table, LINES: tl.constexpr):
+        addr = tl.load(table + 2 * tl.program_id(0))
+        size = tl.load(table + 2 * tl.program_id(0) + 1)
+        lane = tl.arange(0, LINES).to(tl.int64) * 128
+        for base in range(0, size, LINES * 128):        # one line per thread per pass
+            off = base + lane
+            a = addr + tl.where(off < size, off, 0)      # lanes past the row repeat its start
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [a], dtype=tl.int32, is_pure=False, pack=1)
 
 
 __all__ = ["CHUNK_BYTES", "ROWS_PER_PROGRAM", "SidePrefetch", "l2_prefetch", "prefetch_ranges",

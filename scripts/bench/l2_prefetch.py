@@ -6,14 +6,14 @@ that follows read its weight from L2, and how much faster is it? (GPU only.)
 Per K3 TP16 matrix, one CUDA graph per variant, each call on its own weight copy (the copies
 together > 3× L2, so nothing is left in L2 from the previous replay):
   cold:      spin(D) → GEMV                     the layer today: the GEMV reads HBM
-  prefetch:  spin(D) ‖ l2_prefetch(W) → GEMV    the prefetch forked beside the spin, joined
-                                                before the GEMV
+  kind:chunk spin(D) ‖ l2_prefetch(W) → GEMV   the prefetch (each --variants form) forked
+                                                beside the spin, joined before the GEMV
   hot:       spin(D) → GEMV on one copy         every call reads the same W (L2-resident):
                                                 the floor a prefetch can reach
   spin:      spin(D)                            subtracted from each of the above
 spin(D) is a one-CTA kernel that waits D µs on %globaltimer: a stand-in for the KDA step, the
 MLA attention or the router, during which HBM is idle. A prefetch that lands in time makes
-`prefetch` ≈ `hot`; one that does not land leaves it at `cold`.
+a prefetch form ≈ `hot`; one that does not land leaves it at `cold`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from raydecode.kernels import gemv as G
 from raydecode.kernels._triton import tl, triton
-from raydecode.kernels.l2_prefetch import SidePrefetch, prefetch_table, table_bytes
+from raydecode.kernels.l2_prefetch import KINDS, SidePrefetch, l2_prefetch, prefetch_table
 
 from .gemv import ROTATE_BYTES
 from .layer_timing import GraphTimer, hbm_read_bandwidth
@@ -52,42 +52,46 @@ def spin(ns: int, dev) -> None:
     _spin_kernel[(1,)](ns, num_warps=1)
 
 
-def bench_shape(name, N, K, f32, spin_us, timer, hbm) -> dict:
+def bench_shape(name, N, K, f32, spin_us, variants, timer, hbm) -> dict:
+    """variants: [(kind, chunk_bytes)] of the prefetch (kernels/l2_prefetch.py KINDS)."""
     dev = torch.device("cuda")
     copies = max(4, math.ceil(ROTATE_BYTES / (2 * N * K)))
     ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5 for _ in range(copies)]
     x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
     od = torch.float32 if f32 else None
-    tables = [prefetch_table([w]) for w in ws]
     side = SidePrefetch(dev)
     ns = int(spin_us * 1e3)
 
-    def with_prefetch(i):
+    def with_prefetch(table, w, kind):
         def fn():
-            side.issue(tables[i])
+            side.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side.stream):
+                l2_prefetch(table, kind)
             spin(ns, dev)
-            side.join()
-            G.linear(x, ws[i], od)
+            torch.cuda.current_stream().wait_stream(side.stream)
+            G.linear(x, w, od)
         return fn
 
-    with_prefetch(0)()                   # eager once: compiles, and the prefetch path runs
     ref = x.float() @ ws[0].float().t()
     err = float((G.linear(x, ws[0], od).float() - ref).abs().max() / ref.abs().max())
     t = {
         "spin": timer.run([lambda: spin(ns, dev)] * copies, count_nodes=False),
         "cold": timer.run([lambda i=i: (spin(ns, dev), G.linear(x, ws[i], od))
                            for i in range(copies)], count_nodes=False),
-        "prefetch": timer.run([with_prefetch(i) for i in range(copies)], count_nodes=False),
         "hot": timer.run([lambda: (spin(ns, dev), G.linear(x, ws[0], od))] * copies,
                          count_nodes=False),
     }
+    for kind, chunk in variants:
+        fns = []
+        for w in ws:
+            fns.append(with_prefetch(prefetch_table([w], chunk_bytes=chunk), w, kind))
+        t[f"{kind}:{chunk}"] = timer.run(fns, count_nodes=False)
     us = {k: v.us_per_call for k, v in t.items()}
-    gemv = {k: us[k] - us["spin"] for k in ("cold", "prefetch", "hot")}
+    gemv = {k: us[k] - us["spin"] for k in us if k != "spin"}
     nbytes = 2 * N * K
     return {"name": name, "N": N, "K": K, "fp32_out": f32, "mbytes": nbytes / 1e6,
-            "copies": copies, "spin_us": spin_us, "prefetch_bytes": table_bytes(tables[0]),
-            "us": us, "gemv_us": gemv, "rel_err": err,
-            "saving_us": gemv["cold"] - gemv["prefetch"],
+            "copies": copies, "spin_us": spin_us, "us": us, "gemv_us": gemv, "rel_err": err,
+            "saving_us": {k: gemv["cold"] - v for k, v in gemv.items()},
             "cold_frac_hbm": nbytes / (gemv["cold"] * 1e-6) / hbm,
             "hbm_floor_us": nbytes / hbm * 1e6}
 
@@ -98,7 +102,19 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--spin-us", type=float, default=8.0,
                     help="the latency-bound kernel's length (µs) the prefetch hides behind")
+    ap.add_argument("--variants", default="bulk:16384,bulk:2048,lines:16384,lines:131072",
+                    help="prefetch forms kind:chunk_bytes (kind in kernels/l2_prefetch KINDS)")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                    help="subset of: " + ",".join(s[0] for s in SHAPES))
     args = ap.parse_args(argv)
+    variants = []
+    for v in args.variants.split(","):
+        kind, _, chunk = v.partition(":")
+        if kind not in KINDS or not chunk.isdigit() or int(chunk) % 16 or int(chunk) == 0:
+            ap.error(f"--variants entry {v!r}; expected kind:bytes, kind in {KINDS}, bytes a "
+                     "positive multiple of 16")
+        variants.append((kind, int(chunk)))
+    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     if not torch.cuda.is_available() or triton is None or not G.cute_available():
         print("l2_prefetch: needs a CUDA GPU, Triton and CuTe DSL", file=sys.stderr)
         return 2
@@ -109,13 +125,12 @@ def main(argv=None) -> int:
               "method": __doc__.split("\n\n")[2].strip(), "results": []}
     report["hbm_read_Bps"] = hbm = hbm_read_bandwidth()
     timer = GraphTimer(replays=15, warm=3)
-    for name, N, K, f32 in SHAPES:
-        row = bench_shape(name, N, K, f32, args.spin_us, timer, hbm)
+    for name, N, K, f32 in shapes:
+        row = bench_shape(name, N, K, f32, args.spin_us, variants, timer, hbm)
         report["results"].append(row)
-        print(f"{name:13s} {row['mbytes']:5.1f} MB  GEMV µs cold {row['gemv_us']['cold']:5.2f} "
-              f"prefetch {row['gemv_us']['prefetch']:5.2f} hot {row['gemv_us']['hot']:5.2f}  "
-              f"(spin {row['us']['spin']:.2f}, floor {row['hbm_floor_us']:.2f}, "
-              f"err {row['rel_err']:.1e})", flush=True)
+        print(f"{name:13s} {row['mbytes']:5.1f} MB spin {row['us']['spin']:.2f} floor "
+              f"{row['hbm_floor_us']:.2f} GEMV µs " + " ".join(
+                  f"{k} {v:.2f}" for k, v in row["gemv_us"].items()), flush=True)
         torch.cuda.empty_cache()
     report["wall_s"] = time.time() - t0
     with open(args.out, "w") as f:

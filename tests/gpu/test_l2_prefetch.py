@@ -49,6 +49,6 @@ def test_side_branch_in_a_graph_keeps_stream_order():
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    want_x = x0 * 1.5 ** 3
-    torch.testing.assert_close(x, want_x)
-    torch.testing.assert_close(out, (want_x + 1) @ w.t(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x, x0 * 1.5 ** 3)     # three bf16 roundings: bf16 tolerance
+    ref = (x + 1).float() @ w.float().t()             # the last replay's y, from its x
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=1e-2 * ref.abs().max().item())
