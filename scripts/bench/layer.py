@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from raydecode.kernels import moe_mxfp4
+from raydecode.kernels import l2_prefetch, moe_mxfp4
 from raydecode.models.config import load_config
 from raydecode.models.parallel import Parallel
 from raydecode.models.params import decode_gemv_shapes
@@ -225,7 +225,8 @@ def run(args) -> dict:
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
-              "l2_prefetch_start_mib": L2PF_START_MIB,
+              "l2_prefetch_start_mib": L2PF_START_MIB, "l2_prefetch_kind": l2_prefetch.KIND,
+              "l2_prefetch_chunk": l2_prefetch.CHUNK_BYTES,
               "method": __doc__.split("Method")[1].strip(), "results": [], "collectives": [],
               "shapes": {}}
     report["hbm_read_Bps"] = args.hbm = hbm_read_bandwidth()
