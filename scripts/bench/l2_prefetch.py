@@ -7,7 +7,9 @@ Per K3 TP16 matrix, one CUDA graph per variant, each call on its own weight copy
 together > 3× L2, so nothing is left in L2 from the previous replay):
   cold:      spin(D) → GEMV                     the layer today: the GEMV reads HBM
   kind:chunk spin(D) ‖ l2_prefetch(W) → GEMV   the prefetch (each --variants form) forked
-                                                beside the spin, joined before the GEMV
+                                                beside the spin, joined before the GEMV;
+                                                controls: W read by torch.sum (read) or by the
+                                                same GEMV (gemv) on that branch instead
   hot:       spin(D) → GEMV on one copy         every call reads the same W (L2-resident):
                                                 the floor a prefetch can reach
   spin:      spin(D)                            subtracted from each of the above
@@ -38,6 +40,10 @@ SHAPES = [("kda_o_proj", 7168, 768, False), ("h2_proj", 1048, 7168, True),
           ("ffn_out", 7168, 640, False), ("qkv_a_g", 900, 7168, False),
           ("q_b_absorbed", 3456, 1536, True), ("kda_in_proj", 3216, 7168, False)]
 
+# control forms (--variants read:16 / gemv:16; the chunk is ignored): W read on the side branch
+# by a reduction over every SM, or by the same GEMV, instead of prefetched
+CONTROLS = ("read", "gemv")
+
 if triton is not None:
     @triton.jit
     def _spin_kernel(ns):
@@ -66,7 +72,12 @@ def bench_shape(name, N, K, f32, spin_us, variants, timer, hbm) -> dict:
         def fn():
             side.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side.stream):
-                l2_prefetch(table, kind)
+                if kind == "read":           # a plain read of W by every SM: a load, not a hint
+                    torch.sum(w, dtype=torch.float32)
+                elif kind == "gemv":         # the same GEMV, earlier: the same SMs read each line
+                    G.linear(x, w, od)
+                else:
+                    l2_prefetch(table, kind)
             spin(ns, dev)
             torch.cuda.current_stream().wait_stream(side.stream)
             G.linear(x, w, od)
@@ -110,9 +121,10 @@ def main(argv=None) -> int:
     variants = []
     for v in args.variants.split(","):
         kind, _, chunk = v.partition(":")
-        if kind not in KINDS or not chunk.isdigit() or int(chunk) % 16 or int(chunk) == 0:
-            ap.error(f"--variants entry {v!r}; expected kind:bytes, kind in {KINDS}, bytes a "
-                     "positive multiple of 16")
+        if (kind not in KINDS + CONTROLS or not chunk.isdigit() or int(chunk) % 16
+                or int(chunk) == 0):
+            ap.error(f"--variants entry {v!r}; expected kind:bytes, kind in "
+                     f"{KINDS + CONTROLS}, bytes a positive multiple of 16")
         variants.append((kind, int(chunk)))
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     if not torch.cuda.is_available() or triton is None or not G.cute_available():
