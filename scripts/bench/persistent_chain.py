@@ -1,0 +1,230 @@
+"""A chain of dependent decode GEMVs as launches vs one resident (persistent) kernel with grid
+barriers: the building block a per-layer kernel would need (issue #6's 80 %-of-roofline point;
+docs/PERF.md round 17 bounds the launch chain below it). GPU only; exploration, not production.
+
+    python -m raydecode.scripts.bench.persistent_chain --out OUT.json --commit SHA
+
+The chain (K3 TP16-like widths, M = 1, bf16, each output the next input):
+    x1 = W0·x0  (1024 × 7168)    x2 = W1·x1  (7168 × 1024)
+    x3 = W2·x2  (1024 × 7168)    x4 = W3·x3  (7168 × 1024)      4 × 14.7 MB
+Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
+  cute:     4 production CuTe GEMV launches (kernels/gemv.py, PDL)
+  launches: 4 launches of this file's Triton phase kernel (PDL: `pdl_enter` first)
+  persist:  one launch of `_chain_kernel`: every CTA (one per SM) computes its row blocks of a
+            phase, then a grid barrier (CTA barrier; one thread: release atomic add to a
+            counter, acquire spin to phases·CTAs; CTA barrier), then the next phase
+  persist_pf: as persist, and before each barrier every CTA bulk-prefetches into L2 the rows it
+            will read in the next phase (weights never depend on the chain, so their bytes can
+            stream while the barrier waits; the prefetching SM is the reading SM)
+  barrier:  the persistent kernel with no GEMV work: µs per grid barrier
+Each variant's x4 is checked against a float64 chain before it is timed. The spin is bounded
+(SPIN_MAX polls); a kernel that hit the bound sets a flag and the variant is reported failed —
+a grid barrier needs every CTA resident, which the grid size (SM count, 1 CTA each) ensures on
+an otherwise idle GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+
+import torch
+
+from raydecode.kernels import gemv as G
+from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
+
+from .gemv import ROTATE_BYTES
+from .layer_timing import GraphTimer, hbm_read_bandwidth
+
+WIDTHS = (7168, 1024, 7168, 1024, 7168)      # x0 … x4: W_i is (WIDTHS[i+1], WIDTHS[i])
+SPIN_MAX = 1 << 22
+CFG = {7168: (8, 512), 1024: (64, 256)}      # K -> (rows per block BN, K tile BK)
+
+if triton is not None:
+    @triton.jit
+    def _rows(w_ptr, x_ptr, y_ptr, N, K, blk, BN: tl.constexpr, BK: tl.constexpr):
+        """y[blk·BN : +BN] = bf16(W[rows, :] · x), fp32 sums; x read through L2 (.cg: it was
+        written by other CTAs in this launch)."""
+        rows = blk * BN + tl.arange(0, BN)
+        rm = rows < N
+        acc = tl.zeros((BN, BK), tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=rm[:, None],
+                        other=0.0, eviction_policy="evict_first")
+            xv = tl.load(x_ptr + ks, cache_modifier=".cg")
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        tl.store(y_ptr + rows, tl.sum(acc, 1).to(tl.bfloat16), mask=rm)
+
+    @triton.jit
+    def _phase(w_ptr, x_ptr, y_ptr, N, K, pid, G_: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr):
+        for blk in range(pid, tl.cdiv(N, BN), G_):
+            _rows(w_ptr, x_ptr, y_ptr, N, K, blk, BN, BK)
+
+    @triton.jit
+    def _prefetch_rows(w_ptr, N, K, pid, G_: tl.constexpr, BN: tl.constexpr):
+        """One bulk L2 prefetch per row block this CTA reads next (rows are contiguous)."""
+        for blk in range(pid, tl.cdiv(N, BN), G_):
+            a = w_ptr + blk * BN * K
+            nbytes = (tl.minimum(N - blk * BN, BN) * K * 2).to(tl.int32)
+            tl.inline_asm_elementwise(
+                "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                [a, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _load_acquire(p):
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _grid_sync(counter, flag, target):
+        """All CTAs reach here before any leaves (counter counts arrivals; target = this
+        barrier's index · CTAs). Bounded: past SPIN_MAX polls the flag is set and it returns."""
+        tl.debug_barrier()
+        tl.atomic_add(counter, 1, sem="release", scope="gpu")     # one per CTA (scalar)
+        c = _load_acquire(counter)
+        n = 0
+        while (c < target) & (n < 4194304):
+            c = _load_acquire(counter)
+            n += 1
+        if n >= 4194304:
+            tl.atomic_xchg(flag, 1)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _chain_kernel(x0, x1, x2, x3, x4, w0, w1, w2, w3, counter, flag,
+                      G_: tl.constexpr, WORK: tl.constexpr, PF: tl.constexpr,
+                      N0: tl.constexpr, N1: tl.constexpr,
+                      BN0: tl.constexpr, BK0: tl.constexpr, BN1: tl.constexpr,
+                      BK1: tl.constexpr):
+        # phases alternate W (N0 × N1) on x of width N1 and W (N1 × N0) on x of width N0
+        pid = tl.program_id(0)
+        if WORK:
+            if PF:
+                _prefetch_rows(w0, N1, N0, pid, G_, BN0)
+            _phase(w0, x0, x1, N1, N0, pid, G_, BN0, BK0)
+            if PF:
+                _prefetch_rows(w1, N0, N1, pid, G_, BN1)
+        _grid_sync(counter, flag, G_)
+        if WORK:
+            _phase(w1, x1, x2, N0, N1, pid, G_, BN1, BK1)
+            if PF:
+                _prefetch_rows(w2, N1, N0, pid, G_, BN0)
+        _grid_sync(counter, flag, 2 * G_)
+        if WORK:
+            _phase(w2, x2, x3, N1, N0, pid, G_, BN0, BK0)
+            if PF:
+                _prefetch_rows(w3, N0, N1, pid, G_, BN1)
+        _grid_sync(counter, flag, 3 * G_)
+        if WORK:
+            _phase(w3, x3, x4, N0, N1, pid, G_, BN1, BK1)
+
+    @triton.jit
+    def _phase_kernel(w_ptr, x_ptr, y_ptr, N, K, G_: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        _phase(w_ptr, x_ptr, y_ptr, N, K, tl.program_id(0), G_, BN, BK)
+
+
+class Chain:
+    """One weight copy of the chain with its activation buffers."""
+
+    def __init__(self, xs: list[torch.Tensor], seed: int):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.w = [torch.randn(WIDTHS[i + 1], WIDTHS[i], device="cuda", dtype=torch.bfloat16,
+                              generator=g) / WIDTHS[i] ** 0.5 for i in range(4)]
+        self.xs = xs
+
+    def reference(self) -> torch.Tensor:
+        x = self.xs[0].double()
+        for w in self.w:
+            x = (w.double() @ x).to(torch.bfloat16).double()      # bf16 between phases
+        return x
+
+
+def run_variant(name: str, chain: Chain, grid: int, counter, flag) -> None:
+    xs, w = chain.xs, chain.w
+    if name == "cute":
+        for i in range(4):
+            xs[i + 1].copy_(G.linear(xs[i][None], w[i])[0])
+        return
+    if name == "launches":
+        for i in range(4):
+            BN, BK = CFG[WIDTHS[i]]
+            _phase_kernel[(grid,)](w[i], xs[i], xs[i + 1], WIDTHS[i + 1], WIDTHS[i], G_=grid,
+                                   BN=BN, BK=BK, num_warps=4, **pdl_launch(xs[i]))
+        return
+    counter.zero_()
+    (BN0, BK0), (BN1, BK1) = CFG[WIDTHS[0]], CFG[WIDTHS[1]]
+    _chain_kernel[(grid,)](*xs, *w, counter, flag, G_=grid, WORK=name != "barrier",
+                           PF=name == "persist_pf", N0=WIDTHS[0], N1=WIDTHS[1], BN0=BN0,
+                           BK0=BK0, BN1=BN1, BK1=BK1, num_warps=4)
+
+
+VARIANTS = ("cute", "launches", "persist", "persist_pf", "barrier")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args(argv)
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants {bad}: accepted {', '.join(VARIANTS)}")
+    if not torch.cuda.is_available() or triton is None or not G.cute_available():
+        print("persistent_chain: needs a CUDA GPU, Triton and CuTe DSL", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    grid = torch.cuda.get_device_properties(0).multi_processor_count
+    xs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for n in WIDTHS]
+    xs[0].normal_()
+    chain_bytes = sum(2 * WIDTHS[i] * WIDTHS[i + 1] for i in range(4))
+    copies = max(4, math.ceil(ROTATE_BYTES / chain_bytes))
+    chains = [Chain(xs, 100 + c) for c in range(copies)]
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+    flag = torch.zeros(1, device="cuda", dtype=torch.int32)
+    report = {"gpu": torch.cuda.get_device_name(), "commit": args.commit, "sm_count": grid,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "method": __doc__.split("\n\n")[1].strip() + "\n" + __doc__.split("\n\n")[2],
+              "widths": WIDTHS, "chain_bytes": chain_bytes, "copies": copies, "results": {}}
+    report["hbm_read_Bps"] = hbm = hbm_read_bandwidth()
+    report["roofline_us"] = chain_bytes / hbm * 1e6
+    timer = GraphTimer(replays=15, warm=3)
+    want = chains[0].reference()
+    for v in args.variants.split(","):
+        row = {}
+        try:
+            flag.zero_()
+            run_variant(v, chains[0], grid, counter, flag)
+            torch.cuda.synchronize()
+            if v != "barrier":
+                got = xs[4].double()
+                row["rel_err"] = float((got - want).abs().max() / want.abs().max())
+            t = timer.run([lambda c=c: run_variant(v, c, grid, counter, flag) for c in chains],
+                          count_nodes=False)
+            torch.cuda.synchronize()
+            row.update(us=t.us_per_call, us_min=t.us_min, us_max=t.us_max,
+                       spin_bound_hit=bool(flag.item()))
+            if v != "barrier":
+                row["frac_of_roofline"] = report["roofline_us"] / t.us_per_call
+            else:
+                row["us_per_barrier"] = t.us_per_call / 3
+        except Exception as e:                    # a variant that fails is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        report["results"][v] = row
+        print(v, json.dumps(row), flush=True)
+    report["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
