@@ -16,6 +16,9 @@ Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
   persist_pf: as persist, and before each barrier every CTA bulk-prefetches into L2 the rows it
             will read in the next phase (weights never depend on the chain, so their bytes can
             stream while the barrier waits; the prefetching SM is the reading SM)
+  persist8: persist with 8 warps per CTA (persist_pre's warps)
+  persist_pre: as persist (8 warps), and before each barrier every CTA loads into registers the leading
+            PRELOAD columns of the row block it computes next (one block per CTA and phase)
   barrier:  the persistent kernel with no GEMV work: µs per grid barrier
 Each variant's x4 is checked against a float64 chain before it is timed. The spin is bounded
 (SPIN_MAX polls); a kernel that hit the bound sets a flag and the variant is reported failed —
@@ -42,6 +45,7 @@ from .layer_timing import GraphTimer, hbm_read_bandwidth
 WIDTHS = (7168, 1024, 7168, 1024, 7168)      # x0 … x4: W_i is (WIDTHS[i+1], WIDTHS[i])
 SPIN_MAX = 1 << 22
 CFG = {7168: (8, 512), 1024: (64, 256)}      # K -> (rows per block BN, K tile BK)
+PRELOAD = {7168: 2048, 1024: 256}            # K -> columns persist_pre holds (32 KB per CTA)
 
 if triton is not None:
     @triton.jit
@@ -58,6 +62,55 @@ if triton is not None:
             xv = tl.load(x_ptr + ks, cache_modifier=".cg")
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         tl.store(y_ptr + rows, tl.sum(acc, 1).to(tl.bfloat16), mask=rm)
+
+    @triton.jit
+    def _preload(w_ptr, N, K, blk, BN: tl.constexpr, PK: tl.constexpr):
+        """The leading PK columns of row block blk (registers): issued before a grid barrier,
+        they stream while the barrier waits."""
+        rows = blk * BN + tl.arange(0, BN)
+        return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + tl.arange(0, PK)[None, :],
+                       mask=rows[:, None] < N, other=0.0, eviction_policy="evict_first")
+
+    @triton.jit
+    def _rows_pre(w_ptr, x_ptr, y_ptr, N, K, blk, wpre, BN: tl.constexpr, BK: tl.constexpr,
+                  PK: tl.constexpr):
+        """_rows with columns [0, PK) already in registers (wpre, from `_preload`)."""
+        rows = blk * BN + tl.arange(0, BN)
+        rm = rows < N
+        x0 = tl.load(x_ptr + tl.arange(0, PK), cache_modifier=".cg")
+        s0 = tl.sum(wpre.to(tl.float32) * x0.to(tl.float32)[None, :], 1)
+        acc = tl.zeros((BN, BK), tl.float32)
+        for k0 in range(PK, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=rm[:, None],
+                        other=0.0, eviction_policy="evict_first")
+            xv = tl.load(x_ptr + ks, cache_modifier=".cg")
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        tl.store(y_ptr + rows, (s0 + tl.sum(acc, 1)).to(tl.bfloat16), mask=rm)
+
+    @triton.jit
+    def _pre_chain_kernel(x0, x1, x2, x3, x4, w0, w1, w2, w3, counter, flag,
+                          G_: tl.constexpr, N0: tl.constexpr, N1: tl.constexpr,
+                          BN0: tl.constexpr, BK0: tl.constexpr, PK0: tl.constexpr,
+                          BN1: tl.constexpr, BK1: tl.constexpr, PK1: tl.constexpr):
+        # one row block per CTA and phase (host checks cdiv(N, BN) ≤ G_); each CTA loads the
+        # leading PK columns of its next block before the barrier that guards that phase's x
+        pid = tl.program_id(0)
+        a = _preload(w0, N1, N0, pid, BN0, PK0)
+        if pid < tl.cdiv(N1, BN0):
+            _rows_pre(w0, x0, x1, N1, N0, pid, a, BN0, BK0, PK0)
+        b = _preload(w1, N0, N1, pid, BN1, PK1)
+        _grid_sync(counter, flag, G_)
+        if pid < tl.cdiv(N0, BN1):
+            _rows_pre(w1, x1, x2, N0, N1, pid, b, BN1, BK1, PK1)
+        a = _preload(w2, N1, N0, pid, BN0, PK0)
+        _grid_sync(counter, flag, 2 * G_)
+        if pid < tl.cdiv(N1, BN0):
+            _rows_pre(w2, x2, x3, N1, N0, pid, a, BN0, BK0, PK0)
+        b = _preload(w3, N0, N1, pid, BN1, PK1)
+        _grid_sync(counter, flag, 3 * G_)
+        if pid < tl.cdiv(N0, BN1):
+            _rows_pre(w3, x3, x4, N0, N1, pid, b, BN1, BK1, PK1)
 
     @triton.jit
     def _phase(w_ptr, x_ptr, y_ptr, N, K, pid, G_: tl.constexpr, BN: tl.constexpr,
@@ -160,12 +213,19 @@ def run_variant(name: str, chain: Chain, grid: int, counter, flag) -> None:
         return
     counter.zero_()
     (BN0, BK0), (BN1, BK1) = CFG[WIDTHS[0]], CFG[WIDTHS[1]]
+    if name == "persist_pre":
+        if -(-WIDTHS[1] // BN0) > grid or -(-WIDTHS[0] // BN1) > grid:
+            raise ValueError(f"persist_pre needs ≤ {grid} row blocks per phase")
+        _pre_chain_kernel[(grid,)](*xs, *w, counter, flag, G_=grid, N0=WIDTHS[0], N1=WIDTHS[1],
+                                   BN0=BN0, BK0=BK0, PK0=PRELOAD[WIDTHS[0]], BN1=BN1, BK1=BK1,
+                                   PK1=PRELOAD[WIDTHS[1]], num_warps=8)   # 4: spills
+        return
     _chain_kernel[(grid,)](*xs, *w, counter, flag, G_=grid, WORK=name != "barrier",
                            PF=name == "persist_pf", N0=WIDTHS[0], N1=WIDTHS[1], BN0=BN0,
-                           BK0=BK0, BN1=BN1, BK1=BK1, num_warps=4)
+                           BK0=BK0, BN1=BN1, BK1=BK1, num_warps=8 if name == "persist8" else 4)
 
 
-VARIANTS = ("cute", "launches", "persist", "persist_pf", "barrier")
+VARIANTS = ("cute", "launches", "persist", "persist8", "persist_pf", "persist_pre", "barrier")
 
 
 def main(argv=None) -> int:
