@@ -102,3 +102,23 @@ def test_cpu_prefetch_and_side_branch_are_no_ops():
     assert side.launches == 0                       # nothing launched on CPU tensors
     side.join()
     assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("variants, named", [("bulk:24", "bulk:24"), ("warp:16", "warp:16"),
+                                             ("lines:0", "lines:0"), ("bulk", "'bulk'")])
+def test_bench_refuses_bad_variants_by_name(variants, named, tmp_path, capsys):
+    from raydecode.scripts.bench import l2_prefetch as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", str(tmp_path / "o.json"), "--variants", variants])
+    assert e.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_chain_bench_refuses_unknown_variants(tmp_path, capsys):
+    from raydecode.scripts.bench import persistent_chain as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", str(tmp_path / "o.json"), "--variants", "persist,megakernel"])
+    assert e.value.code == 2
+    assert "megakernel" in capsys.readouterr().err
