@@ -16,10 +16,16 @@ the GEMV then reads them from L2.
     side.join()                           the current stream waits for the side stream (before a
                                           graph capture ends, or a step returns)
 
-Why many small programs: a bulk prefetch is executed by the issuing SM's copy engine, which
-generates the L2 requests at a bounded rate per SM, so one CTA issuing tens of MB would take
-longer than the kernel it is meant to hide behind. ROWS_PER_PROGRAM × chunk_bytes (512 KiB by
-default) is each SM's share.
+Why many small programs: a bulk prefetch is expanded by the issuing SM's copy engine, so the
+requests for tens of MB are spread over many SMs (ROWS_PER_PROGRAM × chunk_bytes, 512 KiB by
+default, per program). The `lines` form (KIND) issues `prefetch.global.L2` per 128-byte line
+from the load units instead.
+
+Measured (H200, docs/PERF.md round 17): a GEMV after a prefetch that had 8–16 µs to land
+recovers only about a third of what an L2-resident weight gains, in every form and chunk size
+tried, and the layer bench shows no gain at batch 1. So the layer bench keeps it off
+(`RAYDECODE_BENCH_L2PF`) and the served path does not call it; it stays for A/B runs and for
+other parts (sm_100) where the balance may differ.
 
 The prefetch has no effect on any value: it is a cache hint. On CPU tensors (or without Triton,
 or before sm_90) `l2_prefetch` validates its table and does nothing. The ranges must lie inside
@@ -30,12 +36,11 @@ tensors) alive as long as the graph.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from raydecode.kernels._triton import tl, triton
-
-import os
 
 ROWS_PER_PROGRAM = 32        # one warp per program, one row per lane
 ALIGN = 16                   # cp.async.bulk.prefetch: 16-byte address and size
@@ -48,7 +53,10 @@ KINDS = ("bulk", "lines")
 KIND = os.environ.get("RAYDECODE_L2PF_KIND", "bulk")
 if KIND not in KINDS:
     raise ValueError(f"RAYDECODE_L2PF_KIND={KIND!r}; accepted: {', '.join(KINDS)}")
-CHUNK_BYTES = int(os.environ.get("RAYDECODE_L2PF_CHUNK", "16384"))  # bytes per row (16·n)
+_chunk = os.environ.get("RAYDECODE_L2PF_CHUNK", "16384")      # bytes per table row
+if not _chunk.isdigit() or int(_chunk) == 0 or int(_chunk) % ALIGN:
+    raise ValueError(f"RAYDECODE_L2PF_CHUNK={_chunk!r}; accepted: a positive multiple of {ALIGN}")
+CHUNK_BYTES = int(_chunk)
 
 
 def prefetch_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -187,5 +195,5 @@ if triton is not None:
                                       [a], dtype=tl.int32, is_pure=False, pack=1)
 
 
-__all__ = ["CHUNK_BYTES", "ROWS_PER_PROGRAM", "SidePrefetch", "l2_prefetch", "prefetch_ranges",
-           "prefetch_table", "table_bytes"]
+__all__ = ["CHUNK_BYTES", "KIND", "KINDS", "ROWS_PER_PROGRAM", "SidePrefetch", "l2_prefetch",
+           "prefetch_ranges", "prefetch_table", "table_bytes"]

@@ -79,7 +79,7 @@ if FFN_PATH not in ("served", "pair", "fused"):
 
 # RAYDECODE_BENCH_L2PF: weight prefetch into L2 on a side branch (kernels/l2_prefetch.py, round
 # 17), forked where the chain enters latency-bound kernels:
-#   off (default): none;
+#   off (default; PERF round 17 measured no gain at batch 1): none;
 #   mid: after in_proj / W_q'' (o_proj + h2_proj, during the KDA step / MLA attention) and
 #        after h2_proj (ffn_out, during the router and the MoE decode);
 #   all: mid + at the layer start (the first GEMVs' leading RAYDECODE_BENCH_L2PF_START_MIB
@@ -89,7 +89,10 @@ if FFN_PATH not in ("served", "pair", "fused"):
 L2PF = os.environ.get("RAYDECODE_BENCH_L2PF", "off")
 if L2PF not in ("off", "mid", "all", "next"):
     raise ValueError(f"RAYDECODE_BENCH_L2PF={L2PF!r}; accepted: off, mid, all, next")
-L2PF_START_MIB = int(os.environ.get("RAYDECODE_BENCH_L2PF_START_MIB", "24"))
+_start = os.environ.get("RAYDECODE_BENCH_L2PF_START_MIB", "24")
+if not _start.isdigit():
+    raise ValueError(f"RAYDECODE_BENCH_L2PF_START_MIB={_start!r}; accepted: MiB, an integer ≥ 0")
+L2PF_START_MIB = int(_start)
 
 
 class SpecializedStep(DecodeStep):

@@ -1,6 +1,10 @@
 """kernels/l2_prefetch.py: the (address, bytes) tables cover exactly the tensors' bytes, in
 aligned chunks, padded for the one-warp programs; bad tables and chunk sizes are refused; on
 CPU the prefetch and the side branch are no-ops that still validate."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -122,3 +126,14 @@ def test_chain_bench_refuses_unknown_variants(tmp_path, capsys):
         bench.main(["--out", str(tmp_path / "o.json"), "--variants", "persist,megakernel"])
     assert e.value.code == 2
     assert "megakernel" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, value, named", [
+    ("RAYDECODE_L2PF_KIND", "warp", "RAYDECODE_L2PF_KIND='warp'"),
+    ("RAYDECODE_L2PF_CHUNK", "1000", "RAYDECODE_L2PF_CHUNK='1000'"),
+    ("RAYDECODE_L2PF_CHUNK", "big", "RAYDECODE_L2PF_CHUNK='big'"),
+])
+def test_bad_environment_switches_are_named(env, value, named):
+    r = subprocess.run([sys.executable, "-c", "import raydecode.kernels.l2_prefetch"],
+                       env={**os.environ, env: value}, capture_output=True, text=True)
+    assert r.returncode != 0 and named in r.stderr
