@@ -17,10 +17,14 @@ Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
             will read in the next phase (weights never depend on the chain, so their bytes can
             stream while the barrier waits; the prefetching SM is the reading SM)
   persist8: persist with 8 warps per CTA (persist_pre's warps)
-  persist_pre: as persist (8 warps), and before each barrier every CTA loads into registers the leading
-            PRELOAD columns of the row block it computes next (one block per CTA and phase)
+  persist_pre: as persist (8 warps), and before each barrier every CTA loads into registers
+            the leading PRELOAD columns of the row block it computes next (one block per CTA
+            and phase)
   barrier:  the persistent kernel with no GEMV work: µs per grid barrier
-Each variant's x4 is checked against a float64 chain before it is timed. The spin is bounded
+Each variant's x4 is checked against a float64 chain before it is timed. Measured on H200
+(PERF round 17): a grid barrier costs about a PDL launch boundary (persist8 ties cute at 0.45
+of the roofline); issuing the next phase's weights before the barrier (persist_pf,
+persist_pre) loses. The spin is bounded
 (SPIN_MAX polls); a kernel that hit the bound sets a flag and the variant is reported failed —
 a grid barrier needs every CTA resident, which the grid size (SM count, 1 CTA each) ensures on
 an otherwise idle GPU.
