@@ -22,7 +22,6 @@ by 4.8e12 (H200 nominal). `--sweep` also times other (BN, warps) configs of (b).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -39,6 +38,7 @@ from raydecode.models.config import load_config
 from raydecode.models.params import ffn_out_k
 
 from .layer_timing import GraphTimer
+from .report_io import report_header, write_report
 
 L2_BYTES = 50 * 2**20                  # H200
 ROTATE_BYTES = 3 * L2_BYTES + 16 * 2**20
@@ -154,17 +154,12 @@ def main(argv=None) -> int:
         print("ffn_gemv: needs a CUDA GPU and Triton", file=sys.stderr)
         return 2
     t0 = time.time()
-    import triton
-    report = {
-        "gpu": torch.cuda.get_device_name(),
-        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
-        "torch": torch.__version__, "triton": triton.__version__,
-        "cute_dsl": cute_available(), "commit": args.commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": "CUDA graph of back-to-back calls over rotating W copies (>3x the 50 MB "
-                  "L2), median of replays / calls (layer_timing.GraphTimer)",
-        "hbm_nominal_bytes_per_s": HBM_NOMINAL, "results": [],
-    }
+    report = report_header(
+        args.commit, sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+        cute_dsl=cute_available(),
+        method="CUDA graph of back-to-back calls over rotating W copies (>3x the 50 MB L2), "
+               "median of replays / calls (layer_timing.GraphTimer)",
+        hbm_nominal_bytes_per_s=HBM_NOMINAL, results=[])
     timer = GraphTimer(replays=15, warm=3)
     for tp in (int(v) for v in args.tps.split(",")):
         s = k3_shape(tp)
@@ -179,11 +174,8 @@ def main(argv=None) -> int:
                 "d_fused_triton_us", "saving_us",
                 "b_fused_frac_hbm", "predicted_fused_us", "fused_rel_err",
                 "a_pair_kernels_per_call", "b_fused_kernels_per_call", "error")}), flush=True)
-            with open(args.out, "w") as f:          # partial results survive a cut-short run
-                json.dump(report, f, indent=1)
-    report["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+            write_report(report, args.out)         # partial results survive a cut-short run
+    write_report(report, args.out, t0)
     return 0
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import statistics
 import subprocess
@@ -25,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import gemv as G
+
+from .report_io import report_header, write_report
 
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 3 * L2_BYTES + 16 * 2**20  # > 3× L2 across the rotating copies
@@ -210,17 +210,12 @@ def main(argv=None) -> int:
 
     drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
-    report = {
-        "gpu": torch.cuda.get_device_name(),
-        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
-        "driver_and_max_clocks": drv,
-        "torch": torch.__version__,
-        "cutlass_dsl": getattr(cutlass, "__version__", "?"),
-        "commit": args.commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": "CUDA graph of back-to-back GEMVs over rotating weight copies (>3x L2), median of replays",
-        "ffi": G.FFI_DEFAULT,
-    }
+    report = report_header(
+        args.commit, sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+        driver_and_max_clocks=drv, cutlass_dsl=getattr(cutlass, "__version__", "?"),
+        method="CUDA graph of back-to-back GEMVs over rotating weight copies (>3x L2), median "
+               "of replays",
+        ffi=G.FFI_DEFAULT)
     report["hbm"] = hbm_read_bandwidth()
     hbm = report["hbm"]["read_reduction_bytes_per_s"]
     print(f"HBM read (reduction) {hbm / 1e12:.2f} TB/s; copy r+w {report['hbm']['copy_read_plus_write_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
@@ -274,12 +269,9 @@ def main(argv=None) -> int:
                   f"pdl {fmt('cute_pdl_us', '7.2f')} ({fmt('cute_pdl_frac_hbm', '.2f')}, {fmt('speedup_pdl_vs_cublas', '.2f')}x) "
                   f"pf {fmt('cute_pf_us', '7.2f')} ({fmt('cute_pf_frac_hbm', '.2f')}) "
                   f"t={time.time() - t_start:.0f}s", flush=True)
-            with open(args.out, "w") as f:  # keep partial results if the call is cut short
-                json.dump(report | {"results": rows}, f, indent=1)
+            write_report(report | {"results": rows}, args.out)  # partial, if cut short
     report["results"] = rows
-    report["wall_s"] = time.time() - t_start
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, t_start)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import statistics
@@ -32,6 +31,8 @@ import sys
 import time
 
 from raydecode.kernels import gemv as G
+
+from .report_io import report_header, write_report
 
 SM_COUNT = 132
 WARP_SLOTS = SM_COUNT * 64          # H200: 64 resident warps per SM
@@ -176,21 +177,16 @@ def main(argv=None) -> int:
         shapes = default_shapes(args.tp)
     hbm = hbm_read_bandwidth()["read_reduction_bytes_per_s"]
     print(f"HBM read {hbm / 1e12:.2f} TB/s; {len(shapes)} shapes", flush=True)
-    report = {"gpu": torch.cuda.get_device_name(), "commit": args.commit,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "tp": args.tp, "hbm_read_bytes_per_s": hbm, "min_gain": args.min_gain,
-              "method": __doc__.split("\n\n", 2)[1:]}
+    report = report_header(args.commit, tp=args.tp, hbm_read_bytes_per_s=hbm,
+                           min_gain=args.min_gain, method=__doc__.split("\n\n", 2)[1:])
     report["shapes"] = sweep(shapes, args.max_configs, args.min_gain, hbm)
     report["tuned_snippet"] = {f"({r['N']}, {r['K']})": mapping_json(G.GemvConfig(**{k: r["best"]["config"][k] for k in ("lanes_per_row", "k_warps", "rows_per_group", "row_warps", "m_tile")}))
                                for r in report["shapes"] if r["adopt"]}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out)
     if args.confirm_layer and report["tuned_snippet"]:
         report["layer"] = confirm_in_layer(report["shapes"], args.tp, args.layer_runs, args.out,
                                            args.commit)
-    report["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, t0)
     return 0
 
 

@@ -21,8 +21,6 @@ its row to ≈ `hot`; one that does not land leaves it at `cold`. Measured on H2
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import sys
 import time
@@ -35,6 +33,7 @@ from raydecode.kernels.l2_prefetch import KINDS, SidePrefetch, l2_prefetch, pref
 
 from .gemv import ROTATE_BYTES
 from .layer_timing import GraphTimer, hbm_read_bandwidth
+from .report_io import report_header, write_report
 
 # (name, N, K, fp32 out): the TP16 GEMVs a prefetch would cover (layer_step_spec.py L2PF)
 SHAPES = [("kda_o_proj", 7168, 768, False), ("h2_proj", 1048, 7168, True),
@@ -132,10 +131,7 @@ def main(argv=None) -> int:
         print("l2_prefetch: needs a CUDA GPU, Triton and CuTe DSL", file=sys.stderr)
         return 2
     t0 = time.time()
-    report = {"gpu": torch.cuda.get_device_name(), "commit": args.commit,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "triton": triton.__version__,
-              "method": __doc__.split("\n\n")[2].strip(), "results": []}
+    report = report_header(args.commit, method=__doc__.split("\n\n")[2].strip(), results=[])
     report["hbm_read_Bps"] = hbm = hbm_read_bandwidth()
     timer = GraphTimer(replays=15, warm=3)
     for name, N, K, f32 in shapes:
@@ -145,9 +141,7 @@ def main(argv=None) -> int:
               f"{row['hbm_floor_us']:.2f} GEMV µs " + " ".join(
                   f"{k} {v:.2f}" for k, v in row["gemv_us"].items()), flush=True)
         torch.cuda.empty_cache()
-    report["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, t0)
     return 0
 
 

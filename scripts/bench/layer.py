@@ -45,6 +45,7 @@ from .layer_step import gemv_linear
 from .layer_step_spec import FFN_PATH, L2PF, L2PF_START_MIB, MLA_PATH, make_step
 from .layer_timing import GraphTimer, hbm_read_bandwidth, profile_kernel_count
 from .layer_weights import LayerState, LayerWeights, random_experts, random_params
+from .report_io import write_report
 
 L2_BYTES = 60 * 2**20
 DEVICE = "cuda"
@@ -305,7 +306,7 @@ def run(args) -> dict:
                           f"kernels {row['kernels']}  W {row['weight_bytes'] / 1e6:7.1f} MB  "
                           f"hbm-frac {row['fraction_of_hbm']:.2f}  "
                           f"(t={time.time() - t0:.0f}s)", flush=True)
-                    _write(report, args.out)
+                    write_report(report, args.out)
             del copies, W0
             torch.cuda.empty_cache()
     _ratios(report)
@@ -336,11 +337,6 @@ def set_gemv_mapping(spec: str) -> None:
     cfg.validate(1, N, K)
     gemv.TUNED[(1, N, K)] = cfg
     gemv._config_for.cache_clear()
-
-
-def _write(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
 
 
 def main(argv=None) -> int:
@@ -430,7 +426,7 @@ def main(argv=None) -> int:
         print("layer benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     report = run(args)
-    _write(report, args.out)
+    write_report(report, args.out)
     if args.png:
         plot(report, args.png)
     table = markdown_table(report)

@@ -32,7 +32,6 @@ an otherwise idle GPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -45,6 +44,7 @@ from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
 
 from .gemv import ROTATE_BYTES
 from .layer_timing import GraphTimer, hbm_read_bandwidth
+from .report_io import report_header, write_report
 
 WIDTHS = (7168, 1024, 7168, 1024, 7168)      # x0 … x4: W_i is (WIDTHS[i+1], WIDTHS[i])
 SPIN_MAX = 1 << 22
@@ -253,11 +253,10 @@ def main(argv=None) -> int:
     chains = [Chain(xs, 100 + c) for c in range(copies)]
     counter = torch.zeros(1, device="cuda", dtype=torch.int32)
     flag = torch.zeros(1, device="cuda", dtype=torch.int32)
-    report = {"gpu": torch.cuda.get_device_name(), "commit": args.commit, "sm_count": grid,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "triton": triton.__version__,
-              "method": __doc__.split("\n\n")[1].strip() + "\n" + __doc__.split("\n\n")[2],
-              "widths": WIDTHS, "chain_bytes": chain_bytes, "copies": copies, "results": {}}
+    report = report_header(
+        args.commit, sm_count=grid,
+        method=__doc__.split("\n\n")[1].strip() + "\n" + __doc__.split("\n\n")[2],
+        widths=WIDTHS, chain_bytes=chain_bytes, copies=copies, results={})
     report["hbm_read_Bps"] = hbm = hbm_read_bandwidth()
     report["roofline_us"] = chain_bytes / hbm * 1e6
     timer = GraphTimer(replays=15, warm=3)
@@ -284,9 +283,7 @@ def main(argv=None) -> int:
             row["error"] = f"{type(e).__name__}: {e}"[:400]
         report["results"][v] = row
         print(v, json.dumps(row), flush=True)
-    report["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, args.out, t0)
     return 0
 
 

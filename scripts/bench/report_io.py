@@ -1,0 +1,36 @@
+"""The JSON every benchmark script writes to bench/results/: a common header (GPU, commit, UTC
+date, library versions) and one writer, called after each case so that a run cut short by its
+time limit keeps what it measured, and at the end with the run's wall time."""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+
+import torch
+
+
+def report_header(commit: str, **extra) -> dict:
+    """{gpu, commit, date, torch, triton} (+ extra) for a GPU benchmark's report."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:       # CPU-only installs have no Triton
+        triton_version = None
+    head = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "triton": triton_version}
+    return head | extra
+
+
+def write_report(report: dict, path: str, t0: float | None = None) -> None:
+    """Write `report` as indented JSON to path; with t0 (time.time() at the start), first set
+    report["wall_s"]."""
+    if t0 is not None:
+        report["wall_s"] = time.time() - t0
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+__all__ = ["report_header", "write_report"]
