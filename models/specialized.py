@@ -41,6 +41,15 @@ def env_switch(env: str, on: str) -> bool:
     return v == "1"
 
 
+def env_choice(env: str, choices: tuple[str, ...], default: str) -> str:
+    """One of `choices` read from the environment (default when unset): an A/B selector of the
+    specialized step or its benchmark; anything else raises, naming the accepted values."""
+    v = os.environ.get(env, default)
+    if v not in choices:
+        raise ValueError(f"{env}={v!r}; accepted: {', '.join(choices)}")
+    return v
+
+
 def check_path(path: str) -> None:
     if path not in PATHS:
         raise ValueError(f"path = {path!r}; accepted: {', '.join(PATHS)}")

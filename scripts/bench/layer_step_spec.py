@@ -53,6 +53,7 @@ from raydecode.kernels.ffn_gemv_triton import norm_situ_gemv
 from raydecode.kernels.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
 from raydecode.kernels.gemv_norm_situ import supports as cute_ffn_supports
 from raydecode.models import moe as served_moe
+from raydecode.models.specialized import env_choice
 from raydecode.kernels.kda_decode import kda_decode
 from raydecode.kernels.l2_prefetch import SidePrefetch, prefetch_table
 from raydecode.kernels.mla_decode import (mla_absorb, mla_decode, mla_decode_absorbed,
@@ -73,9 +74,7 @@ from .layer_weights import MLA_PATH
 #   pair: latent_norm_situ + the CuTe GEMV (round 14 and before);
 #   fused: a fused kernel wherever one serves: the CuTe form, else the Triton one
 #       (kernels/ffn_gemv_triton.py, round 10).
-FFN_PATH = os.environ.get("RAYDECODE_BENCH_FFN", "served")
-if FFN_PATH not in ("served", "pair", "fused"):
-    raise ValueError(f"RAYDECODE_BENCH_FFN={FFN_PATH!r}; accepted: served, pair, fused")
+FFN_PATH = env_choice("RAYDECODE_BENCH_FFN", ("served", "pair", "fused"), "served")
 
 # RAYDECODE_BENCH_L2PF: weight prefetch into L2 on a side branch (kernels/l2_prefetch.py, round
 # 17), forked where the chain enters latency-bound kernels:
@@ -86,9 +85,7 @@ if FFN_PATH not in ("served", "pair", "fused"):
 #        = 24 MiB, during the first AttnRes mix + norm);
 #   next: mid + the next layer's first GEMVs (the same budget) with ffn_out, during this
 #        layer's router and MoE decode (`link_next`: the bench's next weight copy).
-L2PF = os.environ.get("RAYDECODE_BENCH_L2PF", "off")
-if L2PF not in ("off", "mid", "all", "next"):
-    raise ValueError(f"RAYDECODE_BENCH_L2PF={L2PF!r}; accepted: off, mid, all, next")
+L2PF = env_choice("RAYDECODE_BENCH_L2PF", ("off", "mid", "all", "next"), "off")
 _start = os.environ.get("RAYDECODE_BENCH_L2PF_START_MIB", "24")
 if not _start.isdigit():
     raise ValueError(f"RAYDECODE_BENCH_L2PF_START_MIB={_start!r}; accepted: MiB, an integer ≥ 0")

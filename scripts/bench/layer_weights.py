@@ -27,7 +27,6 @@ Routed experts are MXFP4 (`kernels.moe_mxfp4.MXFP4Experts`), never dequantized a
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +37,7 @@ from raydecode.models.config import K3Config
 from raydecode.models.k3 import K3DecoderLayer
 from raydecode.models.parallel import LocalComm, Parallel
 from raydecode.models.params import FUSED_ROW_ALIGN, ffn_out_k
+from raydecode.models.specialized import env_choice
 
 BF16 = torch.bfloat16
 # RAYDECODE_BENCH_MLA: the specialized MLA block as
@@ -46,9 +46,7 @@ BF16 = torch.bfloat16
 #   r8: round 8's (prep, q_b on q_n, absorb, split, output; the weights counted are r9's).
 # Same-lease A/B runs only; the weights built (and counted) follow it.
 MLA_PATHS = ("r16", "r9", "r8")
-MLA_PATH = os.environ.get("RAYDECODE_BENCH_MLA", "r16")
-if MLA_PATH not in MLA_PATHS:
-    raise ValueError(f"RAYDECODE_BENCH_MLA={MLA_PATH!r}; accepted: {', '.join(MLA_PATHS)}")
+MLA_PATH = env_choice("RAYDECODE_BENCH_MLA", MLA_PATHS, "r16")
 
 
 @dataclass(frozen=True)

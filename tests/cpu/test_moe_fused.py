@@ -18,7 +18,7 @@ from raydecode.models import moe
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
-from raydecode.models.specialized import env_switch
+from raydecode.models.specialized import env_choice, env_switch
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
@@ -157,3 +157,17 @@ def test_env_switch_is_validated(monkeypatch, env):
     assert env_switch(env, "on") is False
     monkeypatch.delenv(env)
     assert env_switch(env, "on") is True
+
+
+@pytest.mark.parametrize("env, choices", [
+    ("RAYDECODE_BENCH_MLA", ("r16", "r9", "r8")),
+    ("RAYDECODE_BENCH_FFN", ("served", "pair", "fused")),
+    ("RAYDECODE_BENCH_L2PF", ("off", "mid", "all", "next"))])
+def test_env_choice_is_validated(monkeypatch, env, choices):
+    monkeypatch.delenv(env, raising=False)
+    assert env_choice(env, choices, choices[0]) == choices[0]
+    monkeypatch.setenv(env, choices[-1])
+    assert env_choice(env, choices, choices[0]) == choices[-1]
+    monkeypatch.setenv(env, "fast")
+    with pytest.raises(ValueError, match=f"{env}='fast'; accepted: {', '.join(choices)}"):
+        env_choice(env, choices, choices[0])
