@@ -213,14 +213,20 @@ def folded_q_b_weight(q_b_w, q_norm_w) -> torch.Tensor:
     return (q_b_w.float() * q_norm_w.float()[None, :]).to(BF16)
 
 
+def _rms_scaled_q(qkv, q, q_lora: int, eps: float) -> torch.Tensor:
+    """bf16(rms_scale(x) · q), x = qkv[:, :q_lora]: the q_a norm applied after a q_b GEMV whose
+    weight holds the norm weight (`folded_q_b_weight`, `absorbed_q_weight(q_norm_w=)`)."""
+    x = qkv[:, :q_lora].float()
+    rs = torch.rsqrt(x.pow(2).mean(-1) + eps)                                # (T,)
+    return (q.float() * rs[:, None, None]).to(BF16)
+
+
 def mla_decode_fused_reference(qkv, q, kv_norm_w, w_uk, cache, block_table, positions,
                                seq_lens, w_uv_t, gate, *, q_lora, kv_lora, eps, scale,
                                out=None):
     """`mla_decode_fused`'s math at its rounding points: q_n = bf16(rms_scale(x) · q) with
     x = qkv[:, :q_lora], then the row store, absorb, attention and output references."""
-    x = qkv[:, :q_lora].float()
-    rs = torch.rsqrt(x.pow(2).mean(-1) + eps)                                # (T,)
-    qn = (q.float() * rs[:, None, None]).to(BF16)
+    qn = _rms_scaled_q(qkv, q, q_lora, eps)
     _store_rows(qkv, kv_norm_w, cache, block_table, positions, q_lora, kv_lora, eps)
     q_abs = mla_absorb_reference(qn, w_uk, nope=q.shape[2] - (qkv.shape[1] - q_lora - kv_lora))
     o_lat, lse = mla_attention_reference(q_abs, cache, block_table, seq_lens, kv_lora=kv_lora,
@@ -232,9 +238,7 @@ def mla_decode_absorbed_reference(qkv, q, kv_norm_w, cache, block_table, positio
                                   w_uv_t, gate, *, q_lora, kv_lora, eps, scale, out=None):
     """`mla_decode_absorbed`'s math at its rounding points: q_abs = bf16(rms_scale(x) · q)
     with x = qkv[:, :q_lora], the row store, then the attention and output references."""
-    x = qkv[:, :q_lora].float()
-    rs = torch.rsqrt(x.pow(2).mean(-1) + eps)                                # (T,)
-    q_abs = (q.float() * rs[:, None, None]).to(cache.dtype)
+    q_abs = _rms_scaled_q(qkv, q, q_lora, eps)
     _store_rows(qkv, kv_norm_w, cache, block_table, positions, q_lora, kv_lora, eps)
     o_lat, lse = mla_attention_reference(q_abs, cache, block_table, seq_lens, kv_lora=kv_lora,
                                          scale=scale)
