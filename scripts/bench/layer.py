@@ -339,6 +339,17 @@ def set_gemv_mapping(spec: str) -> None:
     gemv._config_for.cache_clear()
 
 
+def set_gemv_mappings(specs: list[str]) -> None:
+    """`set_gemv_mapping` for each --gemv-config value (layer.py, step.py); a bad one raises
+    ValueError naming it and the expected form."""
+    for c in specs:
+        try:
+            set_gemv_mapping(c)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--gemv-config {c!r}: expected N,K={{GemvConfig mapping fields "
+                             f"as JSON}} that tile (1, N, K) ({e})") from e
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -407,12 +418,10 @@ def main(argv=None) -> int:
                 ap.error(f"{flag} {c!r}: expected E,I,L={{{cls.__name__} fields as JSON}} "
                          f"that fit I and L ({e})")
             table[shape] = conf
-    for c in args.gemv_config:
-        try:
-            set_gemv_mapping(c)
-        except (ValueError, TypeError) as e:
-            ap.error(f"--gemv-config {c!r}: expected N,K={{GemvConfig mapping fields as JSON}} "
-                     f"that tile (1, N, K) ({e})")
+    try:
+        set_gemv_mappings(args.gemv_config)
+    except ValueError as e:
+        ap.error(str(e))
     for name, conv in (("tps", int), ("kinds", str), ("batches", int),
                        ("moe_decode_sweep_batches", int)):
         vals = [conv(v) for v in getattr(args, name).split(",") if v]

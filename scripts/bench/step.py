@@ -305,13 +305,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
     args = ap.parse_args(argv)
-    from .layer import set_gemv_mapping
-    for c in args.gemv_config:
-        try:
-            set_gemv_mapping(c)
-        except (ValueError, TypeError) as e:
-            raise SystemExit(f"--gemv-config {c!r}: expected N,K={{GemvConfig mapping fields as "
-                             f"JSON}} that tile (1, N, K) ({e})")
+    from .layer import set_gemv_mappings
+    try:
+        set_gemv_mappings(args.gemv_config)
+    except ValueError as e:
+        raise SystemExit(str(e))
     batches = [int(b) for b in args.batches.split(",")]
     variants = tuple(args.variants.split(","))
     if not variants or any(v not in VARIANTS for v in variants):

@@ -51,3 +51,11 @@ def test_layer_gemv_override_sets_tuned_and_rejects_bad_input(monkeypatch):
     finally:
         monkeypatch.undo()
         G._config_for.cache_clear()
+
+
+@pytest.mark.parametrize("spec", ['3584,7168={"lanes": 32}', "3584", 'x,7168={}'])
+def test_gemv_config_flags_name_the_bad_value(spec, monkeypatch):
+    """layer.py and step.py's --gemv-config: one message names the value and the form."""
+    monkeypatch.setattr(G, "TUNED", dict(G.TUNED))
+    with pytest.raises(ValueError, match=r"--gemv-config .*expected N,K=\{GemvConfig"):
+        LB.set_gemv_mappings([spec])
