@@ -21,6 +21,11 @@ Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
             the leading PRELOAD columns of the row block it computes next (one block per CTA
             and phase)
   barrier:  the persistent kernel with no GEMV work: µs per grid barrier
+  ring, ring_s6, ring_c2: kernels/resident_chain_cute.py (CuTe): one resident launch whose
+            producer lane streams every phase's rows through a shared-memory ring with bulk
+            copies and mbarriers, never waiting for the chain (only for a free slot), so the
+            weights keep streaming while the consumers wait at a grid barrier (PERF round 18);
+            ring: 12 slots × 16 KiB, 4 consumer warps; ring_s6: 6 slots; ring_c2: 2 consumer warps
 Each variant's x4 is checked against a float64 chain before it is timed. Measured on H200
 (PERF round 17): a grid barrier costs about a PDL launch boundary (persist8 ties cute at 0.45
 of the roofline); issuing the next phase's weights before the barrier (persist_pf,
@@ -40,6 +45,7 @@ import time
 import torch
 
 from raydecode.kernels import gemv as G
+from raydecode.kernels import resident_chain_cute as RC
 from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
 
 from .gemv import ROTATE_BYTES
@@ -187,14 +193,30 @@ if triton is not None:
         _phase(w_ptr, x_ptr, y_ptr, N, K, tl.program_id(0), G_, BN, BK)
 
 
-class Chain:
-    """One weight copy of the chain with its activation buffers."""
+RING = {"ring": dict(stages=12, consumer_warps=4), "ring_s6": dict(stages=6, consumer_warps=4),
+        "ring_c2": dict(stages=12, consumer_warps=2)}
 
-    def __init__(self, xs: list[torch.Tensor], seed: int):
+
+def ring_plan(name: str, grid: int) -> RC.ChainPlan:
+    return RC.ChainPlan(tuple((WIDTHS[i + 1], WIDTHS[i]) for i in range(4)), ctas=grid, **RING[name])
+
+
+class Chain:
+    """One weight copy of the chain (one flat buffer, W_i views into it) with the activation
+    buffers (views of one flat buffer: the ring kernel takes both flat)."""
+
+    def __init__(self, xflat: torch.Tensor, xs: list[torch.Tensor], seed: int):
         g = torch.Generator(device="cuda").manual_seed(seed)
-        self.w = [torch.randn(WIDTHS[i + 1], WIDTHS[i], device="cuda", dtype=torch.bfloat16,
-                              generator=g) / WIDTHS[i] ** 0.5 for i in range(4)]
-        self.xs = xs
+        sizes = [WIDTHS[i + 1] * WIDTHS[i] for i in range(4)]
+        self.wflat = torch.empty(sum(sizes), device="cuda", dtype=torch.bfloat16)
+        self.w, off = [], 0
+        for i in range(4):
+            w = self.wflat[off:off + sizes[i]].view(WIDTHS[i + 1], WIDTHS[i])
+            w.copy_(torch.randn(WIDTHS[i + 1], WIDTHS[i], device="cuda", dtype=torch.bfloat16,
+                                generator=g) / WIDTHS[i] ** 0.5)
+            self.w.append(w)
+            off += sizes[i]
+        self.xflat, self.xs = xflat, xs
 
     def reference(self) -> torch.Tensor:
         x = self.xs[0].double()
@@ -203,8 +225,11 @@ class Chain:
         return x
 
 
-def run_variant(name: str, chain: Chain, grid: int, counter, flag) -> None:
+def run_variant(name: str, chain: Chain, grid: int, counter, flag, sync) -> None:
     xs, w = chain.xs, chain.w
+    if name in RING:
+        RC.resident_chain_into(ring_plan(name, grid), chain.xflat, chain.wflat, sync)
+        return
     if name == "cute":
         for i in range(4):
             xs[i + 1].copy_(G.linear(xs[i][None], w[i])[0])
@@ -229,7 +254,8 @@ def run_variant(name: str, chain: Chain, grid: int, counter, flag) -> None:
                            BK0=BK0, BN1=BN1, BK1=BK1, num_warps=8 if name == "persist8" else 4)
 
 
-VARIANTS = ("cute", "launches", "persist", "persist8", "persist_pf", "persist_pre", "barrier")
+VARIANTS = ("cute", "launches", "persist", "persist8", "persist_pf", "persist_pre", "barrier",
+            *RING)
 
 
 def main(argv=None) -> int:
@@ -246,13 +272,15 @@ def main(argv=None) -> int:
         return 2
     t0 = time.time()
     grid = torch.cuda.get_device_properties(0).multi_processor_count
-    xs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for n in WIDTHS]
+    xflat = torch.empty(sum(WIDTHS), device="cuda", dtype=torch.bfloat16)
+    xs = list(xflat.split(WIDTHS))
     xs[0].normal_()
     chain_bytes = sum(2 * WIDTHS[i] * WIDTHS[i + 1] for i in range(4))
     copies = max(4, math.ceil(ROTATE_BYTES / chain_bytes))
-    chains = [Chain(xs, 100 + c) for c in range(copies)]
+    chains = [Chain(xflat, xs, 100 + c) for c in range(copies)]
     counter = torch.zeros(1, device="cuda", dtype=torch.int32)
     flag = torch.zeros(1, device="cuda", dtype=torch.int32)
+    sync = torch.zeros(RC.SYNC_WORDS, device="cuda", dtype=torch.int32)   # ring variants
     report = report_header(
         args.commit, sm_count=grid,
         method=__doc__.split("\n\n")[1].strip() + "\n" + __doc__.split("\n\n")[2],
@@ -265,16 +293,20 @@ def main(argv=None) -> int:
         row = {}
         try:
             flag.zero_()
-            run_variant(v, chains[0], grid, counter, flag)
+            sync.zero_()
+            xs[4].fill_(float("nan"))                  # poisoned: each variant must write it
+            run_variant(v, chains[0], grid, counter, flag, sync)
             torch.cuda.synchronize()
             if v != "barrier":
                 got = xs[4].double()
                 row["rel_err"] = float((got - want).abs().max() / want.abs().max())
-            t = timer.run([lambda c=c: run_variant(v, c, grid, counter, flag) for c in chains],
-                          count_nodes=False)
+            t = timer.run([lambda c=c: run_variant(v, c, grid, counter, flag, sync)
+                           for c in chains], count_nodes=False)
             torch.cuda.synchronize()
             row.update(us=t.us_per_call, us_min=t.us_min, us_max=t.us_max,
-                       spin_bound_hit=bool(flag.item()))
+                       spin_bound_hit=bool(flag.item() or sync[2].item()))
+            if v in RING:                              # the replays left the counters at zero
+                row["sync_after"] = sync.tolist()
             if v != "barrier":
                 row["frac_of_roofline"] = report["roofline_us"] / t.us_per_call
             else:

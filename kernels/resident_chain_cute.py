@@ -1,0 +1,335 @@
+"""A chain of dependent decode GEMVs in one resident CuTe kernel whose weight stream runs ahead
+of the chain through a shared-memory ring (issue #6's 80 %-of-roofline question, PERF round 18).
+
+    x_{p+1} (N_p,) = bf16( W_p (N_p, K_p) · x_p (K_p,) ),  p = 0 … P−1,  fp32 sums, M = 1
+
+Why: a dependency between two GEMVs costs ≈ 3.2 µs on H200 whether it is a PDL launch or a
+grid barrier (round 17): the last CTAs' tail, then the first weight loads' latency after the
+wait. The weights never depend on the chain, so here they do not wait for it:
+
+  * grid = one CTA per SM (all resident: a grid barrier needs that); CTA b owns rows
+    [b·N/G, (b+1)·N/G) of every phase, contiguous in the row-major W;
+  * warp 0, lane 0 is the producer: it walks every phase's rows in stages of R = ⌊S / 2K⌋ rows
+    (one `cp.async.bulk` of ≤ S bytes each, global → a slot of an NS-slot shared ring,
+    completing a `full` mbarrier) and only ever waits for a free slot (`empty` mbarrier), never
+    for the chain: while the consumers wait at a grid barrier, the ring fills with the next
+    phases' rows;
+  * warps 1 … C consume: after the grid barrier that publishes x_p, each lane holds its columns
+    of x_p in registers (J = K / (8·32·C) 16-byte chunks, loaded `.cg`: x_p was written by other
+    SMs), then per stage and row sums W·x over its chunks (warp c takes chunks (c·J + j)·32 +
+    lane), reduces across lanes, and parks the partial in `red`; a slot is released once all C
+    warps have read it; after the last stage the C partials of each row are summed and stored;
+  * grid barrier between phases: consumer thread 0 does a release add on a counter and spins
+    (acquire loads, bounded by SPIN_MAX, else sets `flag` and goes on) until it reaches p·G;
+    the last CTA to finish resets the counter, so replays need no memset.
+
+Shared memory: NS · S bytes of ring + 2·NS mbarriers + the row partials. Bytes read per launch:
+Σ 2·N_p·K_p (each weight once) + G · Σ 2·K_p (x_p, through L2).
+`chain_reference` is the PyTorch reference; `compile_chain` returns `launch(xs, ws, sync)` on the
+current torch stream (graph-capturable). GPU only (sm_90+: bulk copies and mbarriers); the plan
+logic runs anywhere. Exploration beside `scripts/bench/persistent_chain.py`, not on the served
+path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raydecode.kernels._cute import CompileCache
+from raydecode.kernels._cute_dsl import Float32, _dsl, _Stream, _Tensor, const_expr, cute, cutlass
+
+WARP = 32
+VEC = 8                    # bf16 per 16-byte chunk
+SPIN_MAX = 1 << 22         # grid-barrier polls before the kernel gives up and sets the flag
+SMEM_MAX = 227 * 1024      # sm_90 opt-in shared memory per CTA
+SYNC_WORDS = 3             # int32: arrival counter, done counter, spin-bound flag
+
+if cutlass is not None:
+    from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """Static shape of one resident chain: phases ((N, K), …) with K_{p+1} = N_p, G CTAs,
+    C consumer warps, an NS-slot ring of S-byte stages."""
+    shapes: tuple[tuple[int, int], ...]
+    ctas: int
+    consumer_warps: int = 4
+    stages: int = 12
+    stage_bytes: int = 16384
+
+    def __post_init__(self):
+        if not self.shapes:
+            raise ValueError("ChainPlan: shapes is empty; give at least one (N, K) phase")
+        if self.ctas < 1:
+            raise ValueError(f"ChainPlan: ctas={self.ctas}; need ≥ 1 (one CTA per SM)")
+        if self.stage_bytes % 16 or self.stage_bytes < 16:
+            raise ValueError(f"ChainPlan: stage_bytes={self.stage_bytes}; need a positive multiple of 16")
+        if self.stages < 2:
+            raise ValueError(f"ChainPlan: stages={self.stages}; need ≥ 2 ring slots")
+        for p, (N, K) in enumerate(self.shapes):
+            if N < 1 or K % (VEC * WARP * self.consumer_warps):
+                raise ValueError(
+                    f"ChainPlan: phase {p} (N={N}, K={K}); K must be a multiple of "
+                    f"{VEC * WARP * self.consumer_warps} (8 · 32 · consumer_warps) and N ≥ 1")
+            if 2 * K > self.stage_bytes:
+                raise ValueError(f"ChainPlan: phase {p} row of K={K} is {2 * K} B > stage_bytes="
+                                 f"{self.stage_bytes}; a stage holds whole rows")
+            if p and K != self.shapes[p - 1][0]:
+                raise ValueError(f"ChainPlan: phase {p} K={K} != phase {p - 1} N="
+                                 f"{self.shapes[p - 1][0]}; each output feeds the next phase")
+        if self.smem_bytes > SMEM_MAX:
+            raise ValueError(f"ChainPlan: {self.smem_bytes} B of shared memory > {SMEM_MAX}; "
+                             "lower stages or stage_bytes")
+
+    @property
+    def phases(self) -> int:
+        return len(self.shapes)
+
+    def rows_per_stage(self, p: int) -> int:
+        N, K = self.shapes[p]
+        return self.stage_bytes // (2 * K)
+
+    def chunks_per_lane(self, p: int) -> int:
+        return self.shapes[p][1] // (VEC * WARP * self.consumer_warps)
+
+    def cta_rows(self, p: int, b: int) -> tuple[int, int]:
+        """Rows [r0, r1) of phase p that CTA b computes (host mirror of the kernel's split)."""
+        N = self.shapes[p][0]
+        return b * N // self.ctas, (b + 1) * N // self.ctas
+
+    @property
+    def red_rows(self) -> int:
+        """Partial-sum rows: the most rows a CTA holds in one phase, rounded up to whole stages."""
+        out = 0
+        for p, (N, _) in enumerate(self.shapes):
+            R = self.rows_per_stage(p)
+            out = max(out, -(-(-(-N // self.ctas)) // R) * R)
+        return out
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * self.stage_bytes + 2 * 8 * self.stages + 4 * self.red_rows * self.consumer_warps + 256
+
+    @property
+    def x_offsets(self) -> tuple[int, ...]:
+        """Element offset of x_0 … x_P in the flat activation buffer."""
+        widths = [self.shapes[0][1]] + [N for N, _ in self.shapes]
+        return tuple(sum(widths[:i]) for i in range(len(widths) + 1))
+
+    @property
+    def w_offsets(self) -> tuple[int, ...]:
+        """Element offset of W_0 … W_{P-1} (and the end) in the flat weight buffer."""
+        sizes = [N * K for N, K in self.shapes]
+        return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+
+    @property
+    def weight_bytes(self) -> int:
+        return 2 * self.w_offsets[-1]
+
+
+def chain_reference(x0: torch.Tensor, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+    """x_1 … x_P with fp32 sums and bf16 between phases."""
+    out, x = [], x0
+    for w in ws:
+        x = (w.float() @ x.float()).to(x0.dtype)
+        out.append(x)
+    return out
+
+
+def flat_views(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor):
+    """The per-phase views of the flat buffers: [x_0 … x_P], [W_0 … W_{P-1}]."""
+    xo, wo = plan.x_offsets, plan.w_offsets
+    x = [xs[xo[i]:xo[i + 1]] for i in range(plan.phases + 1)]
+    w = [ws[wo[i]:wo[i + 1]].view(N, K) for i, (N, K) in enumerate(plan.shapes)]
+    return x, w
+
+
+if cutlass is not None:
+    def _ld_cg_bf16x8(ptr):
+        """8 bf16 at a global address (16-byte aligned) as 8 fp32, read through L2 (.cg)."""
+        return cute.arch.inline_ptx(
+            "{ .reg .b32 a, b, c, d;\n"
+            " ld.global.cg.v4.b32 {a, b, c, d}, [{$r0}];\n"
+            " shl.b32 {$w0}, a, 16;  and.b32 {$w1}, a, 0xffff0000;\n"
+            " shl.b32 {$w2}, b, 16;  and.b32 {$w3}, b, 0xffff0000;\n"
+            " shl.b32 {$w4}, c, 16;  and.b32 {$w5}, c, 0xffff0000;\n"
+            " shl.b32 {$w6}, d, 16;  and.b32 {$w7}, d, 0xffff0000; }",
+            write_only_types=[Float32] * 8, read_only_args=[ptr])
+
+    def _red_release_add(ptr):
+        cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], 1;", read_only_args=[ptr])
+
+    def _ld_acquire(ptr):
+        return cute.arch.inline_ptx("ld.acquire.gpu.global.u32 {$w0}, [{$r0}];",
+                                    write_only_types=[cutlass.Int32], read_only_args=[ptr])
+
+    def _atom_add_acq_rel(ptr):
+        return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.u32 {$w0}, [{$r0}], 1;",
+                                    write_only_types=[cutlass.Int32], read_only_args=[ptr])
+
+    def _st_relaxed(ptr, v):
+        cute.arch.inline_ptx("st.relaxed.gpu.global.u32 [{$r0}], {$r1};",
+                             read_only_args=[ptr, cutlass.Int32(v)])
+
+
+class ResidentChainKernel:
+    """The compiled chain for one static ChainPlan (bf16 weights and activations)."""
+
+    def __init__(self, plan: ChainPlan):
+        self.plan = plan
+
+    @_dsl.jit
+    def __call__(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor, stream: _Stream):
+        plan = self.plan
+        self.kernel(mX, mW, mSync).launch(
+            grid=[plan.ctas, 1, 1], block=[WARP * (1 + plan.consumer_warps), 1, 1], stream=stream)
+
+    @_dsl.kernel
+    def kernel(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor):
+        plan = self.plan
+        C, NS, G = plan.consumer_warps, plan.stages, plan.ctas
+        SC = plan.stage_bytes // 16                    # 16-byte chunks per slot
+        tidx, _, _ = cute.arch.thread_idx()
+        b, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(mW.element_type, cute.make_layout((VEC, NS * SC), stride=(1, VEC)),
+                                    byte_alignment=128)
+        full = smem.allocate_array(cutlass.Int64, NS, byte_alignment=8)
+        empty = smem.allocate_array(cutlass.Int64, NS, byte_alignment=8)
+        red = smem.allocate_tensor(Float32, cute.make_layout((plan.red_rows, C), stride=(C, 1)),
+                                   byte_alignment=16)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(NS):
+                cute.arch.mbarrier_init(full + s, 1)
+                cute.arch.mbarrier_init(empty + s, C)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warp == 0:
+            if lane == 0:
+                self._produce(mW, ring, full, empty, b)
+        else:
+            self._consume(mX, mSync, ring, full, empty, red, b, warp - 1, lane, tidx - WARP)
+
+    @_dsl.jit
+    def _produce(self, mW, ring, full, empty, b):
+        """Lane 0 of warp 0: every phase's rows of this CTA, stage by stage, into the ring."""
+        plan = self.plan
+        NS, G, SC = plan.stages, plan.ctas, plan.stage_bytes // 16
+        t = cutlass.Int32(0)                             # stages issued so far (all phases)
+        for p in cutlass.range_constexpr(plan.phases):
+            N, K = plan.shapes[p]
+            R = plan.rows_per_stage(p)
+            r0 = b * N // G
+            r1 = (b + 1) * N // G
+            for s in cutlass.range((r1 - r0 + R - 1) // R, unroll=1):
+                slot = t % NS
+                cute.arch.mbarrier_wait(empty + slot, ((t // NS) % 2) ^ 1)
+                row = r0 + s * R
+                nbytes = cutlass.min(R, r1 - row) * (2 * K)
+                cute.arch.mbarrier_arrive_and_expect_tx(full + slot, nbytes)
+                cp_async_bulk_shared_cluster_global(
+                    ring.iterator + slot * (SC * VEC), mW.iterator + (plan.w_offsets[p] + row * K),
+                    full + slot, nbytes)
+                t = t + 1
+
+    @_dsl.jit
+    def _consume(self, mX, mSync, ring, full, empty, red, b, c, lane, ct):
+        """Consumer warp c (thread ct of the C·32 consumers): each phase's rows from the ring."""
+        plan = self.plan
+        C, NS, G, SC = plan.consumer_warps, plan.stages, plan.ctas, plan.stage_bytes // 16
+        sync = mSync.iterator
+        t = cutlass.Int32(0)                             # stages consumed so far (all phases)
+        for p in cutlass.range_constexpr(plan.phases):
+            N, K = plan.shapes[p]
+            R = plan.rows_per_stage(p)
+            J = plan.chunks_per_lane(p)
+            if const_expr(p > 0):
+                self._grid_wait(sync, p * G, ct)
+            # this lane's columns of x_p: chunk (c·J + j)·32 + lane, 8 values each
+            rx = cute.make_rmem_tensor(cute.make_layout((J, VEC), stride=(VEC, 1)), Float32)
+            for j in cutlass.range_constexpr(J):
+                v = _ld_cg_bf16x8(mX.iterator + (plan.x_offsets[p] + ((c * J + j) * WARP + lane) * VEC))
+                for e in cutlass.range_constexpr(VEC):
+                    rx[(j, e)] = v[e]
+            r0 = b * N // G
+            r1 = (b + 1) * N // G
+            for s in cutlass.range((r1 - r0 + R - 1) // R, unroll=1):
+                slot = t % NS
+                cute.arch.mbarrier_wait(full + slot, (t // NS) % 2)
+                nrows = cutlass.min(R, r1 - r0 - s * R)
+                for r in cutlass.range_constexpr(R):
+                    if r < nrows:
+                        acc = cute.full((VEC,), 0.0, Float32)
+                        for j in cutlass.range_constexpr(J):
+                            q = slot * SC + r * (K // VEC) + (c * J + j) * WARP + lane
+                            acc = acc + ring[(None, q)].load().to(Float32) * rx[(j, None)].load()
+                        tot = acc.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        tot = cute.arch.warp_reduction_sum(tot, threads_in_group=WARP)
+                        if lane == 0:
+                            red[(s * R + r, c)] = tot
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty + slot)
+                t = t + 1
+            cute.arch.barrier(barrier_id=1, number_of_threads=C * WARP)
+            for i in cutlass.range(ct, r1 - r0, C * WARP, unroll=1):
+                y = red[(i, 0)]
+                for q in cutlass.range_constexpr(1, C):
+                    y = y + red[(i, q)]
+                mX[plan.x_offsets[p + 1] + r0 + i] = y.to(mX.element_type)
+            cute.arch.barrier(barrier_id=1, number_of_threads=C * WARP)
+            if ct == 0:                                  # the bar.sync above + a release op: cumulative
+                if const_expr(p + 1 < plan.phases):
+                    _red_release_add(sync)
+                else:                                    # last phase: the last CTA resets
+                    done = _atom_add_acq_rel(sync + 1)
+                    if done == G - 1:
+                        _st_relaxed(sync, 0)
+                        _st_relaxed(sync + 1, 0)
+
+    @_dsl.jit
+    def _grid_wait(self, sync, target, ct):
+        """Consumers of this CTA wait until `target` arrivals are counted (bounded spin)."""
+        if ct == 0:
+            n = cutlass.Int32(0)
+            seen = _ld_acquire(sync)
+            while (seen < target) & (n < SPIN_MAX):
+                seen = _ld_acquire(sync)
+                n = n + 1
+            if n >= SPIN_MAX:
+                _st_relaxed(sync + 2, 1)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.plan.consumer_warps * WARP)
+
+
+_CACHE = CompileCache()
+
+
+def compile_chain(plan: ChainPlan, extra_options: str = ""):
+    """cute.compile one chain; returns `launch(xs, ws, sync)`: xs bf16 flat (x_0 … x_P, x_0
+    read, the rest written), ws bf16 flat (W_0 … W_{P-1}), sync int32 (≥ 3, zero before the
+    first launch; the kernel leaves it zero unless the spin bound was hit: sync[2] = 1)."""
+    fake = cute.runtime.make_fake_compact_tensor
+    mx = fake(cutlass.BFloat16, (plan.x_offsets[-1],), assumed_align=16)
+    mw = fake(cutlass.BFloat16, (plan.w_offsets[-1],), assumed_align=16)
+    ms = fake(cutlass.Int32, (SYNC_WORDS,), assumed_align=16)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(ResidentChainKernel(plan), mx, mw, ms, stream,
+                       options=f"--enable-tvm-ffi {extra_options}".strip())
+
+
+def resident_chain_into(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor, sync: torch.Tensor) -> None:
+    """Run the chain on the current stream: xs[x_offsets[p+1]:…] = x_{p+1} for every phase."""
+    for name, t, n, dt in (("xs", xs, plan.x_offsets[-1], torch.bfloat16),
+                           ("ws", ws, plan.w_offsets[-1], torch.bfloat16),
+                           ("sync", sync, SYNC_WORDS, torch.int32)):
+        if t.dtype != dt or t.dim() != 1 or t.numel() != n or not t.is_cuda or t.data_ptr() % 16:
+            raise ValueError(f"resident_chain: {name} is {tuple(t.shape)} {t.dtype} on {t.device}; "
+                             f"need a 16-byte aligned CUDA {dt} vector of {n}")
+    launch = _CACHE.get(plan, lambda: compile_chain(plan))
+    launch(xs, ws, sync)
