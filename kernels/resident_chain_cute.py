@@ -14,11 +14,14 @@ wait. The weights never depend on the chain, so here they do not wait for it:
     completing a `full` mbarrier) and only ever waits for a free slot (`empty` mbarrier), never
     for the chain: while the consumers wait at a grid barrier, the ring fills with the next
     phases' rows;
-  * warps 1 … C consume: after the grid barrier that publishes x_p, each lane holds its columns
-    of x_p in registers (J = K / (8·32·C) 16-byte chunks, loaded `.cg`: x_p was written by other
-    SMs), then per stage and row sums W·x over its chunks (warp c takes chunks (c·J + j)·32 +
-    lane), reduces across lanes, and parks the partial in `red`; a slot is released once all C
-    warps have read it; after the last stage the C partials of each row are summed and stored;
+  * warps 1 … C·GR consume, in GR groups of C warps: group g takes the stages s ≡ g (mod GR)
+    of a phase (the groups' latency chains run side by side), warp c of a group a K slice of
+    each row. After the grid barrier that publishes x_p, each lane holds its columns of x_p in
+    registers (J = K / (8·32·C) 16-byte chunks, loaded `.cg`: x_p was written by other SMs),
+    then per stage sums all R rows over its chunks (warp c takes chunks (c·J + j)·32 + lane;
+    the rows unrolled so their loads and shuffles interleave), reduces across lanes and parks
+    the partial in `red`; a slot is released once the group's C warps have read it; after the
+    last stage the C partials of each row are summed and stored;
   * grid barrier between phases: consumer thread 0 does a release add on a counter and spins
     (acquire loads, bounded by SPIN_MAX, else sets `flag` and goes on) until it reaches p·G;
     the last CTA to finish resets the counter, so replays need no memset.
@@ -52,12 +55,13 @@ if cutlass is not None:
 @dataclass(frozen=True)
 class ChainPlan:
     """Static shape of one resident chain: phases ((N, K), …) with K_{p+1} = N_p, G CTAs,
-    C consumer warps, an NS-slot ring of S-byte stages."""
+    `groups` groups of C = `consumer_warps` consumer warps, an NS-slot ring of S-byte stages."""
     shapes: tuple[tuple[int, int], ...]
     ctas: int
     consumer_warps: int = 4
     stages: int = 12
     stage_bytes: int = 16384
+    groups: int = 4
 
     def __post_init__(self):
         if not self.shapes:
@@ -66,6 +70,9 @@ class ChainPlan:
             raise ValueError(f"ChainPlan: ctas={self.ctas}; need ≥ 1 (one CTA per SM)")
         if self.stage_bytes % 16 or self.stage_bytes < 16:
             raise ValueError(f"ChainPlan: stage_bytes={self.stage_bytes}; need a positive multiple of 16")
+        if not 1 <= self.groups or self.consumer_threads + WARP > 1024:
+            raise ValueError(f"ChainPlan: groups={self.groups} × consumer_warps={self.consumer_warps}; "
+                             "need groups ≥ 1 and ≤ 31 consumer warps in all")
         if self.stages < 2:
             raise ValueError(f"ChainPlan: stages={self.stages}; need ≥ 2 ring slots")
         for p, (N, K) in enumerate(self.shapes):
@@ -82,6 +89,10 @@ class ChainPlan:
         if self.smem_bytes > SMEM_MAX:
             raise ValueError(f"ChainPlan: {self.smem_bytes} B of shared memory > {SMEM_MAX}; "
                              "lower stages or stage_bytes")
+
+    @property
+    def consumer_threads(self) -> int:
+        return WARP * self.consumer_warps * self.groups
 
     @property
     def phases(self) -> int:
@@ -184,7 +195,7 @@ class ResidentChainKernel:
     def __call__(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor, stream: _Stream):
         plan = self.plan
         self.kernel(mX, mW, mSync).launch(
-            grid=[plan.ctas, 1, 1], block=[WARP * (1 + plan.consumer_warps), 1, 1], stream=stream)
+            grid=[plan.ctas, 1, 1], block=[WARP + plan.consumer_threads, 1, 1], stream=stream)
 
     @_dsl.kernel
     def kernel(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor):
@@ -214,7 +225,9 @@ class ResidentChainKernel:
             if lane == 0:
                 self._produce(mW, ring, full, empty, b)
         else:
-            self._consume(mX, mSync, ring, full, empty, red, b, warp - 1, lane, tidx - WARP)
+            cw = warp - 1
+            self._consume(mX, mSync, ring, full, empty, red, b, cw % plan.consumer_warps,
+                          cw // plan.consumer_warps, lane, tidx - WARP)
 
     @_dsl.jit
     def _produce(self, mW, ring, full, empty, b):
@@ -239,12 +252,14 @@ class ResidentChainKernel:
                 t = t + 1
 
     @_dsl.jit
-    def _consume(self, mX, mSync, ring, full, empty, red, b, c, lane, ct):
-        """Consumer warp c (thread ct of the C·32 consumers): each phase's rows from the ring."""
+    def _consume(self, mX, mSync, ring, full, empty, red, b, c, grp, lane, ct):
+        """Consumer warp c of group grp (thread ct of all consumers): each phase's rows from the
+        ring; group grp takes the stages s ≡ grp (mod groups) of a phase, warp c its K slice."""
         plan = self.plan
-        C, NS, G, SC = plan.consumer_warps, plan.stages, plan.ctas, plan.stage_bytes // 16
+        C, NS, G, GR = plan.consumer_warps, plan.stages, plan.ctas, plan.groups
+        SC = plan.stage_bytes // 16
         sync = mSync.iterator
-        t = cutlass.Int32(0)                             # stages consumed so far (all phases)
+        base = cutlass.Int32(0)                          # stages of the earlier phases (all CTAs' order)
         for p in cutlass.range_constexpr(plan.phases):
             N, K = plan.shapes[p]
             R = plan.rows_per_stage(p)
@@ -259,31 +274,36 @@ class ResidentChainKernel:
                     rx[(j, e)] = v[e]
             r0 = b * N // G
             r1 = (b + 1) * N // G
-            for s in cutlass.range((r1 - r0 + R - 1) // R, unroll=1):
+            ns = (r1 - r0 + R - 1) // R
+            for s in cutlass.range(grp, ns, GR, unroll=1):
+                t = base + s
                 slot = t % NS
                 cute.arch.mbarrier_wait(full + slot, (t // NS) % 2)
                 nrows = cutlass.min(R, r1 - r0 - s * R)
+                # all R rows unconditionally (a short stage's extra rows read stale shared memory
+                # and are not stored), so the rows' loads and shuffles interleave
+                accs = [cute.full((VEC,), 0.0, Float32) for _ in range(R)]
+                for j in cutlass.range_constexpr(J):
+                    xv = rx[(j, None)].load()
+                    for r in cutlass.range_constexpr(R):
+                        q = slot * SC + r * (K // VEC) + (c * J + j) * WARP + lane
+                        accs[r] = accs[r] + ring[(None, q)].load().to(Float32) * xv
                 for r in cutlass.range_constexpr(R):
-                    if r < nrows:
-                        acc = cute.full((VEC,), 0.0, Float32)
-                        for j in cutlass.range_constexpr(J):
-                            q = slot * SC + r * (K // VEC) + (c * J + j) * WARP + lane
-                            acc = acc + ring[(None, q)].load().to(Float32) * rx[(j, None)].load()
-                        tot = acc.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                        tot = cute.arch.warp_reduction_sum(tot, threads_in_group=WARP)
-                        if lane == 0:
-                            red[(s * R + r, c)] = tot
+                    tot = accs[r].reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    tot = cute.arch.warp_reduction_sum(tot, threads_in_group=WARP)
+                    if (lane == 0) & (r < nrows):
+                        red[(s * R + r, c)] = tot
                 cute.arch.sync_warp()
                 if lane == 0:
                     cute.arch.mbarrier_arrive(empty + slot)
-                t = t + 1
-            cute.arch.barrier(barrier_id=1, number_of_threads=C * WARP)
-            for i in cutlass.range(ct, r1 - r0, C * WARP, unroll=1):
+            base = base + ns
+            cute.arch.barrier(barrier_id=1, number_of_threads=C * GR * WARP)
+            for i in cutlass.range(ct, r1 - r0, C * GR * WARP, unroll=1):
                 y = red[(i, 0)]
                 for q in cutlass.range_constexpr(1, C):
                     y = y + red[(i, q)]
                 mX[plan.x_offsets[p + 1] + r0 + i] = y.to(mX.element_type)
-            cute.arch.barrier(barrier_id=1, number_of_threads=C * WARP)
+            cute.arch.barrier(barrier_id=1, number_of_threads=C * GR * WARP)
             if ct == 0:                                  # the bar.sync above + a release op: cumulative
                 if const_expr(p + 1 < plan.phases):
                     _red_release_add(sync)
@@ -304,7 +324,7 @@ class ResidentChainKernel:
                 n = n + 1
             if n >= SPIN_MAX:
                 _st_relaxed(sync + 2, 1)
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.plan.consumer_warps * WARP)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.plan.consumer_threads)
 
 
 _CACHE = CompileCache()

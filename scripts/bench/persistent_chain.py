@@ -21,11 +21,12 @@ Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
             the leading PRELOAD columns of the row block it computes next (one block per CTA
             and phase)
   barrier:  the persistent kernel with no GEMV work: µs per grid barrier
-  ring, ring_s6, ring_c2: kernels/resident_chain_cute.py (CuTe): one resident launch whose
-            producer lane streams every phase's rows through a shared-memory ring with bulk
-            copies and mbarriers, never waiting for the chain (only for a free slot), so the
-            weights keep streaming while the consumers wait at a grid barrier (PERF round 18);
-            ring: 12 slots × 16 KiB, 4 consumer warps; ring_s6: 6 slots; ring_c2: 2 consumer warps
+  ring, ring_*: kernels/resident_chain_cute.py (CuTe): one resident launch whose producer
+            lane streams every phase's rows through a shared-memory ring with bulk copies and
+            mbarriers, never waiting for the chain (only for a free slot), so the weights keep
+            streaming while the consumers wait at a grid barrier (PERF round 18); ring: 12
+            slots × 16 KiB, 4 groups of 4 consumer warps; ring_g1/_g2/_g6: 1, 2, 6 groups;
+            ring_s6: 6 slots; ring_c2: groups of 2 warps
 Each variant's x4 is checked against a float64 chain before it is timed. Measured on H200
 (PERF round 17): a grid barrier costs about a PDL launch boundary (persist8 ties cute at 0.45
 of the roofline); issuing the next phase's weights before the barrier (persist_pf,
@@ -193,8 +194,12 @@ if triton is not None:
         _phase(w_ptr, x_ptr, y_ptr, N, K, tl.program_id(0), G_, BN, BK)
 
 
-RING = {"ring": dict(stages=12, consumer_warps=4), "ring_s6": dict(stages=6, consumer_warps=4),
-        "ring_c2": dict(stages=12, consumer_warps=2)}
+RING = {"ring": dict(stages=12, consumer_warps=4, groups=4),
+        "ring_g1": dict(stages=12, consumer_warps=4, groups=1),
+        "ring_g2": dict(stages=12, consumer_warps=4, groups=2),
+        "ring_g6": dict(stages=12, consumer_warps=4, groups=6),
+        "ring_s6": dict(stages=6, consumer_warps=4, groups=4),
+        "ring_c2": dict(stages=12, consumer_warps=2, groups=4)}
 
 
 def ring_plan(name: str, grid: int) -> RC.ChainPlan:

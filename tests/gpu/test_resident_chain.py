@@ -44,7 +44,10 @@ def _check(x, w):
 
 @pytest.mark.parametrize("shapes,kw", [
     (K3, {}),                                                   # the bench's chain
-    (K3, {"stages": 4, "consumer_warps": 2}),                   # shallow ring, 2 consumers
+    (K3, {"stages": 4, "consumer_warps": 2}),                   # shallow ring, 2-warp groups
+    (K3, {"groups": 1}),                                        # one group takes every stage
+    (K3, {"groups": 7, "stages": 5}),                           # more groups than a phase's
+                                                                # stages at K = 7168 / ring slots
     (((512, 256), (256, 512), (768, 256)), {"consumer_warps": 1, "stage_bytes": 1536}),
 ])
 def test_chain_matches_reference(shapes, kw):
