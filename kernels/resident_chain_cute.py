@@ -47,6 +47,9 @@ VEC = 8                    # bf16 per 16-byte chunk
 SPIN_MAX = 1 << 22         # grid-barrier polls before the kernel gives up and sets the flag
 SMEM_MAX = 227 * 1024      # sm_90 opt-in shared memory per CTA
 SYNC_WORDS = 3             # int32: arrival counter, done counter, spin-bound flag
+PROBES = ("none", "stream", "nobarrier")
+TRACE_EVENTS = 8           # int64 per (CTA, phase): 0 barrier passed, 1 x_p loaded, 2 stages
+                           # summed, 3 y stored + arrived, 4 first stage issued, 5 last issued
 
 if cutlass is not None:
     from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
@@ -62,6 +65,10 @@ class ChainPlan:
     stages: int = 12
     stage_bytes: int = 16384
     groups: int = 4
+    probe: str = "none"        # bench diagnostics: "stream" (no math, no barriers: the ring's
+                               # streaming rate), "nobarrier" (math without grid barriers);
+                               # both leave garbage in x_1 … x_P
+    trace: bool = False        # write %globaltimer stamps (TRACE_EVENTS per CTA and phase)
 
     def __post_init__(self):
         if not self.shapes:
@@ -70,7 +77,15 @@ class ChainPlan:
             raise ValueError(f"ChainPlan: ctas={self.ctas}; need ≥ 1 (one CTA per SM)")
         if self.stage_bytes % 16 or self.stage_bytes < 16:
             raise ValueError(f"ChainPlan: stage_bytes={self.stage_bytes}; need a positive multiple of 16")
-        if not 1 <= self.groups or self.consumer_threads + WARP > 1024:
+        if self.probe not in PROBES:
+            raise ValueError(f"ChainPlan: probe={self.probe!r}; accepted {', '.join(PROBES)}")
+        if self.groups < 1 or self.stages % self.groups:
+            # group g consumes stages s ≡ g (mod groups); with stages % groups == 0 the slot's
+            # previous stage (t − stages) is the same group's, already consumed, so a `full`
+            # parity wait can never alias a fill still in flight two phases back
+            raise ValueError(f"ChainPlan: groups={self.groups}, stages={self.stages}; need "
+                             "groups ≥ 1 dividing stages")
+        if self.consumer_threads + WARP > 1024:
             raise ValueError(f"ChainPlan: groups={self.groups} × consumer_warps={self.consumer_warps}; "
                              "need groups ≥ 1 and ≤ 31 consumer warps in all")
         if self.stages < 2:
@@ -192,13 +207,13 @@ class ResidentChainKernel:
         self.plan = plan
 
     @_dsl.jit
-    def __call__(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor, stream: _Stream):
+    def __call__(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor, mTrace: _Tensor, stream: _Stream):
         plan = self.plan
-        self.kernel(mX, mW, mSync).launch(
+        self.kernel(mX, mW, mSync, mTrace).launch(
             grid=[plan.ctas, 1, 1], block=[WARP + plan.consumer_threads, 1, 1], stream=stream)
 
     @_dsl.kernel
-    def kernel(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor):
+    def kernel(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor, mTrace: _Tensor):
         plan = self.plan
         C, NS, G = plan.consumer_warps, plan.stages, plan.ctas
         SC = plan.stage_bytes // 16                    # 16-byte chunks per slot
@@ -223,14 +238,14 @@ class ResidentChainKernel:
 
         if warp == 0:
             if lane == 0:
-                self._produce(mW, ring, full, empty, b)
+                self._produce(mW, ring, full, empty, b, mTrace)
         else:
             cw = warp - 1
             self._consume(mX, mSync, ring, full, empty, red, b, cw % plan.consumer_warps,
-                          cw // plan.consumer_warps, lane, tidx - WARP)
+                          cw // plan.consumer_warps, lane, tidx - WARP, mTrace)
 
     @_dsl.jit
-    def _produce(self, mW, ring, full, empty, b):
+    def _produce(self, mW, ring, full, empty, b, mTrace):
         """Lane 0 of warp 0: every phase's rows of this CTA, stage by stage, into the ring."""
         plan = self.plan
         NS, G, SC = plan.stages, plan.ctas, plan.stage_bytes // 16
@@ -249,10 +264,14 @@ class ResidentChainKernel:
                 cp_async_bulk_shared_cluster_global(
                     ring.iterator + slot * (SC * VEC), mW.iterator + (plan.w_offsets[p] + row * K),
                     full + slot, nbytes)
+                if const_expr(plan.trace):
+                    if s == 0:
+                        self._stamp(mTrace, b, p, 4)
+                    self._stamp(mTrace, b, p, 5)
                 t = t + 1
 
     @_dsl.jit
-    def _consume(self, mX, mSync, ring, full, empty, red, b, c, grp, lane, ct):
+    def _consume(self, mX, mSync, ring, full, empty, red, b, c, grp, lane, ct, mTrace):
         """Consumer warp c of group grp (thread ct of all consumers): each phase's rows from the
         ring; group grp takes the stages s ≡ grp (mod groups) of a phase, warp c its K slice."""
         plan = self.plan
@@ -264,14 +283,20 @@ class ResidentChainKernel:
             N, K = plan.shapes[p]
             R = plan.rows_per_stage(p)
             J = plan.chunks_per_lane(p)
-            if const_expr(p > 0):
+            if const_expr(p > 0 and plan.probe == "none"):
                 self._grid_wait(sync, p * G, ct)
+            if const_expr(plan.trace):
+                if ct == 0:
+                    self._stamp(mTrace, b, p, 0)
             # this lane's columns of x_p: chunk (c·J + j)·32 + lane, 8 values each
             rx = cute.make_rmem_tensor(cute.make_layout((J, VEC), stride=(VEC, 1)), Float32)
             for j in cutlass.range_constexpr(J):
                 v = _ld_cg_bf16x8(mX.iterator + (plan.x_offsets[p] + ((c * J + j) * WARP + lane) * VEC))
                 for e in cutlass.range_constexpr(VEC):
                     rx[(j, e)] = v[e]
+            if const_expr(plan.trace):
+                if ct == 0:
+                    self._stamp(mTrace, b, p, 1, rx[(0, 0)])
             r0 = b * N // G
             r1 = (b + 1) * N // G
             ns = (r1 - r0 + R - 1) // R
@@ -283,7 +308,7 @@ class ResidentChainKernel:
                 # all R rows unconditionally (a short stage's extra rows read stale shared memory
                 # and are not stored), so the rows' loads and shuffles interleave
                 accs = [cute.full((VEC,), 0.0, Float32) for _ in range(R)]
-                for j in cutlass.range_constexpr(J):
+                for j in cutlass.range_constexpr(J if plan.probe != "stream" else 0):
                     xv = rx[(j, None)].load()
                     for r in cutlass.range_constexpr(R):
                         q = slot * SC + r * (K // VEC) + (c * J + j) * WARP + lane
@@ -298,6 +323,9 @@ class ResidentChainKernel:
                     cute.arch.mbarrier_arrive(empty + slot)
             base = base + ns
             cute.arch.barrier(barrier_id=1, number_of_threads=C * GR * WARP)
+            if const_expr(plan.trace):
+                if ct == 0:
+                    self._stamp(mTrace, b, p, 2)
             for i in cutlass.range(ct, r1 - r0, C * GR * WARP, unroll=1):
                 y = red[(i, 0)]
                 for q in cutlass.range_constexpr(1, C):
@@ -306,12 +334,23 @@ class ResidentChainKernel:
             cute.arch.barrier(barrier_id=1, number_of_threads=C * GR * WARP)
             if ct == 0:                                  # the bar.sync above + a release op: cumulative
                 if const_expr(p + 1 < plan.phases):
-                    _red_release_add(sync)
+                    if const_expr(plan.probe == "none"):
+                        _red_release_add(sync)
                 else:                                    # last phase: the last CTA resets
                     done = _atom_add_acq_rel(sync + 1)
                     if done == G - 1:
                         _st_relaxed(sync, 0)
                         _st_relaxed(sync + 1, 0)
+                if const_expr(plan.trace):
+                    self._stamp(mTrace, b, p, 3)
+
+    @_dsl.jit
+    def _stamp(self, mTrace, b, p, k, after=None):
+        """trace[b, p, k] = %globaltimer (ns); `after`: a loaded value the stamp waits for (the
+        asm reads its register, so the load must have landed)."""
+        if const_expr(after is not None):
+            cute.arch.inline_ptx("{ .reg .b32 d; mov.b32 d, {$r0}; }", read_only_args=[after])
+        mTrace[(b * self.plan.phases + p) * TRACE_EVENTS + k] = cute.arch.globaltimer()
 
     @_dsl.jit
     def _grid_wait(self, sync, target, ct):
@@ -330,26 +369,51 @@ class ResidentChainKernel:
 _CACHE = CompileCache()
 
 
+def trace_words(plan: ChainPlan) -> int:
+    """Length of the int64 trace buffer a launch takes (1, unused, unless plan.trace)."""
+    return plan.ctas * plan.phases * TRACE_EVENTS if plan.trace else 1
+
+
 def compile_chain(plan: ChainPlan, extra_options: str = ""):
-    """cute.compile one chain; returns `launch(xs, ws, sync)`: xs bf16 flat (x_0 … x_P, x_0
-    read, the rest written), ws bf16 flat (W_0 … W_{P-1}), sync int32 (≥ 3, zero before the
-    first launch; the kernel leaves it zero unless the spin bound was hit: sync[2] = 1)."""
+    """cute.compile one chain; returns `launch(xs, ws, sync, trace)`: xs bf16 flat (x_0 … x_P,
+    x_0 read, the rest written), ws bf16 flat (W_0 … W_{P-1}), sync int32 (SYNC_WORDS, zero
+    before the first launch; the kernel leaves it zero unless the spin bound was hit:
+    sync[2] = 1), trace int64 (`trace_words`)."""
     fake = cute.runtime.make_fake_compact_tensor
     mx = fake(cutlass.BFloat16, (plan.x_offsets[-1],), assumed_align=16)
     mw = fake(cutlass.BFloat16, (plan.w_offsets[-1],), assumed_align=16)
     ms = fake(cutlass.Int32, (SYNC_WORDS,), assumed_align=16)
+    mt = fake(cutlass.Int64, (trace_words(plan),), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(ResidentChainKernel(plan), mx, mw, ms, stream,
+    return cute.compile(ResidentChainKernel(plan), mx, mw, ms, mt, stream,
                        options=f"--enable-tvm-ffi {extra_options}".strip())
 
 
-def resident_chain_into(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor, sync: torch.Tensor) -> None:
-    """Run the chain on the current stream: xs[x_offsets[p+1]:…] = x_{p+1} for every phase."""
+def resident_chain_into(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor, sync: torch.Tensor,
+                        trace: torch.Tensor | None = None) -> None:
+    """Run the chain on the current stream: xs[x_offsets[p+1]:…] = x_{p+1} for every phase.
+    trace: int64 (`trace_words(plan)`), required when plan.trace, else ignored."""
+    if not plan.trace:
+        trace = _dummy_trace(sync.device) if sync.is_cuda else sync
+    elif trace is None:
+        raise ValueError("resident_chain: plan.trace is set; pass an int64 trace buffer of "
+                         f"{trace_words(plan)}")
     for name, t, n, dt in (("xs", xs, plan.x_offsets[-1], torch.bfloat16),
                            ("ws", ws, plan.w_offsets[-1], torch.bfloat16),
-                           ("sync", sync, SYNC_WORDS, torch.int32)):
+                           ("sync", sync, SYNC_WORDS, torch.int32),
+                           ("trace", trace, trace_words(plan), torch.int64)):
         if t.dtype != dt or t.dim() != 1 or t.numel() != n or not t.is_cuda or t.data_ptr() % 16:
             raise ValueError(f"resident_chain: {name} is {tuple(t.shape)} {t.dtype} on {t.device}; "
                              f"need a 16-byte aligned CUDA {dt} vector of {n}")
     launch = _CACHE.get(plan, lambda: compile_chain(plan))
-    launch(xs, ws, sync)
+    launch(xs, ws, sync, trace)
+
+
+_DUMMY: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy_trace(device: torch.device) -> torch.Tensor:
+    """The one-word trace buffer untraced launches pass (never written); one per device."""
+    if device not in _DUMMY:
+        _DUMMY[device] = torch.zeros(1, device=device, dtype=torch.int64)
+    return _DUMMY[device]

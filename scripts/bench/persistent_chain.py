@@ -43,6 +43,8 @@ import math
 import sys
 import time
 
+from dataclasses import replace
+
 import torch
 
 from raydecode.kernels import gemv as G
@@ -198,8 +200,33 @@ RING = {"ring": dict(stages=12, consumer_warps=4, groups=4),
         "ring_g1": dict(stages=12, consumer_warps=4, groups=1),
         "ring_g2": dict(stages=12, consumer_warps=4, groups=2),
         "ring_g6": dict(stages=12, consumer_warps=4, groups=6),
-        "ring_s6": dict(stages=6, consumer_warps=4, groups=4),
-        "ring_c2": dict(stages=12, consumer_warps=2, groups=4)}
+        "ring_s6": dict(stages=6, consumer_warps=4, groups=2),
+        "ring_c2": dict(stages=12, consumer_warps=2, groups=4),
+        "ring_32k": dict(stages=6, stage_bytes=32768, consumer_warps=4, groups=2),
+        "ring_stream": dict(stages=12, consumer_warps=4, groups=2, probe="stream"),
+        "ring_nobar": dict(stages=12, consumer_warps=4, groups=2, probe="nobarrier")}
+PROBED = ("ring_stream", "ring_nobar")          # no valid output: timed, not checked
+TRACE_US = ("barrier passed", "x loaded", "stages summed", "y stored + arrived",
+            "first stage issued", "last stage issued")
+
+
+def trace_summary(name: str, chains: list, grid: int, sync) -> dict:
+    """One traced launch of `name`'s plan on the last weight copy (after one on each of the
+    others, so L2 does not hold its weights): per phase and event, min / median / max over CTAs
+    of µs since the earliest CTA's start."""
+    plan = replace(ring_plan(name, grid), trace=True)
+    trace = torch.zeros(RC.trace_words(plan), device="cuda", dtype=torch.int64)
+    for c in chains:
+        RC.resident_chain_into(plan, c.xflat, c.wflat, sync, trace)
+    torch.cuda.synchronize()
+    t = trace.view(grid, plan.phases, RC.TRACE_EVENTS)[:, :, :len(TRACE_US)].double()
+    t = (t - t[:, 0, 0].min()) / 1e3
+    out = {}
+    for p in range(plan.phases):
+        out[f"phase{p}"] = {ev: [round(float(v), 2) for v in (t[:, p, k].min(), t[:, p, k].median(),
+                                                              t[:, p, k].max())]
+                            for k, ev in enumerate(TRACE_US)}
+    return out
 
 
 def ring_plan(name: str, grid: int) -> RC.ChainPlan:
@@ -268,6 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--trace", action="store_true",
+                    help="ring variants: also one traced launch, per-phase event times in the JSON")
     args = ap.parse_args(argv)
     bad = [v for v in args.variants.split(",") if v not in VARIANTS]
     if bad:
@@ -302,7 +331,7 @@ def main(argv=None) -> int:
             xs[4].fill_(float("nan"))                  # poisoned: each variant must write it
             run_variant(v, chains[0], grid, counter, flag, sync)
             torch.cuda.synchronize()
-            if v != "barrier":
+            if v not in ("barrier", *PROBED):
                 got = xs[4].double()
                 row["rel_err"] = float((got - want).abs().max() / want.abs().max())
             t = timer.run([lambda c=c: run_variant(v, c, grid, counter, flag, sync)
@@ -312,6 +341,8 @@ def main(argv=None) -> int:
                        spin_bound_hit=bool(flag.item() or sync[2].item()))
             if v in RING:                              # the replays left the counters at zero
                 row["sync_after"] = sync.tolist()
+            if v in RING and args.trace:
+                row["trace_us"] = trace_summary(v, chains, grid, sync)
             if v != "barrier":
                 row["frac_of_roofline"] = report["roofline_us"] / t.us_per_call
             else:

@@ -46,8 +46,8 @@ def _check(x, w):
     (K3, {}),                                                   # the bench's chain
     (K3, {"stages": 4, "consumer_warps": 2}),                   # shallow ring, 2-warp groups
     (K3, {"groups": 1}),                                        # one group takes every stage
-    (K3, {"groups": 7, "stages": 5}),                           # more groups than a phase's
-                                                                # stages at K = 7168 / ring slots
+    (K3, {"groups": 6, "stages": 6}),                           # a group per slot, more groups
+                                                                # than a K = 7168 phase's stages
     (((512, 256), (256, 512), (768, 256)), {"consumer_warps": 1, "stage_bytes": 1536}),
 ])
 def test_chain_matches_reference(shapes, kw):
@@ -86,3 +86,19 @@ def test_bad_buffers_are_refused():
         RC.resident_chain_into(plan, xs, ws[:-8], sync)
     with pytest.raises(ValueError, match="sync"):
         RC.resident_chain_into(plan, xs, ws, sync.long())
+
+
+def test_trace_stamps_are_ordered_and_change_nothing():
+    plan = RC.ChainPlan(K3, ctas=_sms(), trace=True)
+    xs, ws, x, w, sync = _setup(plan, seed=5)
+    trace = torch.zeros(RC.trace_words(plan), device="cuda", dtype=torch.int64)
+    RC.resident_chain_into(plan, xs, ws, sync, trace)
+    torch.cuda.synchronize()
+    _check(x, w)
+    t = trace.view(plan.ctas, plan.phases, RC.TRACE_EVENTS)[:, :, :6]
+    assert (t > 0).all()
+    # per CTA and phase: barrier passed ≤ x loaded ≤ stages summed ≤ y stored; first ≤ last issue
+    assert (t[:, :, 0] <= t[:, :, 1]).all() and (t[:, :, 1] <= t[:, :, 2]).all()
+    assert (t[:, :, 2] <= t[:, :, 3]).all() and (t[:, :, 4] <= t[:, :, 5]).all()
+    # no CTA passes barrier p before every CTA arrived at it
+    assert (t[:, 1:, 0].min(0).values >= t[:, :-1, 3].max(0).values).all()
