@@ -46,10 +46,14 @@ WARP = 32
 VEC = 8                    # bf16 per 16-byte chunk
 SPIN_MAX = 1 << 22         # grid-barrier polls before the kernel gives up and sets the flag
 SMEM_MAX = 227 * 1024      # sm_90 opt-in shared memory per CTA
-SYNC_WORDS = 3             # int32: arrival counter, done counter, spin-bound flag
+SYNC_WORDS = 4             # int32 at the head of scratch: arrival counter, done counter,
+                           # spin-bound flag, launch epoch
 PROBES = ("none", "stream", "nobarrier")
-TRACE_EVENTS = 8           # int64 per (CTA, phase): 0 barrier passed, 1 x_p loaded, 2 stages
-                           # summed, 3 y stored + arrived, 4 first stage issued, 5 last issued
+PUBLISH = ("tagged", "counter")
+TAG_MOD = 65535            # tags 1 … 65535: 0 (a zeroed scratch) is never a valid tag
+TRACE_EVENTS = 8           # int64 per (CTA, phase): 0 start (counter: barrier passed), 1 x_p
+                           # loaded (tagged: every tag seen), 2 stages
+                           # summed, 3 y stored (+ arrived), 4 first stage issued, 5 last issued
 
 if cutlass is not None:
     from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
@@ -65,6 +69,9 @@ class ChainPlan:
     stages: int = 12
     stage_bytes: int = 16384
     groups: int = 4
+    publish: str = "tagged"    # how x_p reaches the other CTAs (PERF round 18): "tagged" words
+                               # (bf16 | tag << 16, relaxed stores, readers poll the tags: no
+                               # fence), or "counter" (a grid barrier: release add + acquire spin)
     probe: str = "none"        # bench diagnostics: "stream" (no math, no barriers: the ring's
                                # streaming rate), "nobarrier" (math without grid barriers);
                                # both leave garbage in x_1 … x_P
@@ -77,6 +84,8 @@ class ChainPlan:
             raise ValueError(f"ChainPlan: ctas={self.ctas}; need ≥ 1 (one CTA per SM)")
         if self.stage_bytes % 16 or self.stage_bytes < 16:
             raise ValueError(f"ChainPlan: stage_bytes={self.stage_bytes}; need a positive multiple of 16")
+        if self.publish not in PUBLISH:
+            raise ValueError(f"ChainPlan: publish={self.publish!r}; accepted {', '.join(PUBLISH)}")
         if self.probe not in PROBES:
             raise ValueError(f"ChainPlan: probe={self.probe!r}; accepted {', '.join(PROBES)}")
         if self.groups < 1 or self.stages % self.groups:
@@ -150,6 +159,15 @@ class ChainPlan:
         sizes = [N * K for N, K in self.shapes]
         return tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
 
+    def tag_offset(self, p: int) -> int:
+        """Word offset in scratch of the tagged copy of x_p, 1 ≤ p < P (16-byte aligned: N_{p-1}
+        is a multiple of 256)."""
+        return SYNC_WORDS + sum(N for N, _ in self.shapes[:p - 1])
+
+    @property
+    def scratch_words(self) -> int:
+        return SYNC_WORDS + sum(N for N, _ in self.shapes[:-1])
+
     @property
     def weight_bytes(self) -> int:
         return 2 * self.w_offsets[-1]
@@ -184,6 +202,33 @@ if cutlass is not None:
             " shl.b32 {$w6}, d, 16;  and.b32 {$w7}, d, 0xffff0000; }",
             write_only_types=[Float32] * 8, read_only_args=[ptr])
 
+    def _ld_tagged4(ptr, tag):
+        """4 tagged words (bf16 | tag << 16) at a global address (16-byte aligned): their values
+        as fp32, and 1 if all four carry `tag` (relaxed loads: polled across SMs)."""
+        return cute.arch.inline_ptx(
+            "{ .reg .b32 a, b, c, d, ta, tb, tc, td; .reg .pred pa, pb, pc, pd;\n"
+            " ld.relaxed.gpu.global.v4.b32 {a, b, c, d}, [{$r0}];\n"
+            " shl.b32 {$w0}, a, 16;  shl.b32 {$w1}, b, 16;\n"
+            " shl.b32 {$w2}, c, 16;  shl.b32 {$w3}, d, 16;\n"
+            " shr.u32 ta, a, 16;  shr.u32 tb, b, 16;  shr.u32 tc, c, 16;  shr.u32 td, d, 16;\n"
+            " setp.eq.u32 pa, ta, {$r1};  setp.eq.and.u32 pb, tb, {$r1}, pa;\n"
+            " setp.eq.and.u32 pc, tc, {$r1}, pb;  setp.eq.and.u32 pd, td, {$r1}, pc;\n"
+            " selp.u32 {$w4}, 1, 0, pd; }",
+            write_only_types=[Float32] * 4 + [cutlass.Int32], read_only_args=[ptr, tag])
+
+    def _st_tagged(ptr, y, tag):
+        """One tagged word: bf16(y) in the low half, tag in the high half (a single 32-bit store,
+        so a reader that sees the tag sees the value)."""
+        cute.arch.inline_ptx(
+            "{ .reg .b16 h, t; .reg .b32 w;\n"
+            " cvt.rn.bf16.f32 h, {$r0};  cvt.u16.u32 t, {$r1};  mov.b32 w, {h, t};\n"
+            " st.relaxed.gpu.global.b32 [{$r2}], w; }",
+            read_only_args=[y, tag, ptr])
+
+    def _ld_relaxed(ptr):
+        return cute.arch.inline_ptx("ld.relaxed.gpu.global.u32 {$w0}, [{$r0}];",
+                                    write_only_types=[cutlass.Int32], read_only_args=[ptr])
+
     def _red_release_add(ptr):
         cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], 1;", read_only_args=[ptr])
 
@@ -207,13 +252,13 @@ class ResidentChainKernel:
         self.plan = plan
 
     @_dsl.jit
-    def __call__(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor, mTrace: _Tensor, stream: _Stream):
+    def __call__(self, mX: _Tensor, mW: _Tensor, mScratch: _Tensor, mTrace: _Tensor, stream: _Stream):
         plan = self.plan
-        self.kernel(mX, mW, mSync, mTrace).launch(
+        self.kernel(mX, mW, mScratch, mTrace).launch(
             grid=[plan.ctas, 1, 1], block=[WARP + plan.consumer_threads, 1, 1], stream=stream)
 
     @_dsl.kernel
-    def kernel(self, mX: _Tensor, mW: _Tensor, mSync: _Tensor, mTrace: _Tensor):
+    def kernel(self, mX: _Tensor, mW: _Tensor, mScratch: _Tensor, mTrace: _Tensor):
         plan = self.plan
         C, NS, G = plan.consumer_warps, plan.stages, plan.ctas
         SC = plan.stage_bytes // 16                    # 16-byte chunks per slot
@@ -241,7 +286,7 @@ class ResidentChainKernel:
                 self._produce(mW, ring, full, empty, b, mTrace)
         else:
             cw = warp - 1
-            self._consume(mX, mSync, ring, full, empty, red, b, cw % plan.consumer_warps,
+            self._consume(mX, mScratch, ring, full, empty, red, b, cw % plan.consumer_warps,
                           cw // plan.consumer_warps, lane, tidx - WARP, mTrace)
 
     @_dsl.jit
@@ -271,29 +316,35 @@ class ResidentChainKernel:
                 t = t + 1
 
     @_dsl.jit
-    def _consume(self, mX, mSync, ring, full, empty, red, b, c, grp, lane, ct, mTrace):
+    def _consume(self, mX, mScratch, ring, full, empty, red, b, c, grp, lane, ct, mTrace):
         """Consumer warp c of group grp (thread ct of all consumers): each phase's rows from the
         ring; group grp takes the stages s ≡ grp (mod groups) of a phase, warp c its K slice."""
         plan = self.plan
         C, NS, G, GR = plan.consumer_warps, plan.stages, plan.ctas, plan.groups
         SC = plan.stage_bytes // 16
-        sync = mSync.iterator
+        sync = mScratch.iterator
+        tagged = plan.publish == "tagged" and plan.probe == "none"
+        epoch = _ld_relaxed(sync + 3) % TAG_MOD          # stable until every CTA has finished
         base = cutlass.Int32(0)                          # stages of the earlier phases (all CTAs' order)
         for p in cutlass.range_constexpr(plan.phases):
             N, K = plan.shapes[p]
             R = plan.rows_per_stage(p)
             J = plan.chunks_per_lane(p)
-            if const_expr(p > 0 and plan.probe == "none"):
+            if const_expr(p > 0 and plan.probe == "none" and not tagged):
                 self._grid_wait(sync, p * G, ct)
             if const_expr(plan.trace):
                 if ct == 0:
                     self._stamp(mTrace, b, p, 0)
             # this lane's columns of x_p: chunk (c·J + j)·32 + lane, 8 values each
             rx = cute.make_rmem_tensor(cute.make_layout((J, VEC), stride=(VEC, 1)), Float32)
-            for j in cutlass.range_constexpr(J):
-                v = _ld_cg_bf16x8(mX.iterator + (plan.x_offsets[p] + ((c * J + j) * WARP + lane) * VEC))
-                for e in cutlass.range_constexpr(VEC):
-                    rx[(j, e)] = v[e]
+            if const_expr(p > 0 and tagged):
+                self._load_tagged(rx, sync, sync + plan.tag_offset(p), 1 + (epoch * plan.phases + p) % TAG_MOD,
+                                  J, c, lane)
+            else:
+                for j in cutlass.range_constexpr(J):
+                    v = _ld_cg_bf16x8(mX.iterator + (plan.x_offsets[p] + ((c * J + j) * WARP + lane) * VEC))
+                    for e in cutlass.range_constexpr(VEC):
+                        rx[(j, e)] = v[e]
             if const_expr(plan.trace):
                 if ct == 0:
                     self._stamp(mTrace, b, p, 1, rx[(0, 0)])
@@ -331,16 +382,20 @@ class ResidentChainKernel:
                 for q in cutlass.range_constexpr(1, C):
                     y = y + red[(i, q)]
                 mX[plan.x_offsets[p + 1] + r0 + i] = y.to(mX.element_type)
+                if const_expr(tagged and p + 1 < plan.phases):
+                    _st_tagged(sync + (plan.tag_offset(p + 1) + r0 + i), y,
+                               1 + (epoch * plan.phases + p + 1) % TAG_MOD)
             cute.arch.barrier(barrier_id=1, number_of_threads=C * GR * WARP)
             if ct == 0:                                  # the bar.sync above + a release op: cumulative
                 if const_expr(p + 1 < plan.phases):
-                    if const_expr(plan.probe == "none"):
+                    if const_expr(plan.probe == "none" and not tagged):
                         _red_release_add(sync)
                 else:                                    # last phase: the last CTA resets
                     done = _atom_add_acq_rel(sync + 1)
                     if done == G - 1:
                         _st_relaxed(sync, 0)
                         _st_relaxed(sync + 1, 0)
+                        _st_relaxed(sync + 3, (epoch + 1) % TAG_MOD)
                 if const_expr(plan.trace):
                     self._stamp(mTrace, b, p, 3)
 
@@ -351,6 +406,29 @@ class ResidentChainKernel:
         if const_expr(after is not None):
             cute.arch.inline_ptx("{ .reg .b32 d; mov.b32 d, {$r0}; }", read_only_args=[after])
         mTrace[(b * self.plan.phases + p) * TRACE_EVENTS + k] = cute.arch.globaltimer()
+
+    @_dsl.jit
+    def _load_tagged(self, rx, sync, tags, tag, J, c, lane):
+        """rx (J, 8) = this lane's chunks of x_p from its tagged copy, polling each 16-byte
+        group of 4 words until all carry `tag` (bounded: past SPIN_MAX rounds the flag is set)."""
+        ok = cute.make_rmem_tensor(cute.make_layout((2 * J,)), cutlass.Int32)
+        for h in cutlass.range_constexpr(2 * J):
+            ok[h] = 0
+        missing = cutlass.Int32(2 * J)
+        n = cutlass.Int32(0)
+        while (missing > 0) & (n < SPIN_MAX):
+            missing = 0
+            for j in cutlass.range_constexpr(J):
+                for h in cutlass.range_constexpr(2):
+                    if ok[2 * j + h] == 0:
+                        v = _ld_tagged4(tags + (((c * J + j) * WARP + lane) * VEC + 4 * h), tag)
+                        for e in cutlass.range_constexpr(4):
+                            rx[(j, 4 * h + e)] = v[e]
+                        ok[2 * j + h] = v[4]
+                        missing = missing + 1 - v[4]
+            n = n + 1
+        if n >= SPIN_MAX:
+            _st_relaxed(sync + 2, 1)
 
     @_dsl.jit
     def _grid_wait(self, sync, target, ct):
@@ -375,38 +453,39 @@ def trace_words(plan: ChainPlan) -> int:
 
 
 def compile_chain(plan: ChainPlan, extra_options: str = ""):
-    """cute.compile one chain; returns `launch(xs, ws, sync, trace)`: xs bf16 flat (x_0 … x_P,
-    x_0 read, the rest written), ws bf16 flat (W_0 … W_{P-1}), sync int32 (SYNC_WORDS, zero
-    before the first launch; the kernel leaves it zero unless the spin bound was hit:
-    sync[2] = 1), trace int64 (`trace_words`)."""
+    """cute.compile one chain; returns `launch(xs, ws, scratch, trace)`: xs bf16 flat (x_0 … x_P,
+    x_0 read, the rest written), ws bf16 flat (W_0 … W_{P-1}), scratch int32
+    (`plan.scratch_words`: SYNC_WORDS of counters, then the tagged copies of x_1 … x_{P-1};
+    zero before the first launch, then owned by the kernel; scratch[2] = 1 if a spin bound was
+    hit), trace int64 (`trace_words`)."""
     fake = cute.runtime.make_fake_compact_tensor
     mx = fake(cutlass.BFloat16, (plan.x_offsets[-1],), assumed_align=16)
     mw = fake(cutlass.BFloat16, (plan.w_offsets[-1],), assumed_align=16)
-    ms = fake(cutlass.Int32, (SYNC_WORDS,), assumed_align=16)
+    ms = fake(cutlass.Int32, (plan.scratch_words,), assumed_align=16)
     mt = fake(cutlass.Int64, (trace_words(plan),), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(ResidentChainKernel(plan), mx, mw, ms, mt, stream,
                        options=f"--enable-tvm-ffi {extra_options}".strip())
 
 
-def resident_chain_into(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor, sync: torch.Tensor,
+def resident_chain_into(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor, scratch: torch.Tensor,
                         trace: torch.Tensor | None = None) -> None:
     """Run the chain on the current stream: xs[x_offsets[p+1]:…] = x_{p+1} for every phase.
     trace: int64 (`trace_words(plan)`), required when plan.trace, else ignored."""
     if not plan.trace:
-        trace = _dummy_trace(sync.device) if sync.is_cuda else sync
+        trace = _dummy_trace(scratch.device) if scratch.is_cuda else scratch
     elif trace is None:
         raise ValueError("resident_chain: plan.trace is set; pass an int64 trace buffer of "
                          f"{trace_words(plan)}")
     for name, t, n, dt in (("xs", xs, plan.x_offsets[-1], torch.bfloat16),
                            ("ws", ws, plan.w_offsets[-1], torch.bfloat16),
-                           ("sync", sync, SYNC_WORDS, torch.int32),
+                           ("scratch", scratch, plan.scratch_words, torch.int32),
                            ("trace", trace, trace_words(plan), torch.int64)):
         if t.dtype != dt or t.dim() != 1 or t.numel() != n or not t.is_cuda or t.data_ptr() % 16:
             raise ValueError(f"resident_chain: {name} is {tuple(t.shape)} {t.dtype} on {t.device}; "
                              f"need a 16-byte aligned CUDA {dt} vector of {n}")
     launch = _CACHE.get(plan, lambda: compile_chain(plan))
-    launch(xs, ws, sync, trace)
+    launch(xs, ws, scratch, trace)
 
 
 _DUMMY: dict[torch.device, torch.Tensor] = {}

@@ -24,9 +24,11 @@ Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
   ring, ring_*: kernels/resident_chain_cute.py (CuTe): one resident launch whose producer
             lane streams every phase's rows through a shared-memory ring with bulk copies and
             mbarriers, never waiting for the chain (only for a free slot), so the weights keep
-            streaming while the consumers wait at a grid barrier (PERF round 18); ring: 12
-            slots × 16 KiB, 4 groups of 4 consumer warps; ring_g1/_g2/_g6: 1, 2, 6 groups;
-            ring_s6: 6 slots; ring_c2: groups of 2 warps
+            streaming while the consumers wait for x (PERF round 18); ring: 12 slots × 16 KiB,
+            2 groups of 4 consumer warps, x_p published as tagged words (no fence);
+            ring_ctr: x_p behind a counter grid barrier instead; ring_g1/_g4: 1, 4 groups;
+            ring_s6: 6 slots; ring_stream / ring_nobar: probes (no math and no barrier / no
+            barrier), timed only
 Each variant's x4 is checked against a float64 chain before it is timed. Measured on H200
 (PERF round 17): a grid barrier costs about a PDL launch boundary (persist8 ties cute at 0.45
 of the roofline); issuing the next phase's weights before the barrier (persist_pf,
@@ -196,28 +198,26 @@ if triton is not None:
         _phase(w_ptr, x_ptr, y_ptr, N, K, tl.program_id(0), G_, BN, BK)
 
 
-RING = {"ring": dict(stages=12, consumer_warps=4, groups=4),
-        "ring_g1": dict(stages=12, consumer_warps=4, groups=1),
-        "ring_g2": dict(stages=12, consumer_warps=4, groups=2),
-        "ring_g6": dict(stages=12, consumer_warps=4, groups=6),
-        "ring_s6": dict(stages=6, consumer_warps=4, groups=2),
-        "ring_c2": dict(stages=12, consumer_warps=2, groups=4),
-        "ring_32k": dict(stages=6, stage_bytes=32768, consumer_warps=4, groups=2),
-        "ring_stream": dict(stages=12, consumer_warps=4, groups=2, probe="stream"),
-        "ring_nobar": dict(stages=12, consumer_warps=4, groups=2, probe="nobarrier")}
+RING = {"ring": dict(groups=2),                                    # 12 × 16 KiB, 2 × 4 warps,
+        "ring_ctr": dict(groups=2, publish="counter"),              # tagged x; _ctr: barrier
+        "ring_g1": dict(groups=1),
+        "ring_g4": dict(groups=4),
+        "ring_s6": dict(stages=6, groups=2),
+        "ring_stream": dict(groups=2, probe="stream"),
+        "ring_nobar": dict(groups=2, probe="nobarrier")}
 PROBED = ("ring_stream", "ring_nobar")          # no valid output: timed, not checked
-TRACE_US = ("barrier passed", "x loaded", "stages summed", "y stored + arrived",
+TRACE_US = ("phase start", "x loaded", "stages summed", "y stored + arrived",
             "first stage issued", "last stage issued")
 
 
-def trace_summary(name: str, chains: list, grid: int, sync) -> dict:
+def trace_summary(name: str, chains: list, grid: int, scratch) -> dict:
     """One traced launch of `name`'s plan on the last weight copy (after one on each of the
     others, so L2 does not hold its weights): per phase and event, min / median / max over CTAs
     of µs since the earliest CTA's start."""
     plan = replace(ring_plan(name, grid), trace=True)
     trace = torch.zeros(RC.trace_words(plan), device="cuda", dtype=torch.int64)
     for c in chains:
-        RC.resident_chain_into(plan, c.xflat, c.wflat, sync, trace)
+        RC.resident_chain_into(plan, c.xflat, c.wflat, scratch, trace)
     torch.cuda.synchronize()
     t = trace.view(grid, plan.phases, RC.TRACE_EVENTS)[:, :, :len(TRACE_US)].double()
     t = (t - t[:, 0, 0].min()) / 1e3
@@ -314,7 +314,8 @@ def main(argv=None) -> int:
     chains = [Chain(xflat, xs, 100 + c) for c in range(copies)]
     counter = torch.zeros(1, device="cuda", dtype=torch.int32)
     flag = torch.zeros(1, device="cuda", dtype=torch.int32)
-    sync = torch.zeros(RC.SYNC_WORDS, device="cuda", dtype=torch.int32)   # ring variants
+    # ring variants' counters and tagged x copies (same shapes: one size for all)
+    sync = torch.zeros(ring_plan("ring", grid).scratch_words, device="cuda", dtype=torch.int32)
     report = report_header(
         args.commit, sm_count=grid,
         method=__doc__.split("\n\n")[1].strip() + "\n" + __doc__.split("\n\n")[2],
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
             row.update(us=t.us_per_call, us_min=t.us_min, us_max=t.us_max,
                        spin_bound_hit=bool(flag.item() or sync[2].item()))
             if v in RING:                              # the replays left the counters at zero
-                row["sync_after"] = sync.tolist()
+                row["sync_after"] = sync[:RC.SYNC_WORDS].tolist()
             if v in RING and args.trace:
                 row["trace_us"] = trace_summary(v, chains, grid, sync)
             if v != "barrier":

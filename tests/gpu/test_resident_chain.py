@@ -29,7 +29,7 @@ def _setup(plan: RC.ChainPlan, seed: int):
     for wi in w:
         wi.copy_((torch.randn(wi.shape, device="cuda", generator=g) / wi.shape[1] ** 0.5)
                  .to(torch.bfloat16))
-    return xs, ws, x, w, torch.zeros(RC.SYNC_WORDS, device="cuda", dtype=torch.int32)
+    return xs, ws, x, w, torch.zeros(plan.scratch_words, device="cuda", dtype=torch.int32)
 
 
 def _check(x, w):
@@ -44,6 +44,7 @@ def _check(x, w):
 
 @pytest.mark.parametrize("shapes,kw", [
     (K3, {}),                                                   # the bench's chain
+    (K3, {"publish": "counter"}),                               # x_p behind a grid barrier
     (K3, {"stages": 4, "consumer_warps": 2}),                   # shallow ring, 2-warp groups
     (K3, {"groups": 1}),                                        # one group takes every stage
     (K3, {"groups": 6, "stages": 6}),                           # a group per slot, more groups
@@ -53,10 +54,14 @@ def _check(x, w):
 def test_chain_matches_reference(shapes, kw):
     plan = RC.ChainPlan(shapes, ctas=_sms(), **kw)
     xs, ws, x, w, sync = _setup(plan, seed=len(shapes) + plan.stages)
-    RC.resident_chain_into(plan, xs, ws, sync)
-    torch.cuda.synchronize()
-    _check(x, w)
-    assert sync.tolist() == [0, 0, 0]                          # counters reset, no spin bound
+    for launch in range(3):                                     # the epoch moves the tags on
+        for xi in x[1:]:
+            xi.fill_(float("nan"))
+        RC.resident_chain_into(plan, xs, ws, sync)
+        torch.cuda.synchronize()
+        _check(x, w)
+        # counters reset, no spin bound, one epoch per launch
+        assert sync[:RC.SYNC_WORDS].tolist() == [0, 0, 0, launch + 1]
 
 
 def test_graph_replays_with_new_inputs():
@@ -76,7 +81,7 @@ def test_graph_replays_with_new_inputs():
         graph.replay()
         torch.cuda.synchronize()
         _check(x, w)
-        assert sync.tolist() == [0, 0, 0]
+        assert sync[:3].tolist() == [0, 0, 0]
 
 
 def test_bad_buffers_are_refused():
@@ -84,12 +89,15 @@ def test_bad_buffers_are_refused():
     xs, ws, _, _, sync = _setup(plan, seed=3)
     with pytest.raises(ValueError, match="ws"):
         RC.resident_chain_into(plan, xs, ws[:-8], sync)
-    with pytest.raises(ValueError, match="sync"):
+    with pytest.raises(ValueError, match="scratch"):
         RC.resident_chain_into(plan, xs, ws, sync.long())
+    with pytest.raises(ValueError, match="trace"):
+        RC.resident_chain_into(RC.ChainPlan(K3, ctas=_sms(), trace=True), xs, ws, sync)
 
 
-def test_trace_stamps_are_ordered_and_change_nothing():
-    plan = RC.ChainPlan(K3, ctas=_sms(), trace=True)
+@pytest.mark.parametrize("publish", RC.PUBLISH)
+def test_trace_stamps_are_ordered_and_change_nothing(publish):
+    plan = RC.ChainPlan(K3, ctas=_sms(), trace=True, publish=publish)
     xs, ws, x, w, sync = _setup(plan, seed=5)
     trace = torch.zeros(RC.trace_words(plan), device="cuda", dtype=torch.int64)
     RC.resident_chain_into(plan, xs, ws, sync, trace)
@@ -97,8 +105,8 @@ def test_trace_stamps_are_ordered_and_change_nothing():
     _check(x, w)
     t = trace.view(plan.ctas, plan.phases, RC.TRACE_EVENTS)[:, :, :6]
     assert (t > 0).all()
-    # per CTA and phase: barrier passed ≤ x loaded ≤ stages summed ≤ y stored; first ≤ last issue
+    # per CTA and phase: start ≤ x loaded ≤ stages summed ≤ y stored; first ≤ last issue
     assert (t[:, :, 0] <= t[:, :, 1]).all() and (t[:, :, 1] <= t[:, :, 2]).all()
     assert (t[:, :, 2] <= t[:, :, 3]).all() and (t[:, :, 4] <= t[:, :, 5]).all()
-    # no CTA passes barrier p before every CTA arrived at it
-    assert (t[:, 1:, 0].min(0).values >= t[:, :-1, 3].max(0).values).all()
+    # no CTA has x_p before every CTA summed its rows of phase p − 1 (y is stored after that)
+    assert (t[:, 1:, 1].min(0).values >= t[:, :-1, 2].max(0).values).all()
