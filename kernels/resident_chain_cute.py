@@ -22,13 +22,19 @@ wait. The weights never depend on the chain, so here they do not wait for it:
     the rows unrolled so their loads and shuffles interleave), reduces across lanes and parks
     the partial in `red`; a slot is released once the group's C warps have read it; after the
     last stage the C partials of each row are summed and stored;
-  * grid barrier between phases: consumer thread 0 does a release add on a counter and spins
-    (acquire loads, bounded by SPIN_MAX, else sets `flag` and goes on) until it reaches p·G;
-    the last CTA to finish resets the counter, so replays need no memset.
+  * between phases (`publish`): the CTAs' y rows are x_{p+1} for everyone. A release/acquire
+    grid barrier ("counter") costs more than it should here: the release fence waits for the
+    CTA's in-flight bulk copies (3–5 µs with a full ring, PERF round 18). "tagged" (default)
+    needs no fence: each y is also stored as one 32-bit word bf16 | tag << 16 (tag from the
+    launch epoch and the phase), consumer thread 0 adds a relaxed arrival and polls the count
+    (relaxed) to p·G, then every lane reads its words and re-reads any whose tag is not yet
+    this phase's. Spins are bounded by SPIN_MAX (then `flag` is set and the kernel goes on);
+    the last CTA to finish resets the counters and advances the epoch, so replays need no
+    memset.
 
 Shared memory: NS · S bytes of ring + 2·NS mbarriers + the row partials. Bytes read per launch:
-Σ 2·N_p·K_p (each weight once) + G · Σ 2·K_p (x_p, through L2).
-`chain_reference` is the PyTorch reference; `compile_chain` returns `launch(xs, ws, sync)` on the
+Σ 2·N_p·K_p (each weight once) + G · Σ 2·K_p (x_p, through L2; 4·K_p when tagged).
+`chain_reference` is the PyTorch reference; `compile_chain` returns `launch(xs, ws, scratch, trace)` on the
 current torch stream (graph-capturable). GPU only (sm_90+: bulk copies and mbarriers); the plan
 logic runs anywhere. Exploration beside `scripts/bench/persistent_chain.py`, not on the served
 path.
@@ -69,9 +75,11 @@ class ChainPlan:
     stages: int = 12
     stage_bytes: int = 16384
     groups: int = 4
-    publish: str = "tagged"    # how x_p reaches the other CTAs (PERF round 18): "tagged" words
-                               # (bf16 | tag << 16, relaxed stores, readers poll the tags: no
-                               # fence), or "counter" (a grid barrier: release add + acquire spin)
+    publish: str = "tagged"    # how x_p reaches the other CTAs (PERF round 18): "tagged": words
+                               # bf16 | tag << 16 (relaxed stores), a relaxed arrival count says
+                               # when to read them and each word's tag says it is this phase's
+                               # (no fence), or "counter": a grid barrier (release add + acquire
+                               # spin) before plain x_p
     probe: str = "none"        # bench diagnostics: "stream" (no math, no barriers: the ring's
                                # streaming rate), "nobarrier" (math without grid barriers);
                                # both leave garbage in x_1 … x_P
@@ -229,6 +237,9 @@ if cutlass is not None:
         return cute.arch.inline_ptx("ld.relaxed.gpu.global.u32 {$w0}, [{$r0}];",
                                     write_only_types=[cutlass.Int32], read_only_args=[ptr])
 
+    def _red_relaxed_add(ptr):
+        cute.arch.inline_ptx("red.relaxed.gpu.global.add.u32 [{$r0}], 1;", read_only_args=[ptr])
+
     def _red_release_add(ptr):
         cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], 1;", read_only_args=[ptr])
 
@@ -330,8 +341,8 @@ class ResidentChainKernel:
             N, K = plan.shapes[p]
             R = plan.rows_per_stage(p)
             J = plan.chunks_per_lane(p)
-            if const_expr(p > 0 and plan.probe == "none" and not tagged):
-                self._grid_wait(sync, p * G, ct)
+            if const_expr(p > 0 and plan.probe == "none"):
+                self._grid_wait(sync, p * G, ct, tagged)
             if const_expr(plan.trace):
                 if ct == 0:
                     self._stamp(mTrace, b, p, 0)
@@ -386,10 +397,13 @@ class ResidentChainKernel:
                     _st_tagged(sync + (plan.tag_offset(p + 1) + r0 + i), y,
                                1 + (epoch * plan.phases + p + 1) % TAG_MOD)
             cute.arch.barrier(barrier_id=1, number_of_threads=C * GR * WARP)
-            if ct == 0:                                  # the bar.sync above + a release op: cumulative
+            if ct == 0:
                 if const_expr(p + 1 < plan.phases):
-                    if const_expr(plan.probe == "none" and not tagged):
-                        _red_release_add(sync)
+                    if const_expr(plan.probe == "none"):
+                        if const_expr(tagged):           # no fence: the words carry their tags
+                            _red_relaxed_add(sync)
+                        else:                            # the bar.sync above + release: cumulative
+                            _red_release_add(sync)
                 else:                                    # last phase: the last CTA resets
                     done = _atom_add_acq_rel(sync + 1)
                     if done == G - 1:
@@ -431,13 +445,14 @@ class ResidentChainKernel:
             _st_relaxed(sync + 2, 1)
 
     @_dsl.jit
-    def _grid_wait(self, sync, target, ct):
-        """Consumers of this CTA wait until `target` arrivals are counted (bounded spin)."""
+    def _grid_wait(self, sync, target, ct, relaxed):
+        """Consumers of this CTA wait until `target` arrivals are counted (bounded spin).
+        relaxed: relaxed polls (the tagged words, not this count, order the data)."""
         if ct == 0:
             n = cutlass.Int32(0)
-            seen = _ld_acquire(sync)
+            seen = _ld_relaxed(sync) if const_expr(relaxed) else _ld_acquire(sync)
             while (seen < target) & (n < SPIN_MAX):
-                seen = _ld_acquire(sync)
+                seen = _ld_relaxed(sync) if const_expr(relaxed) else _ld_acquire(sync)
                 n = n + 1
             if n >= SPIN_MAX:
                 _st_relaxed(sync + 2, 1)
