@@ -11,9 +11,10 @@ wait. The weights never depend on the chain, so here they do not wait for it:
     [b·N/G, (b+1)·N/G) of every phase, contiguous in the row-major W;
   * warp 0, lane 0 is the producer: it walks every phase's rows in stages of R = ⌊S / 2K⌋ rows
     (one `cp.async.bulk` of ≤ S bytes each, global → a slot of an NS-slot shared ring,
-    completing a `full` mbarrier) and only ever waits for a free slot (`empty` mbarrier), never
-    for the chain: while the consumers wait at a grid barrier, the ring fills with the next
-    phases' rows;
+    completing a `full` mbarrier) and only ever waits for a free slot (`empty` mbarrier) or for
+    an earlier copy to land (at most `inflight` in flight: round 18 measured every queued byte
+    delaying the CTA's sync traffic), never for the chain: while the consumers wait for x, the
+    ring fills with the next phases' rows;
   * warps 1 … C·GR consume, in GR groups of C warps: group g takes the stages s ≡ g (mod GR)
     of a phase (the groups' latency chains run side by side), warp c of a group a K slice of
     each row. After the grid barrier that publishes x_p, each lane holds its columns of x_p in
@@ -75,6 +76,9 @@ class ChainPlan:
     stages: int = 12
     stage_bytes: int = 16384
     groups: int = 4
+    inflight: int = 3          # bulk copies issued but not landed, at most (the ring may hold
+                               # more landed stages): every byte queued at the SM delays its
+                               # sync traffic, ≈ bytes in flight / the SM's HBM share
     publish: str = "tagged"    # how x_p reaches the other CTAs (PERF round 18): "tagged": words
                                # bf16 | tag << 16 (relaxed stores), a relaxed arrival count says
                                # when to read them and each word's tag says it is this phase's
@@ -102,6 +106,8 @@ class ChainPlan:
             # parity wait can never alias a fill still in flight two phases back
             raise ValueError(f"ChainPlan: groups={self.groups}, stages={self.stages}; need "
                              "groups ≥ 1 dividing stages")
+        if not 1 <= self.inflight <= self.stages:
+            raise ValueError(f"ChainPlan: inflight={self.inflight}; need 1 … stages={self.stages}")
         if self.consumer_threads + WARP > 1024:
             raise ValueError(f"ChainPlan: groups={self.groups} × consumer_warps={self.consumer_warps}; "
                              "need groups ≥ 1 and ≤ 31 consumer warps in all")
@@ -313,6 +319,9 @@ class ResidentChainKernel:
             r1 = (b + 1) * N // G
             for s in cutlass.range((r1 - r0 + R - 1) // R, unroll=1):
                 slot = t % NS
+                if t >= plan.inflight:                   # at most `inflight` copies in flight
+                    d = t - plan.inflight
+                    cute.arch.mbarrier_wait(full + d % NS, (d // NS) % 2)
                 cute.arch.mbarrier_wait(empty + slot, ((t // NS) % 2) ^ 1)
                 row = r0 + s * R
                 nbytes = cutlass.min(R, r1 - row) * (2 * K)
