@@ -203,7 +203,12 @@ RING = {"ring": dict(groups=2),                           # 12 × 16 KiB, 2 × 4
         "ring_d5": dict(groups=2, inflight=5),
         "ring_d12": dict(groups=2, inflight=12),
         "ring_ctr": dict(groups=2, publish="counter"),     # _ctr: a counter barrier, plain x
+        "ring_ctr_d1": dict(groups=2, publish="counter", inflight=1),
+        "ring_ctr_d2": dict(groups=2, publish="counter", inflight=2),
         "ring_ctr_d12": dict(groups=2, publish="counter", inflight=12),
+        "ring_ctr_g4": dict(groups=4, publish="counter"),
+        "ring_ctr_g4_d2": dict(groups=4, publish="counter", inflight=2),
+        "ring_ctr_g1": dict(groups=1, publish="counter"),
         "ring_g1": dict(groups=1),
         "ring_g4": dict(groups=4),
         "ring_s6": dict(stages=6, groups=2),
