@@ -23,15 +23,15 @@ wait. The weights never depend on the chain, so here they do not wait for it:
     the rows unrolled so their loads and shuffles interleave), reduces across lanes and parks
     the partial in `red`; a slot is released once the group's C warps have read it; after the
     last stage the C partials of each row are summed and stored;
-  * between phases (`publish`): the CTAs' y rows are x_{p+1} for everyone. A release/acquire
-    grid barrier ("counter") costs more than it should here: the release fence waits for the
-    CTA's in-flight bulk copies (3–5 µs with a full ring, PERF round 18). "tagged" (default)
-    needs no fence: each y is also stored as one 32-bit word bf16 | tag << 16 (tag from the
-    launch epoch and the phase), consumer thread 0 adds a relaxed arrival and polls the count
-    (relaxed) to p·G, then every lane reads its words and re-reads any whose tag is not yet
-    this phase's. Spins are bounded by SPIN_MAX (then `flag` is set and the kernel goes on);
-    the last CTA to finish resets the counters and advances the epoch, so replays need no
-    memset.
+  * between phases (`publish`): the CTAs' y rows are x_{p+1} for everyone. "counter"
+    (default): a grid barrier, consumer thread 0 does a release add and spins (acquire) until
+    the count reaches p·G. Its release fence waits for the CTA's bulk copies in flight (3–5 µs
+    with 12 in flight, PERF round 18), hence `inflight`. "tagged" needs no fence: each y is
+    also stored as one 32-bit word bf16 | tag << 16 (tag from the launch epoch and the phase),
+    thread 0 adds a relaxed arrival and polls the count (relaxed), then every lane reads its
+    words and re-reads any whose tag is not yet this phase's. Spins are bounded by SPIN_MAX
+    (then `flag` is set and the kernel goes on); the last CTA to finish resets the counters
+    and advances the epoch, so replays need no memset.
 
 Shared memory: NS · S bytes of ring + 2·NS mbarriers + the row partials. Bytes read per launch:
 Σ 2·N_p·K_p (each weight once) + G · Σ 2·K_p (x_p, through L2; 4·K_p when tagged).
@@ -75,15 +75,16 @@ class ChainPlan:
     consumer_warps: int = 4
     stages: int = 12
     stage_bytes: int = 16384
-    groups: int = 4
-    inflight: int = 3          # bulk copies issued but not landed, at most (the ring may hold
+    groups: int = 2
+    inflight: int = 2          # bulk copies issued but not landed, at most (the ring may hold
                                # more landed stages): every byte queued at the SM delays its
                                # sync traffic, ≈ bytes in flight / the SM's HBM share
-    publish: str = "tagged"    # how x_p reaches the other CTAs (PERF round 18): "tagged": words
-                               # bf16 | tag << 16 (relaxed stores), a relaxed arrival count says
-                               # when to read them and each word's tag says it is this phase's
-                               # (no fence), or "counter": a grid barrier (release add + acquire
-                               # spin) before plain x_p
+    publish: str = "counter"   # how x_p reaches the other CTAs (PERF round 18): "counter": a
+                               # grid barrier (release add + acquire spin) before plain x_p, or
+                               # "tagged": words bf16 | tag << 16 (relaxed stores), a relaxed
+                               # arrival count says when to read them and each word's tag that
+                               # it is this phase's (no fence; measured slower: twice the x
+                               # bytes, read through hot L2 lines)
     probe: str = "none"        # bench diagnostics: "stream" (no math, no barriers: the ring's
                                # streaming rate), "nobarrier" (math without grid barriers);
                                # both leave garbage in x_1 … x_P

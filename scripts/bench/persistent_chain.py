@@ -25,10 +25,10 @@ Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
             lane streams every phase's rows through a shared-memory ring with bulk copies and
             mbarriers, never waiting for the chain (only for a free slot), so the weights keep
             streaming while the consumers wait for x (PERF round 18); ring: 12 slots × 16 KiB,
-            ≤ 3 copies in flight, 2 groups of 4 consumer warps, x_p published as tagged words
-            (no fence); ring_dN: ≤ N in flight; ring_ctr*: x_p behind a counter grid barrier
-            instead; ring_g1/_g4: 1, 4 groups; ring_s6: 6 slots; ring_stream* / ring_nobar:
-            probes (no math and no barrier / no barrier), timed only
+            ≤ 2 copies in flight, 2 groups of 4 consumer warps, a counter grid barrier;
+            ring_dN: ≤ N in flight; ring_g1/_g4: 1, 4 groups; ring_s6: 6 slots;
+            ring_tagged*: x_p as tagged words, no fence; ring_stream / ring_nobar: probes (no
+            math and no barrier / no barrier), timed only
 Each variant's x4 is checked against a float64 chain before it is timed. Measured on H200
 (PERF round 17): a grid barrier costs about a PDL launch boundary (persist8 ties cute at 0.45
 of the roofline); issuing the next phase's weights before the barrier (persist_pf,
@@ -198,23 +198,17 @@ if triton is not None:
         _phase(w_ptr, x_ptr, y_ptr, N, K, tl.program_id(0), G_, BN, BK)
 
 
-RING = {"ring": dict(groups=2),                           # 12 × 16 KiB, 2 × 4 warps, ≤ 3 in
-        "ring_d2": dict(groups=2, inflight=2),             # flight, tagged x; _dN: ≤ N in flight
-        "ring_d5": dict(groups=2, inflight=5),
-        "ring_d12": dict(groups=2, inflight=12),
-        "ring_ctr": dict(groups=2, publish="counter"),     # _ctr: a counter barrier, plain x
-        "ring_ctr_d1": dict(groups=2, publish="counter", inflight=1),
-        "ring_ctr_d2": dict(groups=2, publish="counter", inflight=2),
-        "ring_ctr_d12": dict(groups=2, publish="counter", inflight=12),
-        "ring_ctr_g4": dict(groups=4, publish="counter"),
-        "ring_ctr_g4_d2": dict(groups=4, publish="counter", inflight=2),
-        "ring_ctr_g1": dict(groups=1, publish="counter"),
+RING = {"ring": {},                            # ChainPlan defaults: 12 × 16 KiB slots, ≤ 2
+        "ring_d1": dict(inflight=1),            # copies in flight, 2 groups × 4 consumer warps,
+        "ring_d3": dict(inflight=3),            # counter barrier; _dN: ≤ N in flight
+        "ring_d12": dict(inflight=12),
         "ring_g1": dict(groups=1),
         "ring_g4": dict(groups=4),
-        "ring_s6": dict(stages=6, groups=2),
-        "ring_stream": dict(groups=2, probe="stream"),
-        "ring_stream_d12": dict(groups=2, probe="stream", inflight=12),
-        "ring_nobar": dict(groups=2, probe="nobarrier")}
+        "ring_s6": dict(stages=6),
+        "ring_tagged": dict(publish="tagged"),
+        "ring_tagged_d12": dict(publish="tagged", inflight=12),
+        "ring_stream": dict(probe="stream"),
+        "ring_nobar": dict(probe="nobarrier")}
 PROBED = ("ring_stream", "ring_nobar")          # no valid output: timed, not checked
 TRACE_US = ("phase start", "x loaded", "stages summed", "y stored + arrived",
             "first stage issued", "last stage issued")

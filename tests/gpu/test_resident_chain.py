@@ -44,11 +44,12 @@ def _check(x, w):
 
 @pytest.mark.parametrize("shapes,kw", [
     (K3, {}),                                                   # the bench's chain
-    (K3, {"publish": "counter"}),                               # x_p behind a grid barrier
+    (K3, {"publish": "tagged"}),                                # x_p as tagged words
     (K3, {"inflight": 1}),                                      # one copy in flight
-    (K3, {"inflight": 12, "publish": "counter"}),               # no throttle
+    (K3, {"inflight": 12, "publish": "tagged"}),                # no throttle
     (K3, {"stages": 4, "consumer_warps": 2}),                   # shallow ring, 2-warp groups
     (K3, {"groups": 1}),                                        # one group takes every stage
+    (K3, {"groups": 4}),
     (K3, {"groups": 6, "stages": 6}),                           # a group per slot, more groups
                                                                 # than a K = 7168 phase's stages
     (((512, 256), (256, 512), (768, 256)), {"consumer_warps": 1, "stage_bytes": 1536}),
