@@ -58,9 +58,9 @@ SYNC_WORDS = 4             # int32 at the head of scratch: arrival counter, done
 PROBES = ("none", "stream", "nobarrier")
 PUBLISH = ("tagged", "counter")
 TAG_MOD = 65535            # tags 1 … 65535: 0 (a zeroed scratch) is never a valid tag
-TRACE_EVENTS = 8           # int64 per (CTA, phase): 0 start (counter: barrier passed), 1 x_p
-                           # loaded (tagged: every tag seen), 2 stages
-                           # summed, 3 y stored (+ arrived), 4 first stage issued, 5 last issued
+TRACE_EVENTS = 8           # int64 per (CTA, phase): 0 start (counter: barrier passed),
+                           # 1 x_p loaded (tagged: lane 0's tags seen), 2 stages summed,
+                           # 3 y stored (+ arrived), 4 first stage issued, 5 last issued
 
 if cutlass is not None:
     from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_shared_cluster_global
@@ -152,15 +152,17 @@ class ChainPlan:
     @property
     def red_rows(self) -> int:
         """Partial-sum rows: the most rows a CTA holds in one phase, rounded up to whole stages."""
-        out = 0
-        for p, (N, _) in enumerate(self.shapes):
-            R = self.rows_per_stage(p)
-            out = max(out, -(-(-(-N // self.ctas)) // R) * R)
-        return out
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        return max(cdiv(cdiv(N, self.ctas), self.rows_per_stage(p)) * self.rows_per_stage(p)
+                   for p, (N, _) in enumerate(self.shapes))
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * self.stage_bytes + 2 * 8 * self.stages + 4 * self.red_rows * self.consumer_warps + 256
+        """Ring + full/empty mbarriers + fp32 row partials + alignment slack."""
+        return (self.stages * self.stage_bytes + 2 * 8 * self.stages
+                + 4 * self.red_rows * self.consumer_warps + 256)
 
     @property
     def x_offsets(self) -> tuple[int, ...]:
