@@ -89,10 +89,15 @@ class ChainPlan:
                                # streaming rate), "nobarrier" (math without grid barriers);
                                # both leave garbage in x_1 … x_P
     trace: bool = False        # write %globaltimer stamps (TRACE_EVENTS per CTA and phase)
+    op_ns: int = 0             # bench: a stand-in latency-bound op (a %globaltimer wait of
+                               # op_ns) on the critical path after each phase's sums, before
+                               # its y is stored: how much of it the ring's streaming hides
 
     def __post_init__(self):
         if not self.shapes:
             raise ValueError("ChainPlan: shapes is empty; give at least one (N, K) phase")
+        if isinstance(self.op_ns, bool) or not isinstance(self.op_ns, int) or self.op_ns < 0:
+            raise ValueError(f"ChainPlan: op_ns={self.op_ns!r}; need an int ≥ 0 (nanoseconds)")
         if self.ctas < 1:
             raise ValueError(f"ChainPlan: ctas={self.ctas}; need ≥ 1 (one CTA per SM)")
         if self.stage_bytes % 16 or self.stage_bytes < 16:
@@ -400,6 +405,11 @@ class ResidentChainKernel:
             if const_expr(plan.trace):
                 if ct == 0:
                     self._stamp(mTrace, b, p, 2)
+            if const_expr(plan.op_ns > 0):
+                t0 = cute.arch.globaltimer()
+                now = t0
+                while now - t0 < plan.op_ns:
+                    now = cute.arch.globaltimer()
             for i in cutlass.range(ct, r1 - r0, C * GR * WARP, unroll=1):
                 y = red[(i, 0)]
                 for q in cutlass.range_constexpr(1, C):

@@ -21,6 +21,9 @@ Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
             the leading PRELOAD columns of the row block it computes next (one block per CTA
             and phase)
   barrier:  the persistent kernel with no GEMV work: µs per grid barrier
+  cute_op, ring_op: cute / ring with a stand-in latency-bound op (a --op-us wait; in cute a
+            one-CTA PDL kernel, in ring the consumers wait) after every GEMV: how much of the
+            ops the weight stream hides (PERF round 18; `ops_us` is their sum)
   ring, ring_*: kernels/resident_chain_cute.py (CuTe): one resident launch whose producer
             lane streams every phase's rows through a shared-memory ring with bulk copies and
             mbarriers, never waiting for the chain (only for a free slot), so the weights keep
@@ -192,6 +195,16 @@ if triton is not None:
             _phase(w3, x3, x4, N0, N1, pid, G_, BN1, BK1)
 
     @triton.jit
+    def _op_kernel(ns, PDL: tl.constexpr):
+        """A latency-bound op's stand-in: one CTA waits ns on %globaltimer. PDL like the
+        layer's Triton kernels: the next GEMV may launch (and load weights) while it waits."""
+        pdl_enter(PDL)
+        t0 = tl.extra.cuda.globaltimer()
+        t = t0
+        while t - t0 < ns:
+            t = tl.extra.cuda.globaltimer()
+
+    @triton.jit
     def _phase_kernel(w_ptr, x_ptr, y_ptr, N, K, G_: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
@@ -208,17 +221,19 @@ RING = {"ring": {},                            # ChainPlan defaults: 12 × 16 Ki
         "ring_tagged": dict(publish="tagged"),
         "ring_tagged_d12": dict(publish="tagged", inflight=12),
         "ring_stream": dict(probe="stream"),
-        "ring_nobar": dict(probe="nobarrier")}
+        "ring_nobar": dict(probe="nobarrier"),
+        "ring_op": {}}                          # + a --op-us wait after each phase's sums
+OPS = ("cute_op", "ring_op")                    # a latency-bound op after every GEMV
 PROBED = ("ring_stream", "ring_nobar")          # no valid output: timed, not checked
 TRACE_US = ("phase start", "x loaded", "stages summed", "y stored + arrived",
             "first stage issued", "last stage issued")
 
 
-def trace_summary(name: str, chains: list, grid: int, scratch) -> dict:
+def trace_summary(name: str, chains: list, grid: int, scratch, op_ns: int = 0) -> dict:
     """One traced launch of `name`'s plan on the last weight copy (after one on each of the
     others, so L2 does not hold its weights): per phase and event, min / median / max over CTAs
     of µs since the earliest CTA's start."""
-    plan = replace(ring_plan(name, grid), trace=True)
+    plan = replace(ring_plan(name, grid, op_ns), trace=True)
     trace = torch.zeros(RC.trace_words(plan), device="cuda", dtype=torch.int64)
     for c in chains:
         RC.resident_chain_into(plan, c.xflat, c.wflat, scratch, trace)
@@ -233,8 +248,9 @@ def trace_summary(name: str, chains: list, grid: int, scratch) -> dict:
     return out
 
 
-def ring_plan(name: str, grid: int) -> RC.ChainPlan:
-    return RC.ChainPlan(tuple((WIDTHS[i + 1], WIDTHS[i]) for i in range(4)), ctas=grid, **RING[name])
+def ring_plan(name: str, grid: int, op_ns: int = 0) -> RC.ChainPlan:
+    return RC.ChainPlan(tuple((WIDTHS[i + 1], WIDTHS[i]) for i in range(4)), ctas=grid,
+                        op_ns=op_ns if name in OPS else 0, **RING[name])
 
 
 class Chain:
@@ -261,10 +277,15 @@ class Chain:
         return x
 
 
-def run_variant(name: str, chain: Chain, grid: int, counter, flag, sync) -> None:
+def run_variant(name: str, chain: Chain, grid: int, counter, flag, sync, op_ns: int = 0) -> None:
     xs, w = chain.xs, chain.w
+    if name == "cute_op":
+        for i in range(4):
+            xs[i + 1].copy_(G.linear(xs[i][None], w[i])[0])
+            _op_kernel[(1,)](op_ns, num_warps=1, **pdl_launch(xs[i]))
+        return
     if name in RING:
-        RC.resident_chain_into(ring_plan(name, grid), chain.xflat, chain.wflat, sync)
+        RC.resident_chain_into(ring_plan(name, grid, op_ns), chain.xflat, chain.wflat, sync)
         return
     if name == "cute":
         for i in range(4):
@@ -291,7 +312,7 @@ def run_variant(name: str, chain: Chain, grid: int, counter, flag, sync) -> None
 
 
 VARIANTS = ("cute", "launches", "persist", "persist8", "persist_pf", "persist_pre", "barrier",
-            *RING)
+            *RING, "cute_op")
 
 
 def main(argv=None) -> int:
@@ -299,15 +320,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--op-us", type=float, default=4.0,
+                    help="cute_op / ring_op: the stand-in latency-bound op after each GEMV (µs)")
     ap.add_argument("--trace", action="store_true",
                     help="ring variants: also one traced launch, per-phase event times in the JSON")
     args = ap.parse_args(argv)
     bad = [v for v in args.variants.split(",") if v not in VARIANTS]
     if bad:
         ap.error(f"--variants {bad}: accepted {', '.join(VARIANTS)}")
+    if args.op_us < 0:
+        ap.error(f"--op-us {args.op_us}: need ≥ 0")
     if not torch.cuda.is_available() or triton is None or not G.cute_available():
         print("persistent_chain: needs a CUDA GPU, Triton and CuTe DSL", file=sys.stderr)
         return 2
+    op_ns = int(args.op_us * 1e3)
     t0 = time.time()
     grid = torch.cuda.get_device_properties(0).multi_processor_count
     xflat = torch.empty(sum(WIDTHS), device="cuda", dtype=torch.bfloat16)
@@ -323,7 +349,7 @@ def main(argv=None) -> int:
     report = report_header(
         args.commit, sm_count=grid,
         method=__doc__.split("\n\n")[1].strip() + "\n" + __doc__.split("\n\n")[2],
-        widths=WIDTHS, chain_bytes=chain_bytes, copies=copies, results={})
+        widths=WIDTHS, chain_bytes=chain_bytes, copies=copies, op_us=args.op_us, results={})
     report["hbm_read_Bps"] = hbm = hbm_read_bandwidth()
     report["roofline_us"] = chain_bytes / hbm * 1e6
     timer = GraphTimer(replays=15, warm=3)
@@ -334,12 +360,12 @@ def main(argv=None) -> int:
             flag.zero_()
             sync.zero_()
             xs[4].fill_(float("nan"))                  # poisoned: each variant must write it
-            run_variant(v, chains[0], grid, counter, flag, sync)
+            run_variant(v, chains[0], grid, counter, flag, sync, op_ns)
             torch.cuda.synchronize()
             if v not in ("barrier", *PROBED):
                 got = xs[4].double()
                 row["rel_err"] = float((got - want).abs().max() / want.abs().max())
-            t = timer.run([lambda c=c: run_variant(v, c, grid, counter, flag, sync)
+            t = timer.run([lambda c=c: run_variant(v, c, grid, counter, flag, sync, op_ns)
                            for c in chains], count_nodes=False)
             torch.cuda.synchronize()
             row.update(us=t.us_per_call, us_min=t.us_min, us_max=t.us_max,
@@ -347,7 +373,9 @@ def main(argv=None) -> int:
             if v in RING:                              # the replays left the counters at zero
                 row["sync_after"] = sync[:RC.SYNC_WORDS].tolist()
             if v in RING and args.trace:
-                row["trace_us"] = trace_summary(v, chains, grid, sync)
+                row["trace_us"] = trace_summary(v, chains, grid, sync, op_ns)
+            if v in OPS:                               # the ops' own time, were none hidden
+                row["ops_us"] = 4 * args.op_us
             if v != "barrier":
                 row["frac_of_roofline"] = report["roofline_us"] / t.us_per_call
             else:

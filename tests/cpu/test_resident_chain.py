@@ -33,6 +33,8 @@ K3 = ((1024, 7168), (7168, 1024), (1024, 7168), (7168, 1024))
     (dict(inflight=0), "inflight=0"),
     (dict(inflight=13), "inflight=13"),
     (dict(groups=12, consumer_warps=4), "groups=12"),
+    (dict(op_ns=-1), "op_ns=-1"),
+    (dict(op_ns=1.5), "op_ns=1.5"),
 ])
 def test_bad_plans_are_refused_naming_the_value(kw, needle):
     args = dict(shapes=K3, ctas=132) | kw
@@ -126,3 +128,10 @@ def test_kernel_compiles_with_bulk_copies_and_no_local_memory(publish, tmp_path)
     membars = sass.count("MEMBAR.ALL.GPU") + sass.count("MEMBAR.SC.GPU")
     # counter: a release per barrier + the final acq_rel; tagged: only the final acq_rel
     assert membars == (plan.phases if publish == "counter" else 1)
+
+
+def test_bench_refuses_a_negative_op_time():
+    from raydecode.scripts.bench import persistent_chain as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--out", "/dev/null", "--op-us", "-1"])

@@ -50,6 +50,7 @@ def _check(x, w):
     (K3, {"stages": 4, "consumer_warps": 2}),                   # shallow ring, 2-warp groups
     (K3, {"groups": 1}),                                        # one group takes every stage
     (K3, {"groups": 4}),
+    (K3, {"op_ns": 2000}),                                      # the bench's stand-in op
     (K3, {"groups": 6, "stages": 6}),                           # a group per slot, more groups
                                                                 # than a K = 7168 phase's stages
     (((512, 256), (256, 512), (768, 256)), {"consumer_warps": 1, "stage_bytes": 1536}),
