@@ -36,10 +36,10 @@ Each variant's x4 is checked against a float64 chain before it is timed. Measure
 (PERF round 17): a grid barrier costs about a PDL launch boundary (persist8 ties cute at 0.45
 of the roofline); issuing the next phase's weights before the barrier (persist_pf,
 persist_pre) loses. Round 18: ring reaches 0.62 (1.36× cute); with an op after every GEMV
-the lead falls to 2 µs (ring_op vs cute_op: PDL already hides half of each op). The spin is bounded
-(SPIN_MAX polls); a kernel that hit the bound sets a flag and the variant is reported failed —
-a grid barrier needs every CTA resident, which the grid size (SM count, 1 CTA each) ensures on
-an otherwise idle GPU.
+the lead falls to 2 µs (ring_op vs cute_op: PDL already hides half of each op).
+The spin is bounded (SPIN_MAX polls); a kernel that hit the bound sets a flag and the variant
+is reported failed — a grid barrier needs every CTA resident, which the grid size (SM count,
+1 CTA each) ensures on an otherwise idle GPU.
 """
 from __future__ import annotations
 
