@@ -28,7 +28,7 @@ import time
 import torch
 
 from raydecode.kernels import gemv as G
-from raydecode.kernels._triton import tl, triton
+from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.l2_prefetch import KINDS, SidePrefetch, l2_prefetch, prefetch_table
 
 from .gemv import ROTATE_BYTES
@@ -46,16 +46,20 @@ CONTROLS = ("read", "gemv")
 
 if triton is not None:
     @triton.jit
-    def _spin_kernel(ns):
+    def _spin_kernel(ns, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t0 = tl.extra.cuda.globaltimer()
         t = t0
         while t - t0 < ns:
             t = tl.extra.cuda.globaltimer()
 
 
-def spin(ns: int) -> None:
-    """Occupy the stream ns nanoseconds (one CTA)."""
-    _spin_kernel[(1,)](ns, num_warps=1)
+def spin(ns: int, pdl_like: torch.Tensor | None = None) -> None:
+    """Occupy the stream ns nanoseconds (one CTA). pdl_like: launch it under PDL on that
+    tensor's device (`pdl_launch`), like the layer's Triton kernels, so the next PDL kernel
+    may launch and start its prologue while it waits; None: a plain launch."""
+    _spin_kernel[(1,)](ns, num_warps=1,
+                       **(pdl_launch(pdl_like) if pdl_like is not None else {"PDL": False}))
 
 
 def bench_shape(name, N, K, f32, spin_us, variants, timer, hbm) -> dict:

@@ -57,6 +57,7 @@ from raydecode.kernels import resident_chain_cute as RC
 from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
 
 from .gemv import ROTATE_BYTES
+from .l2_prefetch import spin
 from .layer_timing import GraphTimer, hbm_read_bandwidth
 from .report_io import report_header, write_report
 
@@ -195,16 +196,6 @@ if triton is not None:
             _phase(w3, x3, x4, N0, N1, pid, G_, BN1, BK1)
 
     @triton.jit
-    def _op_kernel(ns, PDL: tl.constexpr):
-        """A latency-bound op's stand-in: one CTA waits ns on %globaltimer. PDL like the
-        layer's Triton kernels: the next GEMV may launch (and load weights) while it waits."""
-        pdl_enter(PDL)
-        t0 = tl.extra.cuda.globaltimer()
-        t = t0
-        while t - t0 < ns:
-            t = tl.extra.cuda.globaltimer()
-
-    @triton.jit
     def _phase_kernel(w_ptr, x_ptr, y_ptr, N, K, G_: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
@@ -282,7 +273,7 @@ def run_variant(name: str, chain: Chain, grid: int, counter, flag, sync, op_ns: 
     if name == "cute_op":
         for i in range(4):
             xs[i + 1].copy_(G.linear(xs[i][None], w[i])[0])
-            _op_kernel[(1,)](op_ns, num_warps=1, **pdl_launch(xs[i]))
+            spin(op_ns, pdl_like=xs[i])            # the op: a one-CTA wait, PDL
         return
     if name in RING:
         RC.resident_chain_into(ring_plan(name, grid, op_ns), chain.xflat, chain.wflat, sync)
