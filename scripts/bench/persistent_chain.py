@@ -245,21 +245,18 @@ def ring_plan(name: str, grid: int, op_ns: int = 0) -> RC.ChainPlan:
 
 
 class Chain:
-    """One weight copy of the chain (one flat buffer, W_i views into it) with the activation
-    buffers (views of one flat buffer: the ring kernel takes both flat)."""
+    """One weight copy of the chain: a flat weight buffer with W_i views into it, and the
+    shared flat activation buffer's x_i views (the ring kernel takes both flat; the views are
+    `RC.flat_views` of `plan`, whose offsets depend on the widths only)."""
 
-    def __init__(self, xflat: torch.Tensor, xs: list[torch.Tensor], seed: int):
+    def __init__(self, plan: RC.ChainPlan, xflat: torch.Tensor, seed: int):
         g = torch.Generator(device="cuda").manual_seed(seed)
-        sizes = [WIDTHS[i + 1] * WIDTHS[i] for i in range(4)]
-        self.wflat = torch.empty(sum(sizes), device="cuda", dtype=torch.bfloat16)
-        self.w, off = [], 0
-        for i in range(4):
-            w = self.wflat[off:off + sizes[i]].view(WIDTHS[i + 1], WIDTHS[i])
-            w.copy_(torch.randn(WIDTHS[i + 1], WIDTHS[i], device="cuda", dtype=torch.bfloat16,
-                                generator=g) / WIDTHS[i] ** 0.5)
-            self.w.append(w)
-            off += sizes[i]
-        self.xflat, self.xs = xflat, xs
+        self.wflat = torch.empty(plan.w_offsets[-1], device="cuda", dtype=torch.bfloat16)
+        self.xs, self.w = RC.flat_views(plan, xflat, self.wflat)
+        for w in self.w:
+            w.copy_(torch.randn(w.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+                    / w.shape[1] ** 0.5)
+        self.xflat = xflat
 
     def reference(self) -> torch.Tensor:
         x = self.xs[0].double()
@@ -327,16 +324,17 @@ def main(argv=None) -> int:
     op_ns = int(args.op_us * 1e3)
     t0 = time.time()
     grid = torch.cuda.get_device_properties(0).multi_processor_count
-    xflat = torch.empty(sum(WIDTHS), device="cuda", dtype=torch.bfloat16)
-    xs = list(xflat.split(WIDTHS))
-    xs[0].normal_()
-    chain_bytes = sum(2 * WIDTHS[i] * WIDTHS[i + 1] for i in range(4))
+    plan = ring_plan("ring", grid)
+    xflat = torch.empty(plan.x_offsets[-1], device="cuda", dtype=torch.bfloat16)
+    chain_bytes = plan.weight_bytes
     copies = max(4, math.ceil(ROTATE_BYTES / chain_bytes))
-    chains = [Chain(xflat, xs, 100 + c) for c in range(copies)]
+    chains = [Chain(plan, xflat, 100 + c) for c in range(copies)]
+    xs = chains[0].xs                                 # the same views in every chain
+    xs[0].normal_()
     counter = torch.zeros(1, device="cuda", dtype=torch.int32)
     flag = torch.zeros(1, device="cuda", dtype=torch.int32)
     # ring variants' counters and tagged x copies (same shapes: one size for all)
-    sync = torch.zeros(ring_plan("ring", grid).scratch_words, device="cuda", dtype=torch.int32)
+    sync = torch.zeros(plan.scratch_words, device="cuda", dtype=torch.int32)
     report = report_header(
         args.commit, sm_count=grid,
         method=__doc__.split("\n\n")[1].strip() + "\n" + __doc__.split("\n\n")[2],
