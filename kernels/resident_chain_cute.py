@@ -285,7 +285,7 @@ class ResidentChainKernel:
     @_dsl.kernel
     def kernel(self, mX: _Tensor, mW: _Tensor, mScratch: _Tensor, mTrace: _Tensor):
         plan = self.plan
-        C, NS, G = plan.consumer_warps, plan.stages, plan.ctas
+        C, NS = plan.consumer_warps, plan.stages
         SC = plan.stage_bytes // 16                    # 16-byte chunks per slot
         tidx, _, _ = cute.arch.thread_idx()
         b, _, _ = cute.arch.block_idx()
@@ -315,17 +315,25 @@ class ResidentChainKernel:
                           cw // plan.consumer_warps, lane, tidx - WARP, mTrace)
 
     @_dsl.jit
+    def _cta_stages(self, b, p):
+        """CTA b's rows [r0, r1) of phase p and their stage count (device twin of `cta_rows`;
+        producer and consumers must agree on it exactly)."""
+        N, G, R = self.plan.shapes[p][0], self.plan.ctas, self.plan.rows_per_stage(p)
+        r0 = b * N // G
+        r1 = (b + 1) * N // G
+        return r0, r1, (r1 - r0 + R - 1) // R
+
+    @_dsl.jit
     def _produce(self, mW, ring, full, empty, b, mTrace):
         """Lane 0 of warp 0: every phase's rows of this CTA, stage by stage, into the ring."""
         plan = self.plan
-        NS, G, SC = plan.stages, plan.ctas, plan.stage_bytes // 16
+        NS, SC = plan.stages, plan.stage_bytes // 16
         t = cutlass.Int32(0)                             # stages issued so far (all phases)
         for p in cutlass.range_constexpr(plan.phases):
-            N, K = plan.shapes[p]
+            K = plan.shapes[p][1]
             R = plan.rows_per_stage(p)
-            r0 = b * N // G
-            r1 = (b + 1) * N // G
-            for s in cutlass.range((r1 - r0 + R - 1) // R, unroll=1):
+            r0, r1, ns = self._cta_stages(b, p)
+            for s in cutlass.range(ns, unroll=1):
                 slot = t % NS
                 if t >= plan.inflight:                   # at most `inflight` copies in flight
                     d = t - plan.inflight
@@ -355,7 +363,7 @@ class ResidentChainKernel:
         epoch = _ld_relaxed(sync + 3) % TAG_MOD          # stable until every CTA has finished
         base = cutlass.Int32(0)                          # stages of the earlier phases (all CTAs' order)
         for p in cutlass.range_constexpr(plan.phases):
-            N, K = plan.shapes[p]
+            K = plan.shapes[p][1]
             R = plan.rows_per_stage(p)
             J = plan.chunks_per_lane(p)
             if const_expr(p > 0 and plan.probe == "none"):
@@ -376,9 +384,7 @@ class ResidentChainKernel:
             if const_expr(plan.trace):
                 if ct == 0:
                     self._stamp(mTrace, b, p, 1, rx[(0, 0)])
-            r0 = b * N // G
-            r1 = (b + 1) * N // G
-            ns = (r1 - r0 + R - 1) // R
+            r0, r1, ns = self._cta_stages(b, p)
             for s in cutlass.range(grp, ns, GR, unroll=1):
                 t = base + s
                 slot = t % NS
@@ -401,7 +407,7 @@ class ResidentChainKernel:
                 if lane == 0:
                     cute.arch.mbarrier_arrive(empty + slot)
             base = base + ns
-            cute.arch.barrier(barrier_id=1, number_of_threads=C * GR * WARP)
+            cute.arch.barrier(barrier_id=1, number_of_threads=plan.consumer_threads)
             if const_expr(plan.trace):
                 if ct == 0:
                     self._stamp(mTrace, b, p, 2)
@@ -410,7 +416,7 @@ class ResidentChainKernel:
                 now = t0
                 while now - t0 < plan.op_ns:
                     now = cute.arch.globaltimer()
-            for i in cutlass.range(ct, r1 - r0, C * GR * WARP, unroll=1):
+            for i in cutlass.range(ct, r1 - r0, plan.consumer_threads, unroll=1):
                 y = red[(i, 0)]
                 for q in cutlass.range_constexpr(1, C):
                     y = y + red[(i, q)]
@@ -418,7 +424,7 @@ class ResidentChainKernel:
                 if const_expr(tagged and p + 1 < plan.phases):
                     _st_tagged(sync + (plan.tag_offset(p + 1) + r0 + i), y,
                                1 + (epoch * plan.phases + p + 1) % TAG_MOD)
-            cute.arch.barrier(barrier_id=1, number_of_threads=C * GR * WARP)
+            cute.arch.barrier(barrier_id=1, number_of_threads=plan.consumer_threads)
             if ct == 0:
                 if const_expr(p + 1 < plan.phases):
                     if const_expr(plan.probe == "none"):
