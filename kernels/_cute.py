@@ -59,3 +59,14 @@ class CompileCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+_DUMMY_I64: dict[torch.device, torch.Tensor] = {}
+
+
+def dummy_int64(device: torch.device) -> torch.Tensor:
+    """A one-word int64 CUDA tensor, one per device: the trace buffer untraced launches of the
+    resident kernels pass (never written)."""
+    if device not in _DUMMY_I64:
+        _DUMMY_I64[device] = torch.zeros(1, device=device, dtype=torch.int64)
+    return _DUMMY_I64[device]

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
-from raydecode.kernels._cute import CompileCache
+from raydecode.kernels import _cute_ptx as P
+from raydecode.kernels._cute import CompileCache, dummy_int64
 from raydecode.kernels._cute_dsl import Float32, _dsl, _Stream, _Tensor, const_expr, cute, cutlass
 
 WARP = 32
@@ -213,17 +214,6 @@ def flat_views(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor):
 
 
 if cutlass is not None:
-    def _ld_cg_bf16x8(ptr):
-        """8 bf16 at a global address (16-byte aligned) as 8 fp32, read through L2 (.cg)."""
-        return cute.arch.inline_ptx(
-            "{ .reg .b32 a, b, c, d;\n"
-            " ld.global.cg.v4.b32 {a, b, c, d}, [{$r0}];\n"
-            " shl.b32 {$w0}, a, 16;  and.b32 {$w1}, a, 0xffff0000;\n"
-            " shl.b32 {$w2}, b, 16;  and.b32 {$w3}, b, 0xffff0000;\n"
-            " shl.b32 {$w4}, c, 16;  and.b32 {$w5}, c, 0xffff0000;\n"
-            " shl.b32 {$w6}, d, 16;  and.b32 {$w7}, d, 0xffff0000; }",
-            write_only_types=[Float32] * 8, read_only_args=[ptr])
-
     def _ld_tagged4(ptr, tag):
         """4 tagged words (bf16 | tag << 16) at a global address (16-byte aligned): their values
         as fp32, and 1 if all four carry `tag` (relaxed loads: polled across SMs)."""
@@ -246,28 +236,6 @@ if cutlass is not None:
             " cvt.rn.bf16.f32 h, {$r0};  cvt.u16.u32 t, {$r1};  mov.b32 w, {h, t};\n"
             " st.relaxed.gpu.global.b32 [{$r2}], w; }",
             read_only_args=[y, tag, ptr])
-
-    def _ld_relaxed(ptr):
-        return cute.arch.inline_ptx("ld.relaxed.gpu.global.u32 {$w0}, [{$r0}];",
-                                    write_only_types=[cutlass.Int32], read_only_args=[ptr])
-
-    def _red_relaxed_add(ptr):
-        cute.arch.inline_ptx("red.relaxed.gpu.global.add.u32 [{$r0}], 1;", read_only_args=[ptr])
-
-    def _red_release_add(ptr):
-        cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], 1;", read_only_args=[ptr])
-
-    def _ld_acquire(ptr):
-        return cute.arch.inline_ptx("ld.acquire.gpu.global.u32 {$w0}, [{$r0}];",
-                                    write_only_types=[cutlass.Int32], read_only_args=[ptr])
-
-    def _atom_add_acq_rel(ptr):
-        return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.u32 {$w0}, [{$r0}], 1;",
-                                    write_only_types=[cutlass.Int32], read_only_args=[ptr])
-
-    def _st_relaxed(ptr, v):
-        cute.arch.inline_ptx("st.relaxed.gpu.global.u32 [{$r0}], {$r1};",
-                             read_only_args=[ptr, cutlass.Int32(v)])
 
 
 class ResidentChainKernel:
@@ -360,7 +328,7 @@ class ResidentChainKernel:
         SC = plan.stage_bytes // 16
         sync = mScratch.iterator
         tagged = plan.publish == "tagged" and plan.probe == "none"
-        epoch = _ld_relaxed(sync + 3) % TAG_MOD          # stable until every CTA has finished
+        epoch = P.ld_relaxed(sync + 3) % TAG_MOD          # stable until every CTA has finished
         base = cutlass.Int32(0)                          # stages of the earlier phases (all CTAs' order)
         for p in cutlass.range_constexpr(plan.phases):
             K = plan.shapes[p][1]
@@ -378,7 +346,7 @@ class ResidentChainKernel:
                                   J, c, lane)
             else:
                 for j in cutlass.range_constexpr(J):
-                    v = _ld_cg_bf16x8(mX.iterator + (plan.x_offsets[p] + ((c * J + j) * WARP + lane) * VEC))
+                    v = P.ld_cg_bf16x8(mX.iterator + (plan.x_offsets[p] + ((c * J + j) * WARP + lane) * VEC))
                     for e in cutlass.range_constexpr(VEC):
                         rx[(j, e)] = v[e]
             if const_expr(plan.trace):
@@ -429,15 +397,15 @@ class ResidentChainKernel:
                 if const_expr(p + 1 < plan.phases):
                     if const_expr(plan.probe == "none"):
                         if const_expr(tagged):           # no fence: the words carry their tags
-                            _red_relaxed_add(sync)
+                            P.red_relaxed_add(sync)
                         else:                            # the bar.sync above + release: cumulative
-                            _red_release_add(sync)
+                            P.red_release_add(sync)
                 else:                                    # last phase: the last CTA resets
-                    done = _atom_add_acq_rel(sync + 1)
+                    done = P.atom_add_acq_rel(sync + 1)
                     if done == G - 1:
-                        _st_relaxed(sync, 0)
-                        _st_relaxed(sync + 1, 0)
-                        _st_relaxed(sync + 3, (epoch + 1) % TAG_MOD)
+                        P.st_relaxed(sync, 0)
+                        P.st_relaxed(sync + 1, 0)
+                        P.st_relaxed(sync + 3, (epoch + 1) % TAG_MOD)
                 if const_expr(plan.trace):
                     self._stamp(mTrace, b, p, 3)
 
@@ -470,7 +438,7 @@ class ResidentChainKernel:
                         missing = missing + 1 - v[4]
             n = n + 1
         if n >= SPIN_MAX:
-            _st_relaxed(sync + 2, 1)
+            P.st_relaxed(sync + 2, 1)
 
     @_dsl.jit
     def _grid_wait(self, sync, target, ct, relaxed):
@@ -478,12 +446,12 @@ class ResidentChainKernel:
         relaxed: relaxed polls (the tagged words, not this count, order the data)."""
         if ct == 0:
             n = cutlass.Int32(0)
-            seen = _ld_relaxed(sync) if const_expr(relaxed) else _ld_acquire(sync)
+            seen = P.ld_relaxed(sync) if const_expr(relaxed) else P.ld_acquire(sync)
             while (seen < target) & (n < SPIN_MAX):
-                seen = _ld_relaxed(sync) if const_expr(relaxed) else _ld_acquire(sync)
+                seen = P.ld_relaxed(sync) if const_expr(relaxed) else P.ld_acquire(sync)
                 n = n + 1
             if n >= SPIN_MAX:
-                _st_relaxed(sync + 2, 1)
+                P.st_relaxed(sync + 2, 1)
         cute.arch.barrier(barrier_id=1, number_of_threads=self.plan.consumer_threads)
 
 
@@ -516,7 +484,7 @@ def resident_chain_into(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor, scr
     """Run the chain on the current stream: xs[x_offsets[p+1]:…] = x_{p+1} for every phase.
     trace: int64 (`trace_words(plan)`), required when plan.trace, else ignored."""
     if not plan.trace:
-        trace = _dummy_trace(scratch.device) if scratch.is_cuda else scratch
+        trace = dummy_int64(scratch.device) if scratch.is_cuda else scratch
     elif trace is None:
         raise ValueError("resident_chain: plan.trace is set; pass an int64 trace buffer of "
                          f"{trace_words(plan)}")
@@ -530,12 +498,3 @@ def resident_chain_into(plan: ChainPlan, xs: torch.Tensor, ws: torch.Tensor, scr
     launch = _CACHE.get(plan, lambda: compile_chain(plan))
     launch(xs, ws, scratch, trace)
 
-
-_DUMMY: dict[torch.device, torch.Tensor] = {}
-
-
-def _dummy_trace(device: torch.device) -> torch.Tensor:
-    """The one-word trace buffer untraced launches pass (never written); one per device."""
-    if device not in _DUMMY:
-        _DUMMY[device] = torch.zeros(1, device=device, dtype=torch.int64)
-    return _DUMMY[device]
