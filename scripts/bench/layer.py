@@ -380,9 +380,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe-decode-sweep-batches", default="1,4",
                     help="batches the MoE decode tile sweep times (it tunes per expert shape)")
-    ap.add_argument("--moe-decode", choices=("auto", "mma", "cuda-core"), default="auto",
-                    help="few-token MoE kernel: tensor cores (mma), CUDA cores, or "
-                         "moe_mxfp4_decode_mma.TUNED per shape (auto)")
+    ap.add_argument("--moe-decode", choices=("auto", "mma", "cuda-core", "resident"),
+                    default="auto",
+                    help="few-token MoE kernel: tensor cores (mma), CUDA cores, the resident "
+                         "CuTe kernel where it fits (resident), or moe_mxfp4_decode_mma's "
+                         "TUNED / RESIDENT per shape (auto)")
     ap.add_argument("--mma-config", action="append", default=[],
                     help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
     ap.add_argument("--decode-config", action="append", default=[],
@@ -399,7 +401,8 @@ def main(argv=None) -> int:
     from raydecode.kernels import attnres_norm
     from raydecode.kernels import moe_mxfp4_decode_mma
     attnres_norm.USE_CUTE = args.attnres == "cute"
-    moe_mxfp4_decode_mma.USE_MMA = {"auto": None, "mma": True, "cuda-core": False}[args.moe_decode]
+    moe_mxfp4_decode_mma.USE_MMA = {"mma": True, "cuda-core": False}.get(args.moe_decode)
+    moe_mxfp4_decode_mma.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
     from raydecode.kernels import moe_mxfp4_decode
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,
