@@ -25,7 +25,8 @@ Here every byte the call needs is requested at once, right after the router's id
   * gate_up: warp w takes row pair r·W + w in round r; lanes 0–15 the gate row, 16–31 the up
     row, lane h the MXFP4 groups h + 16i (16 bytes = 4 code words each). A word's 8 codes are
     decoded by two `prmt` lookups of their fp16 high bytes (sign masked, ORed back per pair) and
-    summed against x' in fp16x2 (`_word_dot`: 4 products per lane, as the Triton f16x2 mode);
+    summed against x' in fp16x2 (`_decode_word`, `_dot_f16x2`: 4 products per lane, as the
+    Triton f16x2 mode);
     each group's fp32 sum takes its ue8m0 scale. Lane 0 applies SiTU and stores a[p, n] (fp32 of
     the bf16 value) to scratch; after the CTA's barrier one release add per pair counts its rows;
   * down: warp w takes pairs p ≡ w (mod W); lane 0 spins (acquire, bounded) until all I row
@@ -55,9 +56,10 @@ SMEM_MAX = 227 * 1024      # sm_90 opt-in shared memory per CTA
 SYNC_WORDS = 2             # int32 at the head of scratch: done counter, spin-bound flag; then
                            # one arrival counter per pair
 X_MAX_EXP = 10             # max |x'| ∈ [2^10, 2^11): 4 · 6 · 2^11 < 65504 (fp16 max)
-TRACE_EVENTS = 8           # int64 per CTA: 0 entry, 1 after the PDL wait, 2 copies issued,
-                           # 3 x' staged, 4 gate_up rows summed, 5 counts released,
-                           # 6 first pair's a' staged (warp 0), 7 out stored
+TRACE_NAMES = ("entry", "pdl_wait", "copies_issued", "x_staged", "gate_up_summed", "released",
+               "down_landed", "pair_ready", "a_staged", "down_summed", "red_barrier",
+               "out_stored")       # int64 stamps per CTA; 6–9: warp 0, its first pair
+TRACE_EVENTS = len(TRACE_NAMES)
 # fp16 high bytes of the e2m1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6 (the low bytes are 0)
 E2M1_F16_LO = 0x3E3C3800
 E2M1_F16_HI = 0x46444240
@@ -86,6 +88,9 @@ class ResidentMoEPlan:
     z_fp32: bool = False       # z arrives as fp32 (the fused GEMV's output): rounded to bf16
     pdl: bool = True
     trace: bool = False        # %globaltimer stamps, TRACE_EVENTS per CTA (bench)
+    predecode: bool = False    # decode the down codes into registers (fp16x2) while waiting for
+                               # a: after the wait only the products remain (84 registers a lane
+                               # at K3 TP16)
 
     def __post_init__(self):
         for name in ("tokens", "top_k", "num_experts", "ctas"):
@@ -95,6 +100,9 @@ class ResidentMoEPlan:
         if self.latent < self.ctas:
             raise ValueError(f"ResidentMoEPlan: latent={self.latent} < ctas={self.ctas}; every "
                              "CTA needs at least one output row")
+        if self.pairs > WARP:
+            raise ValueError(f"ResidentMoEPlan: {self.pairs} pairs (tokens × top_k); at most "
+                             f"{WARP} (the ids are spread over one warp's lanes)")
         if not 1 <= self.warps <= 32:
             raise ValueError(f"ResidentMoEPlan: warps={self.warps}; need 1 … 32")
         if self.latent < 512 or self.latent % 512:
@@ -154,8 +162,14 @@ class ResidentMoEPlan:
 
     @property
     def copies(self) -> int:
-        """Bulk copies per CTA at most: 4 per (round, touched pair) + 2 per pair."""
-        return 4 * self.rounds * self.pairs_per_cta + 2 * self.pairs
+        """Bulk copies per CTA at most: gate/up scales 2 per touched pair, codes 2 per row
+        pair, down codes and scales 2 per pair (`plan_copies`)."""
+        return 2 * self.pairs_per_cta + 2 * self.max_units + 2 * self.pairs
+
+    @property
+    def barriers(self) -> int:
+        """mbarriers: 0 the gate/up scales, 1 + u row pair u's codes, max_units + 1 the down."""
+        return self.max_units + 2
 
     @property
     def smem_bytes(self) -> int:
@@ -164,7 +178,7 @@ class ResidentMoEPlan:
                 + P * self.down_rows * (I // 2) + P * self.down_scale_span
                 + 2 * self.tokens * L + 2 * P * I                 # x', a' (fp16)
                 + 4 * P * self.down_rows + 4 * self.tokens * self.warps
-                + 8 * (self.rounds + 1) + 256)
+                + 8 * self.barriers + 256)
 
     @property
     def scratch_words(self) -> int:
@@ -193,57 +207,66 @@ class ResidentMoEPlan:
 
 def plan_copies(plan: ResidentMoEPlan, b: int, ids: list[int]) -> list[tuple[str, int, int, int, int]]:
     """CTA b's bulk copies as (tensor, src byte offset, dst byte offset in its region, bytes,
-    mbarrier): the host mirror of `_issue` (tests check it covers every byte exactly once)."""
-    I, L, W = plan.intermediate, plan.latent, plan.warps
-    RG, KB, KG, KB2, KG2 = plan.max_units, L // 2, L // 32, I // 2, I // 32
+    mbarrier), in the kernel's order (`_issue`; tests check it covers every byte exactly once)."""
+    I, L, RG = plan.intermediate, plan.latent, plan.max_units
+    KB, KG, KB2, KG2 = L // 2, L // 32, I // 2, I // 32
     u0, u1 = plan.cta_units(b)
     l0, l1 = plan.cta_rows(b)
     out = []
-    for r in range(plan.rounds):
-        for q in range(plan.pairs_per_cta):
-            p = u0 // I + q
-            lo, hi = max(u0, p * I, u0 + r * W), min(u1, (p + 1) * I, u0 + (r + 1) * W)
-            if p >= plan.pairs or hi <= lo:
-                continue
-            e, na, n, ua = ids[p], lo - p * I, hi - lo, lo - u0
+    for q in range(plan.pairs_per_cta):                 # gate/up scales, one copy per half
+        p = u0 // I + q
+        lo, hi = max(u0, p * I), min(u1, (p + 1) * I)
+        if p < plan.pairs and hi > lo:
             for half in range(2):
-                row = e * 2 * I + half * I + na
-                out.append(("w13", row * KB, (half * RG + ua) * KB, n * KB, r))
-                out.append(("s13", row * KG, (half * RG + ua) * KG, n * KG, r))
-    if l1 > l0:
-        for p in range(plan.pairs):
-            e = ids[p]
-            out.append(("w2", (e * L + l0) * KB2, p * plan.down_rows * KB2, (l1 - l0) * KB2,
-                        plan.rounds))
-            a0 = (e * L + l0) * KG2 // 16 * 16
-            a1 = _cdiv((e * L + l1) * KG2, 16) * 16
-            out.append(("s2", a0, p * plan.down_scale_span, a1 - a0, plan.rounds))
+                row = ids[p] * 2 * I + half * I + lo - p * I
+                out.append(("s13", row * KG, (half * RG + lo - u0) * KG, (hi - lo) * KG, 0))
+    for u in range(u1 - u0):                            # codes, one copy per row (each half)
+        p, n = divmod(u0 + u, I)
+        for half in range(2):
+            row = ids[p] * 2 * I + half * I + n
+            out.append(("w13", row * KB, (half * RG + u) * KB, KB, 1 + u))
+    for p in range(plan.pairs):                         # down codes and scale spans
+        e = ids[p]
+        out.append(("w2", (e * L + l0) * KB2, p * plan.down_rows * KB2, (l1 - l0) * KB2, RG + 1))
+        a0 = (e * L + l0) * KG2 // 16 * 16
+        a1 = _cdiv((e * L + l1) * KG2, 16) * 16
+        out.append(("s2", a0, p * plan.down_scale_span, a1 - a0, RG + 1))
     return out
 
 
 if cutlass is not None:
-    def _word_dot(w, x0, x1, x2, x3):
-        """Σ over the 8 e2m1 codes of int32 word w of code · x' -> fp32. x0 … x3: x' of the
-        code pairs (j, j + 4) as fp16x2 (low half code j). Magnitudes by two prmt lookups of
-        their fp16 high bytes, spread per pair with zero low bytes (selector 8|j: the sign-
-        replicate of a byte < 0x80), sign bits ORed in at 15 / 31; 4 fp16x2 products summed
-        in fp16, the two halves added in fp32."""
-        pairs = ""
+    def _decode_word(w, tl, th):
+        """The 8 e2m1 codes of int32 word w as 4 fp16x2 (code j low, code j + 4 high), exact
+        e2m1 values. tl / th: the E2M1_F16_LO / _HI tables in registers (hoisted by the
+        caller). Magnitudes: two prmt lookups of their fp16 high bytes, spread per pair with
+        zero low bytes (selector 8|j: the sign-replicate of a byte < 0x80); sign bits ORed in
+        at bits 15 / 31."""
+        body = ""
         for j in range(4):
             sel = ((4 + j) << 12) | ((8 | j) << 8) | (j << 4) | (8 | j)
             sgn = f"shl.b32 s, {{$r0}}, {12 - 4 * j};" if j < 3 else "mov.b32 s, {$r0};"
-            op = "mul.rn.f16x2 acc, h, {$r1};" if j == 0 else f"fma.rn.f16x2 acc, h, {{$r{j + 1}}}, acc;"
-            pairs += (f" prmt.b32 h, b0, b1, {sel};  {sgn}"
-                      f"  lop3.b32 h, h, s, 0x80008000, 0xF8;  {op}\n")
+            body += (f" prmt.b32 h, b0, b1, {sel};  {sgn}"
+                     f"  lop3.b32 {{$w{j}}}, h, s, 0x80008000, 0xF8;\n")
         return cute.arch.inline_ptx(
-            "{ .reg .b32 m, q, b0, b1, tl, th, h, s, acc; .reg .b16 l16, h16; .reg .f32 fl, fh;\n"
-            f" mov.b32 tl, {E2M1_F16_LO};  mov.b32 th, {E2M1_F16_HI};\n"
+            "{ .reg .b32 m, q, b0, b1, h, s;\n"
             " and.b32 m, {$r0}, 0x77777777;  shr.u32 q, m, 16;\n"
-            " prmt.b32 b0, tl, th, m;  prmt.b32 b1, tl, th, q;\n"
-            + pairs +
+            " prmt.b32 b0, {$r1}, {$r2}, m;  prmt.b32 b1, {$r1}, {$r2}, q;\n" + body + "}",
+            write_only_types=[cutlass.Int32] * 4, read_only_args=[w, tl, th])
+
+    def _dot_f16x2(h, x):
+        """Σ of the fp16x2 products h[j] · x[j], j < 4 (fp16 sums), the two halves added in
+        fp32 -> fp32."""
+        return cute.arch.inline_ptx(
+            "{ .reg .b32 acc; .reg .b16 l16, h16; .reg .f32 fl, fh;\n"
+            " mul.rn.f16x2 acc, {$r0}, {$r4};  fma.rn.f16x2 acc, {$r1}, {$r5}, acc;\n"
+            " fma.rn.f16x2 acc, {$r2}, {$r6}, acc;  fma.rn.f16x2 acc, {$r3}, {$r7}, acc;\n"
             " mov.b32 {l16, h16}, acc;  cvt.f32.f16 fl, l16;  cvt.f32.f16 fh, h16;\n"
             " add.f32 {$w0}, fl, fh; }",
-            write_only_types=[Float32], read_only_args=[w, x0, x1, x2, x3])
+            write_only_types=[Float32], read_only_args=[h[0], h[1], h[2], h[3],
+                                                        x[0], x[1], x[2], x[3]])
+
+    def _tables():
+        return cutlass.Int32(E2M1_F16_LO), cutlass.Int32(E2M1_F16_HI)
 
     def _ue8m0(s):
         """2^(s − 127) as fp32 for a scale byte s (s = 0: the denormal 2^-127)."""
@@ -298,7 +321,7 @@ class ResidentMoEKernel:
                mTrace: _Tensor):
         plan = self.plan
         I, L, W, T, P = plan.intermediate, plan.latent, plan.warps, plan.tokens, plan.pairs
-        RG, R, LR, KG = plan.max_units, plan.rounds, plan.down_rows, plan.groups
+        RG, LR, KG = plan.max_units, plan.down_rows, plan.groups
         tidx, _, _ = cute.arch.thread_idx()
         b, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
@@ -323,10 +346,16 @@ class ResidentMoEKernel:
         s13 = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((2 * RG * KG,)), byte_alignment=16)
         s2 = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((P * plan.down_scale_span,)),
                                   byte_alignment=16)
-        bars = smem.allocate_array(cutlass.Int64, R + 1, byte_alignment=8)
-        if tidx == 0:
-            for r in cutlass.range_constexpr(R + 1):
-                cute.arch.mbarrier_init(bars + r, 1)
+        bars = smem.allocate_array(cutlass.Int64, plan.barriers, byte_alignment=8)
+        u0 = b * plan.units // plan.ctas
+        u1 = (b + 1) * plan.units // plan.ctas
+        l0 = b * L // plan.ctas
+        l1 = (b + 1) * L // plan.ctas
+        if tidx == 0:        # arrivals = the copies each mbarrier will see (`_issue`)
+            cute.arch.mbarrier_init(bars, 2 * ((u1 - 1) // I - u0 // I + 1))
+            for u in cutlass.range_constexpr(RG):
+                cute.arch.mbarrier_init(bars + 1 + u, 2)
+            cute.arch.mbarrier_init(bars + RG + 1, 2 * P)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -335,15 +364,11 @@ class ResidentMoEKernel:
             cute.arch.griddepcontrol_wait()
         if const_expr(plan.trace):
             self._stamp(mTrace, b, 1)
-        u0 = b * plan.units // plan.ctas
-        u1 = (b + 1) * plan.units // plan.ctas
-        l0 = b * L // plan.ctas
-        l1 = (b + 1) * L // plan.ctas
-        if warp == 0:
-            self._issue(mIds, mW13, mS13, mW2, mS2, c13, s13, c2, s2, bars, u0, u1, l0, l1, lane)
-            if const_expr(plan.trace):
-                if lane == 0:
-                    self._stamp(mTrace, b, 2)
+        idv = PTX.ld_cg_u32(mIds.iterator + cutlass.min(lane, P - 1))   # lane p: ids[p] (low word)
+        self._issue(mW13, mS13, mW2, mS2, c13, s13, c2, s2, bars, idv, u0, u1, l0, l1, warp, lane)
+        if const_expr(plan.trace):
+            if tidx == 0:
+                self._stamp(mTrace, b, 2)
         xinv = self._stage_x(mZ, x16, tmax, tidx, warp, lane)
         if const_expr(plan.trace):
             if tidx == 0:
@@ -362,8 +387,11 @@ class ResidentMoEKernel:
         if const_expr(plan.trace):
             if tidx == 0:
                 self._stamp(mTrace, b, 5)
-        self._down(mIds, mTopW, mA, sync, c2, s2, a16, red, bars, l0, l1, warp, lane, mTrace, b)
+        self._down(mTopW, mA, sync, c2, s2, a16, red, bars, idv, l0, l1, warp, lane, mTrace, b)
         cute.arch.sync_threads()
+        if const_expr(plan.trace):
+            if tidx == 0:
+                self._stamp(mTrace, b, 10)
         nrows = l1 - l0
         for i in cutlass.range(tidx, T * nrows, plan.threads, unroll=1):
             t = i // nrows
@@ -374,7 +402,7 @@ class ResidentMoEKernel:
             mOut[t * L + l0 + lr] = y
         if const_expr(plan.trace):
             if tidx == 0:
-                self._stamp(mTrace, b, 7)
+                self._stamp(mTrace, b, 11)
         if tidx == 0:                                # the last CTA resets the pair counters
             done = PTX.atom_add_acq_rel(sync)
             if done == plan.ctas - 1:
@@ -383,58 +411,51 @@ class ResidentMoEKernel:
                 PTX.st_relaxed(sync, 0)
 
     @_dsl.jit
-    def _issue(self, mIds, mW13, mS13, mW2, mS2, c13, s13, c2, s2, bars, u0, u1, l0, l1, lane):
-        """Warp 0: every bulk copy of the CTA (`plan_copies` is the host mirror), each lane its
-        share; each copy first raises its mbarrier's expected bytes, lane 0 arrives on every
-        mbarrier once all are issued."""
+    def _issue(self, mW13, mS13, mW2, mS2, c13, s13, c2, s2, bars, idv, u0, u1, l0, l1, warp, lane):
+        """Every bulk copy of the CTA in `plan_copies` order, copy c by warp c mod W (its lane 0;
+        `UBLKCP` is a uniform instruction, so one lane per warp issues and the warps issue side
+        by side). Each copy arrives on its mbarrier with its byte count."""
         plan = self.plan
-        I, L, W, RG, R = plan.intermediate, plan.latent, plan.warps, plan.max_units, plan.rounds
+        I, L, RG, NQ = plan.intermediate, plan.latent, plan.max_units, plan.pairs_per_cta
         KB, KG, KB2, KG2 = L // 2, L // 32, I // 2, I // 32
-        NQ = plan.pairs_per_cta
-        NG = 4 * R * NQ                              # gate/up copies, then 2 per pair
-        for c in cutlass.range(lane, plan.copies, WARP, unroll=1):
-            if c < NG:
-                r = c // (4 * NQ)
-                p = u0 // I + (c // 4) % NQ
-                kind = c % 4                         # 0/1 gate/up codes, 2/3 gate/up scales
-                half = kind % 2
-                lo = cutlass.max(cutlass.max(u0, p * I), u0 + r * W)
-                hi = cutlass.min(cutlass.min(u1, (p + 1) * I), u0 + (r + 1) * W)
-                if (p < plan.pairs) & (hi > lo):
-                    e = PTX.ld_cg_u32(mIds.iterator + p)   # int64 ids: the low word
+        for c in cutlass.range(warp, plan.copies, plan.warps, unroll=1):
+            if c < 2 * NQ:                           # gate/up scales of touched pair q, half
+                p = u0 // I + c // 2
+                half = c % 2
+                lo = cutlass.max(u0, p * I)
+                hi = cutlass.min(u1, (p + 1) * I)
+                e = cute.arch.shuffle_sync(idv, cutlass.min(p, plan.pairs - 1))
+                if (p < plan.pairs) & (hi > lo) & (lane == 0):
                     row = e * (2 * I) + half * I + (lo - p * I)
-                    dst = half * RG + (lo - u0)
-                    if kind < 2:
-                        nb = (hi - lo) * KB
-                        cute.arch.mbarrier_expect_tx(bars + r, nb)
-                        cp_async_bulk_shared_cluster_global(
-                            c13.iterator + dst * (KB // 4), mW13.iterator + row * KB, bars + r, nb)
-                    else:
-                        nb = (hi - lo) * KG
-                        cute.arch.mbarrier_expect_tx(bars + r, nb)
-                        cp_async_bulk_shared_cluster_global(
-                            s13.iterator + dst * KG, mS13.iterator + row * KG, bars + r, nb)
-            else:
-                p = (c - NG) // 2
-                if l1 > l0:
-                    e = PTX.ld_cg_u32(mIds.iterator + p)
-                    if (c - NG) % 2 == 0:
-                        nb = (l1 - l0) * KB2
-                        cute.arch.mbarrier_expect_tx(bars + R, nb)
-                        cp_async_bulk_shared_cluster_global(
-                            c2.iterator + p * (plan.down_rows * KB2 // 4),
-                            mW2.iterator + (e * L + l0) * KB2, bars + R, nb)
+                    self._copy(s13.iterator + (half * RG + lo - u0) * KG, mS13.iterator + row * KG,
+                               bars, (hi - lo) * KG)
+            elif c < 2 * NQ + 2 * RG:                # codes of row pair u, half
+                u = (c - 2 * NQ) // 2
+                half = (c - 2 * NQ) % 2
+                p = (u0 + u) // I
+                e = cute.arch.shuffle_sync(idv, cutlass.min(p, plan.pairs - 1))
+                if (u < u1 - u0) & (lane == 0):
+                    row = e * (2 * I) + half * I + (u0 + u - p * I)
+                    self._copy(c13.iterator + (half * RG + u) * (KB // 4), mW13.iterator + row * KB,
+                               bars + 1 + u, KB)
+            else:                                    # down codes / scale span of pair p
+                d = c - 2 * NQ - 2 * RG
+                p = d // 2
+                e = cute.arch.shuffle_sync(idv, p)
+                if lane == 0:
+                    if d % 2 == 0:
+                        self._copy(c2.iterator + p * (plan.down_rows * KB2 // 4),
+                                   mW2.iterator + (e * L + l0) * KB2, bars + RG + 1, (l1 - l0) * KB2)
                     else:
                         a0 = (e * L + l0) * KG2 // 16 * 16
                         a1 = ((e * L + l1) * KG2 + 15) // 16 * 16
-                        cute.arch.mbarrier_expect_tx(bars + R, a1 - a0)
-                        cp_async_bulk_shared_cluster_global(
-                            s2.iterator + p * plan.down_scale_span, mS2.iterator + a0, bars + R,
-                            a1 - a0)
-        cute.arch.sync_warp()
-        if lane == 0:
-            for r in cutlass.range_constexpr(R + 1):
-                cute.arch.mbarrier_arrive(bars + r)
+                        self._copy(s2.iterator + p * plan.down_scale_span, mS2.iterator + a0,
+                                   bars + RG + 1, a1 - a0)
+
+    @_dsl.jit
+    def _copy(self, dst, src, bar, nbytes):
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+        cp_async_bulk_shared_cluster_global(dst, src, bar, nbytes)
 
     @_dsl.jit
     def _stage_x(self, mZ, x16, tmax, tidx, warp, lane):
@@ -488,16 +509,19 @@ class ResidentMoEKernel:
 
     @_dsl.jit
     def _gate_up(self, mA, c13, s13, x16, bars, xinv, u0, u1, warp, lane):
-        """Round r, warp w: row pair u = r·W + w of the CTA; half-warp 0 the gate row, 1 the up
-        row; lane h its groups h + 16i. Lane 0 stores a = bf16 SiTU(bf16 g, bf16 u) (as fp32)."""
+        """Round r, warp w: row pair u = r·W + w of the CTA, once its codes have landed;
+        half-warp 0 the gate row, 1 the up row; lane h its groups h + 16i. Lane 0 stores
+        a = bf16 SiTU(bf16 g, bf16 u) (as fp32)."""
         plan = self.plan
         I, W, RG, KG = plan.intermediate, plan.warps, plan.max_units, plan.groups
         half = lane // 16
         h = lane % 16
+        tl, th = _tables()
+        cute.arch.mbarrier_wait(bars, 0)             # the scales: a few small copies, first
         for r in cutlass.range_constexpr(plan.rounds):
             u = r * W + warp
             if u < u1 - u0:
-                cute.arch.mbarrier_wait(bars + r, 0)
+                cute.arch.mbarrier_wait(bars + 1 + u, 0)
                 U = u0 + u
                 p = U // I
                 n = U - p * I
@@ -510,7 +534,7 @@ class ResidentMoEKernel:
                     gs = Float32(0.0)
                     for j in cutlass.range_constexpr(4):
                         xv = x16[(None, (t * 4 + j) * KG + g)].load()
-                        gs = gs + _word_dot(cw[j], xv[0], xv[1], xv[2], xv[3])
+                        gs = gs + _dot_f16x2(_decode_word(cw[j], tl, th), xv)
                     acc = acc + gs * _ue8m0(s13[row * KG + g])
                 for d in cutlass.range_constexpr(4):
                     acc = acc + cute.arch.shuffle_sync_bfly(acc, 8 >> d)
@@ -537,23 +561,35 @@ class ResidentMoEKernel:
         return _bf16_round(a * u)
 
     @_dsl.jit
-    def _down(self, mIds, mTopW, mA, sync, c2, s2, a16, red, bars, l0, l1, warp, lane, mTrace, b):
+    def _down(self, mTopW, mA, sync, c2, s2, a16, red, bars, idv, l0, l1, warp, lane, mTrace, b):
         """Warp w: pairs p ≡ w (mod W). Waits for p's I row pairs, stages a'[p], then 8 lanes per
         row (row slot lane // 8, words lane % 8 + 8i) sum the CTA's rows of W2_e from shared
-        memory; red[p, l] = bf16(y) · w[p]."""
+        memory; red[p, l] = bf16(y) · w[p]. `predecode`: the codes are decoded before the wait."""
         plan = self.plan
         I, L, W, LR = plan.intermediate, plan.latent, plan.warps, plan.down_rows
         KG2, NWD = I // 32, I // 8                   # scale bytes, code words per down row
         WPL = I // 64                                # words per lane per row
+        NJ = _cdiv(LR, 4)                            # rows per lane
         rs = lane // 8
         wl = lane % 8
         nrows = l1 - l0
-        cute.arch.mbarrier_wait(bars + plan.rounds, 0)
+        tl, th = _tables()
+        cute.arch.mbarrier_wait(bars + plan.max_units + 1, 0)
+        if const_expr(plan.trace):
+            if (warp == 0) & (lane == 0):
+                self._stamp(mTrace, b, 6)
         for p in cutlass.range(warp, plan.pairs, W, unroll=1):
-            e = PTX.ld_cg_u32(mIds.iterator + p)
+            e = cute.arch.shuffle_sync(idv, p)
             wp = cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];",
                                       write_only_types=[Float32],
                                       read_only_args=[mTopW.iterator + p])
+            off = (e * L + l0) * KG2 % 16
+            dec = []
+            if const_expr(plan.predecode):
+                for jr in cutlass.range_constexpr(NJ):
+                    lc = cutlass.min(rs + 4 * jr, nrows - 1)   # past nrows: the last row, unstored
+                    for i in cutlass.range_constexpr(WPL):
+                        dec.append(_decode_word(c2[(p * LR + lc) * NWD + wl + 8 * i], tl, th))
             if lane == 0:
                 n = cutlass.Int32(0)
                 seen = PTX.ld_acquire(sync + (SYNC_WORDS + p))
@@ -563,6 +599,10 @@ class ResidentMoEKernel:
                 if n >= SPIN_MAX:
                     PTX.st_relaxed(sync + 1, 1)
             cute.arch.sync_warp()
+            first = (warp == 0) & (lane == 0) & (p == 0)
+            if const_expr(plan.trace):
+                if first:
+                    self._stamp(mTrace, b, 7)
             # a'[p]: lane ℓ loads words ℓ + 32i (8 values each), max over the warp
             av = []
             m = Float32(0.0)
@@ -583,23 +623,28 @@ class ResidentMoEKernel:
                         a16[(j, p * NWD + w)] = _f16x2(av[i][j] * up, av[i][j + 4] * up)
             cute.arch.sync_warp()
             if const_expr(plan.trace):
-                if (warp == 0) & (lane == 0) & (p == 0):
-                    self._stamp(mTrace, b, 6)
+                if first:
+                    self._stamp(mTrace, b, 8)
             xs = [a16[(None, p * NWD + wl + 8 * i)].load() for i in range(WPL)]
-            off = (e * L + l0) * KG2 % 16
-            for jr in cutlass.range_constexpr(_cdiv(LR, 4)):
+            for jr in cutlass.range_constexpr(NJ):
                 lr = rs + 4 * jr
-                lc = cutlass.min(lr, nrows - 1)      # rows past nrows repeat the last, unstored
+                lc = cutlass.min(lr, nrows - 1)
                 acc = Float32(0.0)
                 for i in cutlass.range_constexpr(WPL):
                     wi = wl + 8 * i
-                    cw = c2[(p * LR + lc) * NWD + wi]
+                    if const_expr(plan.predecode):
+                        hw = dec[jr * WPL + i]
+                    else:
+                        hw = _decode_word(c2[(p * LR + lc) * NWD + wi], tl, th)
                     sc = _ue8m0(s2[p * plan.down_scale_span + off + lc * KG2 + wi // 4])
-                    acc = acc + _word_dot(cw, xs[i][0], xs[i][1], xs[i][2], xs[i][3]) * sc
+                    acc = acc + _dot_f16x2(hw, xs[i]) * sc
                 for d in cutlass.range_constexpr(3):
                     acc = acc + cute.arch.shuffle_sync_bfly(acc, 4 >> d)
                 if (wl == 0) & (lr < nrows):
                     red[(p, lr)] = _bf16_round(acc * dn) * wp
+            if const_expr(plan.trace):
+                if first:
+                    self._stamp(mTrace, b, 9)
 
     @_dsl.jit
     def _stamp(self, mTrace, b, k):
@@ -631,7 +676,8 @@ def compile_moe(plan: ResidentMoEPlan, extra_options: str = ""):
 
 
 def plan_for(z: torch.Tensor, topk_ids: torch.Tensor, experts, *, ctas: int | None = None,
-             warps: int = 16, pdl: bool = True, trace: bool = False) -> ResidentMoEPlan | None:
+             warps: int = 16, pdl: bool = True, trace: bool = False,
+             predecode: bool = False) -> ResidentMoEPlan | None:
     """The plan of one call on z's device (one CTA per SM), or None where the call does not fit
     the kernel (shared memory, shapes): the Triton pair serves those."""
     if ctas is None:
@@ -642,7 +688,7 @@ def plan_for(z: torch.Tensor, topk_ids: torch.Tensor, experts, *, ctas: int | No
             tokens=z.shape[0], top_k=topk_ids.shape[1], num_experts=experts.num_experts,
             intermediate=experts.intermediate, latent=experts.latent, ctas=ctas, warps=warps,
             beta=float(experts.beta), linear_beta=None if lin is None else float(lin),
-            z_fp32=z.dtype == torch.float32, pdl=pdl, trace=trace)
+            z_fp32=z.dtype == torch.float32, pdl=pdl, trace=trace, predecode=predecode)
     except ValueError:
         return None
 

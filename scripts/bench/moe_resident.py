@@ -9,9 +9,9 @@ L = 3584, I = 3072 / TP), `--calls` back-to-back calls in one CUDA graph, each w
 random top-16 routing, so the graph touches > 2 × L2 of experts. Every variant's call 0 is
 checked against `moe_mxfp4_reference` (‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed; the
 variants are timed in `--rounds` interleaved rounds and the JSON keeps every round.
-Variants: triton (the pair, PDL), resident (16 warps, PDL), resident_w8 (8 warps),
-resident_nopdl. Roofline: the touched experts' bytes / the HBM read bandwidth measured in the
-same run. `--trace`: one traced launch; per event the min / median / max over CTAs of
+Variants: triton (the pair, PDL), resident (16 warps, PDL), resident_pre (the down codes
+decoded into registers before the wait), resident_w8 (8 warps), resident_nopdl. Roofline: the touched experts' bytes / the HBM read bandwidth measured in the
+same run. `--trace`: one traced launch (and one with predecode); per event the min / median / max over CTAs of
 (stamp − the CTA's entry stamp) in ns.
 """
 from __future__ import annotations
@@ -31,10 +31,8 @@ from .layer_moe_sweep import check_and_time, random_calls
 from .layer_timing import hbm_read_bandwidth
 
 SHAPES = {"tp16b1": (16, 1), "tp16b2": (16, 2), "tp8b1": (8, 1)}
-VARIANTS = ("triton", "resident", "resident_w8", "resident_nopdl")
+VARIANTS = ("triton", "resident", "resident_pre", "resident_w8", "resident_nopdl")
 E, L, I_FULL, K = 896, 3584, 3072, 16
-TRACE_NAMES = ("entry", "pdl_wait", "copies_issued", "x_staged", "gate_up_summed",
-               "released", "first_pair_staged", "out_stored")
 
 
 def _bank(tp: int, seed: int):
@@ -49,15 +47,15 @@ def variant_fn(name: str, z, bank):
         return lambda r: D.moe_mxfp4_decode(z, r[0], r[1], bank)
     warps = 8 if name == "resident_w8" else 16
     plan = R.plan_for(z, torch.empty(z.shape[0], K), bank, warps=warps,
-                      pdl=name != "resident_nopdl")
+                      pdl=name != "resident_nopdl", predecode=name == "resident_pre")
     if plan is None:
         return None
     out = torch.empty(z.shape[0], L, dtype=torch.float32, device=z.device)
     return lambda r: R.resident_moe_into(plan, z, r[0], r[1], bank, out)
 
 
-def trace_once(z, route, bank) -> dict:
-    plan = R.plan_for(z, route[1], bank, trace=True)
+def trace_once(z, route, bank, predecode: bool) -> dict:
+    plan = R.plan_for(z, route[1], bank, trace=True, predecode=predecode)
     tr = torch.zeros(plan.trace_words, dtype=torch.int64, device="cuda")
     out = torch.empty(z.shape[0], L, dtype=torch.float32, device="cuda")
     for _ in range(3):      # warm: compile, then the experts leave L2 on the next routings
@@ -66,7 +64,7 @@ def trace_once(z, route, bank) -> dict:
     t = tr.view(plan.ctas, -1).cpu()
     rel = (t - t[:, :1]).tolist()
     return {name: {"min": min(r[i] for r in rel), "median": statistics.median(r[i] for r in rel),
-                   "max": max(r[i] for r in rel)} for i, name in enumerate(TRACE_NAMES)} | {
+                   "max": max(r[i] for r in rel)} for i, name in enumerate(R.TRACE_NAMES)} | {
         "span_ns": int(t.max() - t[:, 0].min())}
 
 
@@ -107,7 +105,8 @@ def run(args) -> dict:
             if base and cell.get("median_us"):
                 cell["speedup_vs_triton"] = base / cell["median_us"]
         if args.trace and fns.get("resident") is not None:
-            row["trace_ns"] = trace_once(z, routes[0], bank)
+            row["trace_ns"] = trace_once(z, routes[0], bank, predecode=False)
+            row["trace_ns_pre"] = trace_once(z, routes[0], bank, predecode=True)
             plan = R.plan_for(z, routes[0][1], bank)
             row["spin_flag"] = R.spin_flag(plan, z.device)
         report["results"].append(row)

@@ -29,6 +29,7 @@ def _plan(**kw) -> R.ResidentMoEPlan:
     ({"intermediate": 96}, "intermediate=96"), ({"beta": 0.0}, "beta=0.0"),
     ({"linear_beta": -1.0}, "linear_beta=-1.0"), ({"latent": 512, "ctas": 600}, "latent=512 < ctas=600"),
     ({"num_experts": 4096}, "exceed 2\\^31"), ({"tokens": 2}, "shared memory"),
+    ({"tokens": 3, "intermediate": 64, "latent": 512}, "48 pairs"),
     ({"intermediate": 384}, "shared memory")])
 def test_plan_refusals_name_the_value(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -39,6 +40,7 @@ def test_k3_tp16_batch1_fits_and_its_sizes():
     p = _plan()
     assert p.pairs == 16 and p.units == 3072 and p.max_units == 24
     assert p.rounds == 2 and p.down_rows == 28 and p.pairs_per_cta == 2
+    assert p.copies == 2 * 2 + 2 * 24 + 2 * 16 and p.barriers == 26
     assert p.smem_bytes <= R.SMEM_MAX
     # every touched expert once: 16 × (2·192 rows × (1792 + 112) B + 3584 rows × (96 + 6) B)
     assert p.weight_bytes() == 16 * (384 * 1904 + 3584 * 102)
@@ -83,6 +85,7 @@ def test_copies_cover_every_byte_once(kw):
         u0, u1 = p.cta_units(b)
         l0, l1 = p.cta_rows(b)
         cps = R.plan_copies(p, b, ids)
+        arrivals = {}
         n_copies = max(n_copies, len(cps))
         dst = {k: [] for k in size}
         for name, src, off, nb, bar in cps:
@@ -90,7 +93,9 @@ def test_copies_cover_every_byte_once(kw):
             assert 0 <= src and src + nb <= size[name]
             assert 0 <= off and off + nb <= region[name]
             dst[name].append((off, off + nb))
-            assert bar == (p.rounds if name in down else bar) and 0 <= bar <= p.rounds
+            want_bar = {"s13": 0, "w13": 1 + (off // KB) % p.max_units}.get(name, p.max_units + 1)
+            assert bar == want_bar, f"{name} copy on mbarrier {bar}, expected {want_bar}"
+            arrivals[bar] = arrivals.get(bar, 0) + 1
             if name in seen:
                 row_bytes = KB if name == "w13" else KG
                 for i in range(nb // row_bytes):
@@ -104,6 +109,9 @@ def test_copies_cover_every_byte_once(kw):
                 assert src <= ((ids[off // p.down_scale_span] * L + l0) * KG2)
                 assert src + nb >= (ids[off // p.down_scale_span] * L + l1) * KG2
                 assert nb <= p.down_scale_span
+        # each mbarrier is initialised with the arrivals its copies make (else the kernel hangs)
+        assert arrivals == {0: 2 * ((u1 - 1) // I - u0 // I + 1), p.max_units + 1: 2 * p.pairs,
+                            **{1 + u: 2 for u in range(u1 - u0)}}
         for spans in dst.values():
             spans.sort()
             assert all(a[1] <= b_[0] for a, b_ in zip(spans, spans[1:])), "copies overlap"
