@@ -52,6 +52,7 @@ from raydecode.kernels._cute_dsl import Float32, _dsl, _Stream, _Tensor, const_e
 
 WARP = 32
 SPIN_MAX = 1 << 22         # polls of a pair's counter before the kernel gives up and sets the flag
+SPIN_SLEEP_NS = 64         # nanosleep between polls
 SMEM_MAX = 227 * 1024      # sm_90 opt-in shared memory per CTA
 SYNC_WORDS = 2             # int32 at the head of scratch: done counter, spin-bound flag; then
                            # one arrival counter per pair
@@ -88,9 +89,9 @@ class ResidentMoEPlan:
     z_fp32: bool = False       # z arrives as fp32 (the fused GEMV's output): rounded to bf16
     pdl: bool = True
     trace: bool = False        # %globaltimer stamps, TRACE_EVENTS per CTA (bench)
-    predecode: bool = False    # decode the down codes into registers (fp16x2) while waiting for
+    predecode: bool = True     # decode the down codes into registers (fp16x2) while waiting for
                                # a: after the wait only the products remain (84 registers a lane
-                               # at K3 TP16)
+                               # at K3 TP16; round 19: 14.4 vs 18.4 µs per call)
 
     def __post_init__(self):
         for name in ("tokens", "top_k", "num_experts", "ctas"):
@@ -353,7 +354,7 @@ class ResidentMoEKernel:
         l1 = (b + 1) * L // plan.ctas
         if tidx == 0:        # arrivals = the copies each mbarrier will see (`_issue`)
             cute.arch.mbarrier_init(bars, 2 * ((u1 - 1) // I - u0 // I + 1))
-            for u in cutlass.range_constexpr(RG):
+            for u in cutlass.range(RG, unroll=1):
                 cute.arch.mbarrier_init(bars + 1 + u, 2)
             cute.arch.mbarrier_init(bars + RG + 1, 2 * P)
             cute.arch.mbarrier_init_fence()
@@ -365,11 +366,12 @@ class ResidentMoEKernel:
         if const_expr(plan.trace):
             self._stamp(mTrace, b, 1)
         idv = PTX.ld_cg_u32(mIds.iterator + cutlass.min(lane, P - 1))   # lane p: ids[p] (low word)
+        zv = self._load_z(mZ, tidx)                  # in flight while the copies are issued
         self._issue(mW13, mS13, mW2, mS2, c13, s13, c2, s2, bars, idv, u0, u1, l0, l1, warp, lane)
         if const_expr(plan.trace):
             if tidx == 0:
                 self._stamp(mTrace, b, 2)
-        xinv = self._stage_x(mZ, x16, tmax, tidx, warp, lane)
+        xinv = self._stage_x(zv, x16, tmax, tidx, warp, lane)
         if const_expr(plan.trace):
             if tidx == 0:
                 self._stamp(mTrace, b, 3)
@@ -458,24 +460,26 @@ class ResidentMoEKernel:
         cp_async_bulk_shared_cluster_global(dst, src, bar, nbytes)
 
     @_dsl.jit
-    def _stage_x(self, mZ, x16, tmax, tidx, warp, lane):
+    def _load_z(self, mZ, tidx):
+        """This thread's code words of z: [t][i] -> 8 fp32 (bf16 values) of word tidx + i·NT
+        (the ragged last round repeats the last word; `_stage_x` does not store it)."""
+        plan = self.plan
+        NWD = plan.latent // 8
+        return [[self._load_z8(mZ, t * plan.latent + cutlass.min(tidx + i * plan.threads, NWD - 1) * 8)
+                 for i in range(_cdiv(NWD, plan.threads))] for t in range(plan.tokens)]
+
+    @_dsl.jit
+    def _stage_x(self, zv, x16, tmax, tidx, warp, lane):
         """x'[t] = bf16(z[t]) · 2^sx_t in fp16 code-pair order; returns [2^-sx_t] per token."""
         plan = self.plan
-        L, W, T, NT, KG = plan.latent, plan.warps, plan.tokens, plan.threads, plan.groups
-        NWD = L // 8                                 # code words per row
+        W, T, NT, KG = plan.warps, plan.tokens, plan.threads, plan.groups
+        NWD = plan.latent // 8                       # code words per row
         ITER = _cdiv(NWD, NT)
-        vals = []
         for t in cutlass.range_constexpr(T):
             m = Float32(0.0)
-            tv = []
             for i in cutlass.range_constexpr(ITER):
-                w = tidx + i * NT
-                wc = cutlass.min(w, NWD - 1)         # ragged last round: a repeat, not stored
-                v = self._load_z8(mZ, t * L + wc * 8)
                 for e in cutlass.range_constexpr(8):
-                    m = cutlass.max(m, cute.math.absf(v[e]))
-                tv.append(v)
-            vals.append(tv)
+                    m = cutlass.max(m, cute.math.absf(zv[t][i][e]))
             m = cute.arch.warp_reduction_max(m)
             if lane == 0:
                 tmax[(t, warp)] = m
@@ -490,7 +494,7 @@ class ResidentMoEKernel:
             for i in cutlass.range_constexpr(ITER):
                 w = tidx + i * NT
                 if w < NWD:
-                    v = vals[t][i]
+                    v = zv[t][i]
                     q = (t * 4 + w % 4) * KG + w // 4
                     for j in cutlass.range_constexpr(4):
                         x16[(j, q)] = _f16x2(v[j] * up, v[j + 4] * up)
@@ -594,6 +598,8 @@ class ResidentMoEKernel:
                 n = cutlass.Int32(0)
                 seen = PTX.ld_acquire(sync + (SYNC_WORDS + p))
                 while (seen < I) & (n < SPIN_MAX):
+                    # back off: 132 × W pollers on 16 counter lines delay the releases they wait for
+                    cute.arch.inline_ptx(f"nanosleep.u32 {SPIN_SLEEP_NS};")
                     seen = PTX.ld_acquire(sync + (SYNC_WORDS + p))
                     n = n + 1
                 if n >= SPIN_MAX:
@@ -677,7 +683,7 @@ def compile_moe(plan: ResidentMoEPlan, extra_options: str = ""):
 
 def plan_for(z: torch.Tensor, topk_ids: torch.Tensor, experts, *, ctas: int | None = None,
              warps: int = 16, pdl: bool = True, trace: bool = False,
-             predecode: bool = False) -> ResidentMoEPlan | None:
+             predecode: bool = True) -> ResidentMoEPlan | None:
     """The plan of one call on z's device (one CTA per SM), or None where the call does not fit
     the kernel (shared memory, shapes): the Triton pair serves those."""
     if ctas is None:

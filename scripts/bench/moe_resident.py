@@ -9,9 +9,10 @@ L = 3584, I = 3072 / TP), `--calls` back-to-back calls in one CUDA graph, each w
 random top-16 routing, so the graph touches > 2 × L2 of experts. Every variant's call 0 is
 checked against `moe_mxfp4_reference` (‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed; the
 variants are timed in `--rounds` interleaved rounds and the JSON keeps every round.
-Variants: triton (the pair, PDL), resident (16 warps, PDL), resident_pre (the down codes
-decoded into registers before the wait), resident_w8 (8 warps), resident_nopdl. Roofline: the touched experts' bytes / the HBM read bandwidth measured in the
-same run. `--trace`: one traced launch (and one with predecode); per event the min / median / max over CTAs of
+Variants: triton (the pair, PDL), resident (16 warps, PDL, the down codes decoded into
+registers before the wait), resident_late (decoded after the wait), resident_w8 (8 warps),
+resident_nopdl. Roofline: the touched experts' bytes / the HBM read bandwidth measured in the
+same run. `--trace`: one traced launch (and one decoding after the wait); per event the min / median / max over CTAs of
 (stamp − the CTA's entry stamp) in ns.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .layer_moe_sweep import check_and_time, random_calls
 from .layer_timing import hbm_read_bandwidth
 
 SHAPES = {"tp16b1": (16, 1), "tp16b2": (16, 2), "tp8b1": (8, 1)}
-VARIANTS = ("triton", "resident", "resident_pre", "resident_w8", "resident_nopdl")
+VARIANTS = ("triton", "resident", "resident_late", "resident_w8", "resident_nopdl")
 E, L, I_FULL, K = 896, 3584, 3072, 16
 
 
@@ -47,7 +48,7 @@ def variant_fn(name: str, z, bank):
         return lambda r: D.moe_mxfp4_decode(z, r[0], r[1], bank)
     warps = 8 if name == "resident_w8" else 16
     plan = R.plan_for(z, torch.empty(z.shape[0], K), bank, warps=warps,
-                      pdl=name != "resident_nopdl", predecode=name == "resident_pre")
+                      pdl=name != "resident_nopdl", predecode=name != "resident_late")
     if plan is None:
         return None
     out = torch.empty(z.shape[0], L, dtype=torch.float32, device=z.device)
@@ -105,8 +106,8 @@ def run(args) -> dict:
             if base and cell.get("median_us"):
                 cell["speedup_vs_triton"] = base / cell["median_us"]
         if args.trace and fns.get("resident") is not None:
-            row["trace_ns"] = trace_once(z, routes[0], bank, predecode=False)
-            row["trace_ns_pre"] = trace_once(z, routes[0], bank, predecode=True)
+            row["trace_ns"] = trace_once(z, routes[0], bank, predecode=True)
+            row["trace_ns_late"] = trace_once(z, routes[0], bank, predecode=False)
             plan = R.plan_for(z, routes[0][1], bank)
             row["spin_flag"] = R.spin_flag(plan, z.device)
         report["results"].append(row)
