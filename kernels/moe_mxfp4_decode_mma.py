@@ -286,6 +286,7 @@ USE_MMA: bool | None = None
 # fits; `USE_RESIDENT` True / False forces it on / off for A/B timing, None = this set decides.
 RESIDENT: set[tuple[int, int, int, int]] = set()
 USE_RESIDENT: bool | None = None
+RESIDENT_PREDECODE: int | None = None    # the plan's `predecode` (None: its default)
 _RESIDENT_PLANS: dict[tuple, object] = {}
 
 
@@ -295,9 +296,10 @@ def _resident_plan(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Expert
     from raydecode.kernels import moe_resident_cute as resident
     from raydecode.kernels._cute import cute_available
     key = (tuple(z.shape), topk_ids.shape[1], z.dtype, z.device, experts.num_experts,
-           experts.intermediate, experts.beta, experts.linear_beta)
+           experts.intermediate, experts.beta, experts.linear_beta, RESIDENT_PREDECODE)
     if key not in _RESIDENT_PLANS:
-        _RESIDENT_PLANS[key] = (resident.plan_for(z, topk_ids, experts)
+        kw = {} if RESIDENT_PREDECODE is None else {"predecode": RESIDENT_PREDECODE}
+        _RESIDENT_PLANS[key] = (resident.plan_for(z, topk_ids, experts, **kw)
                                 if z.is_cuda and cute_available() else None)
     return _RESIDENT_PLANS[key]
 

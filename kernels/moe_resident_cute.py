@@ -89,9 +89,11 @@ class ResidentMoEPlan:
     z_fp32: bool = False       # z arrives as fp32 (the fused GEMV's output): rounded to bf16
     pdl: bool = True
     trace: bool = False        # %globaltimer stamps, TRACE_EVENTS per CTA (bench)
-    predecode: bool = True     # decode the down codes into registers (fp16x2) while waiting for
-                               # a: after the wait only the products remain (84 registers a lane
-                               # at K3 TP16; round 19: 14.4 vs 18.4 µs per call)
+    predecode: int = 8         # of each lane's ⌈L/G/4⌉ down rows, how many are decoded into
+                               # registers (fp16x2, 12 a row at K3 TP16) while waiting for a:
+                               # after the wait only their products remain. All 7 at K3 TP16:
+                               # 13.2 vs 15.1 µs per call, but 128 registers a thread leave no
+                               # room on the SM for the next kernel's PDL prologue
 
     def __post_init__(self):
         for name in ("tokens", "top_k", "num_experts", "ctas"):
@@ -101,6 +103,10 @@ class ResidentMoEPlan:
         if self.latent < self.ctas:
             raise ValueError(f"ResidentMoEPlan: latent={self.latent} < ctas={self.ctas}; every "
                              "CTA needs at least one output row")
+        if isinstance(self.predecode, bool) or not isinstance(self.predecode, int) \
+                or not 0 <= self.predecode <= 64:
+            raise ValueError(f"ResidentMoEPlan: predecode={self.predecode!r}; need an int in 0 … 64 "
+                             "(down rows per lane decoded before the wait)")
         if self.pairs > WARP:
             raise ValueError(f"ResidentMoEPlan: {self.pairs} pairs (tokens × top_k); at most "
                              f"{WARP} (the ids are spread over one warp's lanes)")
@@ -568,7 +574,8 @@ class ResidentMoEKernel:
     def _down(self, mTopW, mA, sync, c2, s2, a16, red, bars, idv, l0, l1, warp, lane, mTrace, b):
         """Warp w: pairs p ≡ w (mod W). Waits for p's I row pairs, stages a'[p], then 8 lanes per
         row (row slot lane // 8, words lane % 8 + 8i) sum the CTA's rows of W2_e from shared
-        memory; red[p, l] = bf16(y) · w[p]. `predecode`: the codes are decoded before the wait."""
+        memory; red[p, l] = bf16(y) · w[p]. The first `predecode` rows of each lane are decoded
+        before the wait."""
         plan = self.plan
         I, L, W, LR = plan.intermediate, plan.latent, plan.warps, plan.down_rows
         KG2, NWD = I // 32, I // 8                   # scale bytes, code words per down row
@@ -589,8 +596,9 @@ class ResidentMoEKernel:
                                       read_only_args=[mTopW.iterator + p])
             off = (e * L + l0) * KG2 % 16
             dec = []
-            if const_expr(plan.predecode):
-                for jr in cutlass.range_constexpr(NJ):
+            NPRE = min(plan.predecode, NJ)
+            if const_expr(NPRE > 0):
+                for jr in cutlass.range_constexpr(NPRE):
                     lc = cutlass.min(rs + 4 * jr, nrows - 1)   # past nrows: the last row, unstored
                     for i in cutlass.range_constexpr(WPL):
                         dec.append(_decode_word(c2[(p * LR + lc) * NWD + wl + 8 * i], tl, th))
@@ -638,7 +646,7 @@ class ResidentMoEKernel:
                 acc = Float32(0.0)
                 for i in cutlass.range_constexpr(WPL):
                     wi = wl + 8 * i
-                    if const_expr(plan.predecode):
+                    if const_expr(jr < NPRE):
                         hw = dec[jr * WPL + i]
                     else:
                         hw = _decode_word(c2[(p * LR + lc) * NWD + wi], tl, th)
@@ -683,7 +691,7 @@ def compile_moe(plan: ResidentMoEPlan, extra_options: str = ""):
 
 def plan_for(z: torch.Tensor, topk_ids: torch.Tensor, experts, *, ctas: int | None = None,
              warps: int = 16, pdl: bool = True, trace: bool = False,
-             predecode: bool = True) -> ResidentMoEPlan | None:
+             predecode: int = 8) -> ResidentMoEPlan | None:
     """The plan of one call on z's device (one CTA per SM), or None where the call does not fit
     the kernel (shared memory, shapes): the Triton pair serves those."""
     if ctas is None:

@@ -224,6 +224,7 @@ def run(args) -> dict:
               "model": cfg.name, "context": args.context, "layer_idx": args.layer_idx,
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
+              "moe_resident_predecode": args.moe_resident_predecode,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
               "l2_prefetch_start_mib": L2PF_START_MIB, "l2_prefetch_kind": l2_prefetch.KIND,
@@ -385,6 +386,9 @@ def main(argv=None) -> int:
                     help="few-token MoE kernel: tensor cores (mma), CUDA cores, the resident "
                          "CuTe kernel where it fits (resident), or moe_mxfp4_decode_mma's "
                          "TUNED / RESIDENT per shape (auto)")
+    ap.add_argument("--moe-resident-predecode", type=int, default=None,
+                    help="the resident MoE kernel's `predecode` (down rows per lane decoded "
+                         "before the wait; default: the plan's)")
     ap.add_argument("--mma-config", action="append", default=[],
                     help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
     ap.add_argument("--decode-config", action="append", default=[],
@@ -403,6 +407,7 @@ def main(argv=None) -> int:
     attnres_norm.USE_CUTE = args.attnres == "cute"
     moe_mxfp4_decode_mma.USE_MMA = {"mma": True, "cuda-core": False}.get(args.moe_decode)
     moe_mxfp4_decode_mma.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
+    moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
     from raydecode.kernels import moe_mxfp4_decode
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,

@@ -48,14 +48,14 @@ def variant_fn(name: str, z, bank):
         return lambda r: D.moe_mxfp4_decode(z, r[0], r[1], bank)
     warps = 8 if name == "resident_w8" else 16
     plan = R.plan_for(z, torch.empty(z.shape[0], K), bank, warps=warps,
-                      pdl=name != "resident_nopdl", predecode=name != "resident_late")
+                      pdl=name != "resident_nopdl", predecode=0 if name == "resident_late" else 8)
     if plan is None:
         return None
     out = torch.empty(z.shape[0], L, dtype=torch.float32, device=z.device)
     return lambda r: R.resident_moe_into(plan, z, r[0], r[1], bank, out)
 
 
-def trace_once(z, route, bank, predecode: bool) -> dict:
+def trace_once(z, route, bank, predecode: int) -> dict:
     plan = R.plan_for(z, route[1], bank, trace=True, predecode=predecode)
     tr = torch.zeros(plan.trace_words, dtype=torch.int64, device="cuda")
     out = torch.empty(z.shape[0], L, dtype=torch.float32, device="cuda")
@@ -106,8 +106,8 @@ def run(args) -> dict:
             if base and cell.get("median_us"):
                 cell["speedup_vs_triton"] = base / cell["median_us"]
         if args.trace and fns.get("resident") is not None:
-            row["trace_ns"] = trace_once(z, routes[0], bank, predecode=True)
-            row["trace_ns_late"] = trace_once(z, routes[0], bank, predecode=False)
+            row["trace_ns"] = trace_once(z, routes[0], bank, predecode=8)
+            row["trace_ns_late"] = trace_once(z, routes[0], bank, predecode=0)
             plan = R.plan_for(z, routes[0][1], bank)
             row["spin_flag"] = R.spin_flag(plan, z.device)
         report["results"].append(row)

@@ -30,6 +30,7 @@ def _plan(**kw) -> R.ResidentMoEPlan:
     ({"linear_beta": -1.0}, "linear_beta=-1.0"), ({"latent": 512, "ctas": 600}, "latent=512 < ctas=600"),
     ({"num_experts": 4096}, "exceed 2\\^31"), ({"tokens": 2}, "shared memory"),
     ({"tokens": 3, "intermediate": 64, "latent": 512}, "48 pairs"),
+    ({"predecode": -1}, "predecode=-1"), ({"predecode": True}, "predecode=True"),
     ({"intermediate": 384}, "shared memory")])
 def test_plan_refusals_name_the_value(kw, match):
     with pytest.raises(ValueError, match=match):
