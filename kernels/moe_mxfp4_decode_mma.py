@@ -284,9 +284,12 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {}
 USE_MMA: bool | None = None
 # (E, I, L, T) calls served by the resident CuTe kernel (kernels/moe_resident_cute.py) where it
 # fits; `USE_RESIDENT` True / False forces it on / off for A/B timing, None = this set decides.
-RESIDENT: set[tuple[int, int, int, int]] = set()
+# K3 TP16 batch 1 (PERF round 19, H200, same-process layer A/B): KDA layer 68.2 → ≈ 64 µs.
+RESIDENT: set[tuple[int, int, int, int]] = {(896, 192, 3584, 1)}
 USE_RESIDENT: bool | None = None
-RESIDENT_PREDECODE: int | None = None    # the plan's `predecode` (None: its default)
+# the plan's `predecode` (down rows per lane decoded before the wait; None: the plan default):
+# 3 keeps the kernel at 64 registers, room on each SM for the next kernel's PDL prologue
+RESIDENT_PREDECODE: int | None = 3
 _RESIDENT_PLANS: dict[tuple, object] = {}
 
 

@@ -388,7 +388,7 @@ def main(argv=None) -> int:
                          "TUNED / RESIDENT per shape (auto)")
     ap.add_argument("--moe-resident-predecode", type=int, default=None,
                     help="the resident MoE kernel's `predecode` (down rows per lane decoded "
-                         "before the wait; default: the plan's)")
+                         "before the wait; default: moe_mxfp4_decode_mma.RESIDENT_PREDECODE)")
     ap.add_argument("--mma-config", action="append", default=[],
                     help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
     ap.add_argument("--decode-config", action="append", default=[],
@@ -407,7 +407,8 @@ def main(argv=None) -> int:
     attnres_norm.USE_CUTE = args.attnres == "cute"
     moe_mxfp4_decode_mma.USE_MMA = {"mma": True, "cuda-core": False}.get(args.moe_decode)
     moe_mxfp4_decode_mma.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
-    moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
+    if args.moe_resident_predecode is not None:
+        moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
     from raydecode.kernels import moe_mxfp4_decode
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,

@@ -143,3 +143,20 @@ def test_kernel_compiles_with_bulk_copies_prmt_and_no_local_memory(tmp_path):
     assert "UBLKCP" in sass and "LDL" not in sass and "STL" not in sass
     assert sass.count("PRMT") >= 6 * (plan.latent // 512 * 4 + plan.intermediate // 64)
     assert "HFMA2" in sass and "UTMA" not in sass
+
+
+def test_dispatch_table_fits_and_cpu_calls_fall_through():
+    """Every shape `moe_decode` sends to the resident kernel fits one launch on an H200
+    (132 SMs) with the served predecode; on CPU tensors it never plans a launch."""
+    import torch
+
+    from raydecode.kernels import moe_mxfp4_decode_mma as D
+    from raydecode.kernels.moe_mxfp4 import MXFP4Experts
+
+    assert (896, 192, 3584, 1) in D.RESIDENT
+    for E, I, L, T in D.RESIDENT:
+        R.ResidentMoEPlan(tokens=T, top_k=16, num_experts=E, intermediate=I, latent=L, ctas=132,
+                          predecode=D.RESIDENT_PREDECODE)
+    ex = MXFP4Experts.random(4, 512, 64, 4.0, None)
+    assert D._resident_plan(torch.zeros(1, 512, dtype=torch.bfloat16),
+                            torch.zeros(1, 4, dtype=torch.int64), ex) is None
