@@ -181,3 +181,89 @@ def test_bad_inputs_named():
     with pytest.raises(ValueError, match="does not fit"):
         R.moe_resident(torch.zeros(1, 3584, dtype=BF, device=DEV), w.new_ones(1, 16) / 16,
                        torch.zeros(1, 16, dtype=torch.int64, device=DEV), big)
+
+
+def _router_case(E, T, seed, has_bias=True):
+    """Logits whose keys sigmoid(logit) + bias are a permutation of a grid 0.9/E apart (no
+    near-ties to flip on an ulp), bias within ±0.01."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    target = torch.stack([0.05 + 0.9 * torch.randperm(E, generator=g, device=DEV).float() / E
+                          for _ in range(T)])
+    bias = ((torch.rand(E, generator=g, device=DEV) - 0.5) * 0.02) if has_bias else None
+    s = target - (bias if has_bias else 0.0)
+    return torch.log(s / (1 - s)).float().contiguous(), bias
+
+
+@pytest.mark.parametrize("E,L,I,k,T,ctas,has_bias,renorm,scaling", [
+    (896, 3584, 192, 16, 1, None, True, True, 2.5), (64, 512, 64, 4, 2, 8, False, False, 1.0),
+    (200, 1024, 128, 8, 1, 16, True, True, 1.0), (896, 1024, 64, 16, 2, 16, True, True, 1.0)])
+def test_route_in_kernel_matches_router_and_reference(E, L, I, k, T, ctas, has_bias, renorm,
+                                                      scaling):
+    """Routing inside the kernel: the same ids (best first) as `route_topk`, weights to fp32
+    rounding, and the MoE of those routes."""
+    from raydecode.kernels import router as RT
+    seed = _seed()
+    ex, z, _, _ = _case(E, L, I, k, T, seed)
+    logits, bias = _router_case(E, T, seed, has_bias)
+    w_ref, ids_ref = RT.route_topk(logits, bias, k, renorm, scaling)
+    plan = R.plan_for(z, ids_ref, ex, ctas=ctas, route={"has_bias": has_bias,
+                                                        "renormalize": renorm, "scaling": scaling})
+    out, w, ids = R.moe_resident_routed(z, logits, bias, k, renorm, scaling, ex, plan=plan)
+    torch.cuda.synchronize()
+    assert torch.equal(ids, ids_ref), f"seed {seed}: {ids.tolist()} vs {ids_ref.tolist()}"
+    torch.testing.assert_close(w, w_ref, rtol=2e-6, atol=0, msg=f"seed {seed}")
+    ref = M.moe_mxfp4_reference(z, w_ref, ids_ref, ex)
+    assert _rel(out, ref) <= TOL, f"seed {seed}: {_rel(out, ref)}"
+    assert R.spin_flag(plan, z.device) == 0
+
+
+def test_route_ties_go_to_the_lower_expert():
+    seed = _seed()
+    ex, z, _, _ = _case(896, 3584, 192, 16, 1, seed)
+    logits, bias = _router_case(896, 1, seed)
+    bias.zero_()
+    logits[0, [700, 3, 10, 411]] = 8.0          # four exact ties above every other key
+    out, w, ids = R.moe_resident_routed(z, logits, bias, 16, True, 1.0, ex)
+    assert ids[0, :4].tolist() == [3, 10, 411, 700], f"seed {seed}: {ids[0, :4].tolist()}"
+
+
+def test_route_graph_replays_new_logits():
+    seed = _seed()
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ex, z, _, _ = _case(896, 3584, 192, 16, 1, seed)
+    logits, bias = _router_case(896, 1, seed)
+    plan = R.plan_for(z, torch.empty(1, 16), ex, route={"has_bias": True, "renormalize": True,
+                                                         "scaling": 1.0})
+    out = torch.empty(1, 3584, device=DEV)
+    R.moe_resident_routed(z, logits, bias, 16, True, 1.0, ex, out=out, plan=plan)
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        _, w, ids = R.moe_resident_routed(z, logits, bias, 16, True, 1.0, ex, out=out, plan=plan)
+    for _ in range(3):
+        logits.copy_(_router_case(896, 1, int(torch.randint(1 << 30, (1,), generator=g,
+                                                                device=DEV)))[0])
+        out.fill_(float("nan"))
+        gr.replay()
+        torch.cuda.synchronize()
+        from raydecode.kernels import router as RT
+        w_ref, ids_ref = RT.route_topk(logits, bias, 16, True, 1.0)
+        assert torch.equal(ids, ids_ref), f"seed {seed}"
+        assert _rel(out, M.moe_mxfp4_reference(z, w_ref, ids_ref, ex)) <= TOL, f"seed {seed}"
+
+
+def test_model_dispatch_serves_k3_tp16_batch1_and_matches_stock():
+    """moe_decode / moe_decode_routed at K3 TP16 batch 1 run the resident kernel (RESIDENT) and
+    agree with the stock grouped kernel (kernels/moe_mxfp4.py) on the same routes."""
+    from raydecode.kernels import moe_mxfp4_decode_mma as DM
+    from raydecode.kernels import router as RT
+    seed = _seed()
+    ex, z, w, ids = _case(896, 3584, 192, 16, 1, seed)
+    assert DM._resident_plan(z, 16, ex) is not None
+    stock = M.fused_moe_mxfp4(z, w, ids, ex)
+    assert _rel(DM.moe_decode(z, w, ids, ex), stock) <= TOL, f"seed {seed}"
+    logits, bias = _router_case(896, 1, seed)
+    out = DM.moe_decode_routed(z, logits, bias, 16, True, 2.5, ex)
+    assert out is not None
+    w2, ids2 = RT.route_topk(logits, bias, 16, True, 2.5)
+    assert _rel(out, M.fused_moe_mxfp4(z, w2, ids2, ex)) <= TOL, f"seed {seed}"
