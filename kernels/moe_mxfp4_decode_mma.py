@@ -290,51 +290,21 @@ USE_RESIDENT: bool | None = None
 # the plan's `predecode` (down rows per lane decoded before the wait; None: the plan default):
 # 3 keeps the kernel at 64 registers, room on each SM for the next kernel's PDL prologue
 RESIDENT_PREDECODE: int | None = 3
-# route in the resident kernel where it serves the call (`moe_decode_routed`); False: the
-# router kernel first, as for every other shape
-RESIDENT_ROUTE = True
 _RESIDENT_PLANS: dict[tuple, object] = {}
 
 
-def _resident_plan(z: torch.Tensor, top_k: int, experts: MXFP4Experts,
-                   route: dict | None = None):
-    """The resident kernel's plan for this call (route: the in-kernel router's flags), or None
-    (no CuTe, or it does not fit); memoized per (shape, dtype, device, betas, route)."""
+def _resident_plan(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Experts):
+    """The resident kernel's plan for this call, or None (no CuTe, or it does not fit);
+    memoized per (shape, dtype, device, betas)."""
     from raydecode.kernels import moe_resident_cute as resident
     from raydecode.kernels._cute import cute_available
-    key = (tuple(z.shape), top_k, z.dtype, z.device, experts.num_experts, experts.intermediate,
-           experts.beta, experts.linear_beta, RESIDENT_PREDECODE,
-           tuple(sorted(route.items())) if route else None)
+    key = (tuple(z.shape), topk_ids.shape[1], z.dtype, z.device, experts.num_experts,
+           experts.intermediate, experts.beta, experts.linear_beta, RESIDENT_PREDECODE)
     if key not in _RESIDENT_PLANS:
         kw = {} if RESIDENT_PREDECODE is None else {"predecode": RESIDENT_PREDECODE}
-        _RESIDENT_PLANS[key] = (
-            resident.plan_for(z, torch.empty(z.shape[0], top_k), experts, route=route, **kw)
-            if z.is_cuda and cute_available() else None)
+        _RESIDENT_PLANS[key] = (resident.plan_for(z, topk_ids, experts, **kw)
+                                if z.is_cuda and cute_available() else None)
     return _RESIDENT_PLANS[key]
-
-
-def _resident_serves(z: torch.Tensor, experts: MXFP4Experts) -> bool:
-    key = (experts.num_experts, experts.intermediate, experts.latent, z.shape[0])
-    return bool(USE_RESIDENT) or (USE_RESIDENT is None and key in RESIDENT)
-
-
-def moe_decode_routed(z: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None,
-                      top_k: int, renormalize: bool, scaling: float, experts: MXFP4Experts,
-                      out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """kernels/router.py's `route_topk` and `moe_decode` in one resident launch (the router
-    kernel and its launch boundary gone) where the resident kernel serves the call and
-    RESIDENT_ROUTE; None otherwise: the caller routes, then calls `moe_decode`."""
-    if not (RESIDENT_ROUTE and _resident_serves(z, experts)) or logits.dtype != torch.float32 \
-            or (bias is not None and bias.dtype != torch.float32):
-        return None
-    route = {"has_bias": bias is not None, "renormalize": bool(renormalize),
-             "scaling": float(scaling)}
-    plan = _resident_plan(z, top_k, experts, route)
-    if plan is None:
-        return None
-    from raydecode.kernels.moe_resident_cute import moe_resident_routed
-    return moe_resident_routed(z, logits, bias, top_k, renormalize, scaling, experts, out,
-                               plan)[0]
 
 
 def moe_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -343,8 +313,8 @@ def moe_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     (RESIDENT / USE_RESIDENT) and it fits, the tensor-core kernel where chosen (TUNED /
     USE_MMA), else `moe_mxfp4_decode`. Same contract as all three."""
     key = (experts.num_experts, experts.intermediate, experts.latent)
-    if _resident_serves(z, experts):
-        plan = _resident_plan(z, topk_ids.shape[1], experts)
+    if USE_RESIDENT or (USE_RESIDENT is None and key + (z.shape[0],) in RESIDENT):
+        plan = _resident_plan(z, topk_ids, experts)
         if plan is not None:
             from raydecode.kernels.moe_resident_cute import resident_moe_into
             if out is None:
@@ -357,6 +327,5 @@ def moe_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
     return _cuda_core.moe_mxfp4_decode(z, topk_weights, topk_ids, experts, out=out)
 
 
-__all__ = ["BM", "MmaConfig", "RESIDENT", "RESIDENT_ROUTE", "TUNED", "USE_MMA", "USE_RESIDENT",
-           "candidates", "default_mma_config", "moe_decode", "moe_decode_routed",
-           "moe_mxfp4_decode_mma"]
+__all__ = ["BM", "MmaConfig", "RESIDENT", "TUNED", "USE_MMA", "USE_RESIDENT", "candidates",
+           "default_mma_config", "moe_decode", "moe_mxfp4_decode_mma"]

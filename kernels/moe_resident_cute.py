@@ -89,13 +89,6 @@ class ResidentMoEPlan:
     z_fp32: bool = False       # z arrives as fp32 (the fused GEMV's output): rounded to bf16
     pdl: bool = True
     trace: bool = False        # %globaltimer stamps, TRACE_EVENTS per CTA (bench)
-    route: bool = False        # ids / weights computed in every CTA from the router logits
-                               # (kernels/router.py's op: sigmoid + bias, top-k, renormalize,
-                               # scaling; ties to the lower expert index); the ids / weights
-                               # tensors become outputs, written by CTA 0
-    has_bias: bool = True      # route: an e_score_correction_bias is given
-    renormalize: bool = True   # route
-    scaling: float = 1.0       # route
     predecode: int = 8         # of each lane's ⌈L/G/4⌉ down rows, how many are decoded into
                                # registers (fp16x2, 12 a row at K3 TP16) while waiting for a:
                                # after the wait only their products remain. All 7 at K3 TP16:
@@ -114,12 +107,6 @@ class ResidentMoEPlan:
                 or not 0 <= self.predecode <= 64:
             raise ValueError(f"ResidentMoEPlan: predecode={self.predecode!r}; need an int in 0 … 64 "
                              "(down rows per lane decoded before the wait)")
-        if self.route and (self.top_k > 16 or self.warps < 2 or self.warps & (self.warps - 1)
-                           or self.num_experts > 64 * self.warps or self.tokens > self.warps):
-            raise ValueError(
-                f"ResidentMoEPlan: route with top_k={self.top_k}, warps={self.warps}, "
-                f"num_experts={self.num_experts}, tokens={self.tokens}; need top_k ≤ 16, warps a "
-                "power of two ≥ 2, num_experts ≤ 64 · warps and tokens ≤ warps")
         if self.pairs > WARP:
             raise ValueError(f"ResidentMoEPlan: {self.pairs} pairs (tokens × top_k); at most "
                              f"{WARP} (the ids are spread over one warp's lanes)")
@@ -198,9 +185,7 @@ class ResidentMoEPlan:
                 + P * self.down_rows * (I // 2) + P * self.down_scale_span
                 + 2 * self.tokens * L + 2 * P * I                 # x', a' (fp16)
                 + 4 * P * self.down_rows + 4 * self.tokens * self.warps
-                + 8 * self.barriers + 256
-                + (4 * self.tokens * (self.num_experts + 32 * self.warps) + 8 * P
-                   if self.route else 0))                 # s, candidates, ids, weights
+                + 8 * self.barriers + 256)
 
     @property
     def scratch_words(self) -> int:
@@ -225,65 +210,6 @@ class ResidentMoEPlan:
         """HBM bytes of the experts a call reads: each pair's expert once (duplicates twice)."""
         L, I = self.latent, self.intermediate
         return self.pairs * (2 * I * (L // 2 + L // 32) + L * (I // 2 + I // 32))
-
-
-def _bitonic_steps(n: int) -> list[tuple[int, int]]:
-    """(k, j) of a bitonic sort of n (a power of two) elements, in order: element i and
-    i ^ j compare-exchange, best first where i & k == 0."""
-    out, k = [], 2
-    while k <= n:
-        j = k // 2
-        while j >= 1:
-            out.append((k, j))
-            j //= 2
-        k *= 2
-    return out
-
-
-def route_mirror(keys: list[int], top_k: int, warps: int) -> list[int]:
-    """Host mirror of `_route`'s selection network on integer keys (larger is better, ties to
-    the lower index; E ≤ 64 · warps): the same lanes, registers, steps and keep rules, so a
-    test can check them against a sort. Returns the top_k indices, best first."""
-    E, NC = len(keys), 16 * warps
-    R2 = NC // WARP
-    pad = (-2 ** 31, 2 ** 31 - 1)
-
-    def cx(a, b, take_better):
-        a_better = a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])
-        return a if a_better == bool(take_better) else b
-
-    cand = []
-    for w in range(warps):                              # level 1: lane l holds 2l, 2l + 1
-        regs = [[(keys[e], e) if e < E else pad for e in (w * 64 + 2 * ln, w * 64 + 2 * ln + 1)]
-                for ln in range(WARP)]
-        for k, j in _bitonic_steps(64):
-            new = [list(r) for r in regs]
-            for ln in range(WARP):
-                dsc = 1 - ((2 * ln) // k) % 2
-                if j == 1:
-                    new[ln] = [cx(regs[ln][0], regs[ln][1], dsc), cx(regs[ln][0], regs[ln][1], 1 - dsc)]
-                else:
-                    m = j // 2
-                    keep = (ln // m) % 2 ^ dsc
-                    new[ln] = [cx(regs[ln][r], regs[ln ^ m][r], keep) for r in range(2)]
-            regs = new
-        cand += [regs[ln][r] for ln in range(8) for r in range(2)]
-    regs = [[cand[ln * R2 + r] for r in range(R2)] for ln in range(WARP)]
-    for k, j in _bitonic_steps(NC):                     # level 2: lane l holds l·R2 + r
-        new = [list(r) for r in regs]
-        for ln in range(WARP):
-            if j < R2:
-                for r in range(R2):
-                    if r & j == 0:
-                        dsc = 1 - (r // k) % 2 if k < R2 else 1 - (ln // (k // R2)) % 2
-                        new[ln][r] = cx(regs[ln][r], regs[ln][r | j], dsc)
-                        new[ln][r | j] = cx(regs[ln][r], regs[ln][r | j], 1 - dsc)
-            else:
-                m = j // R2
-                keep = (ln // m) % 2 ^ (1 - (ln // (k // R2)) % 2)
-                new[ln] = [cx(regs[ln][r], regs[ln ^ m][r], keep) for r in range(R2)]
-        regs = new
-    return [regs[q // R2][q % R2][1] for q in range(top_k)]
 
 
 def plan_copies(plan: ResidentMoEPlan, b: int, ids: list[int]) -> list[tuple[str, int, int, int, int]]:
@@ -375,26 +301,6 @@ if cutlass is not None:
         return cute.arch.inline_ptx("cvt.rn.f16x2.f32 {$w0}, {$r1}, {$r0};",
                                     write_only_types=[cutlass.Int32], read_only_args=[lo, hi])
 
-    def _cx(ah, ae, bh, be, take_better):
-        """Of candidates a = (key, expert) and b: the better one (higher key, then lower expert)
-        if take_better (int32 ≠ 0), else the worse one -> (key, expert)."""
-        return cute.arch.inline_ptx(
-            "{ .reg .pred p, q, r, t;\n"
-            " setp.gt.s32 p, {$r0}, {$r2};  setp.eq.s32 q, {$r0}, {$r2};  setp.lt.s32 r, {$r1}, {$r3};\n"
-            " and.pred q, q, r;  or.pred p, p, q;  setp.ne.s32 t, {$r4}, 0;  xor.pred p, p, t;\n"
-            " selp.b32 {$w0}, {$r2}, {$r0}, p;  selp.b32 {$w1}, {$r3}, {$r1}, p; }",
-            write_only_types=[cutlass.Int32, cutlass.Int32],
-            read_only_args=[ah, ae, bh, be, cutlass.Int32(take_better)])
-
-    def _route_key(sel, e, n):
-        """(ordered(sel), e) for expert e < n; (int32 min, int32 max) past n (never selected)."""
-        return cute.arch.inline_ptx(
-            "{ .reg .b32 b, x; .reg .pred neg, pad; mov.b32 b, {$r0}; setp.lt.s32 neg, b, 0;\n"
-            " xor.b32 x, b, 0x7FFFFFFF; selp.b32 b, x, b, neg; setp.ge.s32 pad, {$r1}, {$r2};\n"
-            " selp.b32 {$w0}, 0x80000000, b, pad; selp.b32 {$w1}, 0x7FFFFFFF, {$r1}, pad; }",
-            write_only_types=[cutlass.Int32, cutlass.Int32],
-            read_only_args=[sel, cutlass.Int32(e), cutlass.Int32(n)])
-
     def _bf16_round(v):
         return cute.arch.inline_ptx(
             "{ .reg .b16 h; cvt.rn.bf16.f32 h, {$r0}; cvt.f32.bf16 {$w0}, h; }",
@@ -408,19 +314,18 @@ class ResidentMoEKernel:
         self.plan = plan
 
     @_dsl.jit
-    def __call__(self, mZ: _Tensor, mLogits: _Tensor, mBias: _Tensor, mIds: _Tensor,
-                 mTopW: _Tensor, mW13: _Tensor, mS13: _Tensor, mW2: _Tensor, mS2: _Tensor,
-                 mOut: _Tensor, mScratch: _Tensor, mA: _Tensor, mTrace: _Tensor, stream: _Stream):
+    def __call__(self, mZ: _Tensor, mIds: _Tensor, mTopW: _Tensor, mW13: _Tensor, mS13: _Tensor,
+                 mW2: _Tensor, mS2: _Tensor, mOut: _Tensor, mScratch: _Tensor, mA: _Tensor,
+                 mTrace: _Tensor, stream: _Stream):
         plan = self.plan
-        self.kernel(mZ, mLogits, mBias, mIds, mTopW, mW13, mS13, mW2, mS2, mOut, mScratch, mA,
-                    mTrace).launch(
+        self.kernel(mZ, mIds, mTopW, mW13, mS13, mW2, mS2, mOut, mScratch, mA, mTrace).launch(
             grid=[plan.ctas, 1, 1], block=[plan.threads, 1, 1], stream=stream,
             use_pdl=plan.pdl)
 
     @_dsl.kernel
-    def kernel(self, mZ: _Tensor, mLogits: _Tensor, mBias: _Tensor, mIds: _Tensor,
-               mTopW: _Tensor, mW13: _Tensor, mS13: _Tensor, mW2: _Tensor, mS2: _Tensor,
-               mOut: _Tensor, mScratch: _Tensor, mA: _Tensor, mTrace: _Tensor):
+    def kernel(self, mZ: _Tensor, mIds: _Tensor, mTopW: _Tensor, mW13: _Tensor, mS13: _Tensor,
+               mW2: _Tensor, mS2: _Tensor, mOut: _Tensor, mScratch: _Tensor, mA: _Tensor,
+               mTrace: _Tensor):
         plan = self.plan
         I, L, W, T, P = plan.intermediate, plan.latent, plan.warps, plan.tokens, plan.pairs
         RG, LR, KG = plan.max_units, plan.down_rows, plan.groups
@@ -449,15 +354,6 @@ class ResidentMoEKernel:
         s2 = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((P * plan.down_scale_span,)),
                                   byte_alignment=16)
         bars = smem.allocate_array(cutlass.Int64, plan.barriers, byte_alignment=8)
-        w_s = None
-        if const_expr(plan.route):
-            NC = 16 * W                              # level-2 candidates per token
-            s_sm = smem.allocate_tensor(Float32, cute.make_layout((T * plan.num_experts,)),
-                                        byte_alignment=16)
-            cand = smem.allocate_tensor(cutlass.Int32, cute.make_layout((2, T * NC), stride=(1, 2)),
-                                        byte_alignment=16)
-            ids_s = smem.allocate_tensor(cutlass.Int32, cute.make_layout((P,)), byte_alignment=16)
-            w_s = smem.allocate_tensor(Float32, cute.make_layout((P,)), byte_alignment=16)
         u0 = b * plan.units // plan.ctas
         u1 = (b + 1) * plan.units // plan.ctas
         l0 = b * L // plan.ctas
@@ -475,12 +371,8 @@ class ResidentMoEKernel:
             cute.arch.griddepcontrol_wait()
         if const_expr(plan.trace):
             self._stamp(mTrace, b, 1)
+        idv = PTX.ld_cg_u32(mIds.iterator + cutlass.min(lane, P - 1))   # lane p: ids[p] (low word)
         zv = self._load_z(mZ, tidx)                  # in flight while the copies are issued
-        if const_expr(plan.route):
-            self._route(mLogits, mBias, mIds, mTopW, s_sm, cand, ids_s, w_s, b, warp, lane)
-            idv = ids_s[cutlass.min(lane, P - 1)]    # lane p: ids[p]
-        else:
-            idv = PTX.ld_cg_u32(mIds.iterator + cutlass.min(lane, P - 1))   # int64: low word
         self._issue(mW13, mS13, mW2, mS2, c13, s13, c2, s2, bars, idv, u0, u1, l0, l1, warp, lane)
         if const_expr(plan.trace):
             if tidx == 0:
@@ -503,7 +395,7 @@ class ResidentMoEKernel:
         if const_expr(plan.trace):
             if tidx == 0:
                 self._stamp(mTrace, b, 5)
-        self._down(mTopW, w_s, mA, sync, c2, s2, a16, red, bars, idv, l0, l1, warp, lane, mTrace, b)
+        self._down(mTopW, mA, sync, c2, s2, a16, red, bars, idv, l0, l1, warp, lane, mTrace, b)
         cute.arch.sync_threads()
         if const_expr(plan.trace):
             if tidx == 0:
@@ -679,7 +571,7 @@ class ResidentMoEKernel:
         return _bf16_round(a * u)
 
     @_dsl.jit
-    def _down(self, mTopW, w_s, mA, sync, c2, s2, a16, red, bars, idv, l0, l1, warp, lane, mTrace, b):
+    def _down(self, mTopW, mA, sync, c2, s2, a16, red, bars, idv, l0, l1, warp, lane, mTrace, b):
         """Warp w: pairs p ≡ w (mod W). Waits for p's I row pairs, stages a'[p], then 8 lanes per
         row (row slot lane // 8, words lane % 8 + 8i) sum the CTA's rows of W2_e from shared
         memory; red[p, l] = bf16(y) · w[p]. The first `predecode` rows of each lane are decoded
@@ -699,10 +591,9 @@ class ResidentMoEKernel:
                 self._stamp(mTrace, b, 6)
         for p in cutlass.range(warp, plan.pairs, W, unroll=1):
             e = cute.arch.shuffle_sync(idv, p)
-            if const_expr(plan.route):
-                wp = w_s[p]
-            else:
-                wp = PTX.ld_cg_f32(mTopW.iterator + p)
+            wp = cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];",
+                                      write_only_types=[Float32],
+                                      read_only_args=[mTopW.iterator + p])
             off = (e * L + l0) * KG2 % 16
             dec = []
             NPRE = min(plan.predecode, NJ)
@@ -770,98 +661,6 @@ class ResidentMoEKernel:
                     self._stamp(mTrace, b, 9)
 
     @_dsl.jit
-    def _route(self, mLogits, mBias, mIds, mTopW, s_sm, cand, ids_s, w_s, b, warp, lane):
-        """The router op in every CTA: sel = sigmoid(logit) + bias; warp w sorts experts
-        [64w, 64w + 64) (lane ℓ: 2ℓ, 2ℓ + 1) by (key desc, expert asc) with a bitonic network
-        and keeps its best 16; warp t sorts token t's 16·W candidates the same way; its first
-        top_k are ids_s, their sigmoid(logit) renormalized × scaling are w_s (CTA 0 also
-        writes both to global). Same keys and tie order as kernels/router_triton.py."""
-        plan = self.plan
-        E, W, T, K = plan.num_experts, plan.warps, plan.tokens, plan.top_k
-        NC = 16 * W
-        R2 = NC // WARP                              # candidates per lane in level 2
-        for t in cutlass.range_constexpr(T):
-            hs, es = [], []
-            for r in cutlass.range_constexpr(2):
-                e = warp * 64 + 2 * lane + r
-                ec = cutlass.min(e, E - 1)
-                x = PTX.ld_cg_f32(mLogits.iterator + t * E + ec)
-                sg = Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
-                if e < E:
-                    s_sm[t * E + e] = sg
-                sel = sg
-                if const_expr(plan.has_bias):
-                    sel = sg + PTX.ld_cg_f32(mBias.iterator + ec)
-                h, ev = _route_key(sel, e, E)
-                hs.append(h)
-                es.append(ev)
-            S1 = _bitonic_steps(64)
-            for si in cutlass.range_constexpr(len(S1)):   # level 1: 64 per warp, 2 per lane
-                k, j = S1[si]
-                dsc = 1 - ((2 * lane) // k) % 2      # this lane's block sorts best-first
-                if const_expr(j == 1):
-                    h0, e0 = _cx(hs[0], es[0], hs[1], es[1], dsc)
-                    h1, e1 = _cx(hs[0], es[0], hs[1], es[1], 1 - dsc)
-                    hs, es = [h0, h1], [e0, e1]
-                else:
-                    m = j // 2
-                    keep = (lane // m) % 2 ^ dsc       # upper position ^ best-first block: keep the better
-                    for r in cutlass.range_constexpr(2):
-                        oh = cute.arch.shuffle_sync_bfly(hs[r], m)
-                        oe = cute.arch.shuffle_sync_bfly(es[r], m)
-                        hs[r], es[r] = _cx(hs[r], es[r], oh, oe, keep)
-            if lane < 8:                             # positions 0 … 15: this warp's best 16
-                for r in cutlass.range_constexpr(2):
-                    cand[(0, t * NC + warp * 16 + 2 * lane + r)] = hs[r]
-                    cand[(1, t * NC + warp * 16 + 2 * lane + r)] = es[r]
-        cute.arch.sync_threads()
-        for t in cutlass.range_constexpr(T):
-            if warp == t:                            # level 2: token t's 16·W candidates
-                gh = [cand[(0, t * NC + lane * R2 + r)] for r in range(R2)]
-                ge = [cand[(1, t * NC + lane * R2 + r)] for r in range(R2)]
-                S2 = _bitonic_steps(NC)
-                for si in cutlass.range_constexpr(len(S2)):
-                    k, j = S2[si]
-                    if const_expr(j < R2):           # partners in this lane's registers
-                        for r in cutlass.range_constexpr(R2):
-                            if const_expr(r & j == 0):
-                                if const_expr(k < R2):
-                                    dsc = 1 - (r // k) % 2
-                                else:
-                                    dsc = 1 - (lane // (k // R2)) % 2
-                                bh, be = _cx(gh[r], ge[r], gh[r | j], ge[r | j], dsc)
-                                wh, we = _cx(gh[r], ge[r], gh[r | j], ge[r | j], 1 - dsc)
-                                gh[r], ge[r], gh[r | j], ge[r | j] = bh, be, wh, we
-                    else:                            # partners in lane ^ (j / R2)
-                        m = j // R2
-                        dsc = 1 - (lane // (k // R2)) % 2
-                        keep = (lane // m) % 2 ^ dsc
-                        for r in cutlass.range_constexpr(R2):
-                            oh = cute.arch.shuffle_sync_bfly(gh[r], m)
-                            oe = cute.arch.shuffle_sync_bfly(ge[r], m)
-                            gh[r], ge[r] = _cx(gh[r], ge[r], oh, oe, keep)
-                for r in cutlass.range_constexpr(R2):
-                    if lane * R2 + r < K:
-                        ids_s[t * K + lane * R2 + r] = ge[r]
-                cute.arch.sync_warp()
-                sj = Float32(0.0)
-                ej = cutlass.Int32(0)
-                if lane < K:
-                    ej = ids_s[t * K + lane]
-                    sj = s_sm[t * E + ej]
-                tot = cute.arch.warp_reduction_sum(sj)
-                wj = sj
-                if const_expr(plan.renormalize):
-                    wj = sj / tot
-                wj = wj * Float32(plan.scaling)
-                if lane < K:
-                    w_s[t * K + lane] = wj
-                    if b == 0:
-                        mIds[t * K + lane] = cutlass.Int64(ej)
-                        mTopW[t * K + lane] = wj
-        cute.arch.sync_threads()
-
-    @_dsl.jit
     def _stamp(self, mTrace, b, k):
         mTrace[b * TRACE_EVENTS + k] = cute.arch.globaltimer()
 
@@ -870,15 +669,11 @@ _CACHE = CompileCache()
 
 
 def compile_moe(plan: ResidentMoEPlan, extra_options: str = ""):
-    """cute.compile one plan; returns `launch(z, logits, bias, ids, topw, w13, s13, w2, s2, out,
-    scratch, a, trace)` on the current torch stream (graph-capturable); all flat 1-D tensors
-    (logits, bias: one unused word each unless plan.route)."""
+    """cute.compile one plan; returns `launch(z, ids, topw, w13, s13, w2, s2, out, scratch, a,
+    trace)` on the current torch stream (graph-capturable); all flat 1-D tensors."""
     E, I, L, P = plan.num_experts, plan.intermediate, plan.latent, plan.pairs
     fake = cute.runtime.make_fake_compact_tensor
-    R = plan.route
     args = [fake(Float32 if plan.z_fp32 else cutlass.BFloat16, (plan.tokens * L,), assumed_align=16),
-            fake(Float32, (plan.tokens * E if R else 1,), assumed_align=16),
-            fake(Float32, (E if R else 1,), assumed_align=16),
             fake(cutlass.Int64, (P,), assumed_align=16),
             fake(Float32, (P,), assumed_align=16),
             fake(cutlass.Uint8, (E * 2 * I * L // 2,), assumed_align=16),
@@ -896,10 +691,9 @@ def compile_moe(plan: ResidentMoEPlan, extra_options: str = ""):
 
 def plan_for(z: torch.Tensor, topk_ids: torch.Tensor, experts, *, ctas: int | None = None,
              warps: int = 16, pdl: bool = True, trace: bool = False,
-             predecode: int = 8, route: dict | None = None) -> ResidentMoEPlan | None:
+             predecode: int = 8) -> ResidentMoEPlan | None:
     """The plan of one call on z's device (one CTA per SM), or None where the call does not fit
-    the kernel (shared memory, shapes): the Triton pair serves those. route: {"has_bias",
-    "renormalize", "scaling"} for a call that routes in the kernel."""
+    the kernel (shared memory, shapes): the Triton pair serves those."""
     if ctas is None:
         ctas = torch.cuda.get_device_properties(z.device).multi_processor_count
     lin = experts.linear_beta
@@ -908,8 +702,7 @@ def plan_for(z: torch.Tensor, topk_ids: torch.Tensor, experts, *, ctas: int | No
             tokens=z.shape[0], top_k=topk_ids.shape[1], num_experts=experts.num_experts,
             intermediate=experts.intermediate, latent=experts.latent, ctas=ctas, warps=warps,
             beta=float(experts.beta), linear_beta=None if lin is None else float(lin),
-            z_fp32=z.dtype == torch.float32, pdl=pdl, trace=trace, predecode=predecode,
-            **({"route": True, **route} if route else {}))
+            z_fp32=z.dtype == torch.float32, pdl=pdl, trace=trace, predecode=predecode)
     except ValueError:
         return None
 
@@ -931,11 +724,9 @@ def _scratch(plan: ResidentMoEPlan, device: torch.device) -> tuple[torch.Tensor,
 
 def resident_moe_into(plan: ResidentMoEPlan, z: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, experts, out: torch.Tensor,
-                      trace: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      trace: torch.Tensor | None = None) -> torch.Tensor:
     """out (T, L) fp32 = Σ_k w·expert(z) on the current stream (module docstring); every input
-    is checked against the plan by name before the launch. plan.route: logits (T, E) fp32 and
-    bias (E,) fp32 (plan.has_bias) are read, topk_weights / topk_ids are written."""
+    is checked against the plan by name before the launch."""
     from raydecode.kernels.moe_mxfp4 import _check_inputs
     _check_inputs(z, topk_weights, topk_ids, experts, (torch.bfloat16, torch.float32))
     T, L = z.shape
@@ -954,22 +745,6 @@ def resident_moe_into(plan: ResidentMoEPlan, z: torch.Tensor, topk_weights: torc
                              f"; need a contiguous, 16-byte aligned CUDA {dt} tensor")
     if tuple(out.shape) != (T, L):
         raise ValueError(f"resident MoE: out is {tuple(out.shape)}; need ({T}, {L})")
-    E = experts.num_experts
-    if plan.route:
-        for name, t, shape in (("logits", logits, (T, E)),
-                               ("bias", bias if plan.has_bias else None, (E,))):
-            if shape == (E,) and not plan.has_bias:
-                continue
-            if (t is None or t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_cuda
-                    or not t.is_contiguous()):
-                raise ValueError(f"resident MoE: {name} is "
-                                 f"{None if t is None else (t.dtype, tuple(t.shape))}; the plan "
-                                 f"routes in the kernel: need a contiguous CUDA fp32 {shape}")
-        lg, bs = logits.view(-1), bias if plan.has_bias else _dummy_f32(z.device)
-    elif logits is not None or bias is not None:
-        raise ValueError("resident MoE: logits / bias given but the plan does not route")
-    else:
-        lg = bs = _dummy_f32(z.device)
     if plan.trace and (trace is None or trace.dtype != torch.int64
                        or trace.numel() != plan.trace_words or not trace.is_cuda):
         raise ValueError(f"resident MoE: plan.trace is set; pass an int64 CUDA trace of "
@@ -978,20 +753,10 @@ def resident_moe_into(plan: ResidentMoEPlan, z: torch.Tensor, topk_weights: torc
     if not plan.trace:
         trace = dummy_int64(z.device)
     launch = _CACHE.get(plan, lambda: compile_moe(plan))
-    launch(z.view(-1), lg, bs, topk_ids.view(-1), topk_weights.view(-1), experts.w13.view(-1),
+    launch(z.view(-1), topk_ids.view(-1), topk_weights.view(-1), experts.w13.view(-1),
            experts.s13.view(-1), experts.w2.view(-1), experts.s2.view(-1), out.view(-1),
            counters, a, trace)
     return out
-
-
-_DUMMY_F32: dict[torch.device, torch.Tensor] = {}
-
-
-def _dummy_f32(device: torch.device) -> torch.Tensor:
-    """The one-word fp32 logits / bias a launch that does not route passes (never read)."""
-    if device not in _DUMMY_F32:
-        _DUMMY_F32[device] = torch.zeros(1, device=device, dtype=torch.float32)
-    return _DUMMY_F32[device]
 
 
 def spin_flag(plan: ResidentMoEPlan, device: torch.device) -> int:
@@ -1013,28 +778,5 @@ def moe_resident(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     return resident_moe_into(plan, z, topk_weights, topk_ids, experts, out)
 
 
-def moe_resident_routed(z: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None,
-                        top_k: int, renormalize: bool, scaling: float, experts,
-                        out: torch.Tensor | None = None, plan: ResidentMoEPlan | None = None):
-    """The router op and the MoE in one launch: (out (T, L) fp32, weights (T, k) fp32, ids
-    (T, k) int64) as `route_topk` then `moe_resident` would give (same ids, weights up to the
-    fp32 sum order). ValueError where it does not fit."""
-    T = z.shape[0]
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=z.device)
-    w = torch.empty(T, top_k, dtype=torch.float32, device=z.device)
-    if plan is None:
-        plan = plan_for(z, ids, experts, route={"has_bias": bias is not None,
-                                                "renormalize": bool(renormalize),
-                                                "scaling": float(scaling)})
-    if plan is None or not plan.route:
-        raise ValueError(f"resident MoE: routing {T} token(s) × top-{top_k} of {logits.shape[-1]} "
-                         f"with (I={experts.intermediate}, L={experts.latent}) does not fit one "
-                         "resident launch on this GPU; use route_topk + moe_mxfp4_decode")
-    if out is None:
-        out = torch.empty(T, experts.latent, dtype=torch.float32, device=z.device)
-    resident_moe_into(plan, z, w, ids, experts, out, logits=logits.contiguous(), bias=bias)
-    return out, w, ids
-
-
-__all__ = ["ResidentMoEPlan", "compile_moe", "moe_resident", "moe_resident_routed",
-           "plan_copies", "plan_for", "resident_moe_into", "route_mirror", "spin_flag"]
+__all__ = ["ResidentMoEPlan", "compile_moe", "moe_resident", "plan_copies", "plan_for",
+           "resident_moe_into", "spin_flag"]

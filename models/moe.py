@@ -35,9 +35,7 @@ Routed experts, two storages (`RoutedExperts`; which one: `routed_experts_mxfp4(
   (E, 2, I_local, ·) tensors are the kernels' (E, 2I_local, ·) w13 / s13 as free views.
   Forward: CUDA + Triton -> `moe_decode` (specialized path, few pairs) or the stock
   grouped `fused_moe_mxfp4`, device-side ids, no host sync (capturable); elsewhere
-  `moe_mxfp4_reference` (host sync on the unique ids). The fused specialized block asks
-  `decode_routed` first: where the resident CuTe kernel serves the call (K3 TP16 batch 1) it
-  routes inside the kernel, and no router kernel runs.
+  `moe_mxfp4_reference` (host sync on the unique ids).
 - bf16 (no quantization_config): stacked parameters in the model dtype,
   experts.w1, experts.w3 (E, I_local, L) [gate, up] and experts.w2 (E, L, I_local) [down];
   shard_dim 1 for w1/w3 and 2 for w2 in the full shapes (E, I, L) / (E, L, I); a Python loop
@@ -58,7 +56,7 @@ from raydecode.kernels.gemv_norm_situ import supports as norm_situ_gemv_supports
 from raydecode.kernels.moe_mxfp4 import (MAX_SCALE, MXFP4Experts, fused_moe_mxfp4,
                                          moe_mxfp4_reference)
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
-from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode, moe_decode_routed
+from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
 from raydecode.kernels.router import route_topk, router_logits
 
 from .checkpoint import PREFIX, expert_is_mxfp4
@@ -234,15 +232,6 @@ class RoutedExperts(nn.Module):
                                           ids[i:i + step], ex)
                           for i in range(0, z.shape[0], step)])
 
-    def decode_routed(self, z: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None,
-                      top_k: int, renormalize: bool, scaling: float) -> torch.Tensor | None:
-        """The router op and the specialized experts in one kernel where one serves this call
-        (kernels/moe_mxfp4_decode_mma.py `moe_decode_routed`: MXFP4 on CUDA, the resident
-        kernel's shapes), else None."""
-        if not (self.mxfp4 and z.is_cuda and _triton is not None):
-            return None
-        return moe_decode_routed(z, logits, bias, top_k, renormalize, scaling, self.packed())
-
     def _forward_dense(self, z, weights, ids, path: str) -> torch.Tensor:
         """Loops over the selected experts (host sync on the unique ids), never over tokens."""
         lin = linear_for(path)
@@ -356,17 +345,13 @@ class LatentMoE(nn.Module):
         m, sh, par = self.cfg.moe, self.shared_experts, self.par
         ne, nz = par.shard(m.num_experts, "num_experts"), par.shard(m.latent_size, "latent")
         y = linear_for("specialized")(x, self._h2_proj(), torch.float32)
-        logits = self.comm.all_gather(y[:, :ne], dim=-1).contiguous()      # (T, E) fp32
+        logits = self.comm.all_gather(y[:, :ne], dim=-1)                   # (T, E) fp32
+        w, ids = route_topk(logits.contiguous(), self.gate.e_score_correction_bias, m.top_k,
+                            m.renormalize, m.routed_scaling_factor)
         z = self.comm.all_gather(y[:, ne:ne + nz], dim=-1)                 # (T, L) fp32
         if not (z.is_cuda and self.experts.mxfp4):   # moe_decode rounds fp32 z as it loads
             z = z.to(x.dtype)
-        bias = self.gate.e_score_correction_bias
-        routed = self.experts.decode_routed(z, logits, bias, m.top_k, m.renormalize,
-                                            m.routed_scaling_factor)
-        if routed is None:                           # the router op, then the experts
-            w, ids = route_topk(logits, bias, m.top_k, m.renormalize, m.routed_scaling_factor)
-            routed = self.experts(z, w, ids, "specialized")
-        lat = self.comm.all_reduce(routed)
+        lat = self.comm.all_reduce(self.experts(z, w, ids, "specialized"))
         w_out, nw, gu = self._ffn_out(), self.routed_expert_norm.weight, y[:, ne + nz:]
         args = (nw, self.routed_expert_norm.eps, par.tp_rank * nz, nz, gu, sh.beta,
                 sh.linear_beta)

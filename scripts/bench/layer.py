@@ -225,7 +225,6 @@ def run(args) -> dict:
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
               "moe_resident_predecode": args.moe_resident_predecode,
-              "moe_resident_route": args.moe_resident_route,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
               "l2_prefetch_start_mib": L2PF_START_MIB, "l2_prefetch_kind": l2_prefetch.KIND,
@@ -390,9 +389,6 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-resident-predecode", type=int, default=None,
                     help="the resident MoE kernel's `predecode` (down rows per lane decoded "
                          "before the wait; default: moe_mxfp4_decode_mma.RESIDENT_PREDECODE)")
-    ap.add_argument("--moe-resident-route", type=int, choices=(0, 1), default=None,
-                    help="1: the resident MoE kernel routes (no router kernel); 0: the router "
-                         "kernel first (default: moe_mxfp4_decode_mma.RESIDENT_ROUTE)")
     ap.add_argument("--mma-config", action="append", default=[],
                     help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
     ap.add_argument("--decode-config", action="append", default=[],
@@ -413,8 +409,6 @@ def main(argv=None) -> int:
     moe_mxfp4_decode_mma.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
     if args.moe_resident_predecode is not None:
         moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
-    if args.moe_resident_route is not None:
-        moe_mxfp4_decode_mma.RESIDENT_ROUTE = bool(args.moe_resident_route)
     from raydecode.kernels import moe_mxfp4_decode
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,

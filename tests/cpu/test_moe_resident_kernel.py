@@ -160,27 +160,3 @@ def test_dispatch_table_fits_and_cpu_calls_fall_through():
     ex = MXFP4Experts.random(4, 512, 64, 4.0, None)
     assert D._resident_plan(torch.zeros(1, 512, dtype=torch.bfloat16),
                             torch.zeros(1, 4, dtype=torch.int64), ex) is None
-
-
-@pytest.mark.parametrize("E,warps,k", [(896, 16, 16), (64, 2, 4), (1000, 16, 8), (200, 4, 16)])
-def test_route_network_selects_the_top_k_with_ties_to_the_lower_expert(E, warps, k):
-    """`route_mirror` (the kernel's two-level bitonic network, lane for lane) gives the k best
-    keys, ties to the lower expert index, best first — with many exact ties in the keys."""
-    rng = random.Random(E * warps + k)
-    for _ in range(3):
-        keys = [rng.randrange(-50, 50) for _ in range(E)]      # ~E/100 experts per key value
-        want = sorted(range(E), key=lambda e: (-keys[e], e))[:k]
-        assert R.route_mirror(keys, k, warps) == want
-
-
-@pytest.mark.parametrize("kw,match", [
-    ({"route": True, "top_k": 17, "intermediate": 64, "latent": 512}, "top_k=17"),
-    ({"route": True, "warps": 12}, "warps=12"), ({"route": True, "num_experts": 1100}, "num_experts=1100")])
-def test_route_plan_refusals(kw, match):
-    with pytest.raises(ValueError, match=match):
-        _plan(**kw)
-
-
-def test_route_plan_fits_k3_tp16_batch1():
-    p = _plan(route=True, predecode=3)
-    assert p.smem_bytes <= R.SMEM_MAX and p.smem_bytes > _plan(predecode=3).smem_bytes
