@@ -18,10 +18,10 @@ same run. `--trace`: one traced launch (and one decoding after the wait); per ev
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -30,6 +30,7 @@ from raydecode.kernels import moe_resident_cute as R
 
 from .layer_moe_sweep import check_and_time, random_calls
 from .layer_timing import hbm_read_bandwidth
+from .report_io import report_header, write_report
 
 SHAPES = {"tp16b1": (16, 1), "tp16b2": (16, 2), "tp8b1": (8, 1)}
 VARIANTS = ("triton", "resident", "resident_late", "resident_w8", "resident_nopdl")
@@ -70,10 +71,10 @@ def trace_once(z, route, bank, predecode: int) -> dict:
 
 
 def run(args) -> dict:
-    from .layer import _env
-    report = {**_env(), "commit": args.commit, "calls": args.calls, "rounds": args.rounds,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "method": __doc__.split("\n\n")[2].strip(), "results": []}
+    t0 = time.time()
+    report = report_header(args.commit, calls=args.calls, rounds=args.rounds,
+                           sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+                           method=__doc__.split("\n\n")[2].strip(), results=[])
     report["hbm_read_Bps"] = hbm = hbm_read_bandwidth()
     for shape in args.shapes.split(","):
         tp, B = SHAPES[shape]
@@ -111,6 +112,7 @@ def run(args) -> dict:
             plan = R.plan_for(z, routes[0][1], bank)
             row["spin_flag"] = R.spin_flag(plan, z.device)
         report["results"].append(row)
+        write_report(report, args.out, t0)               # a run cut short keeps its shapes
         print(json.dumps(row), flush=True)
         del bank
         torch.cuda.empty_cache()
@@ -135,9 +137,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moe_resident: needs a CUDA GPU", file=sys.stderr)
         return 2
-    report = run(args)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    run(args)
     return 0
 
 
