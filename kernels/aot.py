@@ -3,9 +3,10 @@
     plan_kernels(cfg, tp, buckets, arch)  -> KernelPlan: every CuTe GEMV `linear` sends to CuTe
         for this (model, TP, M bucket) — `decode_gemv_shapes` × M ∈ buckets with
         `linear_uses_cute(M, N, K)` and `config_for(M, N, K)`, each with its output dtype
-        (`params.gemv_out_dtype`: an fp32-out GEMV is a kernel of its own) — plus the Triton
-        launches whose signature the config fixes (`aot_triton.triton_specs`); shapes that go
-        to cuBLAS or have no GEMV mapping are listed in `skipped` with the reason.
+        (`params.gemv_out_dtype`: an fp32-out GEMV is a kernel of its own) — the fused ffn_out
+        kernel and the resident MoE kernel where the specialized block launches them, plus the
+        Triton launches whose signature the config fixes (`aot_triton.triton_specs`); shapes
+        that go to cuBLAS or have no GEMV mapping are listed in `skipped` with the reason.
     warm(plan, root)  -> compiles what the cache dir lacks (one process per kernel per node, the
         others wait on the kernel's flock and load), returns per-kernel events.
     prepare_kernel_cache(cfg, par, buckets) -> the rank-worker hook: run before CUDA-graph capture
@@ -68,6 +69,15 @@ class NormSituItem:
 
 
 @dataclass(frozen=True)
+class ResidentMoEItem:
+    """The resident MoE kernel (kernels/moe_resident_cute.py) where `moe_decode` serves the
+    model's experts with it (moe_mxfp4_decode_mma.RESIDENT): its whole launch plan, which
+    includes the GPU's SM count."""
+    plan: object                      # kernels.moe_resident_cute.ResidentMoEPlan
+    name: str = "moe_resident"
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     model: str
     tp: int
@@ -77,12 +87,16 @@ class KernelPlan:
     triton: tuple[TritonSpec, ...]
     skipped: tuple[tuple[str, int, int, int, str], ...]   # (name, M, N, K, why)
     fused: tuple[NormSituItem, ...] = ()
+    moe: tuple[ResidentMoEItem, ...] = ()
 
     def describe(self) -> list[str]:
         lines = [f"{g.name:16s} gemv  M={g.M} N={g.N} K={g.K} out={_dname(g.out_dtype)} "
                  f"{g.config}" for g in self.gemvs]
         lines += [f"{f.name:16s} fused M={f.M} N={f.N} K={f.K} (norm D={f.D}, n={f.n_cols}, "
                   f"SiTU I={f.I}) {f.config}" for f in self.fused]
+        lines += [f"{m.name:16s} cute  T={m.plan.tokens} top-{m.plan.top_k} E={m.plan.num_experts} "
+                  f"I={m.plan.intermediate} L={m.plan.latent} on {m.plan.ctas} CTAs "
+                  f"(predecode {m.plan.predecode})" for m in self.moe]
         lines += [f"{t.name:16s} triton {t.kernel}" for t in self.triton]
         lines += [f"{n:16s} skip  M={m} N={nn} K={k}: {why}" for n, m, nn, k, why in self.skipped]
         return lines
@@ -96,8 +110,10 @@ def check_buckets(buckets) -> tuple[int, ...]:
 
 
 def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
-                 path: str = "specialized") -> KernelPlan:
-    """What one rank of a (cfg, TP) replica compiles for decode at these M buckets on `arch`."""
+                 path: str = "specialized", sm_count: int | None = None) -> KernelPlan:
+    """What one rank of a (cfg, TP) replica compiles for decode at these M buckets on `arch`.
+    sm_count: the GPU's SMs, which the resident MoE kernel's grid is (None: this process's GPU;
+    without one that kernel is listed in `skipped`)."""
     from raydecode.kernels.gemv import config_for, linear_uses_cute
     from raydecode.models.params import ShardError, decode_gemv_shapes, gemv_out_dtype
 
@@ -122,8 +138,48 @@ def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
             if item.kernel_key not in seen:     # two weights of one shape share a kernel
                 seen.add(item.kernel_key)
                 gemvs.append(item)
+    moe_items = _moe_items(cfg, tp, buckets, path, sm_count, skipped)
     return KernelPlan(cfg.name, tp, buckets, arch, tuple(gemvs), tuple(triton_specs(cfg, tp)),
-                      tuple(skipped), _fused_items(cfg, tp, buckets, shapes, path))
+                      tuple(skipped), _fused_items(cfg, tp, buckets, shapes, path), moe_items)
+
+
+def _moe_items(cfg, tp, buckets, path, sm_count, skipped) -> tuple[ResidentMoEItem, ...]:
+    """The resident MoE kernel at each bucket `moe_decode` sends to it: the (E, I/TP, L, M) in
+    moe_mxfp4_decode_mma.RESIDENT, MXFP4 experts, the plan `_resident_plan` builds (fp32 z in
+    the fused block of a bf16 model, as `_forward_fused` passes it)."""
+    from raydecode.kernels import moe_mxfp4_decode_mma as DM
+    from raydecode.kernels import moe_resident_cute as R
+    from raydecode.models.moe import routed_experts_mxfp4
+    from raydecode.models.params import moe_block_fused
+
+    m = cfg.moe
+    if path != "specialized" or m is None or m.num_experts == 0 or tp < 1 \
+            or m.expert_intermediate % tp:
+        return ()
+    I = m.expert_intermediate // tp
+    wanted = [M for M in buckets if (m.num_experts, I, m.latent_size, M) in DM.RESIDENT]
+    if not wanted or not routed_experts_mxfp4(cfg):
+        return ()
+    if sm_count is None:
+        if not torch.cuda.is_available():
+            skipped += [("moe_resident", M, m.latent_size, I,
+                         "needs the GPU's SM count (pass sm_count)") for M in wanted]
+            return ()
+        dev = torch.cuda.current_device()
+        sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
+    z_fp32 = cfg.dtype == "bfloat16" and moe_block_fused(cfg)
+    kw = {} if DM.RESIDENT_PREDECODE is None else {"predecode": DM.RESIDENT_PREDECODE}
+    items = []
+    for M in wanted:
+        try:
+            items.append(ResidentMoEItem(R.ResidentMoEPlan(
+                tokens=M, top_k=m.top_k, num_experts=m.num_experts, intermediate=I,
+                latent=m.latent_size, ctas=sm_count, beta=float(cfg.situ_beta),
+                linear_beta=None if cfg.situ_linear_beta is None else float(cfg.situ_linear_beta),
+                z_fp32=z_fp32, **kw)))
+        except ValueError as e:
+            skipped.append(("moe_resident", M, m.latent_size, I, str(e)))
+    return tuple(items)
 
 
 def _fused_items(cfg, tp, buckets, shapes, path) -> tuple[NormSituItem, ...]:
@@ -203,6 +259,20 @@ def warm(plan: KernelPlan, root: Path, triton: bool = True, log=None) -> list[di
         events.append(ev)
         if log:
             log(ev)
+    for item in plan.moe:
+        t0 = time.monotonic()
+        if not gemv.FFI_DEFAULT or gemv.cute is None:
+            action = "skipped (nvidia-cutlass-dsl missing or RAYDECODE_CUTE_TVM_FFI=0)"
+        else:
+            from raydecode.kernels import moe_resident_cute as R
+            n0 = len(store.events)
+            R.compiled(item.plan, root=None if via_compiled else root, arch=plan.arch)
+            action = store.events[n0]["action"] if len(store.events) > n0 else "in-process"
+        ev = {"name": item.name, "kind": "cute_moe", "tokens": item.plan.tokens,
+              "ctas": item.plan.ctas, "action": action, "seconds": time.monotonic() - t0}
+        events.append(ev)
+        if log:
+            log(ev)
     if triton and plan.triton and importlib.util.find_spec("triton") is None:
         events += [{"name": t.name, "kind": "triton", "action": "skipped (triton missing)",
                     "seconds": 0.0} for t in plan.triton]
@@ -240,5 +310,5 @@ def prepare_kernel_cache(cfg, par, buckets=DEFAULT_BUCKETS, root=None) -> list[d
     return warm(plan, root)
 
 
-__all__ = ["DEFAULT_BUCKETS", "ENV", "GemvItem", "KernelPlan", "NormSituItem", "check_buckets",
-           "plan_kernels", "prepare_kernel_cache", "warm"]
+__all__ = ["DEFAULT_BUCKETS", "ENV", "GemvItem", "KernelPlan", "NormSituItem", "ResidentMoEItem",
+           "check_buckets", "plan_kernels", "prepare_kernel_cache", "warm"]

@@ -51,7 +51,9 @@ room for the next kernel's PDL prologue; all 7 rows take 128).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -698,6 +700,37 @@ def compile_moe(plan: ResidentMoEPlan, extra_options: str = ""):
                         options=f"--enable-tvm-ffi {extra_options}".strip())
 
 
+def cache_key(plan: ResidentMoEPlan, arch: str) -> dict:
+    """The node kernel cache key (kernels/aot_store.py): the plan, arch, package versions and
+    the sources (this file and the shared PTX helpers)."""
+    from raydecode.kernels import aot_store as S
+    here = Path(__file__).resolve().parent
+    return {"kind": "cute_moe_resident", "plan": dataclasses.asdict(plan), "arch": arch,
+            "ffi": True, "versions": {k: v for k, v in S.versions().items() if k != "triton"},
+            "source": S.source_sha(here / "moe_resident_cute.py")
+            + S.source_sha(here / "_cute_ptx.py")}
+
+
+def compiled(plan: ResidentMoEPlan, root=None, arch: str | None = None):
+    """The launch function: from this process's cache, else the node kernel cache
+    ($RAYDECODE_KERNEL_CACHE: compiled once per node, loaded by the other ranks), else a JIT
+    compile. root / arch: an explicit cache dir and target (kernels/aot.py `warm`)."""
+    def build():
+        from raydecode.kernels import aot_store as S
+        where = S.cache_dir(root)
+        if where is None:
+            return compile_moe(plan)
+
+        def export(path: Path, symbol: str) -> None:
+            compile_moe(plan).export_to_c(str(path), function_name=symbol)
+        return S._store(where).get_or_build(cache_key(plan, arch or S.current_arch()), export,
+                                            S._load_gemv)
+
+    if root is not None:        # warming another cache dir: not this process's launch cache
+        return build()
+    return _CACHE.get(plan, build)
+
+
 def plan_for(z: torch.Tensor, topk_ids: torch.Tensor, experts, *, ctas: int | None = None,
              warps: int = 16, pdl: bool = True, trace: bool = False,
              predecode: int = 8) -> ResidentMoEPlan | None:
@@ -761,7 +794,7 @@ def resident_moe_into(plan: ResidentMoEPlan, z: torch.Tensor, topk_weights: torc
     counters, a = _scratch(plan, z.device)
     if not plan.trace:
         trace = dummy_int64(z.device)
-    launch = _CACHE.get(plan, lambda: compile_moe(plan))
+    launch = compiled(plan)
     launch(z.view(-1), topk_ids.view(-1), topk_weights.view(-1), experts.w13.view(-1),
            experts.s13.view(-1), experts.w2.view(-1), experts.s2.view(-1), out.view(-1),
            counters, a, trace)
@@ -787,5 +820,5 @@ def moe_resident(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     return resident_moe_into(plan, z, topk_weights, topk_ids, experts, out)
 
 
-__all__ = ["ResidentMoEPlan", "compile_moe", "moe_resident", "plan_copies", "plan_for",
-           "resident_moe_into", "spin_flag"]
+__all__ = ["ResidentMoEPlan", "cache_key", "compile_moe", "compiled", "moe_resident",
+           "plan_copies", "plan_for", "resident_moe_into", "spin_flag"]

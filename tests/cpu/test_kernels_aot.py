@@ -374,3 +374,50 @@ def test_offline_compile_sets_the_knobs_this_tritons_launch_sets():
     pairs = _run_compilation_knobs()
     assert ("instrumentation_mode", "instrumentation_mode") in pairs
     assert all(hasattr(knobs.compilation, knob) for _, knob in pairs)
+
+
+def test_plan_k3_tp16_lists_the_resident_moe_the_dispatch_builds():
+    """The resident MoE kernel where `moe_decode` serves the experts with it (K3 TP16, M = 1):
+    the same plan `moe_mxfp4_decode_mma._resident_plan` builds on a 132-SM GPU (fp32 z from
+    the fused block, the config's SiTU betas, the served predecode), so the launch hits the
+    warmed entry; nothing at TP8, on the stock path, or without an SM count and a GPU."""
+    from types import SimpleNamespace
+
+    from raydecode.kernels import moe_mxfp4_decode_mma as DM
+    from raydecode.kernels import moe_resident_cute as R
+
+    cfg = load_config("k3")
+    (item,) = aot.plan_kernels(cfg, 16, (1, 2), "sm_90a", sm_count=132).moe
+    experts = SimpleNamespace(num_experts=896, intermediate=192, latent=3584,
+                              beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta)
+    assert item.plan == R.plan_for(torch.zeros(1, 3584), torch.zeros(1, 16), experts, ctas=132,
+                                   predecode=DM.RESIDENT_PREDECODE)
+    assert aot.plan_kernels(cfg, 8, (1, 2), "sm_90a", sm_count=132).moe == ()
+    assert aot.plan_kernels(cfg, 16, (1,), "sm_90a", path="stock", sm_count=132).moe == ()
+    if not torch.cuda.is_available():
+        plan = aot.plan_kernels(cfg, 16, (1,), "sm_90a")
+        assert plan.moe == () and [s[0] for s in plan.skipped if "SM count" in s[4]] == \
+            ["moe_resident"]
+
+
+_MOE_WARM_WORKER = """
+    import json, os
+    from pathlib import Path
+    from raydecode.kernels import aot, aot_store, moe_resident_cute as R
+    plan = R.ResidentMoEPlan(tokens=1, top_k=4, num_experts=8, intermediate=64, latent=512,
+                             ctas=4, warps=4, beta=4.0, linear_beta=25.0)
+    kp = aot.KernelPlan("toy", 1, (1,), "sm_90a", (), (), (), (), (aot.ResidentMoEItem(plan),))
+    ev = [e["action"] for e in aot.warm(kp, Path(os.environ[aot.ENV]))]
+    R.compiled(plan)                                      # the launch path: no second build
+    print(json.dumps({"events": ev, **aot_store.STATS}))
+"""
+
+
+@pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl not installed (run in venv-cute)")
+def test_warm_stores_the_resident_moe_once_per_node(tmp_path):
+    env = {aot.ENV: str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
+    first, second = _run(_MOE_WARM_WORKER, env), _run(_MOE_WARM_WORKER, env)
+    assert first["events"] == ["compiled"] and second["events"] == ["loaded"]
+    assert (first["compiled"], second["compiled"], second["loaded"]) == (1, 0, 1)
+    (entry,) = json.loads((tmp_path / "manifest.json").read_text())["entries"].values()
+    assert entry["key"]["kind"] == "cute_moe_resident" and entry["key"]["plan"]["ctas"] == 4
