@@ -111,9 +111,10 @@ class ResidentMoEPlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ResidentMoEPlan: {name}={v!r}; need an int ≥ 1")
-        if self.latent < self.ctas:
-            raise ValueError(f"ResidentMoEPlan: latent={self.latent} < ctas={self.ctas}; every "
-                             "CTA needs at least one output row")
+        if self.latent < self.ctas or self.units < self.ctas:
+            raise ValueError(f"ResidentMoEPlan: latent={self.latent}, {self.units} row pairs, "
+                             f"ctas={self.ctas}; every CTA needs at least one output row and "
+                             "one row pair (its mbarriers count their copies)")
         if isinstance(self.predecode, bool) or not isinstance(self.predecode, int) \
                 or not 0 <= self.predecode <= 64:
             raise ValueError(f"ResidentMoEPlan: predecode={self.predecode!r}; need an int in 0 … 64 "
@@ -217,7 +218,7 @@ class ResidentMoEPlan:
     def cta_rows(self, b: int) -> tuple[int, int]:
         return b * self.latent // self.ctas, (b + 1) * self.latent // self.ctas
 
-    def weight_bytes(self, ids: torch.Tensor | None = None) -> int:
+    def weight_bytes(self) -> int:
         """HBM bytes of the experts a call reads: each pair's expert once (duplicates twice)."""
         L, I = self.latent, self.intermediate
         return self.pairs * (2 * I * (L // 2 + L // 32) + L * (I // 2 + I // 32))
@@ -299,7 +300,7 @@ if cutlass is not None:
         return cute.arch.inline_ptx(
             "{ .reg .b32 b, x, up, dn; .reg .pred ok;\n"
             " mov.b32 b, {$r0};  shr.u32 x, b, 23;  and.b32 x, x, 0xff;\n"
-            f" setp.ne.u32 ok, x, 0;  setp.ne.and.u32 ok, x, 255, ok;\n"
+            " setp.ne.u32 ok, x, 0;  setp.ne.and.u32 ok, x, 255, ok;\n"
             f" sub.s32 x, {127 + X_MAX_EXP}, x;\n"                 # e = X_MAX_EXP − (exp − 127)
             " max.s32 x, x, -126;  min.s32 x, x, 127;\n"
             " add.s32 up, x, 127;  shl.b32 up, up, 23;\n"

@@ -9,11 +9,12 @@ L = 3584, I = 3072 / TP), `--calls` back-to-back calls in one CUDA graph, each w
 random top-16 routing, so the graph touches > 2 × L2 of experts. Every variant's call 0 is
 checked against `moe_mxfp4_reference` (‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed; the
 variants are timed in `--rounds` interleaved rounds and the JSON keeps every round.
-Variants: triton (the pair, PDL), resident (16 warps, PDL, the down codes decoded into
-registers before the wait), resident_late (decoded after the wait), resident_w8 (8 warps),
-resident_nopdl. Roofline: the touched experts' bytes / the HBM read bandwidth measured in the
-same run. `--trace`: one traced launch (and one decoding after the wait); per event the min / median / max over CTAs of
-(stamp − the CTA's entry stamp) in ns.
+Variants: triton (the pair, PDL); resident (as served: 16 warps, PDL, the down rows
+`moe_mxfp4_decode_mma.RESIDENT_PREDECODE` decodes before the wait); resident_pre8 (all rows
+decoded before the wait: the fastest call, 128 registers); resident_late (none); resident_w8
+(8 warps); resident_nopdl. Roofline: the touched experts' bytes / the HBM read bandwidth
+measured in the same run. `--trace`: one traced launch each of resident and resident_late; per
+event the min / median / max over CTAs of (stamp − the CTA's entry stamp) in ns.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from .layer_timing import hbm_read_bandwidth
 from .report_io import report_header, write_report
 
 SHAPES = {"tp16b1": (16, 1), "tp16b2": (16, 2), "tp8b1": (8, 1)}
-VARIANTS = ("triton", "resident", "resident_late", "resident_w8", "resident_nopdl")
+VARIANTS = ("triton", "resident", "resident_pre8", "resident_late", "resident_w8", "resident_nopdl")
 E, L, I_FULL, K = 896, 3584, 3072, 16
 
 
@@ -43,13 +44,18 @@ def _bank(tp: int, seed: int):
                                device="cuda", seed=seed + tp)
 
 
+def _predecode(name: str) -> int:
+    from raydecode.kernels.moe_mxfp4_decode_mma import RESIDENT_PREDECODE
+    return {"resident_pre8": 8, "resident_late": 0}.get(name, RESIDENT_PREDECODE)
+
+
 def variant_fn(name: str, z, bank):
     """fn(route) -> out for one variant, or None where the resident plan does not fit."""
     if name == "triton":
         return lambda r: D.moe_mxfp4_decode(z, r[0], r[1], bank)
     warps = 8 if name == "resident_w8" else 16
     plan = R.plan_for(z, torch.empty(z.shape[0], K), bank, warps=warps,
-                      pdl=name != "resident_nopdl", predecode=0 if name == "resident_late" else 8)
+                      pdl=name != "resident_nopdl", predecode=_predecode(name))
     if plan is None:
         return None
     out = torch.empty(z.shape[0], L, dtype=torch.float32, device=z.device)
@@ -107,7 +113,7 @@ def run(args) -> dict:
             if base and cell.get("median_us"):
                 cell["speedup_vs_triton"] = base / cell["median_us"]
         if args.trace and fns.get("resident") is not None:
-            row["trace_ns"] = trace_once(z, routes[0], bank, predecode=8)
+            row["trace_ns"] = trace_once(z, routes[0], bank, predecode=_predecode("resident"))
             row["trace_ns_late"] = trace_once(z, routes[0], bank, predecode=0)
             plan = R.plan_for(z, routes[0][1], bank)
             row["spin_flag"] = R.spin_flag(plan, z.device)
