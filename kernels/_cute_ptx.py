@@ -44,6 +44,11 @@ if cutlass is not None:
         return cute.arch.inline_ptx("ld.global.cg.u32 {$w0}, [{$r0}];",
                                     write_only_types=[cutlass.Int32], read_only_args=[ptr])
 
+    def ld_cg_f32(ptr):
+        """fp32 at a global address, through L2."""
+        return cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];",
+                                    write_only_types=[Float32], read_only_args=[ptr])
+
     def ld_cg_f32x4(ptr):
         """4 fp32 at a 16-byte aligned global address, through L2."""
         return cute.arch.inline_ptx("ld.global.cg.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",

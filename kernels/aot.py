@@ -213,6 +213,19 @@ def _triton_key(spec: TritonSpec, arch: str) -> dict:
     return {**spec.key(), "arch": arch, "triton": versions()["triton"]}
 
 
+def _warm_cute(store, build) -> str:
+    """Run one CuTe kernel's `build` (its `compiled`, through the store) -> the store's action
+    (compiled | loaded), "in-process" when this process already held it, or "skipped (…)"
+    where CuTe or TVM-FFI export is missing."""
+    from raydecode.kernels import gemv
+
+    if not gemv.FFI_DEFAULT or gemv.cute is None:
+        return "skipped (nvidia-cutlass-dsl missing or RAYDECODE_CUTE_TVM_FFI=0)"
+    n0 = len(store.events)
+    build()
+    return store.events[n0]["action"] if len(store.events) > n0 else "in-process"
+
+
 def warm(plan: KernelPlan, root: Path, triton: bool = True, log=None) -> list[dict]:
     """Compile every kernel of `plan` the cache at `root` lacks; returns one event per kernel
     ({"name", "kind", "action": compiled|loaded, "seconds"}). Needs CUTE_DSL_ARCH = plan.arch on
@@ -244,30 +257,23 @@ def warm(plan: KernelPlan, root: Path, triton: bool = True, log=None) -> list[di
         events.append(ev)
         if log:
             log(ev)
+    cute_root = None if via_compiled else root
     for f in plan.fused:
+        from raydecode.kernels import gemv_norm_situ as NS
         t0 = time.monotonic()
-        if not gemv.FFI_DEFAULT or gemv.cute is None:
-            action = "skipped (nvidia-cutlass-dsl missing or RAYDECODE_CUTE_TVM_FFI=0)"
-        else:
-            from raydecode.kernels import gemv_norm_situ as NS
-            n0 = len(store.events)
-            NS.compiled(f.M, f.N, f.K, f.D, f.n_cols, f.I, f.gu_stride, f.has_lin, f.config,
-                        root=None if via_compiled else root, arch=plan.arch)
-            action = store.events[n0]["action"] if len(store.events) > n0 else "in-process"
+        action = _warm_cute(store, lambda f=f: NS.compiled(
+            f.M, f.N, f.K, f.D, f.n_cols, f.I, f.gu_stride, f.has_lin, f.config, root=cute_root,
+            arch=plan.arch))
         ev = {"name": f.name, "kind": "cute_fused", "M": f.M, "N": f.N, "K": f.K,
               "out_dtype": "bfloat16", "action": action, "seconds": time.monotonic() - t0}
         events.append(ev)
         if log:
             log(ev)
     for item in plan.moe:
+        from raydecode.kernels import moe_resident_cute as R
         t0 = time.monotonic()
-        if not gemv.FFI_DEFAULT or gemv.cute is None:
-            action = "skipped (nvidia-cutlass-dsl missing or RAYDECODE_CUTE_TVM_FFI=0)"
-        else:
-            from raydecode.kernels import moe_resident_cute as R
-            n0 = len(store.events)
-            R.compiled(item.plan, root=None if via_compiled else root, arch=plan.arch)
-            action = store.events[n0]["action"] if len(store.events) > n0 else "in-process"
+        action = _warm_cute(store, lambda item=item: R.compiled(item.plan, root=cute_root,
+                                                                 arch=plan.arch))
         ev = {"name": item.name, "kind": "cute_moe", "tokens": item.plan.tokens,
               "ctas": item.plan.ctas, "action": action, "seconds": time.monotonic() - t0}
         events.append(ev)

@@ -603,9 +603,7 @@ class ResidentMoEKernel:
                 self._stamp(mTrace, b, 6)
         for p in cutlass.range(warp, plan.pairs, W, unroll=1):
             e = cute.arch.shuffle_sync(idv, p)
-            wp = cute.arch.inline_ptx("ld.global.cg.f32 {$w0}, [{$r0}];",
-                                      write_only_types=[Float32],
-                                      read_only_args=[mTopW.iterator + p])
+            wp = PTX.ld_cg_f32(mTopW.iterator + p)
             off = (e * L + l0) * KG2 % 16
             dec = []
             NPRE = min(plan.predecode, NJ)

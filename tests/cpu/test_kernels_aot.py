@@ -334,13 +334,20 @@ _FUSED_WARM_WORKER = """
 """
 
 
-@pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl not installed (run in venv-cute)")
-def test_warm_stores_the_fused_kernel_once_per_node(tmp_path):
-    env = {aot.ENV: str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
-    first, second = _run(_FUSED_WARM_WORKER, env), _run(_FUSED_WARM_WORKER, env)
+def _warm_twice(worker: str, root: Path) -> dict:
+    """Two processes warm one CuTe kernel into the cache at root: the first compiles it, the
+    second loads it, neither builds it again at its launch path -> the one manifest entry."""
+    env = {aot.ENV: str(root), "CUTE_DSL_ARCH": "sm_90a"}
+    first, second = _run(worker, env), _run(worker, env)
     assert first["events"] == ["compiled"] and second["events"] == ["loaded"]
     assert (first["compiled"], second["compiled"], second["loaded"]) == (1, 0, 1)
-    (entry,) = json.loads((tmp_path / "manifest.json").read_text())["entries"].values()
+    (entry,) = json.loads((root / "manifest.json").read_text())["entries"].values()
+    return entry
+
+
+@pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl not installed (run in venv-cute)")
+def test_warm_stores_the_fused_kernel_once_per_node(tmp_path):
+    entry = _warm_twice(_FUSED_WARM_WORKER, tmp_path)
     assert entry["key"]["kind"] == "cute_gemv_norm_situ" and entry["key"]["gu_stride"] == 144
 
 
@@ -415,9 +422,5 @@ _MOE_WARM_WORKER = """
 
 @pytest.mark.skipif(not HAVE_CUTE, reason="nvidia-cutlass-dsl not installed (run in venv-cute)")
 def test_warm_stores_the_resident_moe_once_per_node(tmp_path):
-    env = {aot.ENV: str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
-    first, second = _run(_MOE_WARM_WORKER, env), _run(_MOE_WARM_WORKER, env)
-    assert first["events"] == ["compiled"] and second["events"] == ["loaded"]
-    assert (first["compiled"], second["compiled"], second["loaded"]) == (1, 0, 1)
-    (entry,) = json.loads((tmp_path / "manifest.json").read_text())["entries"].values()
+    entry = _warm_twice(_MOE_WARM_WORKER, tmp_path)
     assert entry["key"]["kind"] == "cute_moe_resident" and entry["key"]["plan"]["ctas"] == 4
