@@ -284,8 +284,8 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {}
 USE_MMA: bool | None = None
 # (E, I, L, T) calls served by the resident CuTe kernel (kernels/moe_resident_cute.py) where it
 # fits; `USE_RESIDENT` True / False forces it on / off for A/B timing, None = this set decides.
-# K3 TP16 batch 1 (PERF round 19, H200, same-lease layer A/B, medians of 7 processes): KDA
-# layer 68.3 → 64.0 µs, MLA 77.5 → 73.2. kernels/aot.py plans the same kernel for these shapes.
+# K3 TP16 batch 1 (PERF round 19, H200, same-lease layer A/B, medians over 3 leases): KDA
+# layer 68.4 → 64.0 µs, MLA 77.5 → 73.2. kernels/aot.py plans the same kernel for these shapes.
 RESIDENT: set[tuple[int, int, int, int]] = {(896, 192, 3584, 1)}
 USE_RESIDENT: bool | None = None
 # the plan's `predecode` (down rows per lane decoded before the wait; None: the plan default):

@@ -44,10 +44,10 @@ token at TP16), which the Triton pair keeps serving. Bytes read per call: every 
 once (a duplicate expert of two pairs twice) + G · (T·L·2 + P·I·4) of z and a from L2.
 
 Measured (H200, PERF round 19): 13.2 µs per call against the Triton pair's 15.1 in the MoE
-bench (0.30 of the roofline); in the TP16 batch-1 layer, median of 7 processes over 3 leases,
-KDA 68.3 → 64.0 µs and MLA 77.5 → 73.2 µs, one kernel fewer. Served for that shape only
-(kernels/moe_mxfp4_decode_mma.py `RESIDENT`, predecode 3: 64 registers a thread leave the SM
-room for the next kernel's PDL prologue; all 7 rows take 128).
+bench (0.30 of the roofline); in the TP16 batch-1 layer, medians over 3 leases (6 processes
+with the pair, 7 resident), KDA 68.4 → 64.0 µs and MLA 77.5 → 73.2 µs, one kernel fewer.
+Served for that shape only (kernels/moe_mxfp4_decode_mma.py `RESIDENT`, predecode 3: 64
+registers a thread leave the SM room for the next kernel's PDL prologue; all 7 rows take 128).
 """
 from __future__ import annotations
 
