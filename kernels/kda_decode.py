@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from raydecode.kernels import kda_decode_triton as _tri
 
 USE_TRITON = True        # the Triton kernel on CUDA tensors (False: the reference everywhere)
+SPLITS: int | None = None    # programs per head (kda_decode_triton `splits`; None: automatic)
 L2_EPS = 1e-6            # models/kda.py `l2_normalize`
 HEAD_DIMS = (16, 32, 64, 128)   # head_dim values the op accepts (the kernel's D)
 
@@ -172,8 +173,10 @@ def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_sta
                slots: torch.Tensor | None = None) -> torch.Tensor:
     """The fused op (module docstring) -> out (T, heads·head_dim) in proj's dtype; conv_state
     and rec_state updated in place (rows slots[t] when `slots` is given, else row t). On CUDA
-    bf16: one kernel, no host sync, no allocation when `out` is given (CUDA-graph
-    capturable)."""
+    bf16: one kernel, no host sync, no allocation when `out` is given after a shape's first
+    call (CUDA-graph capturable after an eager warm-up). The kernel launched just before this
+    one must not write the state, slots or weights (the split form reads them before its PDL
+    wait, kernels/kda_decode_triton.py)."""
     _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, heads,
            head_dim, out, slots)
     kw = dict(heads=heads, head_dim=head_dim, lower_bound=lower_bound, eps=eps, slots=slots)
@@ -181,10 +184,10 @@ def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_sta
         if out is None:
             out = proj.new_empty(proj.shape[0], heads * head_dim)
         return _tri.kda_decode_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias,
-                                      o_norm_w, rec_state, out, **kw)
+                                      o_norm_w, rec_state, out, splits=SPLITS, **kw)
     return kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w,
                                 rec_state, out=out, **kw)
 
 
 __all__ = ["kda_decode", "kda_decode_reference", "delta_rule_step", "kda_gate_exp", "USE_TRITON",
-           "HEAD_DIMS"]
+           "SPLITS", "HEAD_DIMS"]

@@ -20,8 +20,19 @@ Grid (T, heads): one program per (sequence t, head hh), head_dim D (constexpr, p
 State row: r = slots[t] when HAS_SLOTS (conv_state / rec_state are a slot pool, e.g. one
 layer's KDA cache), else r = t. proj and out are always row t.
 
-`launch_config` picks BV = D (one step, D/16 warps) for small grids and BV = 32 with 4 warps
-once batch·heads ≥ 128 (more programs resident per SM). H200, L2-cold (inputs rotated over
+Split form (`_kda_decode_split_kernel`, grid (T, heads, NS), `split_count` picks NS when batch·
+heads·2 fits one wave of SMs): program js of a head owns value columns [js·BV, (js+1)·BV),
+BV = D/NS (columns of S are independent given q, k, g, β; each program recomputes f_b, g and
+the q/k convs of its head). It requests the f_b weights, its state block, conv taps and
+weights before the PDL wait, so a caller must not let the kernel launched just before it write
+those (the model's in_proj GEMV writes only proj). After the delta rule on its block it stores
+its o columns (fp32) to a scratch row and adds 1 to the head's counter (one atom.acq_rel.gpu
+after a CTA barrier); the head's last program reads the D columns back (.cg), writes the gated
+RMSNorm output and the q/k conv taps (every other program read them before its release) and
+resets the counter to 0 (graph replays need no memset). Round 20 of docs/PERF.md.
+
+`launch_config` picks, for the one-program form, BV = D (one step, D/16 warps) for small grids
+and BV = 32 with 4 warps once batch·heads ≥ 128 (more programs resident per SM). H200, L2-cold (inputs rotated over
 200 MB), CUDA graph of 50 calls, µs per call, D = 128 — a development sweep whose raw output
 was not committed (no JSON under bench/results/): indicative only; the committed in-layer
 figure is the layer benchmark's profile (bench/results/layer-h200-2026-11-29-r3.json, 7.9 µs):
@@ -44,9 +55,12 @@ dtype only (the dispatcher sends other dtypes to the reference).
 Bytes per call (K3, TP16: heads 6, D 128, W 4), batch T: state 2·T·6·64 KiB, fb_w 192 KiB
 (once; L2 across t), conv state 2·T·13.5 KiB, conv_w 36 KiB, proj/out ≈ 8 KiB per token
 (T = 1: 1.06 MB).
-No host sync, no allocation: capturable in a CUDA graph.
+No host sync; no allocation after the first call of a shape (the split form's scratch, made
+outside any capture by the eager warm-up): capturable in a CUDA graph.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -62,17 +76,30 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch,
+    def _conv_taps(cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch,
                    W: tl.constexpr, WP: tl.constexpr):
-        """Channels ch (D,): xs (D, WP) [W−1 state taps | current input | 0 pad] and
-        y = bf16(SiLU(Σ_w xs·w)) in fp32."""
+        """Channels ch: the W−1 state taps (oldest first, 0 pad to WP) and the conv weights
+        (D, WP); nothing the step's projection writes."""
         taps = tl.arange(0, WP)[None, :]
         old = tl.load(cbase + ch[:, None] * c_sc + taps * c_sw, mask=taps < W - 1, other=0.0)
-        cur = tl.load(prow + ch * p_sc)
-        xs = tl.where(taps == W - 1, cur[:, None], old)
         w = tl.load(cw_ptr + ch[:, None] * cw_sc + taps * cw_sw, mask=taps < W, other=0.0)
+        return old, w
+
+    @triton.jit
+    def _conv_out(old, w, cur, W: tl.constexpr, WP: tl.constexpr):
+        """xs (D, WP) = [state taps | current input | 0 pad] and y = bf16(SiLU(Σ_w xs·w)) in
+        fp32."""
+        taps = tl.arange(0, WP)[None, :]
+        xs = tl.where(taps == W - 1, cur[:, None], old)
         y = tl.sum(xs.to(tl.float32) * w, 1)
         return _rne_bf16(y * tl.sigmoid(y)), xs
+
+    @triton.jit
+    def _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch,
+                   W: tl.constexpr, WP: tl.constexpr):
+        """`_conv_out` of channels ch with their taps and current input loaded here."""
+        old, w = _conv_taps(cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, W, WP)
+        return _conv_out(old, w, tl.load(prow + ch * p_sc), W, WP)
 
     @triton.jit
     def _l2(x):
@@ -153,6 +180,81 @@ if triton is not None:
         tl.store(cbase + (ch + C)[:, None] * c_sc + (taps - 1) * c_sw, xk, mask=keep)
 
 
+    @triton.jit
+    def _kda_decode_split_kernel(
+            proj_ptr, p_st, p_sc, fbw_ptr, fbw_sr, fbw_sc,
+            conv_ptr, c_st, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
+            expa_ptr, expa_s, dtb_ptr, dtb_s, onw_ptr, onw_s,
+            rec_ptr, r_st, r_sh, r_sk, r_sv, out_ptr, o_st, o_sc, slot_ptr,
+            ob_ptr, cnt_ptr,
+            NH, lower_bound, eps, scale,
+            D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+            BV: tl.constexpr, NS: tl.constexpr, HAS_SLOTS: tl.constexpr, PDL: tl.constexpr):
+        """Grid (T, heads, NS): program js owns value columns [js·BV, (js+1)·BV) of one head
+        (the split form, module docstring); the head's last program to finish does the norm."""
+        t = tl.program_id(0).to(tl.int64)
+        hh = tl.program_id(1)
+        js = tl.program_id(2)
+        if HAS_SLOTS:
+            r = tl.load(slot_ptr + t).to(tl.int64)           # state row of sequence t
+        else:
+            r = t
+        C = NH * D
+        i = tl.arange(0, D)                                  # dk / channel index
+        jj = js * BV + tl.arange(0, BV)                      # this program's dv columns
+        ch = hh * D + i
+        chv = 2 * C + hh * D + jj
+        cbase = conv_ptr + r * c_st
+        s_ptrs = rec_ptr + r * r_st + hh * r_sh + i[:, None] * r_sk + jj[None, :] * r_sv
+
+        # prologue before the PDL wait: weights, state and slots (the previous kernel, the
+        # in_proj GEMV, writes only proj)
+        wt = tl.load(fbw_ptr + ch[:, None] * fbw_sr + i[None, :] * fbw_sc)     # (D, D)
+        S = tl.load(s_ptrs)                                                     # (D, BV) fp32
+        oq, wq = _conv_taps(cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, W, WP)
+        ok, wk = _conv_taps(cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch + C, W, WP)
+        ov, wv = _conv_taps(cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, chv, W, WP)
+        dtb = tl.load(dtb_ptr + ch * dtb_s)
+        ea = tl.load(expa_ptr + hh * expa_s)
+        pdl_enter(PDL)
+
+        prow = proj_ptr + t * p_st
+        fa = tl.load(prow + (4 * C + NH + i) * p_sc).to(tl.float32)
+        fb = _rne_bf16(tl.sum(wt.to(tl.float32) * fa[None, :], 1))
+        g = lower_bound * tl.sigmoid(ea * (fb + dtb))
+        beta = tl.sigmoid(tl.load(prow + (4 * C + hh) * p_sc).to(tl.float32))
+        q, xq = _conv_out(oq, wq, tl.load(prow + ch * p_sc), W, WP)
+        k, xk = _conv_out(ok, wk, tl.load(prow + (ch + C) * p_sc), W, WP)
+        v, xv = _conv_out(ov, wv, tl.load(prow + chv * p_sc), W, WP)
+        q = _l2(q)
+        k = _l2(k)
+
+        Sp = S * tl.exp(g)[:, None]                          # Diag(e^g) S
+        u = beta * (v - tl.sum(k[:, None] * Sp, 0))          # (BV,)
+        Sn = Sp + k[:, None] * u[None, :]
+        ob = scale * tl.sum(q[:, None] * Sn, 0)              # (BV,) o columns, fp32
+        taps = tl.arange(0, WP)[None, :]
+        keep = (taps >= 1) & (taps < W)                      # xs[:, 1:W] -> taps 0..W−2
+        row = t * NH + hh
+        tl.debug_barrier()                                   # loads of S, v taps before stores
+        tl.store(s_ptrs, Sn)
+        tl.store(cbase + chv[:, None] * c_sc + (taps - 1) * c_sw, xv, mask=keep)
+        tl.store(ob_ptr + row * D + jj, ob)
+        tl.debug_barrier()                                   # every thread's stores, then
+        done = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")   # one release
+        if done == NS - 1:
+            # last program of the head: every other one has stored its o columns and read
+            # the q/k conv taps (its loads precede its release); norm, output, q/k taps
+            tl.store(cnt_ptr + row, 0)                       # ready for the next launch
+            o = tl.load(ob_ptr + row * D + i, cache_modifier=".cg")
+            rn = tl.rsqrt(tl.sum(o * o, 0) / D + eps)
+            gate = tl.sigmoid(tl.load(prow + (3 * C + ch) * p_sc).to(tl.float32))
+            y = _rne_bf16(o * rn * tl.load(onw_ptr + i * onw_s) * gate)
+            tl.store(out_ptr + t * o_st + ch * o_sc, y.to(out_ptr.dtype.element_ty))
+            tl.store(cbase + ch[:, None] * c_sc + (taps - 1) * c_sw, xq, mask=keep)
+            tl.store(cbase + (ch + C)[:, None] * c_sc + (taps - 1) * c_sw, xk, mask=keep)
+
+
 def launch_config(head_dim: int, programs: int) -> tuple[int, int]:
     """(block_v, num_warps). Fewer programs (batch·heads) than ~one per SM: the whole (D, D)
     tile in one step, D/16 warps (8 at D = 128: 64 state values per thread, 255 registers, no
@@ -163,30 +265,84 @@ def launch_config(head_dim: int, programs: int) -> tuple[int, int]:
     return 32, 4
 
 
+MIN_SPLIT_COLUMNS = 8    # value columns per program in the split form
+SPLIT_WARPS = 4           # warps per split program
+
+
+def split_count(head_dim: int, programs: int, sm_count: int = 132) -> int:
+    """Programs per head in the split form for `programs` = T·heads: the most (a power of two,
+    ≥ MIN_SPLIT_COLUMNS value columns each) that keep the grid within one wave of `sm_count`
+    SMs; 1 (the one-program form) when not even 2 fit."""
+    ns = 1
+    while (head_dim % (2 * ns) == 0 and head_dim // (2 * ns) >= MIN_SPLIT_COLUMNS
+           and programs * 2 * ns <= sm_count):
+        ns *= 2
+    return ns
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device: torch.device, rows: int, head_dim: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o columns (rows, D) fp32, arrival counters (rows,) int32 zeroed once) of the split form
+    for rows = T·heads on one device: the kernel leaves the counters at zero, so graph replays
+    need no memset. Allocated at the first (eager, warm-up) call of a shape, outside any
+    capture. One launch at a time per (device, shape): a step runs its KDA layers in order on
+    one stream."""
+    key = (device, rows, head_dim)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty(rows, head_dim, dtype=torch.float32, device=device),
+                         torch.zeros(rows, dtype=torch.int32, device=device))
+    return _SCRATCH[key]
+
+
 def kda_decode_triton(proj: torch.Tensor, fb_w: torch.Tensor, conv_state: torch.Tensor,
                       conv_w: torch.Tensor, exp_a: torch.Tensor, dt_bias: torch.Tensor,
                       o_norm_w: torch.Tensor, rec_state: torch.Tensor, out: torch.Tensor,
                       heads: int, head_dim: int, lower_bound: float, eps: float,
                       slots: torch.Tensor | None = None,
-                      block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                      block_v: int | None = None, num_warps: int | None = None,
+                      splits: int | None = None) -> torch.Tensor:
     """Launch on validated inputs (kda_decode.py `_check`); any strides; writes `out`,
-    rec_state and conv_state (rows slots[t] when given, else row t). No host sync, no
-    allocation. block_v / num_warps override the defaults (`launch_config`) for sweeps."""
+    rec_state and conv_state (rows slots[t] when given, else row t). No host sync; no
+    allocation after a shape's first call. `splits`: programs per head (None: `split_count`;
+    1: the one-program form, whose block_v / num_warps override `launch_config`; N ≥ 2: the
+    split form, N dividing head_dim; num_warps overrides SPLIT_WARPS). Sweeps pass them."""
     T, D, W = proj.shape[0], head_dim, conv_w.shape[1]
     if T == 0:
+        return out
+    if splits is None:
+        sms = _sm_count(proj.device.index or 0) if proj.is_cuda else 132
+        splits = split_count(D, T * heads, sms)
+    if splits < 1 or D % splits:
+        raise ValueError(f"splits = {splits}: expected a divisor of head_dim = {D}, or None")
+    common = (proj, proj.stride(0), proj.stride(1), fb_w, fb_w.stride(0), fb_w.stride(1),
+              conv_state, *conv_state.stride(), conv_w, conv_w.stride(0), conv_w.stride(1),
+              exp_a, exp_a.stride(0), dt_bias, dt_bias.stride(0), o_norm_w, o_norm_w.stride(0),
+              rec_state, *rec_state.stride(), out, out.stride(0), out.stride(1),
+              slots if slots is not None else out)           # unread without slots
+    scalars = (heads, float(lower_bound), float(eps), float(D) ** -0.5)
+    if splits > 1:
+        ob, cnt = _scratch(proj.device, T * heads, D)
+        _kda_decode_split_kernel[(T, heads, splits)](
+            *common, ob, cnt, *scalars, D=D, W=W, WP=triton.next_power_of_2(W),
+            BV=D // splits, NS=splits, HAS_SLOTS=slots is not None,
+            num_warps=num_warps or SPLIT_WARPS, **pdl_launch(out))
         return out
     bv, nw = launch_config(D, T * heads)
     bv, nw = block_v or bv, num_warps or nw
     _kda_decode_kernel[(T, heads)](
-        proj, proj.stride(0), proj.stride(1), fb_w, fb_w.stride(0), fb_w.stride(1),
-        conv_state, *conv_state.stride(), conv_w, conv_w.stride(0), conv_w.stride(1),
-        exp_a, exp_a.stride(0), dt_bias, dt_bias.stride(0), o_norm_w, o_norm_w.stride(0),
-        rec_state, *rec_state.stride(), out, out.stride(0), out.stride(1),
-        slots if slots is not None else out,                 # unread without slots
-        heads, float(lower_bound), float(eps), float(D) ** -0.5,
+        *common, *scalars,
         D=D, W=W, WP=triton.next_power_of_2(W), KB=min(D, 64), BV=bv, NV=D // bv,
         HAS_SLOTS=slots is not None, num_warps=nw, **pdl_launch(out))
     return out
 
 
-__all__ = ["available", "kda_decode_triton", "launch_config"]
+__all__ = ["MIN_SPLIT_COLUMNS", "SPLIT_WARPS", "available", "kda_decode_triton",
+           "launch_config", "split_count"]

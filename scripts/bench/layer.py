@@ -225,6 +225,7 @@ def run(args) -> dict:
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
               "moe_resident_predecode": args.moe_resident_predecode,
+              "kda_splits": args.kda_splits,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
               "l2_prefetch_start_mib": L2PF_START_MIB, "l2_prefetch_kind": l2_prefetch.KIND,
@@ -389,6 +390,9 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-resident-predecode", type=int, default=None,
                     help="the resident MoE kernel's `predecode` (down rows per lane decoded "
                          "before the wait; default: moe_mxfp4_decode_mma.RESIDENT_PREDECODE)")
+    ap.add_argument("--kda-splits", type=int, default=None,
+                    help="programs per head of the fused KDA decode (kernels.kda_decode.SPLITS: "
+                         "1 = one program per head, N = the split form; default: automatic)")
     ap.add_argument("--mma-config", action="append", default=[],
                     help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
     ap.add_argument("--decode-config", action="append", default=[],
@@ -409,6 +413,8 @@ def main(argv=None) -> int:
     moe_mxfp4_decode_mma.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
     if args.moe_resident_predecode is not None:
         moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
+    from raydecode.kernels import kda_decode
+    kda_decode.SPLITS = args.kda_splits
     from raydecode.kernels import moe_mxfp4_decode
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,

@@ -105,18 +105,48 @@ def test_small(T, h, d, W):
     _case(T, h, d, W)
 
 
+@pytest.mark.parametrize("splits", [None, 1], ids=["auto", "single"])
 @pytest.mark.parametrize("h", [6, 12], ids=["tp16", "tp8"])
 @pytest.mark.parametrize("T", [1, 2, 4, 64])
-def test_k3_shapes(T, h):
+def test_k3_shapes(T, h, splits):
+    """K3 per-rank heads at the automatic form (split at T ≤ 8, KT.split_count) and at the
+    one-program form."""
     if T > 4 and not ON_GPU:
         pytest.skip("batch 64 at K3 shapes: GPU only (slow in the interpreter)")
-    _case(T, h, 128)
+    _case(T, h, 128, splits=splits)
+
+
+@pytest.mark.parametrize("T,h,d,ns,nw", [(1, 2, 32, 4, None), (2, 3, 16, 2, None),
+                                         (1, 1, 128, 16, None), (3, 2, 64, 8, 8),
+                                         (1, 6, 128, 16, 8), (2, 12, 128, 2, None)])
+def test_split_form(T, h, d, ns, nw):
+    """The split form: ns programs per head (down to 8 value columns each), the last one to
+    finish normalises; 4 and 8 warps."""
+    _case(T, h, d, splits=ns, num_warps=nw)
+
+
+def test_split_form_counters_return_to_zero():
+    """Every launch leaves its arrival counters at zero (graph replays rely on it), also when
+    the same scratch serves consecutive launches."""
+    T, h, d = 2, 3, 32
+    for _ in range(3):
+        _case(T, h, d, splits=4)
+    mine = [cnt for (_, rows, hd), (_, cnt) in KT._SCRATCH.items() if (rows, hd) == (T * h, d)]
+    assert mine and all(int(c.abs().sum()) == 0 for c in mine)
+
+
+def test_bad_splits_are_named():
+    x = _inputs(1, 2, 32, _seed())
+    out = torch.empty(1, 64, dtype=BF, device=DEV)
+    for bad in (3, 0, 64):
+        with pytest.raises(ValueError, match=f"splits = {bad}"):
+            _run_kernel(x, 2, 32, out, splits=bad)
 
 
 @pytest.mark.parametrize("bv,nw", [(16, 1), (32, 4), (64, 4), (128, 8)])
 def test_block_v_variants(bv, nw):
     """Every dv blocking the launcher may pick (the looped form, NV = D / BV steps)."""
-    _case(2, 2, 128, block_v=bv, num_warps=nw)
+    _case(2, 2, 128, block_v=bv, num_warps=nw, splits=1)
 
 
 @gpu_only
@@ -142,10 +172,11 @@ def test_public_op_dispatch():
 
 
 @gpu_only
-@pytest.mark.parametrize("T,h,d", [(4, 6, 128), (3, 4, 32)])
+@pytest.mark.parametrize("T,h,d", [(4, 6, 128), (3, 4, 32), (1, 6, 128), (64, 6, 128)])
 def test_graph_replay_reads_new_inputs(T, h, d):
     """Capture once, then replay three times on new proj / weights / state values written into
-    the captured buffers; each replay equals the reference on the same values."""
+    the captured buffers; each replay equals the reference on the same values (the split form
+    at T ≤ 4: its counters must be back at zero after each replay)."""
     seed = _seed()
     x = _inputs(T, h, d, seed)
     out = torch.full((T, h * d), float("nan"), dtype=BF, device=DEV)
@@ -167,10 +198,12 @@ def test_graph_replay_reads_new_inputs(T, h, d):
 
 
 @gpu_only
-def test_two_steps_chain_state():
+@pytest.mark.parametrize("T", [1, 4])
+def test_two_steps_chain_state(T):
     """Two consecutive steps on the same state buffers (the second reads what the first
-    wrote), kernel vs reference each carrying its own state."""
-    T, h, d, seed = 4, 6, 128, _seed()
+    wrote: the split form's prologue reads the state before the PDL wait), kernel vs
+    reference each carrying its own state."""
+    h, d, seed = 6, 128, _seed()
     x = _inputs(T, h, d, seed)
     xr = _clone(x)
     for step in range(2):
@@ -234,7 +267,12 @@ def test_slots_k3_shapes(T, h):
 @gpu_only
 @pytest.mark.parametrize("bv,nw", [(16, 1), (32, 4), (128, 8)])
 def test_slots_block_v_variants(bv, nw):
-    _slot_case(8, 6, 128, 21, block_v=bv, num_warps=nw)
+    _slot_case(8, 6, 128, 21, block_v=bv, num_warps=nw, splits=1)
+
+
+@pytest.mark.parametrize("T,h,d,S,ns", [(1, 6, 128, 5, 16), (3, 2, 32, 7, 4), (2, 12, 128, 9, 8)])
+def test_slots_split_form(T, h, d, S, ns):
+    _slot_case(T, h, d, S, splits=ns)
 
 
 def test_public_op_with_slots_dispatch():
