@@ -14,15 +14,9 @@ chunks [r·H/8k, (r+1)·H/8k) of every row; in a CTA chunk c belongs to thread c
 (C = H / 8 / k / threads chunks each, coalesced per warp).
 
   1. the weight chunks are requested before the PDL wait (they never depend on the previous
-     kernel), and with `bank_early` (default with PDL) the n·C block-snapshot chunks too; then
-     the prefix chunks (and the C `out` chunks) after the wait: every value of the token is
-     requested (into registers or shared memory, below) before any is used, so the token costs
-     one HBM round trip, not n+1 dependent ones (the Triton kernel's 8 µs at batch 1).
-     bank_early needs the snapshots not to be written by the kernel launched just before this
-     one (it may still run): in the step a snapshot is a prefix written by an earlier mix +
-     norm, with at least one Triton kernel between (the KDA step or the MLA split, which
-     triggers its dependents only after its own wait), and the kernel just before writes
-     only `out` or the new prefix (docs/PERF.md round 21);
+     kernel), then ALL (n+1)·C bank/prefix chunks (and the C `out` chunks) of the token are
+     requested (into registers or shared memory, below) before any is used: the token costs one
+     HBM round trip, not n+1 dependent ones (the Triton kernel's 8 µs at batch 1);
   2. per thread the 2(n+1) partial sums (Σv², Σv·w_res·w_proj), warp butterflies, one
      shared-memory pass (NW ≤ 32 warps × 2(n+1)), every warp re-reduces the NW partials by a
      butterfly; k > 1: thread 0 publishes the CTA's sums, cluster barrier, every thread adds the
@@ -99,7 +93,6 @@ CLUSTERS = (1, 2, 4, 8)        # CTAs per token (portable cluster sizes)
 SMEM_PER_CTA = 227 * 1024      # sm_90 opt-in maximum (the DSL sets the kernel attribute)
 SMEM_THREADS = 448             # threads of the shared-memory staged mapping
 CLUSTER_MAX = 4                # largest cluster `cluster_for` picks
-BANK_EARLY = True              # block snapshots requested before the PDL wait (A/B switch)
 REG_MAX_CHUNKS = 2             # register staging only up to 2 chunks per row per thread: ptxas
                                # spilled at C = 4 even under the estimate (n = 6, 224 threads)
 
@@ -112,7 +105,6 @@ class MixNormConfig:
     pdl: bool = False          # programmatic dependent launch
     smem_values: bool = False  # stage the value rows in shared memory (cp.async), not registers
     cluster: int = 1           # CTAs per token (a thread-block cluster), each owning H / cluster
-    bank_early: bool = False   # with pdl: the block snapshots requested before the PDL wait
 
     @property
     def warps(self) -> int:
@@ -171,8 +163,7 @@ def register_budget(threads: int) -> int:
 
 
 def default_config(n: int, H: int, pdl: bool = PDL_DEFAULT,
-                   weight_dtype: torch.dtype = torch.float32, cluster: int = 1,
-                   bank_early: bool | None = None) -> MixNormConfig:
+                   weight_dtype: torch.dtype = torch.float32, cluster: int = 1) -> MixNormConfig:
     """Each of the `cluster` CTAs of a token owns H / cluster columns. Values in registers on the
     most threads (≤ 1024, C ≤ REG_MAX_CHUNKS) whose register estimate fits the budget; when none
     fits (large n·H), the values are staged in shared memory by cp.async on 448 threads (or the
@@ -188,14 +179,13 @@ def default_config(n: int, H: int, pdl: bool = PDL_DEFAULT,
         raise ValueError(f"H={H} ({chunks} chunks of {VEC} per CTA) does not split over a "
                          f"multiple of {WARP} threads ≤ {MAX_THREADS}")
     wb = torch.empty((), dtype=weight_dtype).element_size()
-    early = pdl and (BANK_EARLY if bank_early is None else bank_early)
     fits = [t for t in options if chunks // t <= REG_MAX_CHUNKS
             and estimated_registers(n, H // cluster, t, wb) <= register_budget(t)]
     if fits:   # fewest threads (C = 2 where it tiles): measured faster than C = 1 at k = 1, 2
-        cfg = MixNormConfig(min(fits), pdl, False, cluster, early)
+        cfg = MixNormConfig(min(fits), pdl, False, cluster)
     else:
         staged = [t for t in options if t <= SMEM_THREADS] or options
-        cfg = MixNormConfig(max(staged), pdl, True, cluster, early)
+        cfg = MixNormConfig(max(staged), pdl, True, cluster)
     cfg.validate(n, H)
     return cfg
 
@@ -339,6 +329,9 @@ class MixNormKernel:
         for k in cutlass.range_constexpr(3):
             for i in cutlass.range_constexpr(C):
                 cute.autovec_copy(gW[k][(None, chunk(i))], rW[k][(i, None)])
+        if const_expr(cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
 
         smem = cutlass.memory.SmemAllocator()
         # partials (32 warp slots, q) column-major: lane w reads slot w of column q conflict-free
@@ -351,8 +344,6 @@ class MixNormKernel:
         xs_h = smem.allocate_tensor(Float32, cute.make_layout(1), byte_alignment=16)
 
         # every value chunk of the token in flight before any is used. Row NV holds `out`.
-        # The NB block snapshots go first, before the PDL wait when cfg.bank_early (module
-        # docstring: the kernel just before never writes them); prefix and `out` after it.
         NR = NV + (1 if const_expr(self.add) else 0)
         if const_expr(cfg.smem_values):
             # sV (rows, C, threads, 8): thread tid's chunk i of row j at ((j·C + i)·NT + tid)·16 B,
@@ -366,48 +357,31 @@ class MixNormKernel:
                 flat = cute.make_tensor(src.iterator, cute.make_layout(VEC))
                 cute.copy(cp, flat, sV[(j, i, tidx, None)])
 
-            def load_blocks():
-                for j in cutlass.range_constexpr(NB):
-                    for i in cutlass.range_constexpr(C):
-                        stage(gB[(None, (t, j, chunk(i)))], j, i)
-
-            def load_recent():
+            for j in cutlass.range_constexpr(NB):
                 for i in cutlass.range_constexpr(C):
-                    stage(gP[(None, (t, chunk(i)))], NB, i)
-                    if const_expr(self.add):
-                        stage(gO[(None, (t, chunk(i)))], NV, i)
+                    stage(gB[(None, (t, j, chunk(i)))], j, i)
+            for i in cutlass.range_constexpr(C):
+                stage(gP[(None, (t, chunk(i)))], NB, i)
+                if const_expr(self.add):
+                    stage(gO[(None, (t, chunk(i)))], NV, i)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)   # own chunks only: no barrier needed
 
             def val(j, i):
                 return sV[(j, i, tidx, None)]
         else:
             rV = cute.make_rmem_tensor(
                 cute.make_layout((NR, C, VEC), stride=(C * VEC, VEC, 1)), act)
-
-            def load_blocks():
-                for j in cutlass.range_constexpr(NB):
-                    for i in cutlass.range_constexpr(C):
-                        cute.autovec_copy(gB[(None, (t, j, chunk(i)))], rV[(j, i, None)])
-
-            def load_recent():
+            for j in cutlass.range_constexpr(NB):
                 for i in cutlass.range_constexpr(C):
-                    cute.autovec_copy(gP[(None, (t, chunk(i)))], rV[(NB, i, None)])
-                    if const_expr(self.add):
-                        cute.autovec_copy(gO[(None, (t, chunk(i)))], rV[(NV, i, None)])
+                    cute.autovec_copy(gB[(None, (t, j, chunk(i)))], rV[(j, i, None)])
+            for i in cutlass.range_constexpr(C):
+                cute.autovec_copy(gP[(None, (t, chunk(i)))], rV[(NB, i, None)])
+                if const_expr(self.add):
+                    cute.autovec_copy(gO[(None, (t, chunk(i)))], rV[(NV, i, None)])
 
             def val(j, i):
                 return rV[(j, i, None)]
-
-        if const_expr(cfg.pdl and cfg.bank_early):
-            load_blocks()
-        if const_expr(cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.griddepcontrol_wait()
-        if const_expr(not (cfg.pdl and cfg.bank_early)):
-            load_blocks()
-        load_recent()
-        if const_expr(cfg.smem_values):
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)   # own chunks only: no barrier needed
 
         if const_expr(self.add):      # p ← bf16(p + o), stored, then used as the last value
             rP = vec_tensor(C, act)

@@ -225,7 +225,7 @@ def run(args) -> dict:
               "gemv_max_batch": args.gemv_max_batch, "variants": VARIANTS,
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
               "moe_resident_predecode": args.moe_resident_predecode,
-              "kda_splits": args.kda_splits, "attnres_bank_early": args.attnres_bank_early,
+              "kda_splits": args.kda_splits,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
               "l2_prefetch_start_mib": L2PF_START_MIB, "l2_prefetch_kind": l2_prefetch.KIND,
@@ -393,9 +393,6 @@ def main(argv=None) -> int:
     ap.add_argument("--kda-splits", type=int, default=None,
                     help="programs per head of the fused KDA decode (kernels.kda_decode.SPLITS: "
                          "1 = one program per head, N = the split form; default: automatic)")
-    ap.add_argument("--attnres-bank-early", type=int, choices=(0, 1), default=1,
-                    help="the CuTe AttnRes kernel requests its block snapshots before the PDL "
-                         "wait (1, attnres_norm_cute.BANK_EARLY) or after it (0: A/B runs)")
     ap.add_argument("--mma-config", action="append", default=[],
                     help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
     ap.add_argument("--decode-config", action="append", default=[],
@@ -412,8 +409,6 @@ def main(argv=None) -> int:
     from raydecode.kernels import attnres_norm
     from raydecode.kernels import moe_mxfp4_decode_mma
     attnres_norm.USE_CUTE = args.attnres == "cute"
-    from raydecode.kernels import attnres_norm_cute
-    attnres_norm_cute.BANK_EARLY = bool(args.attnres_bank_early)
     moe_mxfp4_decode_mma.USE_MMA = {"mma": True, "cuda-core": False}.get(args.moe_decode)
     moe_mxfp4_decode_mma.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
     if args.moe_resident_predecode is not None:

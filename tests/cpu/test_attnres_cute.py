@@ -198,12 +198,8 @@ def _compile(keep_sass, n, H, add, write_mix, wdt=torch.float32, pdl=True, cfg=N
     (4, 7168, False, True, torch.bfloat16),    # K3 plain form with the mix output, bf16 weights
     (2, 256, True, False, torch.float32),      # small rows: one warp, no shared-memory pass
 ])
-@pytest.mark.parametrize("bank_early", [True, False], ids=["bank-early", "bank-after"])
-def test_kernel_compiles_with_one_round_of_16_byte_loads(keep_sass, n, H, add, write_mix, wdt,
-                                                         bank_early):
-    cfg = K.default_config(n, H, pdl=True, weight_dtype=wdt, bank_early=bank_early)
-    assert cfg.bank_early == bank_early
-    cfg, compiled = _compile(keep_sass, n, H, add, write_mix, wdt, cfg=cfg)
+def test_kernel_compiles_with_one_round_of_16_byte_loads(keep_sass, n, H, add, write_mix, wdt):
+    cfg, compiled = _compile(keep_sass, n, H, add, write_mix, wdt)
     assert not cfg.smem_values
     f = _sass_facts(compiled)
     C = cfg.chunks_per_thread(H)
@@ -212,12 +208,11 @@ def test_kernel_compiles_with_one_round_of_16_byte_loads(keep_sass, n, H, add, w
     assert f["ldg128"] == len(f["ldg"]) == wloads + vloads, f
     assert f["stg128"] == f["stg"] == C * (1 + add + write_mix)
     assert f["local"] == 0, "register spills (local memory) in the SASS"
-    # PDL: one griddepcontrol.wait; weights (and with bank_early the n block rows) before it,
-    # the prefix and `out` rows after it, every load before the first shuffle (= nothing is
-    # reduced before every load was issued)
+    # PDL: one griddepcontrol.wait; weights before it, every value load after it and before
+    # the first shuffle (= nothing is reduced before every load was issued)
     assert len(f["wait"]) == 1
     after = [i for i in f["ldg"] if i > f["wait"][0]]
-    assert len(after) == (1 + add) * C if bank_early else vloads
+    assert len(after) == vloads
     first_shfl = next(i for i, ln in enumerate(f["ins"]) if "SHFL" in ln)
     assert max(after) < first_shfl
 
@@ -239,10 +234,7 @@ def test_many_blocks_stage_values_in_shared_memory(keep_sass):
     assert f["ldg128"] == len(f["ldg"]) == 3 * 2 * C
     assert f["local"] == 0 and f["stg128"] == f["stg"] == 2 * C
     first_shfl = next(i for i, ln in enumerate(f["ins"]) if "SHFL" in ln)
-    # bank_early: the 8 block rows' copies before the PDL wait, prefix and `out` after it
-    assert cfg.bank_early
-    before = [i for i in f["ldgsts"] if i < f["wait"][0]]
-    assert len(before) == 8 * C and max(f["ldgsts"]) < first_shfl
+    assert f["wait"][0] < min(f["ldgsts"]) and max(f["ldgsts"]) < first_shfl
 
 
 def test_shared_memory_staging_with_seven_chunks_per_thread(keep_sass):
