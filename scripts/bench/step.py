@@ -302,9 +302,13 @@ def main(argv=None) -> int:
                     help="per batch, cProfile of one more eager specialized step")
     ap.add_argument("--gemv-config", action="append", default=[],
                     help="M=1 GEMV mapping override, repeatable (layer.py --gemv-config syntax)")
+    ap.add_argument("--kda-splits", type=int, default=None,
+                    help="programs per head of the fused KDA decode (layer.py --kda-splits)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
     args = ap.parse_args(argv)
+    from raydecode.kernels import kda_decode
+    kda_decode.SPLITS = args.kda_splits
     from .layer import set_gemv_mappings
     try:
         set_gemv_mappings(args.gemv_config)
@@ -364,7 +368,8 @@ def main(argv=None) -> int:
               "config": cfg.name, "tp": args.tp, "layers": cfg.num_layers,
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
-              "moe_fused": moe.FUSED_SPECIALIZED, "ffn_out_fused": moe.FUSED_FFN_OUT,
+              "kda_splits": args.kda_splits, "moe_fused": moe.FUSED_SPECIALIZED,
+              "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,
               "method": __doc__.split("\n\n", 2)[2], "rows": rows}
     if args.out:
