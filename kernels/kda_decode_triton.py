@@ -20,8 +20,8 @@ Grid (T, heads): one program per (sequence t, head hh), head_dim D (constexpr, p
 State row: r = slots[t] when HAS_SLOTS (conv_state / rec_state are a slot pool, e.g. one
 layer's KDA cache), else r = t. proj and out are always row t.
 
-Split form (`_kda_decode_split_kernel`, grid (T, heads, NS), `split_count` picks NS when batch·
-heads·2 fits one wave of SMs): program js of a head owns value columns [js·BV, (js+1)·BV),
+Split form (`_kda_decode_split_kernel`, grid (T, heads, NS), `split_count` picks NS ≥ 4 when
+batch·heads·4 fits one wave of SMs): program js of a head owns value columns [js·BV, (js+1)·BV),
 BV = D/NS (columns of S are independent given q, k, g, β; each program recomputes f_b, g and
 the q/k convs of its head). It requests the f_b weights, its state block, conv taps and
 weights before the PDL wait, so a caller must not let the kernel launched just before it write
@@ -267,17 +267,20 @@ def launch_config(head_dim: int, programs: int) -> tuple[int, int]:
 
 MIN_SPLIT_COLUMNS = 8    # value columns per program in the split form
 SPLIT_WARPS = 4           # warps per split program
+MIN_SPLITS = 4            # fewer programs per head than this: the one-program form
 
 
 def split_count(head_dim: int, programs: int, sm_count: int = 132) -> int:
     """Programs per head in the split form for `programs` = T·heads: the most (a power of two,
     ≥ MIN_SPLIT_COLUMNS value columns each) that keep the grid within one wave of `sm_count`
-    SMs; 1 (the one-program form) when not even 2 fit."""
+    SMs, when that is at least MIN_SPLITS; else 1 (the one-program form). Two programs per head
+    won in the KDA microbench but lost in the whole step (K3 TP16 batch 8: +0.10 ms in 6 of 6
+    pairs, docs/PERF.md round 20), so the split starts at 4."""
     ns = 1
     while (head_dim % (2 * ns) == 0 and head_dim // (2 * ns) >= MIN_SPLIT_COLUMNS
            and programs * 2 * ns <= sm_count):
         ns *= 2
-    return ns
+    return ns if ns >= MIN_SPLITS else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -344,5 +347,5 @@ def kda_decode_triton(proj: torch.Tensor, fb_w: torch.Tensor, conv_state: torch.
     return out
 
 
-__all__ = ["MIN_SPLIT_COLUMNS", "SPLIT_WARPS", "available", "kda_decode_triton",
+__all__ = ["MIN_SPLITS", "MIN_SPLIT_COLUMNS", "SPLIT_WARPS", "available", "kda_decode_triton",
            "launch_config", "split_count"]

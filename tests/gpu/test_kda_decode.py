@@ -109,8 +109,8 @@ def test_small(T, h, d, W):
 @pytest.mark.parametrize("h", [6, 12], ids=["tp16", "tp8"])
 @pytest.mark.parametrize("T", [1, 2, 4, 64])
 def test_k3_shapes(T, h, splits):
-    """K3 per-rank heads at the automatic form (split at T ≤ 8, KT.split_count) and at the
-    one-program form."""
+    """K3 per-rank heads at the automatic form (split at T ≤ 4 at TP16, T ≤ 2 at TP8:
+    KT.split_count) and at the one-program form."""
     if T > 4 and not ON_GPU:
         pytest.skip("batch 64 at K3 shapes: GPU only (slow in the interpreter)")
     _case(T, h, 128, splits=splits)
