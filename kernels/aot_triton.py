@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raydecode.kernels.router_triton import SORT_DEFAULT
+from raydecode.kernels.router_triton import GATHER_DEFAULT, SORT_DEFAULT
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
@@ -72,7 +72,7 @@ def triton_specs(cfg, tp: int = 1) -> list[TritonSpec]:
             (("ptr", "float32"), ("int", E), ("ptr", "float32"), ("ptr", "float32"),
              ("ptr", "int64"), ("int", E), ("float", 1.0)),
             (("K", k), ("KP", _next_pow2(k)), ("BLOCK_E", be), ("HAS_BIAS", True),
-             ("RENORM", True), ("SORT", SORT_DEFAULT),
+             ("RENORM", True), ("SORT", SORT_DEFAULT), ("GATHER", GATHER_DEFAULT),
              ("num_warps", max(1, min(8, be // 256)))) + PDL_KW))
         if moe_block_fused(cfg) and cfg.dtype == "bfloat16":
             sh = decode_gemv_shapes(cfg, tp, "specialized")

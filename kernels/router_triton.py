@@ -7,8 +7,11 @@ One program per token, the E scores in registers (BLOCK_E = next pow2 ≥ E):
     key = ord(sel) << 32 | (BLOCK_E − 1 − e)  int64; ord() maps fp32 to int32 monotonically
     k rounds: one max-reduction of key gives the best expert (lowest index among equal
               scores), its key set to int64 min
-    w   = s[ids] / Σ s[ids] · scaling          s[ids] from one gather of the k logits after
-                                               the rounds; (T, k) fp32, ids (T, k) int64
+    w   = s[ids] / Σ s[ids] · scaling          s[ids] gathered from the scores in registers
+                                               (`tl.gather`; GATHER=False: one load of the k
+                                               logits after the selection, a dependent L2
+                                               round trip); (T, k) fp32, ids (T, k) int64
+The bias (a weight) is loaded before the PDL wait.
 One block reduction per selected expert (k = 16 of E = 896 for K3, 4 warps). Round 2 also
 loaded each winner's logit inside its round (5.9 µs at batch 1); round 4 tried one warp for
 the whole row (in-warp rounds, no barriers) and measured 16.6 µs — the 32-deep per-lane
@@ -25,6 +28,7 @@ import torch
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
 SORT_DEFAULT = True       # bitonic top-k: 4.53 vs 5.16 µs (k rounds) at batch 1, H200 round 5
+GATHER_DEFAULT = True     # the weights gathered from registers, not re-loaded (round 22)
 
 if triton is not None:
 
@@ -32,15 +36,18 @@ if triton is not None:
     def _route_topk_kernel(logits_ptr, l_st, bias_ptr, w_ptr, ids_ptr, E, scaling,
                            K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
                            HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, SORT: tl.constexpr,
-                           PDL: tl.constexpr):
-        pdl_enter(PDL)
-        t = tl.program_id(0).to(tl.int64)
+                           GATHER: tl.constexpr, PDL: tl.constexpr):
         offs = tl.arange(0, BLOCK_E)
         m = offs < E
+        if HAS_BIAS:    # a weight: requested before the PDL wait
+            bias = tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        pdl_enter(PDL)
+        t = tl.program_id(0).to(tl.int64)
         x = tl.load(logits_ptr + t * l_st + offs, mask=m, other=0.0).to(tl.float32)
-        sel = tl.sigmoid(x)
+        s = tl.sigmoid(x)
+        sel = s
         if HAS_BIAS:
-            sel = sel + tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            sel = s + bias
         bits = sel.to(tl.int32, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)       # monotone in sel
         key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
@@ -56,10 +63,12 @@ if triton is not None:
                 e = (BLOCK_E - 1) - (best & 0xFFFFFFFF)
                 ids = tl.where(kk == j, e, ids)
                 key = tl.where(offs == e, lowest, key)
-        # the K weights in one gather after the loop (no dependent load per round)
         kok = kk < K
-        xe = tl.load(logits_ptr + t * l_st + ids, mask=kok, other=0.0).to(tl.float32)
-        w = tl.where(kok, tl.sigmoid(xe), 0.0)
+        if GATHER:  # the K weights from the scores already in registers
+            w = tl.where(kok, tl.gather(s, ids.to(tl.int32), 0), 0.0)
+        else:       # a second load of the K logits: one more dependent L2 round trip
+            xe = tl.load(logits_ptr + t * l_st + ids, mask=kok, other=0.0).to(tl.float32)
+            w = tl.where(kok, tl.sigmoid(xe), 0.0)
         if RENORM:
             w = w / tl.sum(w, 0)                                    # padding entries are 0
         tl.store(w_ptr + t * K + kk, w * scaling, mask=kok)
@@ -69,11 +78,14 @@ if triton is not None:
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                       renormalize: bool = True, scaling: float = 1.0,
                       weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                      sort: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      sort: bool | None = None, gather: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) (last dim contiguous), bias (E,) or None -> (weights (T, k) fp32,
     ids (T, k) int64), into `weights` / `ids` when given (contiguous). No host sync.
     sort: the bitonic `tl.topk` selection instead of k max rounds (None: `SORT_DEFAULT`);
-    both give the same ids (ties to the lower expert index)."""
+    both give the same ids (ties to the lower expert index). gather: the k weights from the
+    scores in registers (`tl.gather`) instead of a second load of the logits (None:
+    `GATHER_DEFAULT`); both give the same weights."""
     T, E = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -87,6 +99,7 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
         float(scaling), K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_E=block_e,
         HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         SORT=SORT_DEFAULT if sort is None else bool(sort),
+        GATHER=GATHER_DEFAULT if gather is None else bool(gather),
         num_warps=max(1, min(8, block_e // 256)), **pdl_launch(logits))
     return weights, ids
 

@@ -31,7 +31,7 @@ from raydecode.kernels import mla_decode as MLA
 from raydecode.kernels import mla_decode_triton as MT
 from raydecode.kernels import moe_mxfp4_decode as D
 from raydecode.kernels import moe_mxfp4_decode_mma as MM
-from raydecode.kernels.router import route_topk
+from raydecode.kernels.router import route_topk_reference
 from raydecode.kernels.router_triton import route_topk_triton
 from raydecode.models.config import load_config
 
@@ -175,6 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mma", action="store_true", help="also the tensor-core MoE candidates")
     ap.add_argument("--no-time", action="store_true", help="eager launches only (under ncu)")
     ap.add_argument("--mla-splits", default=None, help="comma list of S: MLA split probe")
+    ap.add_argument("--router-only", action="store_true",
+                    help="only the router forms (selection × weight gather), interleaved rounds")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the router forms")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--min-chunk", type=int, default=32, help="MLA split floor for the probe")
     ap.add_argument("--mla-fused", default=None,
@@ -194,6 +197,11 @@ def main(argv=None) -> int:
             _write(a.out, rows, a.commit)
         return 0
     cfg = load_config("k3").moe
+    if a.router_only:
+        rows = router_rows(cfg, a.batch, a.rounds)
+        if a.out:
+            _write(a.out, rows, a.commit)
+        return 0
     bank = expert_bank(cfg, a.tp, seed=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     z, routes, touched, nbytes, ref = random_calls(bank, a.batch, cfg.top_k, 12, gen)
@@ -222,22 +230,38 @@ def main(argv=None) -> int:
                                ref, nbytes, row)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    logits = torch.randn(16, a.batch, bank.num_experts, device="cuda")
-    bias = torch.randn(bank.num_experts, device="cuda") * 0.1
-    for _ in range(a.launches):
-        route_topk(logits[0], bias, cfg.top_k)
-    torch.cuda.synchronize()
-    if not a.no_time:       # the router's two selection algorithms, 16 calls per graph
-        for sort in (False, True):
-            fns = [lambda x=x, s=sort: route_topk_triton(x, bias, cfg.top_k, sort=s)
-                   for x in logits]
-            t = GraphTimer(replays=20, warm=3).run(fns, count_nodes=False)
-            rows.append({"probe": "route_topk", "batch": a.batch, "sort": sort,
-                         "us": t.us_per_call})
-            print(json.dumps(rows[-1]), flush=True)
+    rows += router_rows(cfg, a.batch, a.rounds)
     if a.out:
         _write(a.out, rows, a.commit)
     return 0
+
+
+ROUTER_FORMS = ((False, False), (True, False), (True, True))   # (sort, gather): r4, r5, r22
+
+
+def router_rows(cfg, batch: int, rounds: int) -> list[dict]:
+    """The router's forms, 16 calls per graph over 16 logit rows (E = cfg.num_experts), in
+    `rounds` interleaved rounds; each form first checked against the reference (same ids,
+    weights within 1e-6)."""
+    logits = torch.randn(16, batch, cfg.num_experts, device="cuda")
+    bias = torch.randn(cfg.num_experts, device="cuda") * 0.1
+    rw, rid = route_topk_reference(logits[0], bias, cfg.top_k)
+    for sort, gather in ROUTER_FORMS:
+        w, ids = route_topk_triton(logits[0], bias, cfg.top_k, sort=sort, gather=gather)
+        if not torch.equal(ids, rid) or float((w - rw).abs().max()) > 1e-6:
+            raise SystemExit(f"route_topk sort={sort} gather={gather} differs from the reference")
+    torch.cuda.synchronize()
+    rows = []
+    for r in range(rounds):
+        for sort, gather in ROUTER_FORMS:
+            fns = [lambda x=x, s=sort, g=gather: route_topk_triton(x, bias, cfg.top_k, sort=s,
+                                                                   gather=g)
+                   for x in logits]
+            t = GraphTimer(replays=20, warm=3).run(fns, count_nodes=False)
+            rows.append({"probe": "route_topk", "batch": batch, "sort": sort, "gather": gather,
+                         "round": r, "us": t.us_per_call})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

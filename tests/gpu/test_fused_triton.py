@@ -151,18 +151,19 @@ def _near_tie(sel_row: torch.Tensor, k: int) -> bool:
     return bool((top[:-1] - top[1:]).abs().min() < 1e-6)
 
 
-@pytest.mark.parametrize("sort", [False, True])
+@pytest.mark.parametrize("sort,gather", [(False, False), (True, False), (True, True),
+                                         (False, True)])
 @pytest.mark.parametrize("T,E,k,bias", [(1, 896, 16, True), (8, 896, 16, True),
                                          (64, 896, 16, True), (5, 896, 16, False),
                                          (3, 32, 4, True), (2, 100, 7, False)])
-def test_route_topk(T, E, k, bias, sort):
+def test_route_topk(T, E, k, bias, sort, gather):
     seed = _seed()
     g = torch.Generator(device=DEV).manual_seed(seed)
     logits = 2 * torch.randn(T, E, generator=g, device=DEV)
     b = 0.1 * torch.randn(E, generator=g, device=DEV) if bias else None
     w = _nan(T, k, dtype=torch.float32)
     ids = torch.full((T, k), -1, dtype=torch.int64, device=DEV)
-    RT.route_topk_triton(logits, b, k, True, 2.5, weights=w, ids=ids, sort=sort)
+    RT.route_topk_triton(logits, b, k, True, 2.5, weights=w, ids=ids, sort=sort, gather=gather)
     rw, rid = R.route_topk_reference(logits, b, k, True, 2.5)
     sel = torch.sigmoid(logits) + (b if b is not None else 0)
     for t in range(T):
@@ -172,7 +173,10 @@ def test_route_topk(T, E, k, bias, sort):
         assert _rel(w[t], rw[t]) <= TOL["router_w"], f"seed {seed} token {t}"
     torch.testing.assert_close(w.sum(-1), torch.full((T,), 2.5, device=DEV))
     w2, i2 = R.route_topk(logits, b, k, True, 2.5)           # dispatch: the kernel on CUDA
-    assert torch.equal(i2, ids) and torch.equal(w2, w), f"seed {seed}"   # both variants agree
+    assert torch.equal(i2, ids), f"seed {seed}"               # every form, the same ids
+    # the weights: the same values whether gathered from registers or re-loaded (sigmoid of the
+    # same fp32 logit either way), so bit-equal to the default form
+    assert torch.equal(w2, w), f"seed {seed}"
 
 
 @pytest.mark.parametrize("sort", [False, True])
