@@ -174,9 +174,11 @@ def test_route_topk(T, E, k, bias, sort, gather):
     torch.testing.assert_close(w.sum(-1), torch.full((T,), 2.5, device=DEV))
     w2, i2 = R.route_topk(logits, b, k, True, 2.5)           # dispatch: the kernel on CUDA
     assert torch.equal(i2, ids), f"seed {seed}"               # every form, the same ids
-    # the weights: the same values whether gathered from registers or re-loaded (sigmoid of the
-    # same fp32 logit either way), so bit-equal to the default form
-    assert torch.equal(w2, w), f"seed {seed}"
+    # the weights: the sigmoid of the same fp32 logits whether gathered from registers or
+    # re-loaded, but compiled in different code (the full score vector or the k winners), so
+    # equal to the default form only within a few ulps (H200: bit-equal within a form, not
+    # across gather / re-load)
+    torch.testing.assert_close(w2, w, rtol=1e-6, atol=0, msg=lambda m: f"seed {seed}: {m}")
 
 
 @pytest.mark.parametrize("sort", [False, True])
