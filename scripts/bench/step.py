@@ -304,11 +304,15 @@ def main(argv=None) -> int:
                     help="M=1 GEMV mapping override, repeatable (layer.py --gemv-config syntax)")
     ap.add_argument("--kda-splits", type=int, default=None,
                     help="programs per head of the fused KDA decode (layer.py --kda-splits)")
+    ap.add_argument("--router-gather", type=int, choices=(0, 1), default=1,
+                    help="router top-k weights from registers (1, router_triton.GATHER_DEFAULT) "
+                         "or re-loaded (0: A/B runs)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
     args = ap.parse_args(argv)
-    from raydecode.kernels import kda_decode
+    from raydecode.kernels import kda_decode, router_triton
     kda_decode.SPLITS = args.kda_splits
+    router_triton.GATHER_DEFAULT = bool(args.router_gather)
     from .layer import set_gemv_mappings
     try:
         set_gemv_mappings(args.gemv_config)
@@ -368,7 +372,8 @@ def main(argv=None) -> int:
               "config": cfg.name, "tp": args.tp, "layers": cfg.num_layers,
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
-              "kda_splits": args.kda_splits, "moe_fused": moe.FUSED_SPECIALIZED,
+              "kda_splits": args.kda_splits, "router_gather": args.router_gather,
+              "moe_fused": moe.FUSED_SPECIALIZED,
               "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,
               "method": __doc__.split("\n\n", 2)[2], "rows": rows}
