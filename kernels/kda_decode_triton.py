@@ -102,6 +102,13 @@ if triton is not None:
         return _conv_out(old, w, tl.load(prow + ch * p_sc), W, WP)
 
     @triton.jit
+    def _state_row(slot_ptr, t, HAS_SLOTS: tl.constexpr):
+        """State row of sequence t: slots[t] in a slot pool (HAS_SLOTS), else t."""
+        if HAS_SLOTS:
+            return tl.load(slot_ptr + t).to(tl.int64)
+        return t
+
+    @triton.jit
     def _l2(x):
         return x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
 
@@ -117,10 +124,7 @@ if triton is not None:
         pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1)
-        if HAS_SLOTS:
-            r = tl.load(slot_ptr + t).to(tl.int64)           # state row of sequence t
-        else:
-            r = t
+        r = _state_row(slot_ptr, t, HAS_SLOTS)
         C = NH * D
         i = tl.arange(0, D)                                  # dk / channel index
         srow = rec_ptr + r * r_st + hh * r_sh
@@ -195,10 +199,7 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1)
         js = tl.program_id(2)
-        if HAS_SLOTS:
-            r = tl.load(slot_ptr + t).to(tl.int64)           # state row of sequence t
-        else:
-            r = t
+        r = _state_row(slot_ptr, t, HAS_SLOTS)
         C = NH * D
         i = tl.arange(0, D)                                  # dk / channel index
         jj = js * BV + tl.arange(0, BV)                      # this program's dv columns

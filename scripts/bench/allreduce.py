@@ -29,11 +29,12 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from raydecode.scripts.bench.report_io import git_commit
 
 H = 7168
 EPS = 1e-6
@@ -186,14 +187,6 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     dist.destroy_process_group()
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="", help="JSON file (default bench/results/"
@@ -213,7 +206,7 @@ def main(argv=None) -> int:
         return 2
     for k, v in ENV.items():
         os.environ[k] = v                         # inherited by the spawned ranks
-    args.commit = args.commit or _commit()
+    args.commit = args.commit or git_commit()
     if not args.out:
         slug = torch.cuda.get_device_name().split()[-1].lower()
         day = datetime.date.today().isoformat()

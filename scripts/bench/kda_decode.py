@@ -23,7 +23,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -33,7 +32,7 @@ from raydecode.kernels import kda_decode as K
 from raydecode.kernels import kda_decode_triton as KT
 
 from .layer_timing import GraphTimer, hbm_read_bandwidth
-from .report_io import report_header, write_report
+from .report_io import git_commit, report_header, write_report
 
 VARIANTS = ("single", "auto", "split2", "split4", "split8", "split16", "split16w8", "split8w8")
 DEFAULT_VARIANTS = "single,auto,split8,split16,split16w8"
@@ -228,14 +227,6 @@ def _line(h: int, T: int, v: str, c: dict, nbytes: int) -> str:
             + f"out {c['out_rel']:.1e} rec {c['rec_rel']:.1e}")
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="", help="JSON file (default bench/results/"
@@ -269,7 +260,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or KT.triton is None:
         print("kda_decode bench: needs a CUDA GPU and Triton", file=sys.stderr)
         return 2
-    args.commit = args.commit or _commit()
+    args.commit = args.commit or git_commit()
     if not args.out:
         slug = torch.cuda.get_device_name().split()[-1].lower()
         day = datetime.date.today().isoformat()

@@ -5,9 +5,21 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import subprocess
 import time
 
 import torch
+
+
+def git_commit() -> str:
+    """HEAD of the repository this file is in ("unknown" outside a git checkout), for benches
+    run without --commit."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except Exception:
+        return "unknown"
 
 
 def report_header(commit: str, **extra) -> dict:
