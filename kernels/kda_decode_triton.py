@@ -183,7 +183,6 @@ if triton is not None:
         tl.store(cbase + ch[:, None] * c_sc + (taps - 1) * c_sw, xq, mask=keep)
         tl.store(cbase + (ch + C)[:, None] * c_sc + (taps - 1) * c_sw, xk, mask=keep)
 
-
     @triton.jit
     def _kda_decode_split_kernel(
             proj_ptr, p_st, p_sc, fbw_ptr, fbw_sr, fbw_sc,
