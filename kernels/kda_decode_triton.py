@@ -31,10 +31,11 @@ after a CTA barrier); the head's last program reads the D columns back (.cg), wr
 RMSNorm output and the q/k conv taps (every other program read them before its release) and
 resets the counter to 0 (graph replays need no memset). Round 20 of docs/PERF.md.
 
-`launch_config` picks, for the one-program form, BV = D (one step, D/16 warps) for small grids
-and BV = 32 with 4 warps once batch·heads ≥ 128 (more programs resident per SM). H200, L2-cold (inputs rotated over
-200 MB), CUDA graph of 50 calls, µs per call, D = 128 — a development sweep whose raw output
-was not committed (no JSON under bench/results/): indicative only; the committed in-layer
+`launch_config` picks, for the one-program form, BV = D (one step, D/16 warps) for small
+grids and BV = 32 with 4 warps once batch·heads ≥ 128 (more programs resident per SM). H200,
+L2-cold (inputs rotated over 200 MB), CUDA graph of 50 calls, µs per call, D = 128 (the
+one-program form) — a development sweep whose raw output was not committed (no JSON under
+bench/results/): indicative only; the committed in-layer
 figure is the layer benchmark's profile (bench/results/layer-h200-2026-11-29-r3.json, 7.9 µs):
     T × heads     1×6   4×6  16×6  64×6   1×12  16×12  64×12
     BV128 w8      7.7   9.1  10.9  30.9   9.0   19.8   56.8
