@@ -42,6 +42,18 @@ def available(*ts: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and not any(t.is_cuda for t in ts)
 
 
+H200_SMS = 132            # SM count assumed off the GPU (CPU interpreter, sizing on the host)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: str) -> int:
+    """SMs of `device` (str(torch.device)); H200_SMS for a CPU device or without CUDA. Grid
+    heuristics that fill one wave (MLA KV splits, the KDA split form) read it."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return H200_SMS
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
@@ -76,5 +88,5 @@ if triton is not None:
             gdc_launch_dependents()
 
 
-__all__ = ["PDL_DEFAULT", "available", "pdl_enter", "pdl_launch", "tanh_f32", "tl",
+__all__ = ["H200_SMS", "PDL_DEFAULT", "available", "pdl_enter", "pdl_launch", "sm_count", "tanh_f32", "tl",
            "triton"]

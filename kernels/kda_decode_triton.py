@@ -61,11 +61,10 @@ outside any capture by the eager warm-up): capturable in a CUDA graph.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
+from raydecode.kernels._triton import (H200_SMS, available, pdl_enter, pdl_launch, sm_count,
+                                       tl, triton)
 
 if triton is not None:
 
@@ -271,22 +270,17 @@ SPLIT_WARPS = 4           # warps per split program
 MIN_SPLITS = 4            # fewer programs per head than this: the one-program form
 
 
-def split_count(head_dim: int, programs: int, sm_count: int = 132) -> int:
+def split_count(head_dim: int, programs: int, sms: int = H200_SMS) -> int:
     """Programs per head in the split form for `programs` = T·heads: the most (a power of two,
-    ≥ MIN_SPLIT_COLUMNS value columns each) that keep the grid within one wave of `sm_count`
-    SMs, when that is at least MIN_SPLITS; else 1 (the one-program form). Two programs per head
+    ≥ MIN_SPLIT_COLUMNS value columns each) that keep the grid within one wave of `sms` SMs,
+    when that is at least MIN_SPLITS; else 1 (the one-program form). Two programs per head
     won in the KDA microbench but lost in the whole step (K3 TP16 batch 8: +0.10 ms in 6 of 6
     pairs, docs/PERF.md round 20), so the split starts at 4."""
     ns = 1
     while (head_dim % (2 * ns) == 0 and head_dim // (2 * ns) >= MIN_SPLIT_COLUMNS
-           and programs * 2 * ns <= sm_count):
+           and programs * 2 * ns <= sms):
         ns *= 2
     return ns if ns >= MIN_SPLITS else 1
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -322,8 +316,7 @@ def kda_decode_triton(proj: torch.Tensor, fb_w: torch.Tensor, conv_state: torch.
     if T == 0:
         return out
     if splits is None:
-        sms = _sm_count(proj.device.index or 0) if proj.is_cuda else 132
-        splits = split_count(D, T * heads, sms)
+        splits = split_count(D, T * heads, sm_count(str(proj.device)))
     if splits < 1 or D % splits:
         raise ValueError(f"splits = {splits}: expected a divisor of head_dim = {D}, or None")
     common = (proj, proj.stride(0), proj.stride(1), fb_w, fb_w.stride(0), fb_w.stride(1),

@@ -36,27 +36,18 @@ Dispatch: the Triton kernels on CUDA tensors (`USE_TRITON`), the references else
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import mla_decode_triton as _tri
+from raydecode.kernels._triton import H200_SMS, sm_count
 
 BF16 = torch.bfloat16
 USE_TRITON = True          # the Triton kernels on CUDA tensors (False: references everywhere)
-H200_SMS = 132
 
 
 def _use_triton(x: torch.Tensor) -> bool:
     return USE_TRITON and x.is_cuda and _tri.available(x)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: str) -> int:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    return H200_SMS
 
 
 def default_num_splits(batch: int, max_rows: int, sms: int = H200_SMS) -> int:
@@ -336,7 +327,7 @@ def _num_splits(q_abs, cache, block_table, num_splits) -> int:
     tensor on the device)."""
     if num_splits is None:
         return default_num_splits(q_abs.shape[0], block_table.shape[1] * cache.shape[1],
-                                  _sm_count(str(q_abs.device)))
+                                  sm_count(str(q_abs.device)))
     _need(isinstance(num_splits, int) and num_splits >= 1,
           f"num_splits = {num_splits!r}; expected an int ≥ 1 or None (heuristic)")
     return num_splits
