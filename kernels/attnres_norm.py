@@ -101,28 +101,47 @@ def attnres_mix_norm(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps
 
 
 def attnres_add_mix_norm(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w, res_eps,
-                         out_eps):
-    """The fused residual-add form -> (new prefix, h)."""
+                         out_eps, new_prefix: torch.Tensor | None = None):
+    """The fused residual-add form -> (new prefix, h). new_prefix: where bf16(p + out) goes
+    (T, H) like prefix, e.g. the next slot of the caller's block bank; allocated when None. It
+    must not overlap the blocks, prefix or out."""
     _check(blocks, prefix, res_proj_w)
     if out.shape != prefix.shape:
         raise ValueError(f"sublayer output of shape {tuple(out.shape)}; expected "
                          f"{tuple(prefix.shape)} like the prefix")
+    if new_prefix is not None and (new_prefix.shape != prefix.shape
+                                   or new_prefix.dtype != prefix.dtype
+                                   or new_prefix.device != prefix.device):
+        raise ValueError(f"new_prefix {tuple(new_prefix.shape)} {new_prefix.dtype} on "
+                         f"{new_prefix.device}; expected {tuple(prefix.shape)} {prefix.dtype} on "
+                         f"{prefix.device} like the prefix")
     if CUTE_ADD_MIX_NORM is not None and cute_available() and prefix.is_cuda:
-        return CUTE_ADD_MIX_NORM(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w,
+        p, h = CUTE_ADD_MIX_NORM(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w,
                                  res_eps, out_eps)
+        return _into(p, new_prefix), h
     if USE_CUTE and prefix.is_cuda and cute_available():
-        new_prefix = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+        np_ = new_prefix if new_prefix is not None else torch.empty(
+            prefix.shape, dtype=prefix.dtype, device=prefix.device)
         h = _cu.mix_norm_cute(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,
-                              out_eps, out=out, new_prefix=new_prefix)
+                              out_eps, out=out, new_prefix=np_)
         if h is not None:
-            return new_prefix, h
+            return np_, h
     if _use_triton(prefix):
-        new_prefix = torch.empty_like(prefix)
+        np_ = new_prefix if new_prefix is not None else torch.empty_like(prefix)
         h = _tri.mix_norm_triton(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,
-                                 out_eps, out=out, new_prefix=new_prefix)
-        return new_prefix, h
-    return attnres_add_mix_norm_reference(blocks, prefix, out, res_norm_w, res_proj_w,
+                                 out_eps, out=out, new_prefix=np_)
+        return np_, h
+    p, h = attnres_add_mix_norm_reference(blocks, prefix, out, res_norm_w, res_proj_w,
                                           out_norm_w, res_eps, out_eps)
+    return _into(p, new_prefix), h
+
+
+def _into(p: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
+    """p, or p copied into dst when the caller named where it goes."""
+    if dst is None:
+        return p
+    dst.copy_(p)
+    return dst
 
 
 __all__ = ["attnres_mix_norm", "attnres_add_mix_norm", "attnres_mix_norm_reference",

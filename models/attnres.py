@@ -21,6 +21,13 @@ import torch
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 
 from .layers import RMSNorm, rms_norm
+from .specialized import env_switch
+
+# The specialized step keeps its block snapshots as slots of one (T, n_max, H) tensor, so the
+# fused mix + norm reads them as one strided view: the CuTe kernel serves every call and no
+# stack copy precedes it (a list of separate snapshots fell back to a torch.stack + the Triton
+# kernel: docs/PERF.md round 23). Off ('0') for A/B runs.
+BANK = env_switch("RAYDECODE_ATTNRES_BANK", "block snapshots as slots of one bank tensor")
 
 
 def attn_res_mix(values: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
@@ -38,10 +45,24 @@ class AttnResStream:
     output in `pending` and the next `mix_norm` adds it to the prefix, mixes and normalises in
     the one fused op of kernels/attnres_norm.py."""
 
-    def __init__(self, embedding: torch.Tensor):
+    def __init__(self, embedding: torch.Tensor, capacity: int = 0):
+        """capacity > 0: room for that many snapshots in one (T, capacity, H) tensor; each
+        snapshot is slot j of it (`blocks[j]` a view), so the blocks form one strided view.
+        Past the capacity, or with 0, snapshots are the prefix tensors themselves."""
+        if capacity < 0:
+            raise ValueError(f"AttnRes bank capacity {capacity}; expected ≥ 0 snapshots")
         self.blocks: list[torch.Tensor] = []
         self.prefix = embedding                                  # (T, H)
         self.pending: torch.Tensor | None = None                 # output not yet in prefix
+        self.bank = (embedding.new_empty(embedding.shape[0], capacity, embedding.shape[-1])
+                     if capacity else None)
+
+    def _next_slot(self) -> torch.Tensor | None:
+        """The bank slot the next snapshot goes to (None: no bank, or full)."""
+        n = len(self.blocks)
+        if self.bank is None or n >= self.bank.shape[1]:
+            return None
+        return self.bank[:, n]
 
     def mix(self, norm: RMSNorm, proj_weight: torch.Tensor) -> torch.Tensor:
         values = torch.stack(self.blocks + [self.prefix], dim=1)  # (T, n+1, H)
@@ -50,7 +71,10 @@ class AttnResStream:
     def add(self, out: torch.Tensor, new_block: bool) -> None:
         """Account a sublayer output; `new_block` snapshots the prefix first and restarts it."""
         if new_block:
-            self.blocks.append(self.prefix)
+            slot = self._next_slot()
+            if slot is not None and slot.data_ptr() != self.prefix.data_ptr():
+                slot.copy_(self.prefix)       # a prefix not written there by `mix_norm`
+            self.blocks.append(self.prefix if slot is None else slot)
             self.prefix = out
         else:   # rounded once to the model dtype, like the reference's bf16 prefix
             self.prefix = (self.prefix.float() + out.float()).to(self.prefix.dtype)
@@ -64,12 +88,16 @@ class AttnResStream:
         else:
             self.pending = out
 
-    def mix_norm(self, res_norm: RMSNorm, proj_weight: torch.Tensor, out_norm: RMSNorm
-                 ) -> torch.Tensor:
-        """out_norm(mix(bank)) after adding `pending`, as one fused op. -> (T, H)"""
+    def mix_norm(self, res_norm: RMSNorm, proj_weight: torch.Tensor, out_norm: RMSNorm,
+                 snapshot: bool = False) -> torch.Tensor:
+        """out_norm(mix(bank)) after adding `pending`, as one fused op. -> (T, H)
+        snapshot: the prefix formed here becomes the next block (the layer starts one), so the
+        op writes it straight into the bank's next slot and `add` copies nothing."""
         args = (res_norm.weight, proj_weight, out_norm.weight, res_norm.eps, out_norm.eps)
         if self.pending is None:
             return attnres_mix_norm(self.blocks, self.prefix, *args)
-        self.prefix, h = attnres_add_mix_norm(self.blocks, self.prefix, self.pending, *args)
+        slot = self._next_slot() if snapshot else None
+        self.prefix, h = attnres_add_mix_norm(self.blocks, self.prefix, self.pending, *args,
+                                              new_prefix=slot)
         self.pending = None
         return h

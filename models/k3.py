@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 
+from . import attnres
 from .attnres import AttnResStream
 from .cache import KDAStateCache, MLALatentCache, ModelCaches, SeqSlice, StepBatch
 from .config import K3Config
@@ -60,7 +61,7 @@ class K3DecoderLayer(nn.Module):
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
         if path == "specialized":   # residual add + AttnRes mix + norm fused (kernels/)
             h = bank.mix_norm(self.self_attention_res_norm, self.self_attention_res_proj.weight,
-                              self.input_layernorm)
+                              self.input_layernorm, snapshot=self.starts_block)
             bank.defer(self.self_attn(h, batch, caches, path), new_block=self.starts_block)
             h = bank.mix_norm(self.mlp_res_norm, self.mlp_res_proj.weight,
                               self.post_attention_layernorm)
@@ -80,13 +81,16 @@ class K3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, H, par, comm, dtype)
         self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, par, comm, dtype)
                                     for i in range(cfg.num_layers))
+        self.num_blocks = cfg.num_attn_res_blocks
         self.norm = RMSNorm(H, eps, dtype)
         self.output_attn_res_norm = RMSNorm(H, eps, dtype)
         self.output_attn_res_proj = replicated_linear(H, 1, dtype)
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock", taps: tuple[int, ...] = ()):
-        bank = AttnResStream(self.embed_tokens(tokens))
+        # specialized: the snapshots in one bank tensor (models/attnres.py BANK)
+        cap = self.num_blocks if path == "specialized" and attnres.BANK else 0
+        bank = AttnResStream(self.embed_tokens(tokens), capacity=cap)
         tapped = []
         for i, layer in enumerate(self.layers):
             layer(bank, batch, caches, path)

@@ -307,12 +307,17 @@ def main(argv=None) -> int:
     ap.add_argument("--router-gather", type=int, choices=(0, 1), default=1,
                     help="router top-k weights from registers (1, router_triton.GATHER_DEFAULT) "
                          "or re-loaded (0: A/B runs)")
+    ap.add_argument("--attnres-bank", type=int, choices=(0, 1), default=1,
+                    help="AttnRes snapshots as slots of one bank tensor (1, models/attnres.py "
+                         "BANK) or separate tensors (0: A/B runs)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
     args = ap.parse_args(argv)
     from raydecode.kernels import kda_decode, router_triton
     kda_decode.SPLITS = args.kda_splits
     router_triton.GATHER_DEFAULT = bool(args.router_gather)
+    from raydecode.models import attnres
+    attnres.BANK = bool(args.attnres_bank)
     from .layer import set_gemv_mappings
     try:
         set_gemv_mappings(args.gemv_config)
@@ -373,6 +378,7 @@ def main(argv=None) -> int:
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
               "kda_splits": args.kda_splits, "router_gather": args.router_gather,
+              "attnres_bank": args.attnres_bank,
               "moe_fused": moe.FUSED_SPECIALIZED,
               "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,

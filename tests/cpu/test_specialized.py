@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
+from raydecode.kernels.attnres_norm_triton import bank_view
 from raydecode.kernels.router import route_topk, router_logits
 from raydecode.models import moe
 from raydecode.models.attnres import AttnResStream
@@ -120,6 +121,114 @@ def test_attnres_add_mix_norm_matches_add_then_mix(dtype, T, n, H):
     spec.defer(sub, new_block=False)
     torch.testing.assert_close(spec.mix_norm(res, proj, out), want, rtol=rtol, atol=atol)
     assert spec.pending is None and torch.equal(spec.prefix, bank.prefix)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attnres_bank_stream_matches_the_list_stream(dtype):
+    """A stream with a bank holds each snapshot in slot j of one tensor (so the fused op reads
+    the blocks as one strided view), gives the list stream's values, and copies a prefix in
+    only when no mix wrote it there (`snapshot`)."""
+    T, H, layers, size = 2, 64, 7, 2
+    g = _gen(41)
+    norms = [_norms(H, g, dtype) for _ in range(2 * layers)]
+    outs = [torch.randn(T, H, generator=g).to(dtype) for _ in range(2 * layers)]
+    emb = torch.randn(T, H, generator=g).to(dtype)
+    want_h, got_h = [], []
+    cap = -(-layers // size)
+    for stream, hs in ((AttnResStream(emb), want_h), (AttnResStream(emb, capacity=cap), got_h)):
+        for i in range(layers):
+            starts = i % size == 0
+            res, out, proj = norms[2 * i]
+            hs.append(stream.mix_norm(res, proj, out, snapshot=starts))
+            stream.defer(outs[2 * i], new_block=starts)
+            res, out, proj = norms[2 * i + 1]
+            hs.append(stream.mix_norm(res, proj, out))
+            stream.defer(outs[2 * i + 1], new_block=False)
+        if stream.bank is not None:
+            bank = stream.bank
+    for a, b in zip(got_h, want_h):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(stream.blocks) == cap
+    for j, b in enumerate(stream.blocks):          # slot j of the bank, not a copy elsewhere
+        assert b.data_ptr() == bank[:, j].data_ptr() and b.stride() == bank[:, j].stride()
+    assert bank_view(stream.blocks, stream.prefix) is not None
+
+
+def test_attnres_bank_snapshot_writes_the_slot_in_place(monkeypatch):
+    """With `snapshot`, the residual-add op writes the new prefix into the next bank slot: the
+    following new block appends that slot without a copy (Tensor.copy_ never runs)."""
+    T, H = 3, 64
+    g = _gen(5)
+    res, out, proj = _norms(H, g, torch.float32)
+    stream = AttnResStream(torch.randn(T, H, generator=g), capacity=2)
+    stream.defer(torch.randn(T, H, generator=g), new_block=True)      # embedding -> slot 0
+    stream.defer(torch.randn(T, H, generator=g), new_block=False)     # pending for the mix
+    copies = []
+    real = torch.Tensor.copy_
+
+    def spy(self, src, *a, **k):
+        copies.append(self.data_ptr())
+        return real(self, src, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    stream.mix_norm(res, proj, out, snapshot=True)          # the prefix lands in slot 1 here
+    n_mix = len(copies)
+    stream.defer(torch.randn(T, H, generator=g), new_block=True)
+    assert len(copies) == n_mix                             # `add` copied nothing
+    assert stream.blocks[1].data_ptr() == stream.bank[:, 1].data_ptr()
+    with pytest.raises(ValueError, match="capacity -1"):
+        AttnResStream(torch.randn(T, H), capacity=-1)
+
+
+def test_attnres_bank_past_capacity_keeps_the_snapshots():
+    """More snapshots than slots: the extra ones stay the prefix tensors themselves."""
+    T, H = 1, 64
+    stream = AttnResStream(torch.randn(T, H), capacity=1)
+    outs = [torch.randn(T, H) for _ in range(3)]
+    for o in outs:
+        stream.defer(o, new_block=True)
+    assert len(stream.blocks) == 3
+    assert stream.blocks[0].data_ptr() == stream.bank[:, 0].data_ptr()
+    assert stream.blocks[1] is outs[0] and stream.blocks[2] is outs[1]
+
+
+def test_attnres_add_mix_norm_into_named_prefix():
+    T, H = 2, 64
+    g = _gen(9)
+    res, out, proj = _norms(H, g, torch.float32)
+    blocks = [torch.randn(T, H, generator=g)]
+    prefix, sub = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    args = (res.weight, proj, out.weight, res.eps, out.eps)
+    p0, h0 = attnres_add_mix_norm(blocks, prefix, sub, *args)
+    dst = torch.full((T, 3, H), float("nan"))[:, 1]
+    p1, h1 = attnres_add_mix_norm(blocks, prefix, sub, *args, new_prefix=dst)
+    assert p1.data_ptr() == dst.data_ptr() and torch.equal(p1, p0) and torch.equal(h1, h0)
+    with pytest.raises(ValueError, match=r"new_prefix \(2, 32\)"):
+        attnres_add_mix_norm(blocks, prefix, sub, *args, new_prefix=torch.empty(T, 32))
+
+
+@pytest.mark.parametrize("bank_on", [True, False])
+def test_k3_specialized_forward_mixes_one_bank_view(bank_on, monkeypatch):
+    """Every fused mix of the specialized forward gets its blocks as slots of one tensor (the
+    CuTe kernel's layout, no stack copy); with the bank off the deeper mixes do not."""
+    from raydecode.models import attnres
+    monkeypatch.setattr(attnres, "BANK", bank_on)
+    seen = []
+
+    def record(op):
+        def wrapped(blocks, prefix, *a, **k):
+            seen.append(len(blocks) == 0 or bank_view(list(blocks), prefix) is not None)
+            return op(blocks, prefix, *a, **k)
+        return wrapped
+
+    monkeypatch.setattr(attnres, "attnres_mix_norm", record(attnres_mix_norm))
+    monkeypatch.setattr(attnres, "attnres_add_mix_norm", record(attnres_add_mix_norm))
+    cfg = load_config("tiny")
+    model = init_random_(K3ForCausalLM(cfg, dtype=torch.float32), seed=2)
+    with torch.inference_mode():
+        model(torch.tensor([3, 5]), path="specialized")
+    assert len(seen) == 2 * cfg.num_layers + 1
+    assert all(seen) == bank_on
 
 
 def test_attnres_ops_refuse_mismatched_shapes():
