@@ -60,3 +60,54 @@ def test_specialized_step_equals_stock_on_cuda(dtype, experts, tol, seed, monkey
     assert rel < tol, (rel, "cute" if cute_available() else "reference")
     s, p = caches["stock"].kda.rec, caches["specialized"].kda.rec
     assert float((p - s).abs().max() / s.abs().max()) < tol
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_attnres_bank_serves_every_mix_on_the_cute_kernel(T, monkeypatch):
+    """K3's width (H = 7168), 26 layers of AttnRes bookkeeping (3 snapshots): with the bank,
+    every fused mix runs on the CuTe kernel (none declines the layout), and h and the prefix
+    match the list stream's (stack + Triton past 1 snapshot) within bf16 tolerance."""
+    from raydecode.kernels import attnres_norm_cute as cu
+    from raydecode.models.attnres import AttnResStream
+    from raydecode.models.layers import RMSNorm
+    if not cute_available():
+        pytest.skip("nvidia-cutlass-dsl not installed")
+    H, layers, size = 7168, 26, 12
+    g = torch.Generator(device="cuda").manual_seed(T)
+    norms = []
+    for _ in range(2 * layers):
+        res, out = RMSNorm(H, 1e-6, torch.float32).cuda(), RMSNorm(H, 1e-6, torch.float32).cuda()
+        res.weight.data.uniform_(0.5, 1.5, generator=g)
+        out.weight.data.uniform_(0.5, 1.5, generator=g)
+        proj = (torch.randn(1, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+        norms.append((res, out, proj))
+    outs = [torch.randn(T, H, device="cuda", generator=g).bfloat16() for _ in range(2 * layers)]
+    emb = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    served = []
+    real = cu.mix_norm_cute
+
+    def spy(*a, **k):
+        h = real(*a, **k)
+        served.append(h is not None)
+        return h
+
+    monkeypatch.setattr(cu, "mix_norm_cute", spy)
+    results = {}
+    for cap in (0, -(-layers // size)):
+        stream, hs = AttnResStream(emb, capacity=cap), []
+        served.clear()
+        for i in range(layers):
+            starts = i % size == 0
+            res, out, proj = norms[2 * i]
+            hs.append(stream.mix_norm(res, proj, out, snapshot=starts))
+            stream.defer(outs[2 * i], new_block=starts)
+            res, out, proj = norms[2 * i + 1]
+            hs.append(stream.mix_norm(res, proj, out))
+            stream.defer(outs[2 * i + 1], new_block=False)
+        results[cap] = (torch.stack(hs).float(), stream.pending.float() + stream.prefix.float(),
+                        list(served))
+    (h_list, p_list, s_list), (h_bank, p_bank, s_bank) = results[0], results[3]
+    assert all(s_bank) and len(s_bank) == 2 * layers
+    assert not all(s_list)                  # the list stream declines past one snapshot
+    for a, b in ((h_bank, h_list), (p_bank, p_list)):
+        assert float((a - b).abs().max() / b.abs().max()) < 2e-2
