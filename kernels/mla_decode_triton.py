@@ -143,19 +143,53 @@ if triton is not None:
             tl.store(ob + KL + orr[None, :], pe.to(o_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
+    def _tile_rows(c_ptr, c_sb, c_sr, bt_ptr, bt_st, t, n0, end, BS, KL, R, oc, orr,
+                   BN: tl.constexpr):
+        """The BN cache rows n0 … n0+BN−1 (< end) of token t through its block table, loaded
+        .cg -> (rows, valid mask, K_c (BN, BC), K_r (BN, BR))."""
+        rows = n0 + tl.arange(0, BN)
+        mn = rows < end
+        blk = tl.load(bt_ptr + t * bt_st + rows // BS, mask=mn, other=0).to(tl.int64)
+        base = c_ptr + blk * c_sb + (rows % BS).to(tl.int64) * c_sr                # (BN,)
+        kc = tl.load(base[:, None] + oc[None, :], mask=mn[:, None] & (oc < KL)[None, :],
+                     other=0.0, cache_modifier=".cg")                               # (BN, BC)
+        kr = tl.load(base[:, None] + KL + orr[None, :], mask=mn[:, None] & (orr < R)[None, :],
+                     other=0.0, cache_modifier=".cg")                               # (BN, BR)
+        return rows, mn, kc, kr
+
+    @triton.jit
+    def _attend_tile(qc, qr, kc, kr, mn, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
+        """One online-softmax step of the heads' rows against a tile with ≥ 1 valid row."""
+        sc = _mm(qc, tl.trans(kc), DOT_F32) + _mm(qr, tl.trans(kr), DOT_F32)       # (HP, BN)
+        sc = sc * qk_scale
+        sc = tl.where(mn[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))              # finite: the tile has a valid row
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _mm(p.to(kc.dtype), kc, DOT_F32)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _split_part(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
                     o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
                     H, KL, R, BS, qk_scale, NS, MINC, t, s,
                     x_ptr, x_st, XL, wkv_ptr, pos_ptr, eps,
                     HP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                    BX: tl.constexpr, ROWS: tl.constexpr, DOT_F32: tl.constexpr):
+                    BX: tl.constexpr, ROWS: tl.constexpr, DOT_F32: tl.constexpr,
+                    PRE: tl.constexpr = False, PDL: tl.constexpr = False):
         """Split s of token t (module docstring, `_split_kernel`). q_abs and the cache rows
         are loaded .cg (L2): in the fused kernel other programs wrote them moments ago.
         ROWS (`_split_rows_kernel`): q_ptr holds the raw absorbed q = x·W_q''ᵀ (x = x_ptr[t,
         :XL], the q_a norm weight and W_uk folded into W_q''), scaled here by rms_scale(x)
         and rounded to the cache dtype; the split whose rows hold positions[t] stores token
         t's cache row [bf16(RMSNorm(x[XL:XL+KL]; w_kv)), x[XL+KL:]] first (its loads issued
-        with x's and q's), then one CTA barrier before the tiles. BX ≥ XL."""
+        with x's and q's), then one CTA barrier before the tiles. BX ≥ XL.
+        PRE (with ROWS): the split's first tile is requested first, and with PDL (the caller
+        has not waited) before `griddepcontrol.wait`. Its rows are earlier steps' (no kernel
+        just before writes them); the one row this step adds, positions[t], is stored by
+        this split when it falls in its range, so the tile takes it from registers (rowc,
+        rowr) there."""
         t = t.to(tl.int64)
         L = tl.load(len_ptr + t).to(tl.int32)
         chunk = tl.maximum(tl.cdiv(tl.cdiv(L, NS), BN) * BN, MINC)
@@ -167,6 +201,11 @@ if triton is not None:
         mc = oc < KL
         orr = tl.arange(0, BR)
         mr = orr < R
+        if PRE:
+            rows0, mn0, kc0, kr0 = _tile_rows(c_ptr, c_sb, c_sr, bt_ptr, bt_st, t, start, end,
+                                              BS, KL, R, oc, orr, BN)
+            if PDL:
+                pdl_enter(PDL)
         qb = q_ptr + t * q_st + hh[:, None] * q_sh
         qc = tl.load(qb + oc[None, :], mask=mh[:, None] & mc[None, :], other=0.0,
                      cache_modifier=".cg")                                          # (HP, BC)
@@ -190,30 +229,26 @@ if triton is not None:
                 dst = c_ptr + blk * c_sb + (prow % BS) * c_sr
                 tl.store(dst + oc, rowc, mask=mc)
                 tl.store(dst + KL + orr, rowr, mask=mr)
-            tl.debug_barrier()      # the row's stores before this CTA's tile loads; the tile
-            # loop stays the plain split's (masking the row out of the tiles and attending it
-            # from registers cost +22 µs at batch 64: docs/PERF.md round 16)
+            if PRE:     # the first tile was read before the store: the new row from registers
+                new = (rows0 == pos)[:, None]
+                kc0 = tl.where(new, rowc[None, :], kc0)
+                kr0 = tl.where(new, rowr[None, :], kr0)
+            tl.debug_barrier()      # the row's stores before this CTA's later tile loads; the
+            # tile loop stays the plain split's (masking the row out of the tiles and attending
+            # it from registers cost +22 µs at batch 64: docs/PERF.md round 16)
+        if not PRE:
+            rows0, mn0, kc0, kr0 = _tile_rows(c_ptr, c_sb, c_sr, bt_ptr, bt_st, t, start, end,
+                                              BS, KL, R, oc, orr, BN)
         m_i = tl.full((HP,), float("-inf"), tl.float32)
         l_i = tl.zeros((HP,), tl.float32)
         acc = tl.zeros((HP, BC), tl.float32)
-        for n0 in range(start, end, BN):
-            rows = n0 + tl.arange(0, BN)
-            mn = rows < end
-            blk = tl.load(bt_ptr + t * bt_st + rows // BS, mask=mn, other=0).to(tl.int64)
-            base = c_ptr + blk * c_sb + (rows % BS).to(tl.int64) * c_sr            # (BN,)
-            kc = tl.load(base[:, None] + oc[None, :], mask=mn[:, None] & mc[None, :],
-                         other=0.0, cache_modifier=".cg")                           # (BN, BC)
-            kr = tl.load(base[:, None] + KL + orr[None, :], mask=mn[:, None] & mr[None, :],
-                         other=0.0, cache_modifier=".cg")                           # (BN, BR)
-            sc = _mm(qc, tl.trans(kc), DOT_F32) + _mm(qr, tl.trans(kr), DOT_F32)   # (HP, BN)
-            sc = sc * qk_scale
-            sc = tl.where(mn[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))          # finite: row n0 < end is valid
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _mm(p.to(kc.dtype), kc, DOT_F32)
-            m_i = m_new
+        if start < end:
+            m_i, l_i, acc = _attend_tile(qc, qr, kc0, kr0, mn0, m_i, l_i, acc, qk_scale,
+                                         DOT_F32)
+        for n0 in range(start + BN, end, BN):
+            rows, mn, kc, kr = _tile_rows(c_ptr, c_sb, c_sr, bt_ptr, bt_st, t, n0, end, BS, KL,
+                                          R, oc, orr, BN)
+            m_i, l_i, acc = _attend_tile(qc, qr, kc, kr, mn, m_i, l_i, acc, qk_scale, DOT_F32)
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634,
@@ -354,12 +389,15 @@ if triton is not None:
                            H, KL, R, BS, qk_scale, NS, MINC, x_ptr, x_st, XL, wkv_ptr,
                            pos_ptr, eps, HP: tl.constexpr, BC: tl.constexpr,
                            BR: tl.constexpr, BN: tl.constexpr, BX: tl.constexpr,
-                           DOT_F32: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
+                           DOT_F32: tl.constexpr, PDL: tl.constexpr, PRE_TILE: tl.constexpr):
+        """PRE_TILE: the first tile's loads first, and the PDL wait after them (inside
+        `_split_part`); otherwise the wait first, as every other kernel here."""
+        if not PRE_TILE:
+            pdl_enter(PDL)
         _split_part(q_ptr, q_st, q_sh, c_ptr, c_sb, c_sr, bt_ptr, bt_st, len_ptr,
                     o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh, H, KL, R, BS, qk_scale,
                     NS, MINC, tl.program_id(0), tl.program_id(1), x_ptr, x_st, XL, wkv_ptr,
-                    pos_ptr, eps, HP, BC, BR, BN, BX, True, DOT_F32)
+                    pos_ptr, eps, HP, BC, BR, BN, BX, True, DOT_F32, PRE_TILE, PDL)
 
     @triton.jit
     def _merge_kernel(o_ptr, o_st, o_ss, o_sh, l_ptr, l_st, l_ss, l_sh,
@@ -539,6 +577,11 @@ def split_triton(q_abs, cache, block_table, seq_lens, kv_lora: int, scale: float
                           num_stages=2, **pdl_launch(o_part))
 
 
+# `_split_rows_kernel` requests each split's first KV tile before its PDL wait (the new row
+# patched in from registers). False: the wait first, as before round 24 (A/B runs).
+PRE_TILE = True
+
+
 def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens,
                       q_lora: int, kv_lora: int, eps: float, scale: float,
                       o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
@@ -556,7 +599,8 @@ def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens
         h, kv_lora, R, cache.shape[1], float(scale) * LOG2E, S, MIN_CHUNK, qkv, qkv.stride(0),
         q_lora, kv_norm_w, positions, float(eps), HP=_p2(h), BC=_p2(kv_lora), BR=_p2(R),
         BN=32 if kv_lora >= 256 else 64, BX=_p2(q_lora), DOT_F32=not q.is_cuda,
-        num_warps=4 if kv_lora <= 256 else 8, num_stages=2, **pdl_launch(o_part))
+        num_warps=4 if kv_lora <= 256 else 8, num_stages=2,
+        PRE_TILE=PRE_TILE, **pdl_launch(o_part))
 
 
 def merge_triton(o_part, lse_part, o_lat: torch.Tensor, lse: torch.Tensor) -> None:

@@ -310,6 +310,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attnres-bank", type=int, choices=(0, 1), default=1,
                     help="AttnRes snapshots as slots of one bank tensor (1, models/attnres.py "
                          "BANK) or separate tensors (0: A/B runs)")
+    ap.add_argument("--mla-pre-tile", type=int, choices=(0, 1), default=1,
+                    help="MLA split kernel's first KV tile before its PDL wait (1, "
+                         "mla_decode_triton.PRE_TILE) or after it (0: A/B runs)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
     args = ap.parse_args(argv)
@@ -318,6 +321,8 @@ def main(argv=None) -> int:
     router_triton.GATHER_DEFAULT = bool(args.router_gather)
     from raydecode.models import attnres
     attnres.BANK = bool(args.attnres_bank)
+    from raydecode.kernels import mla_decode_triton
+    mla_decode_triton.PRE_TILE = bool(args.mla_pre_tile)
     from .layer import set_gemv_mappings
     try:
         set_gemv_mappings(args.gemv_config)
@@ -378,7 +383,7 @@ def main(argv=None) -> int:
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
               "kda_splits": args.kda_splits, "router_gather": args.router_gather,
-              "attnres_bank": args.attnres_bank,
+              "attnres_bank": args.attnres_bank, "mla_pre_tile": args.mla_pre_tile,
               "moe_fused": moe.FUSED_SPECIALIZED,
               "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,

@@ -291,14 +291,18 @@ def test_absorbed_composition_matches_layer_step_mla():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels: Triton + TRITON_INTERPRET=1")
+@pytest.mark.parametrize("pre_tile", [True, False])
 @pytest.mark.parametrize("ctx_rows", [(1, 40, 17, 64), (1, 129, 5, 3)])
-def test_split_rows_kernel_equals_reference(ctx_rows):
+def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile, monkeypatch):
     """split_rows_triton + output_triton (the two kernels of mla_decode_absorbed) vs
     mla_decode_absorbed_reference on fresh random inputs: per token a different length, the
     new row at positions[t] = len − 1 (one token −1: not stored, its row read as it was), a
     shuffled table over a pool with spare blocks, S = 3 splits (so the row's owner is not
     always the last split). Output ≤ 2e-2 rel, every row but the stored ones untouched, the
-    stored rows equal the reference's bits up to 1 bf16 ulp."""
+    stored rows equal the reference's bits up to 1 bf16 ulp. pre_tile: each split's first
+    tile read before the row store (as before the PDL wait on the GPU), so a row stored into
+    it (lengths 1, 17, 129: in the first tile of its split) must come from registers."""
+    monkeypatch.setattr(MT, "PRE_TILE", pre_tile)
     seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
     g = torch.Generator().manual_seed(seed)
     T, bs, mb, S = len(ctx_rows), 16, 9, 3
