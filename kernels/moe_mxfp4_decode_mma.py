@@ -63,7 +63,7 @@ import torch
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
 from raydecode.kernels import moe_mxfp4_decode as _cuda_core
-from raydecode.kernels.moe_mxfp4_decode import MAX_PAIRS, _pow2_divisor, unique_valid
+from raydecode.kernels.moe_mxfp4_decode import _pow2_divisor, unique_valid
 
 BM = 16                  # activation rows of a dot (tl.dot's minimum); row 0 holds the pair
 
@@ -247,9 +247,9 @@ def moe_mxfp4_decode_mma(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     T, L = z.shape
     k = topk_ids.shape[1]
     P, I = T * k, experts.intermediate
-    if P > MAX_PAIRS:
+    if P > _cuda_core.MAX_PAIRS:
         raise ValueError(f"{P} (token, expert) pairs: moe_mxfp4_decode_mma serves at most "
-                         f"{MAX_PAIRS} (T·k); use fused_moe_mxfp4")
+                         f"{_cuda_core.MAX_PAIRS} (T·k); use fused_moe_mxfp4")
     if not available(z, experts.w13):
         raise ValueError("moe_mxfp4_decode_mma needs Triton and CUDA tensors (or CPU tensors "
                          "under TRITON_INTERPRET=1)")

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from raydecode.kernels import l2_prefetch, moe_mxfp4
+from raydecode.kernels import l2_prefetch, moe_mxfp4, moe_mxfp4_decode
 from raydecode.models.config import load_config
 from raydecode.models.parallel import Parallel
 from raydecode.models.params import decode_gemv_shapes
@@ -226,6 +226,7 @@ def run(args) -> dict:
               "attnres_kernel": args.attnres, "moe_decode": args.moe_decode,
               "moe_resident_predecode": args.moe_resident_predecode,
               "kda_splits": args.kda_splits,
+              "moe_max_pairs": moe_mxfp4_decode.MAX_PAIRS,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
               "l2_prefetch_start_mib": L2PF_START_MIB, "l2_prefetch_kind": l2_prefetch.KIND,
@@ -254,7 +255,6 @@ def run(args) -> dict:
         print(f"MoE sweep done (t={time.time() - t0:.0f}s)", flush=True)
     prior_decode = {}
     if args.moe_decode_sweep:
-        from raydecode.kernels import moe_mxfp4_decode
         from .layer_moe_decode_sweep import sweep as decode_sweep
         prior_decode = dict(moe_mxfp4_decode.TUNED)
         report["moe_decode_sweep"] = decode_sweep(cfg.moe, tps=args.tps,
@@ -402,6 +402,9 @@ def main(argv=None) -> int:
                     help="M=1 GEMV mapping override, repeatable: N,K={json of GemvConfig mapping "
                          "fields: lanes_per_row, k_warps, rows_per_group, row_warps[, batch]} "
                          "(kernels.gemv.TUNED; A/B runs of scripts/bench/gemv_tune.py)")
+    ap.add_argument("--moe-max-pairs", type=int, default=None,
+                    help="T·k up to which the specialized MoE runs the few-token kernels "
+                         "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
     ap.add_argument("--attnres", choices=("cute", "triton"), default="cute",
                     help="AttnRes mix + norm kernel of the specialized step (cute: the CuTe DSL "
                          "kernel where it supports the layout, else Triton)")
@@ -415,6 +418,11 @@ def main(argv=None) -> int:
         moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
     from raydecode.kernels import kda_decode
     kda_decode.SPLITS = args.kda_splits
+    from raydecode.kernels import moe_mxfp4_decode as _moe_few
+    if args.moe_max_pairs is not None:
+        if args.moe_max_pairs < 1:
+            raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
+        _moe_few.MAX_PAIRS = args.moe_max_pairs
     from raydecode.kernels import moe_mxfp4_decode
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,

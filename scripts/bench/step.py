@@ -313,6 +313,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-pre-tile", type=int, choices=(0, 1), default=1,
                     help="MLA split kernel's first KV tile before its PDL wait (1, "
                          "mla_decode_triton.PRE_TILE) or after it (0: A/B runs)")
+    ap.add_argument("--moe-max-pairs", type=int, default=None,
+                    help="T·k up to which the specialized MoE runs the few-token kernels "
+                         "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
     args = ap.parse_args(argv)
@@ -323,6 +326,11 @@ def main(argv=None) -> int:
     attnres.BANK = bool(args.attnres_bank)
     from raydecode.kernels import mla_decode_triton
     mla_decode_triton.PRE_TILE = bool(args.mla_pre_tile)
+    from raydecode.kernels import moe_mxfp4_decode as _moe_few
+    if args.moe_max_pairs is not None:
+        if args.moe_max_pairs < 1:
+            raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
+        _moe_few.MAX_PAIRS = args.moe_max_pairs
     from .layer import set_gemv_mappings
     try:
         set_gemv_mappings(args.gemv_config)
@@ -384,6 +392,7 @@ def main(argv=None) -> int:
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
               "kda_splits": args.kda_splits, "router_gather": args.router_gather,
               "attnres_bank": args.attnres_bank, "mla_pre_tile": args.mla_pre_tile,
+              "moe_max_pairs": _moe_few.MAX_PAIRS,
               "moe_fused": moe.FUSED_SPECIALIZED,
               "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,

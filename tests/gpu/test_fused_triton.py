@@ -198,7 +198,8 @@ def test_route_topk_negative_selection_scores_order(sort):
 # K3 per-rank experts at TP16 / TP8 (GPU only: minutes under the interpreter) + small shapes
 MOE_K3 = [(896, 3584, 192, 16), (896, 3584, 384, 16)]
 MOE_SHAPES = (MOE_K3 if ON_GPU else []) + [(32, 128, 128, 4)]
-MOE_T = [1, 2, 4] if ON_GPU else [1, 2]        # interpreter: T = 4 costs a minute per case
+MOE_T = [1, 2, 4, 8, 32] if ON_GPU else [1, 2]   # interpreter: T = 4 costs a minute per case;
+# GPU: T = 8 and 32 (128 and 512 pairs) are the mid batches the few-token kernel may serve
 # (E, L, I, k, T) for the split-K test (`_split_configs`): L = 256 has 8 groups: KS 1 / 2 / 4
 # at GB 2, KS 1 at GB 8 (the interpreter's two cases, ~15 s each); K3 (112 groups): KS 1 / 2 /
 # 7 / 56 at GB 2, KS 1 / 7 at GB 16
