@@ -34,7 +34,7 @@ Routed experts, two storages (`RoutedExperts`; which one: `routed_experts_mxfp4(
   shard_dim 2 of each full shape (I, or I/2 bytes, or I/32 groups: I_local % 32 == 0). The
   (E, 2, I_local, ·) tensors are the kernels' (E, 2I_local, ·) w13 / s13 as free views.
   Forward: CUDA + Triton -> `moe_decode` (specialized path, T·k ≤ MAX_PAIRS: decode up to
-  batch 64) or the stock grouped `fused_moe_mxfp4`, device-side ids, no host sync
+  batch 16) or the stock grouped `fused_moe_mxfp4`, device-side ids, no host sync
   (capturable); elsewhere `moe_mxfp4_reference` (host sync on the unique ids).
 - bf16 (no quantization_config): stacked parameters in the model dtype,
   experts.w1, experts.w3 (E, I_local, L) [gate, up] and experts.w2 (E, L, I_local) [down];

@@ -23,7 +23,10 @@ compared with the eager specialized ones (max-abs relative, reported).
 
 Bytes: weights one step must read at batch T (every bf16 / fp32 parameter; of each MoE layer's
 routed experts the expected distinct ones under uniform routing, E·(1 − (1 − k/E)^T)) plus the
-MLA latent cache read, against the HBM read bandwidth measured in the same run. Off CUDA
+MLA latent cache read, against the HBM read bandwidth measured in the same run. The random
+model does not route uniformly: its tokens pick nearly the same experts (`--routing-probe`
+measures it; K3 TP16 seed 0: 16 distinct at batch 8, ≈ 89 at 64, docs/PERF.md round 25), so at
+T > 1 the expert bytes, and the HBM fraction, overstate what a step reads. Off CUDA
 (`--device cpu`, the tiny config; tests/cpu/test_bench_step.py) it runs eagerly, no graphs.
 """
 from __future__ import annotations
@@ -257,6 +260,43 @@ def profile_step(bench: Bench, slots: list[int]) -> dict:
     return res
 
 
+def routing_probe(bench: Bench, slots: list[int], num_experts: int, top_k: int) -> dict:
+    """One more step with the specialized path's routing recorded (a host sync per MoE call,
+    so only eager variants see it): distinct experts per call, against the uniform-routing
+    expectation E·(1 − (1 − k/E)^T) that `step_bytes` assumes."""
+    from raydecode.models import moe as moe_mod
+
+    seen, on = [], [False]
+    real = moe_mod.route_topk
+
+    def spy(*a, **k):
+        w, ids = real(*a, **k)
+        if on[0]:
+            seen.append(int(ids.unique().numel()))
+        return w, ids
+
+    @contextlib.contextmanager
+    def around(v):          # only the eager specialized variant's calls (a CPU graphed runner
+        on[0] = v == "specialized"     # runs eagerly on rows padded to its bucket)
+        try:
+            yield
+        finally:
+            on[0] = False
+
+    moe_mod.route_topk = spy
+    try:
+        bench.step(slots, around)
+    finally:
+        moe_mod.route_topk = real
+    T = len(slots)
+    out = {"calls": len(seen),
+           "uniform_expected": round(num_experts * (1 - (1 - top_k / num_experts) ** T), 1)}
+    if seen:
+        out.update(distinct_median=statistics.median(seen), distinct_min=min(seen),
+                   distinct_max=max(seen))
+    return out
+
+
 def host_profile_step(bench: Bench, slots: list[int], variant: str = "specialized",
                       top: int = 30) -> list[dict]:
     """cProfile of one more eager step of `variant` (other variants run too, unprofiled):
@@ -300,6 +340,9 @@ def main(argv=None) -> int:
                     help="per batch, one more step per variant under the CUDA profiler")
     ap.add_argument("--host-profile", action="store_true",
                     help="per batch, cProfile of one more eager specialized step")
+    ap.add_argument("--routing-probe", action="store_true",
+                    help="per batch, one more step recording the distinct routed experts per "
+                         "MoE call of the eager specialized variant (needs it in --variants)")
     ap.add_argument("--gemv-config", action="append", default=[],
                     help="M=1 GEMV mapping override, repeatable (layer.py --gemv-config syntax)")
     ap.add_argument("--kda-splits", type=int, default=None,
@@ -340,6 +383,9 @@ def main(argv=None) -> int:
     variants = tuple(args.variants.split(","))
     if not variants or any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--variants {args.variants}: accepted {', '.join(VARIANTS)}")
+    if args.routing_probe and "specialized" not in variants:
+        raise SystemExit("--routing-probe records the eager specialized step: add specialized "
+                         f"to --variants (got {args.variants})")
     if any(b < 1 or b > 64 for b in batches):
         raise SystemExit(f"--batches {args.batches}: each must be in 1..64 (the graph buckets)")
     cfg = load_config(args.config)
@@ -368,6 +414,8 @@ def main(argv=None) -> int:
         row["collectives_per_step"] = bench.collectives
         if args.profile and args.device == "cuda":
             row["profile"] = profile_step(bench, slots)
+        if args.routing_probe:
+            row["routing"] = routing_probe(bench, slots, cfg.moe.num_experts, cfg.moe.top_k)
         if args.host_profile and "specialized" in bench.runners:
             row["host_profile_specialized"] = host_profile_step(bench, slots)
         ms = row["ms"]

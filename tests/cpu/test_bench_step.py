@@ -22,7 +22,7 @@ def test_bench_runs_and_variants_agree(tmp_path):
     out = tmp_path / "step.json"
     assert step.main(["--config", "tiny", "--tp", "2", "--device", "cpu", "--batches", "1,3",
                       "--steps", "2", "--context", "21", "--host-profile",
-                      "--out", str(out)]) == 0
+                      "--routing-probe", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert [r["batch"] for r in rep["rows"]] == [1, 3] and rep["tp"] == 2
     for r in rep["rows"]:
@@ -38,11 +38,19 @@ def test_bench_runs_and_variants_agree(tmp_path):
         assert coll["stock"]["all_gather"] == 1 and coll["stock"]["all_reduce"] > 0
         assert coll["specialized"]["all_gather"] > 1 and coll["specialized"]["all_reduce"] > 0
         assert r["host_profile_specialized"][0]["own_ms"] > 0
+        cfg, T = load_config("tiny"), r["batch"]
+        E, k, rt = cfg.moe.num_experts, cfg.moe.top_k, r["routing"]
+        assert rt["calls"] > 0 and k <= rt["distinct_min"] <= rt["distinct_max"] <= min(E, T * k)
+        assert rt["uniform_expected"] == round(E * (1 - (1 - k / E) ** T), 1)
         b = r["bytes"]
         assert b["specialized"]["dense"] < b["stock"]["dense"]       # row-sharded reads
         assert b["specialized"]["experts"] == b["stock"]["experts"] > 0
     # every step ran graph-shaped (counts are cumulative): 3 warm + 2 timed, + 1 host-profiled
-    assert [r["graph_counts"]["eager_statics"] for r in rep["rows"]] == [5, 11]
+    # (+ 1 routing-probed step per batch)
+    assert [r["graph_counts"]["eager_statics"] for r in rep["rows"]] == [5, 12]
+    with pytest.raises(SystemExit, match="--routing-probe records the eager specialized"):
+        step.main(["--config", "tiny", "--device", "cpu", "--variants", "graphed",
+                   "--routing-probe"])
 
 
 def test_byte_model_counts_distinct_experts_and_kv():
