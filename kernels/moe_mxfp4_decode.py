@@ -284,16 +284,6 @@ if triton is not None:
         return _situ_bf16(sg, su, beta, lin_beta, HAS_LIN).to(tl.float32)
 
     @triton.jit
-    def _pair_of(order_ptr, ORDERED: tl.constexpr):
-        """The pair this program serves: its grid index along axis 0, or with ORDERED the
-        pair at that position of `order` (the pairs sorted by expert, so the programs of one
-        expert's pairs run next to each other and its duplicate reads meet in L2)."""
-        i = tl.program_id(0)
-        if ORDERED:
-            i = tl.load(order_ptr + i).to(tl.int32)
-        return i
-
-    @triton.jit
     def _pair_prologue(ids_ptr, y_ptr, n_zero, prog, p, top_k, w_ptr, s_ptr, I: tl.constexpr,
                        KB: tl.constexpr, KG: tl.constexpr, ZB: tl.constexpr):
         """Zero slice `prog` of out (the down kernel adds into it after this kernel), then
@@ -338,17 +328,14 @@ if triton is not None:
                         lin_beta, L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr,
                         KG: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
                         GB: tl.constexpr, ZB: tl.constexpr, WORDS: tl.constexpr,
-                        F16X2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                        order_ptr=None, ORDERED: tl.constexpr = False):
+                        F16X2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """KB = L/2 bytes and KG = L/32 groups per row of W13 (passed: constexpr arithmetic
-        inside the kernel differs between the compiler and the interpreter). ORDERED: program
-        i serves pair order[i] (`_pair_of`)."""
+        inside the kernel differs between the compiler and the interpreter)."""
         pdl_enter(PDL)
+        p = tl.program_id(0)
         nb = tl.program_id(1)
-        p = _pair_of(order_ptr, ORDERED)
-        t, w_e, s_e = _pair_prologue(ids_ptr, y_ptr, n_zero,
-                                     tl.program_id(0) * tl.num_programs(1) + nb, p, top_k,
-                                     w_ptr, s_ptr, I, KB, KG, ZB)
+        t, w_e, s_e = _pair_prologue(ids_ptr, y_ptr, n_zero, p * tl.num_programs(1) + nb, p,
+                                     top_k, w_ptr, s_ptr, I, KB, KG, ZB)
         n = nb * BN + tl.arange(0, BN)
         acc_g = tl.zeros((BN,), tl.float32)
         acc_u = tl.zeros((BN,), tl.float32)
@@ -365,19 +352,17 @@ if triton is not None:
                               KG: tl.constexpr, KS: tl.constexpr, KGS: tl.constexpr,
                               BN: tl.constexpr, GB: tl.constexpr, ZB: tl.constexpr,
                               WORDS: tl.constexpr, F16X2: tl.constexpr, ASM: tl.constexpr,
-                              PDL: tl.constexpr, order_ptr=None, ORDERED: tl.constexpr = False):
+                              PDL: tl.constexpr):
         """Split-K gate_up: program (p, nb, ks) sums the KGS = KG/KS groups [ks·KGS, (ks+1)·KGS)
         of BN gate and BN up rows (KGS/GB steps, unrolled: every load issued up front) and
         writes them unrounded to part (P, KS, 2I) fp32: part[p, ks, n] gate, [.., I + n] up.
-        Each part element is written by exactly one program (no zeroing, deterministic).
-        ORDERED: program (i, nb, ks) serves pair order[i] (`_pair_of`)."""
+        Each part element is written by exactly one program (no zeroing, deterministic)."""
         pdl_enter(PDL)
+        p = tl.program_id(0)
         nb = tl.program_id(1)
         ks = tl.program_id(2)
-        p = _pair_of(order_ptr, ORDERED)
-        t, w_e, s_e = _pair_prologue(ids_ptr, y_ptr, n_zero,
-                                     (tl.program_id(0) * tl.num_programs(1) + nb) * KS + ks, p,
-                                     top_k, w_ptr, s_ptr, I, KB, KG, ZB)
+        t, w_e, s_e = _pair_prologue(ids_ptr, y_ptr, n_zero, (p * tl.num_programs(1) + nb) * KS
+                                     + ks, p, top_k, w_ptr, s_ptr, I, KB, KG, ZB)
         n = nb * BN + tl.arange(0, BN)
         acc_g = tl.zeros((BN,), tl.float32)
         acc_u = tl.zeros((BN,), tl.float32)
@@ -422,15 +407,13 @@ if triton is not None:
                      L: tl.constexpr, I: tl.constexpr, KB: tl.constexpr, KG: tl.constexpr,
                      KS: tl.constexpr, HAS_LIN: tl.constexpr, BN: tl.constexpr,
                      GB: tl.constexpr, UNROLL: tl.constexpr, WORDS: tl.constexpr,
-                     F16X2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                     order_ptr=None, ORDERED: tl.constexpr = False):
+                     F16X2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """KB = I/2 bytes and KG = I/32 groups per row of W2. KS == 1: a_ptr is a (P, I) bf16;
         KS > 1: a_ptr is the gate_up partials (P, KS, 2I) fp32 and this program builds its
         K input from them (`_split_input`). UNROLL: the K loop unrolled (all steps' loads
-        issued together) instead of a runtime loop; same sums in the same order. ORDERED:
-        program (i, nb) serves pair order[i] (`_pair_of`)."""
+        issued together) instead of a runtime loop; same sums in the same order."""
         pdl_enter(PDL)
-        p = _pair_of(order_ptr, ORDERED)
+        p = tl.program_id(0)
         t, w_e, s_e = _down_prologue(ids_ptr, p, top_k, w_ptr, s_ptr, L, KB, KG)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         gi = tl.arange(0, GB)
@@ -541,19 +524,10 @@ def default_decode_config(num_experts: int, intermediate: int, latent: int,
                         gate_up_ks=latent // 32 // gb)
 
 
-# From this many pairs the programs take the pairs sorted by expert (`ordered`): one more small
-# sort per call, and an expert's duplicate reads then run side by side and meet in L2
-# (docs/PERF.md round 26).
-ORDER_MIN_PAIRS = 129
-
-
 def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      experts: MXFP4Experts, config: DecodeConfig | None = None,
-                     out: torch.Tensor | None = None, ordered: bool | None = None
-                     ) -> torch.Tensor:
-    """Σ_k w·expert(z) (T, L) fp32 for few tokens (2 launches, see module docstring; 3 with
-    `ordered`: a device-side stable argsort of the ids first, so the programs walk the pairs
-    grouped by expert; None: ordered from ORDER_MIN_PAIRS pairs). The sums are the same.
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_k w·expert(z) (T, L) fp32 for few tokens (2 launches, see module docstring).
 
     z may also be fp32 (the specialized step's fused GEMV output): it is rounded to bf16 on
     load, so the result equals the call with z.to(bf16)."""
@@ -573,8 +547,6 @@ def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     beta, lin_beta = float(experts.beta), float(lin if lin is not None else 1.0)
     pdl = pdl_launch(out)
     dec = dict(WORDS=cfg.words, F16X2=cfg.f16x2, ASM=z.is_cuda)
-    if ordered if ordered is not None else P >= ORDER_MIN_PAIRS:
-        dec.update(order_ptr=torch.argsort(ids, stable=True), ORDERED=True)
     if ks == 1:     # a (P, I) bf16
         a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
         _gate_up_kernel[grid[:2]](
@@ -599,5 +571,5 @@ def use_decode_kernel(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Exp
     return topk_ids.numel() <= MAX_PAIRS and available(z, experts.w13)
 
 
-__all__ = ["DecodeConfig", "MAX_PAIRS", "ORDER_MIN_PAIRS", "TUNED", "default_decode_config",
-           "moe_mxfp4_decode", "unique_valid", "use_decode_kernel"]
+__all__ = ["DecodeConfig", "MAX_PAIRS", "TUNED", "default_decode_config", "moe_mxfp4_decode",
+           "unique_valid", "use_decode_kernel"]

@@ -356,9 +356,6 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-pre-tile", type=int, choices=(0, 1), default=1,
                     help="MLA split kernel's first KV tile before its PDL wait (1, "
                          "mla_decode_triton.PRE_TILE) or after it (0: A/B runs)")
-    ap.add_argument("--moe-order-min", type=int, default=None,
-                    help="pairs from which the few-token MoE sorts its pairs by expert "
-                         "(kernels.moe_mxfp4_decode.ORDER_MIN_PAIRS; default: its value)")
     ap.add_argument("--moe-max-pairs", type=int, default=None,
                     help="T·k up to which the specialized MoE runs the few-token kernels "
                          "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
@@ -377,8 +374,6 @@ def main(argv=None) -> int:
         if args.moe_max_pairs < 1:
             raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
         _moe_few.MAX_PAIRS = args.moe_max_pairs
-    if args.moe_order_min is not None:
-        _moe_few.ORDER_MIN_PAIRS = args.moe_order_min
     from .layer import set_gemv_mappings
     try:
         set_gemv_mappings(args.gemv_config)
@@ -446,7 +441,6 @@ def main(argv=None) -> int:
               "kda_splits": args.kda_splits, "router_gather": args.router_gather,
               "attnres_bank": args.attnres_bank, "mla_pre_tile": args.mla_pre_tile,
               "moe_max_pairs": _moe_few.MAX_PAIRS,
-              "moe_order_min_pairs": _moe_few.ORDER_MIN_PAIRS,
               "moe_fused": moe.FUSED_SPECIALIZED,
               "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,

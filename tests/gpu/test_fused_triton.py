@@ -256,34 +256,6 @@ def test_moe_decode_matches_reference(E, L, I, k, T, lin):
     assert _rel(out, ref) <= MOE_TOL, f"seed {seed}: {_rel(out, ref)}"
 
 
-@pytest.mark.parametrize("E,L,I,k", MOE_SHAPES)
-@pytest.mark.parametrize("ks", [1, 0])
-@pytest.mark.parametrize("skew", [False, True])
-def test_moe_decode_ordered_pairs_equal_unordered(E, L, I, k, ks, skew):
-    """`ordered` (programs walk the pairs sorted by expert) gives the unordered call's result
-    within fp32 atomic-order noise and the reference's within MOE_TOL: with random routing and
-    with every token on the same k experts (the duplicates it exists for). ks 0: the default
-    config (split-K at the K3 shapes), 1: the one-pass gate_up."""
-    T = 8 if ON_GPU else 3
-    seed = _seed()
-    ex, z, w, ids, _ = _moe_case(E, L, I, k, T, seed)
-    if skew:
-        ids = ids[:1].expand(T, k).contiguous()
-    cfg = D.default_decode_config(E, I, L)
-    if ks == 1:
-        cfg = dataclasses.replace(cfg, gate_up_ks=1)
-    ref = M.moe_mxfp4_reference(z, w, ids, ex)
-    outs = []
-    for ordered in (False, True):
-        out = _nan(T, L, dtype=torch.float32)
-        _poison()
-        D.moe_mxfp4_decode(z, w, ids, ex, cfg, out=out, ordered=ordered)
-        assert not out.isnan().any(), f"seed {seed}"
-        assert _rel(out, ref) <= MOE_TOL, f"seed {seed} ordered={ordered}: {_rel(out, ref)}"
-        outs.append(out)
-    assert _rel(outs[1], outs[0]) <= 1e-5, f"seed {seed}"
-
-
 @pytest.mark.parametrize("E,L,I,k,T", MOE_SPLIT)
 def test_moe_decode_split_k(E, L, I, k, T):
     """Every gate_up split factor (and ks = 1) against the reference, `out` NaN-poisoned (the
