@@ -124,7 +124,7 @@ def test_attnres_add_mix_norm_matches_add_then_mix(dtype, T, n, H):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attnres_bank_stream_matches_the_list_stream(dtype):
+def test_attnres_bank_stream_matches_the_list_stream(dtype, walk_k3_layers):
     """A stream with a bank holds each snapshot in slot j of one tensor (so the fused op reads
     the blocks as one strided view), gives the list stream's values, and copies a prefix in
     only when no mix wrote it there (`snapshot`)."""
@@ -133,19 +133,11 @@ def test_attnres_bank_stream_matches_the_list_stream(dtype):
     norms = [_norms(H, g, dtype) for _ in range(2 * layers)]
     outs = [torch.randn(T, H, generator=g).to(dtype) for _ in range(2 * layers)]
     emb = torch.randn(T, H, generator=g).to(dtype)
-    want_h, got_h = [], []
     cap = -(-layers // size)
-    for stream, hs in ((AttnResStream(emb), want_h), (AttnResStream(emb, capacity=cap), got_h)):
-        for i in range(layers):
-            starts = i % size == 0
-            res, out, proj = norms[2 * i]
-            hs.append(stream.mix_norm(res, proj, out, snapshot=starts))
-            stream.defer(outs[2 * i], new_block=starts)
-            res, out, proj = norms[2 * i + 1]
-            hs.append(stream.mix_norm(res, proj, out))
-            stream.defer(outs[2 * i + 1], new_block=False)
-        if stream.bank is not None:
-            bank = stream.bank
+    want_h = walk_k3_layers(AttnResStream(emb), norms, outs, layers, size)
+    stream = AttnResStream(emb, capacity=cap)
+    got_h = walk_k3_layers(stream, norms, outs, layers, size)
+    bank = stream.bank
     for a, b in zip(got_h, want_h):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert len(stream.blocks) == cap

@@ -63,7 +63,7 @@ def test_specialized_step_equals_stock_on_cuda(dtype, experts, tol, seed, monkey
 
 
 @pytest.mark.parametrize("T", [1, 4])
-def test_attnres_bank_serves_every_mix_on_the_cute_kernel(T, monkeypatch):
+def test_attnres_bank_serves_every_mix_on_the_cute_kernel(T, monkeypatch, walk_k3_layers):
     """K3's width (H = 7168), 26 layers of AttnRes bookkeeping (3 snapshots): with the bank,
     every fused mix runs on the CuTe kernel (none declines the layout), and h and the prefix
     match the list stream's (stack + Triton past 1 snapshot) within bf16 tolerance."""
@@ -94,16 +94,9 @@ def test_attnres_bank_serves_every_mix_on_the_cute_kernel(T, monkeypatch):
     monkeypatch.setattr(cu, "mix_norm_cute", spy)
     results = {}
     for cap in (0, -(-layers // size)):
-        stream, hs = AttnResStream(emb, capacity=cap), []
+        stream = AttnResStream(emb, capacity=cap)
         served.clear()
-        for i in range(layers):
-            starts = i % size == 0
-            res, out, proj = norms[2 * i]
-            hs.append(stream.mix_norm(res, proj, out, snapshot=starts))
-            stream.defer(outs[2 * i], new_block=starts)
-            res, out, proj = norms[2 * i + 1]
-            hs.append(stream.mix_norm(res, proj, out))
-            stream.defer(outs[2 * i + 1], new_block=False)
+        hs = walk_k3_layers(stream, norms, outs, layers, size)
         results[cap] = (torch.stack(hs).float(), stream.pending.float() + stream.prefix.float(),
                         list(served))
     (h_list, p_list, s_list), (h_bank, p_bank, s_bank) = results[0], results[3]
