@@ -172,8 +172,13 @@ class Bench:
         for s in slots:
             if self.blocks.ensure(s, self.pos[s] + 1):
                 changed[s] = list(self.blocks.tables[s])
-        toks = torch.randint(0, self.model.cfg.vocab_size, (len(slots),),
-                             generator=self.gen).tolist()
+        # SoloRankComm's all-reduce is the identity, so a token outside this rank's vocab rows
+        # would embed as zeros (the rank owning it never adds its row) and every hidden state
+        # of the step would be token-independent (routing included: docs/PERF.md round 27).
+        # Draw from this rank's rows, whose embedding is the real one.
+        n = self.model.model.embed_tokens.weight.shape[0]
+        lo = self.model.par.tp_rank * n if self.model.par.tp_size > 1 else 0
+        toks = torch.randint(lo, lo + n, (len(slots),), generator=self.gen).tolist()
         batch = StepBatch([SeqSlice(s, i, 1, self.pos[s]) for i, s in enumerate(slots)])
         return StepPlan(self.step_id, batch, toks, list(range(len(slots))), changed,
                         list(self._reset), path)

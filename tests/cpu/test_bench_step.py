@@ -77,6 +77,25 @@ def test_solo_rank_comm_keeps_gather_shapes():
     assert dict(c.counts) == {"all_reduce": 1, "all_gather": 1, "dcp_all_gather": 1}
 
 
+@pytest.mark.parametrize("tp", [1, 4])
+def test_bench_tokens_embed_on_the_solo_rank(tp):
+    """SoloRankComm's all-reduce is the identity: the bench draws its tokens from rank 0's
+    vocab rows, so each token's embedding is its real row, not zeros (with zeros every hidden
+    state was token-independent and every token routed to the same experts)."""
+    cfg = load_config("tiny")
+    par = Parallel(0, tp)
+    model = step.init_on_device_(K3ForCausalLM(cfg, par, step.SoloRankComm(par),
+                                               torch.float32), 0)
+    bench = step.Bench(model, "cpu", 16, 8, ("specialized",))
+    slots = bench.start(16)
+    toks = bench.plan(slots, "specialized").tokens
+    assert max(toks) < cfg.vocab_size // tp and len(set(toks)) > 1
+    emb = model.model.embed_tokens(torch.tensor(toks))
+    assert bool((emb.abs().sum(-1) > 0).all())
+    # rows of distinct tokens differ: the hidden states are token-dependent from the start
+    assert float((emb - emb[:1]).abs().sum(-1).max()) > 0
+
+
 def test_init_on_device_scales():
     cfg = load_config("tiny")
     par = Parallel(1, 2)
