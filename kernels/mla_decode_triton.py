@@ -21,6 +21,8 @@ strided views as they come (last dim contiguous) and never synchronise with the 
                   (W_uk and the q_a norm weight folded into q_b, one GEMV), scaled by
                   rsqrt(mean(x²) + eps) and rounded here; the split whose rows hold
                   positions[t] stores the cache row (as _prep_kernel) before its tiles
+                  (PRE_TILE: each split's first tile is loaded before the PDL wait, and the
+                  new row, when it falls there, comes from registers)
   _output_token_kernel  grid (T, h, ⌈v/16⌉), T ≤ OUTPUT_TOKEN_MAX_T: the PROJECT merge below for
                   one token per program (all S partials in one tile load, M = 1 product)
   _merge_kernel   grid (⌈T/16⌉, h, ⌈v/BV⌉): over the S partials of (t, h)

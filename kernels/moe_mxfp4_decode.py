@@ -68,11 +68,11 @@ from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tanh_f32
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
 
 # T·k up to which the specialized step uses the few-token kernels (the stock grouped kernel past
-# it). 256 = batch 16 at k = 16 (docs/PERF.md round 25): there the per-pair kernels beat the
-# grouped one both with routing spread over ≈ 120–230 experts (layer bench: 1.57× at batch 8,
-# 1.48× at 16) and with every token on the same 16 experts (the step bench's random model: step
-# 1.50× at 8, 1.16× at 16). A pair reads its expert by itself, so at batch 64 with 89 distinct
-# experts (11.5 reads each) it lost 1.47× in the step, while uniform routing still won 1.05×.
+# it). 256 = batch 16 at k = 16 (docs/PERF.md rounds 25–27): there the per-pair kernels beat the
+# grouped one with routing spread over ≈ 120–230 experts (layer bench: 1.57× at batch 8, 1.48×
+# at 16) and with every token on the same 16 experts (step 1.50× at 8, 1.16× at 16). A pair
+# decodes its expert by itself, at a cost that does not fall when experts repeat, so at batch 64
+# the whole step ran 0.74× of the grouped kernel's speed (layer bench, uniform routing: 1.05×).
 MAX_PAIRS = 256
 
 

@@ -418,12 +418,10 @@ def main(argv=None) -> int:
         moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
     from raydecode.kernels import kda_decode
     kda_decode.SPLITS = args.kda_splits
-    from raydecode.kernels import moe_mxfp4_decode as _moe_few
     if args.moe_max_pairs is not None:
         if args.moe_max_pairs < 1:
             raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
-        _moe_few.MAX_PAIRS = args.moe_max_pairs
-    from raydecode.kernels import moe_mxfp4_decode
+        moe_mxfp4_decode.MAX_PAIRS = args.moe_max_pairs
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,
              moe_mxfp4_decode_mma.TUNED),

@@ -24,9 +24,9 @@ compared with the eager specialized ones (max-abs relative, reported).
 Bytes: weights one step must read at batch T (every bf16 / fp32 parameter; of each MoE layer's
 routed experts the expected distinct ones under uniform routing, E·(1 − (1 − k/E)^T)) plus the
 MLA latent cache read, against the HBM read bandwidth measured in the same run. The random
-model does not route uniformly: its tokens pick nearly the same experts (`--routing-probe`
-measures it; K3 TP16 seed 0: 16 distinct at batch 8, ≈ 89 at 64, docs/PERF.md round 25), so at
-T > 1 the expert bytes, and the HBM fraction, overstate what a step reads. Off CUDA
+model routes less evenly than that (`--routing-probe` measures it; K3 TP16, 4 layers, batch 8
+on the CPU: 88–106 distinct experts against 120; docs/PERF.md rounds 25 and 27), so at T > 1
+the expert bytes, and the HBM fraction, are upper bounds on what a step reads. Off CUDA
 (`--device cpu`, the tiny config; tests/cpu/test_bench_step.py) it runs eagerly, no graphs.
 """
 from __future__ import annotations
@@ -374,11 +374,11 @@ def main(argv=None) -> int:
     attnres.BANK = bool(args.attnres_bank)
     from raydecode.kernels import mla_decode_triton
     mla_decode_triton.PRE_TILE = bool(args.mla_pre_tile)
-    from raydecode.kernels import moe_mxfp4_decode as _moe_few
+    from raydecode.kernels import moe_mxfp4_decode
     if args.moe_max_pairs is not None:
         if args.moe_max_pairs < 1:
             raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
-        _moe_few.MAX_PAIRS = args.moe_max_pairs
+        moe_mxfp4_decode.MAX_PAIRS = args.moe_max_pairs
     from .layer import set_gemv_mappings
     try:
         set_gemv_mappings(args.gemv_config)
@@ -445,7 +445,7 @@ def main(argv=None) -> int:
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
               "kda_splits": args.kda_splits, "router_gather": args.router_gather,
               "attnres_bank": args.attnres_bank, "mla_pre_tile": args.mla_pre_tile,
-              "moe_max_pairs": _moe_few.MAX_PAIRS,
+              "moe_max_pairs": moe_mxfp4_decode.MAX_PAIRS,
               "moe_fused": moe.FUSED_SPECIALIZED,
               "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,
