@@ -227,6 +227,7 @@ def run(args) -> dict:
               "moe_resident_predecode": args.moe_resident_predecode,
               "kda_splits": args.kda_splits,
               "moe_max_pairs": moe_mxfp4_decode.MAX_PAIRS,
+              "moe_runs_max_pairs": moe_mxfp4_decode.RUNS_MAX_PAIRS,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
               "l2_prefetch_start_mib": L2PF_START_MIB, "l2_prefetch_kind": l2_prefetch.KIND,
@@ -402,6 +403,9 @@ def main(argv=None) -> int:
                     help="M=1 GEMV mapping override, repeatable: N,K={json of GemvConfig mapping "
                          "fields: lanes_per_row, k_warps, rows_per_group, row_warps[, batch]} "
                          "(kernels.gemv.TUNED; A/B runs of scripts/bench/gemv_tune.py)")
+    ap.add_argument("--moe-runs-max-pairs", type=int, default=None,
+                    help="T·k up to which the chunked tensor-core MoE serves past --moe-max-pairs "
+                         "(kernels.moe_mxfp4_decode.RUNS_MAX_PAIRS; default: its value, 0 = off)")
     ap.add_argument("--moe-max-pairs", type=int, default=None,
                     help="T·k up to which the specialized MoE runs the few-token kernels "
                          "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
@@ -422,6 +426,10 @@ def main(argv=None) -> int:
         if args.moe_max_pairs < 1:
             raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
         moe_mxfp4_decode.MAX_PAIRS = args.moe_max_pairs
+    if args.moe_runs_max_pairs is not None:
+        if args.moe_runs_max_pairs < 0:
+            raise SystemExit(f"--moe-runs-max-pairs {args.moe_runs_max_pairs}: expected ≥ 0")
+        moe_mxfp4_decode.RUNS_MAX_PAIRS = args.moe_runs_max_pairs
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,
              moe_mxfp4_decode_mma.TUNED),

@@ -361,6 +361,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-pre-tile", type=int, choices=(0, 1), default=1,
                     help="MLA split kernel's first KV tile before its PDL wait (1, "
                          "mla_decode_triton.PRE_TILE) or after it (0: A/B runs)")
+    ap.add_argument("--moe-runs-max-pairs", type=int, default=None,
+                    help="T·k up to which the chunked tensor-core MoE serves past --moe-max-pairs "
+                         "(kernels.moe_mxfp4_decode.RUNS_MAX_PAIRS; default: its value, 0 = off)")
     ap.add_argument("--moe-max-pairs", type=int, default=None,
                     help="T·k up to which the specialized MoE runs the few-token kernels "
                          "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
@@ -379,6 +382,10 @@ def main(argv=None) -> int:
         if args.moe_max_pairs < 1:
             raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
         moe_mxfp4_decode.MAX_PAIRS = args.moe_max_pairs
+    if args.moe_runs_max_pairs is not None:
+        if args.moe_runs_max_pairs < 0:
+            raise SystemExit(f"--moe-runs-max-pairs {args.moe_runs_max_pairs}: expected ≥ 0")
+        moe_mxfp4_decode.RUNS_MAX_PAIRS = args.moe_runs_max_pairs
     from .layer import set_gemv_mappings
     try:
         set_gemv_mappings(args.gemv_config)
@@ -446,6 +453,7 @@ def main(argv=None) -> int:
               "kda_splits": args.kda_splits, "router_gather": args.router_gather,
               "attnres_bank": args.attnres_bank, "mla_pre_tile": args.mla_pre_tile,
               "moe_max_pairs": moe_mxfp4_decode.MAX_PAIRS,
+              "moe_runs_max_pairs": moe_mxfp4_decode.RUNS_MAX_PAIRS,
               "moe_fused": moe.FUSED_SPECIALIZED,
               "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,

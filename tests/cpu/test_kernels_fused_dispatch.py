@@ -125,3 +125,31 @@ def test_moe_decode_split_k_validates():
     for ks in (2, 14, 0, -7):
         with pytest.raises(ValueError, match=f"gate_up KS {ks}: .* L/32/GB = 7"):
             D.DecodeConfig(gate_up_gb=16, gate_up_ks=ks).validate(192, 3584)
+
+
+@pytest.mark.parametrize("case", ["random", "one_expert", "distinct"])
+def test_expert_chunks_partition_the_pairs_by_expert(case):
+    """`expert_chunks` (device ops only): every pair in exactly one chunk, a chunk holds one
+    expert and ≤ rows pairs, chunks in expert order, a run split only at multiples of rows,
+    and the slots past the last chunk empty."""
+    from raydecode.kernels.moe_mxfp4_decode_mma import expert_chunks
+    g = torch.Generator().manual_seed(7)
+    P, rows = 77, 16
+    ids = {"random": torch.randint(0, 9, (P,), generator=g),
+           "one_expert": torch.full((P,), 4),
+           "distinct": torch.randperm(P, generator=g)}[case]
+    order, starts = expert_chunks(ids, rows)
+    assert starts.dtype == torch.int32 and starts.shape == (P + 1,) and int(starts[0]) == 0
+    st = starts.tolist()
+    assert st == sorted(st) and st[-1] == P
+    assert sorted(order.tolist()) == list(range(P))
+    bounds = [(a, b) for a, b in zip(st[:-1], st[1:]) if b > a]
+    assert bounds[0][0] == 0 and bounds[-1][1] == P
+    assert all(b1 == a2 for (_, b1), (a2, _) in zip(bounds, bounds[1:]))   # contiguous
+    experts = [ids[order[a:b]] for a, b in bounds]
+    assert all(1 <= len(e) <= rows and bool((e == e[0]).all()) for e in experts)
+    firsts = [int(e[0]) for e in experts]
+    assert firsts == sorted(firsts)
+    counts = torch.bincount(ids)
+    want = sum(-(-int(c) // rows) for c in counts if c > 0)      # ⌈run / rows⌉ chunks each
+    assert len(bounds) == want

@@ -211,3 +211,49 @@ def test_moe_decode_dispatch_follows_tuned_and_use_mma(monkeypatch):
         ran.clear()
         _check(MM.moe_decode(z, w, ids, ex), ref, seed, f"TUNED {tuned} USE_MMA {use}")
         assert ran == [want], f"seed {seed}: TUNED {tuned} USE_MMA {use} ran {ran}"
+
+
+@pytest.mark.parametrize("routing", ["random", "shared"])
+def test_runs_form_matches_reference_and_per_pair(routing):
+    """`moe_mxfp4_decode_runs` (each expert's tile decoded once per chunk of ≤ 16 pairs) vs
+    the reference and the per-pair tensor-core kernel. random: 8 tokens over 16 experts
+    (experts repeat); shared: every token on the same k experts, 20 tokens, so each expert's
+    20 pairs split into chunks of 16 and 4. `out` NaN-poisoned: every element zeroed and
+    written."""
+    seed = _seed()
+    E, L, I, k = SMALL
+    T = 8 if routing == "random" else 20
+    ex, z, w, ids, _ = _case(E, L, I, k, T, seed)
+    if routing == "shared":
+        ids = ids[:1].expand(T, k).contiguous()
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    out = _nan_out(T, L)
+    _poison()
+    res = MM.moe_mxfp4_decode_runs(z, w, ids, ex, SMALL_CFGS[0], out=out)
+    assert res is out
+    _check(out, ref, seed, f"runs {routing}")
+    pair = MM.moe_mxfp4_decode_mma(z, w, ids, ex, SMALL_CFGS[0]) if T * k <= D.MAX_PAIRS \
+        else None
+    if pair is not None:
+        assert _rel(out, pair) <= 1e-5, f"seed {seed}: vs per pair {_rel(out, pair):.3g}"
+    with pytest.raises(ValueError, match="weights_m is not supported"):
+        MM.moe_mxfp4_decode_runs(z, w, ids, ex, SMALL_CFGS[1])
+
+
+def test_moe_decode_takes_the_runs_form_past_max_pairs(monkeypatch):
+    """Past MAX_PAIRS, `use_decode_kernel` admits a call only up to RUNS_MAX_PAIRS, and
+    `moe_decode` then runs the chunked form (recorded; the real kernels run)."""
+    seed = _seed()
+    E, L, I, k = SMALL
+    ex, z, w, ids, _ = _case(E, L, I, k, 8, seed)                  # 32 pairs
+    monkeypatch.setattr(D, "MAX_PAIRS", 16)
+    monkeypatch.setattr(D, "RUNS_MAX_PAIRS", 0)
+    assert not D.use_decode_kernel(z, ids, ex)
+    monkeypatch.setattr(D, "RUNS_MAX_PAIRS", 32)
+    assert D.use_decode_kernel(z, ids, ex)
+    ran = []
+    runs = MM.moe_mxfp4_decode_runs
+    monkeypatch.setattr(MM, "moe_mxfp4_decode_runs",
+                        lambda *a, **kw: ran.append("runs") or runs(*a, **kw))
+    _check(MM.moe_decode(z, w, ids, ex), M.moe_mxfp4_reference(z, w, ids, ex), seed, "runs")
+    assert ran == ["runs"]
