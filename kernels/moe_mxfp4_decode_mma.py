@@ -320,6 +320,23 @@ def candidates(num_experts: int, intermediate: int, latent: int) -> list[MmaConf
     return unique_valid(out, I, L)
 
 
+def _buffers(z: torch.Tensor, topk_ids: torch.Tensor, I: int, cfg: MmaConfig,
+             out: torch.Tensor | None):
+    """What both tensor-core forms launch with: flat ids, out (T, L) fp32 (allocated when
+    None), the split-K partials (P, KS, 2I) fp32, the gate_up grid (P slots, I/BN, KS) and
+    each gate_up program's slice of out to zero (ZB)."""
+    T, L = z.shape
+    P, ks = topk_ids.numel(), cfg.gate_up_ks
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    if out is None:
+        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
+    part = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
+    grid = (P, I // cfg.gate_up_bn, ks)
+    zb = triton.next_power_of_2(-(-(T * L) // (grid[0] * grid[1] * ks)))
+    return ids, out, part, grid, zb
+
+
 def moe_mxfp4_decode_mma(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          experts: MXFP4Experts, config: MmaConfig | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
@@ -337,13 +354,7 @@ def moe_mxfp4_decode_mma(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
                          "under TRITON_INTERPRET=1)")
     cfg = (config or default_mma_config(experts.num_experts, I, L)).validate(I, L)
     ks = cfg.gate_up_ks
-    ids = topk_ids.reshape(-1)
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    if out is None:
-        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
-    part = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
-    grid = (P, I // cfg.gate_up_bn, ks)
-    zb = triton.next_power_of_2(-(-(T * L) // (grid[0] * grid[1] * ks)))
+    ids, out, part, grid, zb = _buffers(z, topk_ids, I, cfg, out)
     pdl = pdl_launch(z)
     _gate_up_mma_kernel[grid](
         z.contiguous(), ids, experts.w13, experts.s13, part, out, T * L, k, L=L, I=I,
@@ -396,14 +407,8 @@ def moe_mxfp4_decode_runs(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if cfg.weights_m:
         raise ValueError(f"MmaConfig {cfg}: weights_m is not supported by the chunked form")
     ks = cfg.gate_up_ks
-    ids = topk_ids.reshape(-1)
-    ids = ids if ids.is_contiguous() else ids.contiguous()
+    ids, out, part, grid, zb = _buffers(z, topk_ids, I, cfg, out)
     order, starts = expert_chunks(ids)
-    if out is None:
-        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
-    part = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
-    grid = (P, I // cfg.gate_up_bn, ks)
-    zb = triton.next_power_of_2(-(-(T * L) // (grid[0] * grid[1] * ks)))
     pdl = pdl_launch(z)
     _gate_up_runs_kernel[grid](
         z.contiguous(), ids, order, starts, experts.w13, experts.s13, part, out, T * L, k, L=L,

@@ -342,6 +342,29 @@ def set_gemv_mapping(spec: str) -> None:
     gemv._config_for.cache_clear()
 
 
+def add_moe_limit_args(ap: argparse.ArgumentParser) -> None:
+    """The flags `set_moe_limits` applies (layer.py and step.py)."""
+    ap.add_argument("--moe-runs-max-pairs", type=int, default=None,
+                    help="T·k up to which the chunked tensor-core MoE serves past --moe-max-pairs "
+                         "(kernels.moe_mxfp4_decode.RUNS_MAX_PAIRS; default: its value, 0 = off)")
+    ap.add_argument("--moe-max-pairs", type=int, default=None,
+                    help="T·k up to which the specialized MoE runs the few-token kernels "
+                         "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
+
+
+def set_moe_limits(max_pairs: int | None, runs_max_pairs: int | None) -> None:
+    """--moe-max-pairs / --moe-runs-max-pairs: the pair counts up to which the specialized MoE
+    runs the per-pair and the chunked few-token kernels (None: keep the module's value)."""
+    if max_pairs is not None:
+        if max_pairs < 1:
+            raise SystemExit(f"--moe-max-pairs {max_pairs}: expected ≥ 1")
+        moe_mxfp4_decode.MAX_PAIRS = max_pairs
+    if runs_max_pairs is not None:
+        if runs_max_pairs < 0:
+            raise SystemExit(f"--moe-runs-max-pairs {runs_max_pairs}: expected ≥ 0")
+        moe_mxfp4_decode.RUNS_MAX_PAIRS = runs_max_pairs
+
+
 def set_gemv_mappings(specs: list[str]) -> None:
     """`set_gemv_mapping` for each --gemv-config value (layer.py, step.py); a bad one raises
     ValueError naming it and the expected form."""
@@ -403,12 +426,7 @@ def main(argv=None) -> int:
                     help="M=1 GEMV mapping override, repeatable: N,K={json of GemvConfig mapping "
                          "fields: lanes_per_row, k_warps, rows_per_group, row_warps[, batch]} "
                          "(kernels.gemv.TUNED; A/B runs of scripts/bench/gemv_tune.py)")
-    ap.add_argument("--moe-runs-max-pairs", type=int, default=None,
-                    help="T·k up to which the chunked tensor-core MoE serves past --moe-max-pairs "
-                         "(kernels.moe_mxfp4_decode.RUNS_MAX_PAIRS; default: its value, 0 = off)")
-    ap.add_argument("--moe-max-pairs", type=int, default=None,
-                    help="T·k up to which the specialized MoE runs the few-token kernels "
-                         "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
+    add_moe_limit_args(ap)
     ap.add_argument("--attnres", choices=("cute", "triton"), default="cute",
                     help="AttnRes mix + norm kernel of the specialized step (cute: the CuTe DSL "
                          "kernel where it supports the layout, else Triton)")
@@ -422,14 +440,7 @@ def main(argv=None) -> int:
         moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
     from raydecode.kernels import kda_decode
     kda_decode.SPLITS = args.kda_splits
-    if args.moe_max_pairs is not None:
-        if args.moe_max_pairs < 1:
-            raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
-        moe_mxfp4_decode.MAX_PAIRS = args.moe_max_pairs
-    if args.moe_runs_max_pairs is not None:
-        if args.moe_runs_max_pairs < 0:
-            raise SystemExit(f"--moe-runs-max-pairs {args.moe_runs_max_pairs}: expected ≥ 0")
-        moe_mxfp4_decode.RUNS_MAX_PAIRS = args.moe_runs_max_pairs
+    set_moe_limits(args.moe_max_pairs, args.moe_runs_max_pairs)
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,
              moe_mxfp4_decode_mma.TUNED),

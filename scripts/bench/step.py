@@ -361,12 +361,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-pre-tile", type=int, choices=(0, 1), default=1,
                     help="MLA split kernel's first KV tile before its PDL wait (1, "
                          "mla_decode_triton.PRE_TILE) or after it (0: A/B runs)")
-    ap.add_argument("--moe-runs-max-pairs", type=int, default=None,
-                    help="T·k up to which the chunked tensor-core MoE serves past --moe-max-pairs "
-                         "(kernels.moe_mxfp4_decode.RUNS_MAX_PAIRS; default: its value, 0 = off)")
-    ap.add_argument("--moe-max-pairs", type=int, default=None,
-                    help="T·k up to which the specialized MoE runs the few-token kernels "
-                         "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
+    from .layer import add_moe_limit_args
+    add_moe_limit_args(ap)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
     args = ap.parse_args(argv)
@@ -378,15 +374,8 @@ def main(argv=None) -> int:
     from raydecode.kernels import mla_decode_triton
     mla_decode_triton.PRE_TILE = bool(args.mla_pre_tile)
     from raydecode.kernels import moe_mxfp4_decode
-    if args.moe_max_pairs is not None:
-        if args.moe_max_pairs < 1:
-            raise SystemExit(f"--moe-max-pairs {args.moe_max_pairs}: expected ≥ 1")
-        moe_mxfp4_decode.MAX_PAIRS = args.moe_max_pairs
-    if args.moe_runs_max_pairs is not None:
-        if args.moe_runs_max_pairs < 0:
-            raise SystemExit(f"--moe-runs-max-pairs {args.moe_runs_max_pairs}: expected ≥ 0")
-        moe_mxfp4_decode.RUNS_MAX_PAIRS = args.moe_runs_max_pairs
-    from .layer import set_gemv_mappings
+    from .layer import set_gemv_mappings, set_moe_limits
+    set_moe_limits(args.moe_max_pairs, args.moe_runs_max_pairs)
     try:
         set_gemv_mappings(args.gemv_config)
     except ValueError as e:
