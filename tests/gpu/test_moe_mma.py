@@ -257,3 +257,17 @@ def test_moe_decode_takes_the_runs_form_past_max_pairs(monkeypatch):
                         lambda *a, **kw: ran.append("runs") or runs(*a, **kw))
     _check(MM.moe_decode(z, w, ids, ex), M.moe_mxfp4_reference(z, w, ids, ex), seed, "runs")
     assert ran == ["runs"]
+
+
+@gpu_only
+@pytest.mark.parametrize("E,L,I,k", K3)
+@pytest.mark.parametrize("T", [32, 64])
+def test_runs_form_k3_shapes(E, L, I, k, T):
+    """The chunked form at the K3 shapes and the batches it is meant for (512 / 1024 pairs),
+    with the default config, against the reference; `out` NaN-poisoned."""
+    seed = _seed()
+    ex, z, w, ids, _ = _case(E, L, I, k, T, seed)
+    out = _nan_out(T, L)
+    _poison()
+    MM.moe_mxfp4_decode_runs(z, w, ids, ex, out=out)
+    _check(out, M.moe_mxfp4_reference(z, w, ids, ex), seed, f"runs T={T}")
