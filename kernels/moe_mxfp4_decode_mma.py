@@ -159,15 +159,17 @@ if triton is not None:
 
 
     @triton.jit
-    def _chunk_rows(order_ptr, starts_ptr, c, top_k):
+    def _chunk_rows(ids_ptr, order_ptr, starts_ptr, c, top_k):
         """Chunk c of `expert_chunks`: its pairs in the dot's _BM rows -> (pairs, tokens,
-        valid rows, count); count 0 for the chunk slots past the last chunk."""
+        valid rows, count, expert); count 0 (expert 0, unused) for the chunk slots past the
+        last chunk."""
         m = tl.arange(0, _BM)
         s0 = tl.load(starts_ptr + c)
         cnt = tl.load(starts_ptr + c + 1) - s0
         ok = m < cnt
         p = tl.load(order_ptr + s0 + m, mask=ok, other=0).to(tl.int32)
-        return p, p // top_k, ok, cnt
+        e = tl.load(ids_ptr + tl.load(order_ptr + s0, mask=cnt > 0, other=0)).to(tl.int64)
+        return p, p // top_k, ok, cnt, e
 
     @triton.jit
     def _gate_up_runs_kernel(z_ptr, ids_ptr, order_ptr, starts_ptr, w_ptr, s_ptr, part_ptr,
@@ -185,9 +187,8 @@ if triton is not None:
         ks = tl.program_id(2)
         zo = ((c * tl.num_programs(1) + nb) * KS + ks) * ZB + tl.arange(0, ZB)
         tl.store(y_ptr + zo, tl.zeros((ZB,), tl.float32), mask=zo < n_zero)
-        p, t, ok, cnt = _chunk_rows(order_ptr, starts_ptr, c, top_k)
+        p, t, ok, cnt, e = _chunk_rows(ids_ptr, order_ptr, starts_ptr, c, top_k)
         if cnt > 0:
-            e = tl.load(ids_ptr + tl.load(order_ptr + tl.load(starts_ptr + c))).to(tl.int64)
             w_e = w_ptr + e * (2 * I * KB)
             s_e = s_ptr + e * (2 * I * KG)
             r = tl.arange(0, 2 * BN)
@@ -217,9 +218,8 @@ if triton is not None:
         dot against the BN rows of W2; out[t, n] += w[p] · bf16(y) per pair."""
         pdl_enter(PDL)
         c = tl.program_id(0)
-        p, t, ok, cnt = _chunk_rows(order_ptr, starts_ptr, c, top_k)
+        p, t, ok, cnt, e = _chunk_rows(ids_ptr, order_ptr, starts_ptr, c, top_k)
         if cnt > 0:
-            e = tl.load(ids_ptr + tl.load(order_ptr + tl.load(starts_ptr + c))).to(tl.int64)
             w_e = w_ptr + e * (L * KB)
             s_e = s_ptr + e * (L * KG)
             n = tl.program_id(1) * BN + tl.arange(0, BN)

@@ -177,7 +177,7 @@ class Bench:
         # of the step would be token-independent (routing included: docs/PERF.md round 27).
         # Draw from this rank's rows, whose embedding is the real one.
         n = self.model.model.embed_tokens.weight.shape[0]
-        lo = self.model.par.tp_rank * n if self.model.par.tp_size > 1 else 0
+        lo = self.model.par.tp_rank * n
         toks = torch.randint(lo, lo + n, (len(slots),), generator=self.gen).tolist()
         batch = StepBatch([SeqSlice(s, i, 1, self.pos[s]) for i, s in enumerate(slots)])
         return StepPlan(self.step_id, batch, toks, list(range(len(slots))), changed,
