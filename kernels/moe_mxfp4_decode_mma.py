@@ -297,6 +297,44 @@ def default_mma_config(num_experts: int, intermediate: int, latent: int) -> MmaC
                      down_bk=_pow2_divisor(I, 64))
 
 
+# The chunked down kernel software-pipelines its partial loads: each stage past the first
+# buffers BM rows × KS slices × (gate, up) × BK fp32 in shared memory (115 KB a stage at K3
+# TP16's KS = 14, BK = 64: 3 stages need 235,648 B > the H200's 232,448, the first GPU run's
+# OutOfResources). Configs over this budget are refused before launch.
+RUNS_PIPE_SMEM = 200 * 1024
+
+
+def runs_pipe_bytes(cfg: MmaConfig) -> int:
+    """Shared memory the chunked down kernel's pipelined partial loads take (see above)."""
+    return (cfg.down_stages - 1) * BM * cfg.gate_up_ks * 2 * cfg.down_bk * 4
+
+
+def default_runs_config(num_experts: int, intermediate: int, latent: int) -> MmaConfig:
+    """The per-pair default with an unpipelined down loop (the partials of 16 rows are what
+    the down loop's stages would buffer; the weights' loads are small beside them)."""
+    return dataclasses.replace(default_mma_config(num_experts, intermediate, latent),
+                               down_stages=1)
+
+
+def runs_candidates(num_experts: int, intermediate: int, latent: int) -> list[MmaConfig]:
+    """The GPU sweep's configs for the chunked form (scripts/bench/moe_runs_sweep.py): tile
+    widths, K slices, warps and the down pipelining that fits `RUNS_PIPE_SMEM`."""
+    I, L = intermediate, latent
+    d = default_runs_config(num_experts, I, L)
+    rep = lambda **kw: dataclasses.replace(d, **kw)     # noqa: E731
+    out = [d,
+           rep(down_stages=2),
+           rep(gate_up_bk=128, gate_up_ks=L // 128),
+           rep(gate_up_bk=128, gate_up_ks=L // 256, gate_up_stages=2),
+           rep(gate_up_bn=32),
+           rep(gate_up_bn=32, gate_up_bk=128, gate_up_ks=L // 512, gate_up_stages=3),
+           rep(gate_up_bn=64, gate_up_warps=8),
+           rep(gate_up_warps=8, down_warps=8),
+           rep(down_bn=128, down_warps=8),
+           rep(down_bn=32, down_warps=2)]
+    return [c for c in unique_valid(out, I, L) if runs_pipe_bytes(c) <= RUNS_PIPE_SMEM]
+
+
 def candidates(num_experts: int, intermediate: int, latent: int) -> list[MmaConfig]:
     """~12 configs for the GPU sweep around the default: K slice size (1, 2 or 4 steps per
     program), tile width, warps, pipelining, and the swapped (weights-on-M) orientation."""
@@ -400,12 +438,16 @@ def moe_mxfp4_decode_runs(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     T, L = z.shape
     k = topk_ids.shape[1]
     P, I = T * k, experts.intermediate
+    cfg = (config or default_runs_config(experts.num_experts, I, L)).validate(I, L)
+    if cfg.weights_m:
+        raise ValueError(f"MmaConfig {cfg}: weights_m is not supported by the chunked form")
+    if runs_pipe_bytes(cfg) > RUNS_PIPE_SMEM:
+        raise ValueError(f"MmaConfig {cfg}: down_stages {cfg.down_stages} pipelines "
+                         f"{runs_pipe_bytes(cfg)} B of partials in the chunked form; at most "
+                         f"{RUNS_PIPE_SMEM} B (fewer down_stages, or a smaller gate_up_ks)")
     if not available(z, experts.w13):
         raise ValueError("moe_mxfp4_decode_runs needs Triton and CUDA tensors (or CPU tensors "
                          "under TRITON_INTERPRET=1)")
-    cfg = (config or default_mma_config(experts.num_experts, I, L)).validate(I, L)
-    if cfg.weights_m:
-        raise ValueError(f"MmaConfig {cfg}: weights_m is not supported by the chunked form")
     ks = cfg.gate_up_ks
     ids, out, part, grid, zb = _buffers(z, topk_ids, I, cfg, out)
     order, starts = expert_chunks(ids)
@@ -428,6 +470,9 @@ def moe_mxfp4_decode_runs(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
 # kernel (TUNED entry, else the default config) for A/B timing; None = TUNED decides.
 TUNED: dict[tuple[int, int, int], MmaConfig] = {}
 USE_MMA: bool | None = None
+# (E, I, L) → the chunked form's measured config (scripts/bench/moe_runs_sweep.py); else
+# `default_runs_config`.
+RUNS_TUNED: dict[tuple[int, int, int], MmaConfig] = {}
 # (E, I, L, T) calls served by the resident CuTe kernel (kernels/moe_resident_cute.py) where it
 # fits; `USE_RESIDENT` True / False forces it on / off for A/B timing, None = this set decides.
 # K3 TP16 batch 1 (PERF round 19, H200, same-lease layer A/B, medians over 3 leases): KDA
@@ -470,15 +515,16 @@ def moe_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
                 out = torch.empty(z.shape[0], experts.latent, dtype=torch.float32,
                                   device=z.device)
             return resident_moe_into(plan, z, topk_weights, topk_ids, experts, out)
-    cfg = TUNED.get(key)
     if topk_ids.numel() > _cuda_core.MAX_PAIRS:       # past the per-pair kernels: chunked
-        return moe_mxfp4_decode_runs(z, topk_weights, topk_ids, experts,
-                                     cfg if cfg is not None and not cfg.weights_m else None, out)
+        return moe_mxfp4_decode_runs(z, topk_weights, topk_ids, experts, RUNS_TUNED.get(key),
+                                     out)
+    cfg = TUNED.get(key)
     if USE_MMA or (USE_MMA is None and cfg is not None):
         return moe_mxfp4_decode_mma(z, topk_weights, topk_ids, experts, cfg, out)
     return _cuda_core.moe_mxfp4_decode(z, topk_weights, topk_ids, experts, out=out)
 
 
-__all__ = ["BM", "MmaConfig", "RESIDENT", "TUNED", "USE_MMA", "USE_RESIDENT", "candidates",
-           "default_mma_config", "expert_chunks", "moe_decode", "moe_mxfp4_decode_mma",
-           "moe_mxfp4_decode_runs"]
+__all__ = ["BM", "MmaConfig", "RESIDENT", "RUNS_PIPE_SMEM", "RUNS_TUNED", "TUNED", "USE_MMA",
+           "USE_RESIDENT", "candidates", "default_mma_config", "default_runs_config",
+           "expert_chunks", "moe_decode", "moe_mxfp4_decode_mma", "moe_mxfp4_decode_runs",
+           "runs_candidates", "runs_pipe_bytes"]

@@ -153,3 +153,29 @@ def test_expert_chunks_partition_the_pairs_by_expert(case):
     counts = torch.bincount(ids)
     want = sum(-(-int(c) // rows) for c in counts if c > 0)      # ⌈run / rows⌉ chunks each
     assert len(bounds) == want
+
+
+def test_runs_configs_fit_the_shared_memory_budget_and_bad_ones_are_named():
+    """The chunked form's down kernel pipelines 16 rows of partials per stage: the K3 default
+    that overflowed the H200 (3 stages: 2 × 114,688 B of partials; round 29's first run) is not
+    what the chunked form runs, every sweep candidate fits, and an over-budget config is
+    refused before any launch, naming its stages and bytes."""
+    import dataclasses as dc
+    from raydecode.kernels import moe_mxfp4_decode_mma as MM
+    for I in (192, 384):
+        per_pair = MM.default_mma_config(896, I, 3584)
+        assert MM.runs_pipe_bytes(per_pair) > MM.RUNS_PIPE_SMEM        # 3 stages at KS 14
+        assert MM.runs_pipe_bytes(MM.default_runs_config(896, I, 3584)) == 0
+        cands = MM.runs_candidates(896, I, 3584)
+        assert cands[0] == MM.default_runs_config(896, I, 3584) and len(cands) >= 8
+        assert all(MM.runs_pipe_bytes(c) <= MM.RUNS_PIPE_SMEM for c in cands)
+        assert any(c.down_stages == 2 for c in cands)
+    assert MM.runs_pipe_bytes(dc.replace(MM.default_runs_config(896, 192, 3584),
+                                         down_stages=2)) == 16 * 14 * 2 * 64 * 4
+    ex = M.MXFP4Experts.random(8, 3584, 192, 4.0, None, seed=0)
+    z = torch.randn(2, 3584).to(BF)
+    w = torch.full((2, 4), 0.25)
+    ids = torch.arange(8).view(2, 4)
+    bad = dc.replace(MM.default_runs_config(8, 192, 3584), down_stages=3)
+    with pytest.raises(ValueError, match="down_stages 3 pipelines 229376 B"):
+        MM.moe_mxfp4_decode_runs(z, w, ids, ex, bad)
