@@ -216,6 +216,9 @@ L2_PREFETCH_MIB = int(os.environ.get("RAYDECODE_GEMV_L2_PREFETCH_MIB", "0"))
 # `linear` takes the CuTe kernel where it measured faster than cuBLAS (run2): every M = 1 shape,
 # M = 2 below this many weight bytes; M > 2 is FMA-bound on CUDA cores (docs/PERF.md).
 LINEAR_M2_MAX_BYTES = 16 * 2**20
+# 2 < M ≤ this goes to the tensor-core skinny GEMM (kernels/gemm_skinny_triton.py) instead of
+# cuBLAS, on CUDA; 0 = off. RAYDECODE_SKINNY_MAX_M overrides it for A/B runs (PERF round 30).
+SKINNY_MAX_M = int(os.environ.get("RAYDECODE_SKINNY_MAX_M", "0"))
 
 
 def _m_tile(M: int) -> int:
@@ -514,7 +517,8 @@ def linear_f32_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x (..., K) · Wᵀ: the CuTe GEMV where it beats cuBLAS (`linear_uses_cute`), else F.linear.
+    """x (..., K) · Wᵀ: the CuTe GEMV where it beats cuBLAS (`linear_uses_cute`), the skinny
+    tensor-core GEMM for 2 < M ≤ SKINNY_MAX_M on CUDA, else F.linear.
 
     out_dtype=torch.float32 returns the fp32 accumulator unrounded (router logits: a GEMV whose
     rows also feed bf16 consumers rounds per consumer, which equals F.linear's single rounding)."""
@@ -524,6 +528,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
         raise ValueError(f"linear: out_dtype={out_dtype}; accepted: None, {x.dtype}, torch.float32")
     if cute_available() and supports(x2, w, max_m=2) and linear_uses_cute(x2.shape[0], w.shape[0], w.shape[1]):
         return gemv(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    if 2 < x2.shape[0] <= SKINNY_MAX_M and x2.is_cuda:
+        from raydecode.kernels import gemm_skinny_triton as skinny
+        if skinny.supports(x2, w):
+            return skinny.skinny_gemm(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
     if f32:
         return linear_f32_reference(x2, w).reshape(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)

@@ -179,3 +179,30 @@ def test_runs_configs_fit_the_shared_memory_budget_and_bad_ones_are_named():
     bad = dc.replace(MM.default_runs_config(8, 192, 3584), down_stages=3)
     with pytest.raises(ValueError, match="down_stages 3 pipelines 229376 B"):
         MM.moe_mxfp4_decode_runs(z, w, ids, ex, bad)
+
+
+def test_skinny_default_configs_fill_the_gpu_and_cpu_linear_stays_on_torch(monkeypatch):
+    """`gemm_skinny_triton.default_config` on the K3 per-rank GEMVs: valid for every M it
+    serves, ≥ 2 programs per SM where K has the steps for it (else one step per program), x
+    padded to 16/32/64 rows; M ≤ 2 and bad tiles are refused by name. `gemv.linear` with the
+    skinny path on still runs torch on CPU tensors (the kernel is CUDA-only in dispatch)."""
+    from raydecode.kernels import gemm_skinny_triton as S
+    from raydecode.kernels import gemv as G
+    shapes = [(3216, 7168), (7168, 768), (1048, 7168), (900, 7168), (1152, 1536), (7168, 640),
+              (7168, 384), (10240, 7168)]
+    for N, K in shapes:
+        for M in (3, 4, 8, 16, 17, 32, 64):
+            c = S.default_config(M, N, K)
+            assert c.validate(M, N, K) is c
+            programs = -(-N // c.bn) * c.ks
+            assert programs >= 2 * 132 or c.ks == K // c.bk, (N, K, M, c)
+    assert [S.m_block(m) for m in (3, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert S.default_config(8, 7168, 768).ks == 3          # 112 row blocks × 3 = 336 programs
+    assert S.default_config(8, 900, 7168).ks == 28         # 15 row blocks × 28 (2 steps each)
+    with pytest.raises(ValueError, match="M=2: the skinny GEMM serves"):
+        S.SkinnyConfig().validate(2, 64, 256)
+    with pytest.raises(ValueError, match="bn 48: need one of 16, 32, 64, 128"):
+        S.SkinnyConfig(bn=48).validate(8, 64, 256)
+    monkeypatch.setattr(G, "SKINNY_MAX_M", 64)
+    x, w = torch.randn(8, 256).to(BF), torch.randn(64, 256).to(BF)
+    assert torch.equal(G.linear(x, w), torch.nn.functional.linear(x, w))
