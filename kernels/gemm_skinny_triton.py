@@ -84,15 +84,18 @@ def m_block(M: int) -> int:
     return max(16, 1 << (M - 1).bit_length())
 
 
-def default_config(M: int, N: int, K: int, sms: int = 132) -> SkinnyConfig:
-    """BN 64, the widest BK ≤ 128 dividing K, and the smallest KS dividing K/BK that gives
-    ≥ 2 programs per SM (at most K/BK: one step per program); 3 stages at MB = 64 (its x tile
-    doubles the stage), else 4."""
-    bk = next((b for b in (128, 64, 32) if K % b == 0), 128)
+def default_config(M: int, N: int, K: int, sms: int = 132, bn: int = 32,
+                   bk: int | None = None) -> SkinnyConfig:
+    """BN 32 (mma.sync tiles: BN 64's wgmma form streamed slower in round 30's first run), BK
+    (default: the widest ≤ 128 dividing K), and the smallest KS ≤ 8 dividing K/BK that gives ≥ 1.5
+    programs per SM (the last program of a block sums KS partials: long sums were the slow
+    tail at M = 64); 3 stages at MB = 64 (its x tile doubles the stage), else 4."""
+    bk = bk or next((b for b in (128, 64, 32) if K % b == 0), 128)
     steps = max(K // bk, 1)
-    blocks = -(-N // 64)
-    ks = next((d for d in range(1, steps + 1) if steps % d == 0 and blocks * d >= 2 * sms), steps)
-    return SkinnyConfig(bn=64, bk=bk, ks=ks, stages=3 if m_block(M) == 64 else 4)
+    blocks = -(-N // bn)
+    divs = [d for d in range(1, min(steps, 8) + 1) if steps % d == 0]
+    ks = next((d for d in divs if 2 * blocks * d >= 3 * sms), divs[-1])
+    return SkinnyConfig(bn=bn, bk=bk, ks=ks, stages=3 if m_block(M) == 64 else 4)
 
 
 # (M-bucket, N, K) → measured config (scripts/bench/skinny.py); else `default_config`.
@@ -124,12 +127,13 @@ if triton is not None:
         for i in range(STEPS):
             k = k0 + i * BK + kk
             w = tl.load(wrow + k[None, :], mask=rok[:, None], other=0.0)          # (BN, BK)
-            x = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=mok[None, :],
-                        other=0.0)                                                # (BK, MB)
+            x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mok[:, None],
+                        other=0.0)                                 # (MB, BK), rows contiguous
             if DOT_F32:     # the CPU interpreter's bf16 dot reads raw bits (Triton 3.9)
-                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc,
+                             input_precision="ieee")
             else:
-                acc = tl.dot(w, x, acc)
+                acc = tl.dot(w, tl.trans(x), acc)
         ok = rok[:, None] & mok[None, :]
         yo = y_ptr + m[None, :] * N + rows[:, None]
         if KS == 1:

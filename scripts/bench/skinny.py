@@ -30,17 +30,14 @@ from .report_io import report_header, write_report
 
 
 def candidates(M: int, N: int, K: int) -> list[S.SkinnyConfig]:
+    """The default, then BN 16 and BK 256 (each with its own K slices), twice the K slices, 2 and 8 warps, a deeper pipeline, BN 64 (the wgmma tile)."""
     d = S.default_config(M, N, K)
     rep = dataclasses.replace
-    steps = K // d.bk
-    out = [d, rep(d, bn=128, warps=8), rep(d, bn=32), rep(d, stages=d.stages + 1),
-           rep(d, stages=max(d.stages - 1, 2))]
-    out += [rep(d, ks=ks) for ks in (1, 2, 4, 7, 8) if ks != d.ks and steps % ks == 0]
+    out = [d, S.default_config(M, N, K, bn=16)]
     if K % 256 == 0:
-        out.append(rep(d, bk=256, ks=max(1, d.ks // 2) if (K // 256) % max(1, d.ks // 2) == 0
-                       else 1, stages=3))
-    if K % 64 == 0:
-        out.append(rep(d, bk=64, ks=d.ks if (K // 64) % d.ks == 0 else 1))
+        out.append(S.default_config(M, N, K, bk=256))
+    out += [rep(d, ks=2 * d.ks), rep(d, warps=2), rep(d, warps=8), rep(d, stages=d.stages + 2),
+           rep(d, bn=64)]
     seen, uniq = set(), []
     for c in out:
         try:
@@ -110,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tps", default="16", help="SHAPES rows whose tp column contains these")
     ap.add_argument("--names", default="kda_in_proj,o_proj,h2_proj,qkv_a_g,q_b,ffn_out",
                     help="SHAPES names to run (default: the served step's GEMVs)")
-    ap.add_argument("--candidates", type=int, default=4, help="skinny configs per (shape, M)")
+    ap.add_argument("--candidates", type=int, default=6, help="skinny configs per (shape, M)")
     ap.add_argument("--budget-s", type=float, default=400.0)
     args = ap.parse_args(argv)
     try:
