@@ -23,9 +23,9 @@ row and slice, mostly in L2 (o_proj at M = 8: 0.7 MB beside 11 MB of weights). P
 Triton decode kernel (kernels/_triton.py); the software pipeline (num_stages) keeps several
 W tiles in flight per program.
 
-Workspace and counters are per (device, stream, N, BN, KS, MB), allocated on the first call
-(the step graph's eager warm-up precedes capture) and reused; calls on one stream run in
-order, so one workspace per stream suffices.
+Workspace and counters (split-K only) are per (device, N, BN, KS, MB), allocated and zeroed
+eagerly on the first call (the step graph's eager warm-up precedes its capture) and reused;
+`supports` says no to a first split-K call under capture, so `gemv.linear` takes cuBLAS there.
 
 Layers: `_skinny_kernel` → `SkinnyConfig` / `default_config` (pure Python, validated) →
 `skinny_gemm` (validation, the kernel on CUDA or on CPU tensors under TRITON_INTERPRET=1) →
@@ -154,11 +154,25 @@ if triton is not None:
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _scratch_key(device: torch.device, N: int, cfg: SkinnyConfig, MB: int) -> tuple:
+    return (str(device), N, cfg.bn, cfg.ks, MB)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _scratch(device: torch.device, N: int, cfg: SkinnyConfig, MB: int):
-    """(workspace (KS, N, MB) fp32, counters (⌈N/BN⌉,) int32 zeros) for this stream."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (str(device), stream, N, cfg.bn, cfg.ks, MB)
+    """(workspace (KS, N, MB) fp32, counters (⌈N/BN⌉,) int32 zeros), one pair per (device,
+    N, BN, KS, MB). Allocated and zeroed EAGERLY: inside a graph capture the zeroing would be
+    a node of that graph only (round 30's first step-graph run read stale counters from such
+    a buffer: NaN rows), so a first call under capture is refused. Calls that share a pair
+    must not overlap: the decode step issues its GEMVs on one stream, in order."""
+    key = _scratch_key(device, N, cfg, MB)
     if key not in _SCRATCH:
+        if _capturing(device):
+            raise ValueError(f"skinny_gemm: first split-K call for N={N}, {cfg}, MB={MB} inside "
+                             "CUDA graph capture; call it once eagerly before capturing")
         _SCRATCH[key] = (torch.empty(cfg.ks, N, MB, dtype=torch.float32, device=device),
                          torch.zeros(-(-N // cfg.bn), dtype=torch.int32, device=device))
     return _SCRATCH[key]
@@ -173,7 +187,12 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not available(x, w) or not (x.is_contiguous() and w.is_contiguous()):
         return False
     M, K = x.shape
-    return MIN_M <= M <= MAX_M and K % 32 == 0 and w.shape[0] >= 1
+    N = w.shape[0]
+    if not (MIN_M <= M <= MAX_M and K % 32 == 0 and N >= 1):
+        return False
+    cfg = config_for(M, N, K, sm_count(str(x.device)))     # split-K needs its scratch first
+    return cfg.ks == 1 or not _capturing(x.device) or \
+        _scratch_key(x.device, N, cfg, m_block(M)) in _SCRATCH
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -203,7 +222,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None 
                          f"contiguous ({M}, {N}) {dt}")
     x, w = x.contiguous(), w.contiguous()
     MB = m_block(M)
-    ws, cnt = _scratch(x.device, N, cfg, MB)
+    ws, cnt = _scratch(x.device, N, cfg, MB) if cfg.ks > 1 else (out, out)  # KS 1: unused
     steps = K // cfg.bk // cfg.ks
     _skinny_kernel[(-(-N // cfg.bn), cfg.ks)](
         x, w, out, ws, cnt, M, N, K=K, MB=MB, BN=cfg.bn, BK=cfg.bk, KS=cfg.ks, STEPS=steps,

@@ -217,8 +217,10 @@ L2_PREFETCH_MIB = int(os.environ.get("RAYDECODE_GEMV_L2_PREFETCH_MIB", "0"))
 # M = 2 below this many weight bytes; M > 2 is FMA-bound on CUDA cores (docs/PERF.md).
 LINEAR_M2_MAX_BYTES = 16 * 2**20
 # 2 < M ≤ this goes to the tensor-core skinny GEMM (kernels/gemm_skinny_triton.py) instead of
-# cuBLAS, on CUDA; 0 = off. RAYDECODE_SKINNY_MAX_M overrides it for A/B runs (PERF round 30).
-SKINNY_MAX_M = int(os.environ.get("RAYDECODE_SKINNY_MAX_M", "0"))
+# cuBLAS, on CUDA (PERF round 30, H200: 1.1–1.8× cuBLAS on the TP16 GEMVs at M = 4–16, TP16
+# step −0.2 to −0.4 ms at batches 4–16; at M = 32–64 it loses on the widest matrices);
+# 0 = off. RAYDECODE_SKINNY_MAX_M overrides it for A/B runs.
+SKINNY_MAX_M = int(os.environ.get("RAYDECODE_SKINNY_MAX_M", "16"))
 
 
 def _m_tile(M: int) -> int:

@@ -133,3 +133,35 @@ def test_linear_takes_the_skinny_gemm_when_enabled(monkeypatch):
     assert _rel(G.linear(x, w), ref) <= 4e-3 and len(ran) == 1
     y32 = G.linear(x, w, torch.float32)
     assert y32.dtype == torch.float32 and _rel(y32, ref) <= 1e-5 and len(ran) == 2
+
+
+@gpu_only
+def test_first_split_k_call_under_capture_is_refused_and_linear_falls_back(monkeypatch):
+    """Split-K counters zeroed inside a capture would be zeroed by that graph only: a first
+    split-K call under capture raises (naming the shape), `supports` says no, and
+    `gemv.linear` runs cuBLAS in the graph instead; after one eager call both go through."""
+    seed = _seed()
+    N, K = 900, 7168
+    x, w, ref = _case(8, N, K, seed)
+    cfg = S.default_config(8, N, K)
+    assert cfg.ks > 1
+    monkeypatch.setattr(S, "_SCRATCH", {})
+    monkeypatch.setattr(G, "SKINNY_MAX_M", 16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        assert not S.supports(x, w)
+        with pytest.raises(ValueError, match="first split-K call for N=900"):
+            S.skinny_gemm(x, w)
+        y = G.linear(x, w)                                  # cuBLAS in the graph
+    g.replay()
+    torch.cuda.synchronize()
+    assert _rel(y, ref) <= 4e-3, f"seed {seed}"
+    S.skinny_gemm(x, w)                                     # eager: scratch allocated
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        assert S.supports(x, w)
+        y2 = G.linear(x, w)
+    y2.fill_(float("nan"))
+    g2.replay()
+    torch.cuda.synchronize()
+    assert _rel(y2, ref) <= 4e-3, f"seed {seed}"
