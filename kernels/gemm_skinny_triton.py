@@ -4,24 +4,28 @@ W (N, K) bf16 row-major (nn.Linear layout), x (M, K) bf16, y (M, N) bf16 or fp32
 accumulator unrounded, for `gemv.linear(..., out_dtype=torch.float32)`). The CuTe GEMV
 (kernels/gemv.py) serves M ≤ 2; past that it is FMA-bound on CUDA cores (M FMAs per weight
 element), and `linear` sent every M > 2 to cuBLAS, which reads these per-rank matrices at
-0.5–0.7 of HBM (docs/PERF.md round 29). Here the math is a tensor-core dot, so M up to 64 costs
-no more issue than M = 1, and the kernel is a weight stream:
+0.2–0.6 of HBM (docs/PERF.md round 30). Here the math is a tensor-core dot, so M up to 64
+costs about the issue of M = 1, and the kernel is a weight stream:
 
     program (nb, ks): W rows [nb·BN, nb·BN + BN), K slice [ks·K/KS, (ks+1)·K/KS) in BK steps;
-        acc (BN, MB) += dot(W tile (BN, BK), xᵀ tile (BK, MB))     MB = M padded to 16/32/64
+        acc (BN, MB) += dot(W tile (BN, BK), x tile (MB, BK)ᵀ)     MB = M padded to 16/32/64
     KS = 1: acc → y[:, rows] (one rounding)
     KS > 1: acc → workspace[ks] (fp32); the program that takes the last ticket of its row
         block (an acq_rel counter per block) sums the KS partials IN ks ORDER (so the result
         does not depend on which program finished last), writes y and resets the counter for
         the next call or graph replay.
 
-W takes the dot's M side (BN ≥ 16 rows, natural row-major operand), x the N side. Split-K
-is for the shapes with few row blocks: `default_config` picks the smallest KS dividing K/BK
-that gives ≥ 2 programs per SM (K3 TP16: o_proj 7168 × 768, 112 blocks of 64 rows → KS 3 of
-2 steps; qkv_a_g 900 × 7168, 15 blocks → KS 28 of 2 steps). The partials cost M·4 bytes per
-row and slice, mostly in L2 (o_proj at M = 8: 0.7 MB beside 11 MB of weights). PDL: `pdl_enter` first, like every
-Triton decode kernel (kernels/_triton.py); the software pipeline (num_stages) keeps several
-W tiles in flight per program.
+W takes the dot's M side in its natural row-major layout; x is loaded row-major (whole rows
+masked past M) and transposed in registers. The default tile is BN 32 (mma.sync): round 30's
+first form (BN 64 on wgmma, x loaded transposed, KS up to K/BK) streamed slower than cuBLAS.
+Split-K is for the shapes with few row blocks: `default_config` picks the smallest KS ≤ 8
+dividing K/BK that gives ≥ 1.5 programs per SM (K3 TP16: in_proj 3216 × 7168 → KS 2,
+qkv_a_g 900 × 7168 → KS 7, o_proj 7168 × 768 → KS 1). The partials cost M·4 bytes per row and
+slice, mostly in L2. PDL: `pdl_enter` first, like every Triton decode kernel
+(kernels/_triton.py); the software pipeline (num_stages) keeps several W tiles in flight per
+program. Measured on the H200 (round 30): 1.1–1.8× cuBLAS at M = 4–16 on the TP16 GEMVs,
+still 1.3–1.9× the CuTe GEMV's M = 1 time; at M = 64 it loses on most of them, so
+`gemv.SKINNY_MAX_M` is 16.
 
 Workspace and counters (split-K only) are per (device, N, BN, KS, MB), allocated and zeroed
 eagerly on the first call (the step graph's eager warm-up precedes its capture) and reused;

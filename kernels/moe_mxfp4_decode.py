@@ -74,10 +74,6 @@ from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
 # decodes its expert by itself, at a cost that does not fall when experts repeat, so at batch 64
 # the whole step ran 0.74× of the grouped kernel's speed (layer bench, uniform routing: 1.05×).
 MAX_PAIRS = 256
-# Above MAX_PAIRS and up to this many pairs, `moe_decode` runs the chunked tensor-core form
-# (moe_mxfp4_decode_mma.moe_mxfp4_decode_runs: each expert tile decoded once per ≤ 16 of its
-# pairs) instead of the stock grouped kernel. 0 (off) until it is measured (PERF round 28).
-RUNS_MAX_PAIRS = 0
 
 
 def _f16x2_pair(j: int) -> str:
@@ -571,10 +567,9 @@ def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 
 
 def use_decode_kernel(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Experts) -> bool:
-    """Whether the specialized `moe_decode` serves this call: T·k ≤ MAX_PAIRS (the per-pair
-    kernels) or ≤ RUNS_MAX_PAIRS (the chunked form), with Triton on these tensors."""
-    return topk_ids.numel() <= max(MAX_PAIRS, RUNS_MAX_PAIRS) and available(z, experts.w13)
+    """Whether `moe_mxfp4_decode` serves this call (few pairs, Triton on these tensors)."""
+    return topk_ids.numel() <= MAX_PAIRS and available(z, experts.w13)
 
 
-__all__ = ["DecodeConfig", "MAX_PAIRS", "RUNS_MAX_PAIRS", "TUNED", "default_decode_config",
-           "moe_mxfp4_decode", "unique_valid", "use_decode_kernel"]
+__all__ = ["DecodeConfig", "MAX_PAIRS", "TUNED", "default_decode_config", "moe_mxfp4_decode",
+           "unique_valid", "use_decode_kernel"]

@@ -158,88 +158,6 @@ if triton is not None:
                           mask=(m == 0)[:, None], sem="relaxed")
 
 
-    @triton.jit
-    def _chunk_rows(ids_ptr, order_ptr, starts_ptr, c, top_k):
-        """Chunk c of `expert_chunks`: its pairs in the dot's _BM rows -> (pairs, tokens,
-        valid rows, count, expert); count 0 (expert 0, unused) for the chunk slots past the
-        last chunk."""
-        m = tl.arange(0, _BM)
-        s0 = tl.load(starts_ptr + c)
-        cnt = tl.load(starts_ptr + c + 1) - s0
-        ok = m < cnt
-        p = tl.load(order_ptr + s0 + m, mask=ok, other=0).to(tl.int32)
-        e = tl.load(ids_ptr + tl.load(order_ptr + s0, mask=cnt > 0, other=0)).to(tl.int64)
-        return p, p // top_k, ok, cnt, e
-
-    @triton.jit
-    def _gate_up_runs_kernel(z_ptr, ids_ptr, order_ptr, starts_ptr, w_ptr, s_ptr, part_ptr,
-                             y_ptr, n_zero, top_k, L: tl.constexpr, I: tl.constexpr,
-                             KB: tl.constexpr, KG: tl.constexpr, KS: tl.constexpr,
-                             LS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             ZB: tl.constexpr, PDL: tl.constexpr):
-        """`_gate_up_mma_kernel` over chunks: program (c, nb, ks) runs the ≤ 16 pairs of chunk
-        c (one expert) as the rows of ONE scaled dot, so the expert's tile is read and decoded
-        once for all of them: part[p, ks, R] for each of its pairs p. Every program zeroes its
-        slice of out, chunk or not."""
-        pdl_enter(PDL)
-        c = tl.program_id(0)
-        nb = tl.program_id(1)
-        ks = tl.program_id(2)
-        zo = ((c * tl.num_programs(1) + nb) * KS + ks) * ZB + tl.arange(0, ZB)
-        tl.store(y_ptr + zo, tl.zeros((ZB,), tl.float32), mask=zo < n_zero)
-        p, t, ok, cnt, e = _chunk_rows(ids_ptr, order_ptr, starts_ptr, c, top_k)
-        if cnt > 0:
-            w_e = w_ptr + e * (2 * I * KB)
-            s_e = s_ptr + e * (2 * I * KG)
-            r = tl.arange(0, 2 * BN)
-            rows = tl.where(r < BN, nb * BN + r, I + nb * BN + r - BN)  # gate rows, up rows
-            kb = tl.arange(0, BK // 2)
-            kg = tl.arange(0, BK // 32)
-            kx = tl.arange(0, BK)
-            acc = tl.zeros((_BM, 2 * BN), tl.float32)
-            for kk in range(0, LS, BK):
-                k0 = ks * LS + kk
-                x = tl.load(z_ptr + t[:, None] * L + k0 + kx[None, :], mask=ok[:, None],
-                            other=0.0).to(tl.bfloat16)                          # (16, BK)
-                sc = tl.load(s_e + rows[:, None] * KG + k0 // 32 + kg[None, :])  # (2BN, BK/32)
-                w = tl.load(w_e + rows[None, :] * KB + k0 // 2 + kb[:, None])    # (BK/2, 2BN)
-                acc = tl.dot_scaled(x, None, "bf16", w, sc, "e2m1", acc, fast_math=True)
-            tl.store(part_ptr + (p[:, None] * KS + ks) * (2 * I) + rows[None, :], acc,
-                     mask=ok[:, None])
-
-    @triton.jit
-    def _down_runs_kernel(part_ptr, ids_ptr, order_ptr, starts_ptr, topw_ptr, w_ptr, s_ptr,
-                          y_ptr, top_k, beta, lin_beta, L: tl.constexpr, I: tl.constexpr,
-                          KB: tl.constexpr, KG: tl.constexpr, KS: tl.constexpr,
-                          HAS_LIN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          PDL: tl.constexpr):
-        """`_down_mma_kernel` over chunks: program (c, nb) builds each pair's input from its
-        partials (`_split_input`, one row per pair) and runs the chunk's rows as one scaled
-        dot against the BN rows of W2; out[t, n] += w[p] · bf16(y) per pair."""
-        pdl_enter(PDL)
-        c = tl.program_id(0)
-        p, t, ok, cnt, e = _chunk_rows(ids_ptr, order_ptr, starts_ptr, c, top_k)
-        if cnt > 0:
-            w_e = w_ptr + e * (L * KB)
-            s_e = s_ptr + e * (L * KG)
-            n = tl.program_id(1) * BN + tl.arange(0, BN)
-            kb = tl.arange(0, BK // 2)
-            kg = tl.arange(0, BK // 32)
-            kx = tl.arange(0, BK)
-            pp = part_ptr + p[:, None].to(tl.int64) * (KS * 2 * I)              # (16, 1)
-            acc = tl.zeros((_BM, BN), tl.float32)
-            for k0 in range(0, I, BK):
-                a = _split_input(pp, k0 + kx[None, :], beta, lin_beta, I, KS, HAS_LIN)
-                a = tl.where(ok[:, None], a, 0.0).to(tl.bfloat16)               # (16, BK)
-                sc = tl.load(s_e + n[:, None] * KG + k0 // 32 + kg[None, :])     # (BN, BK/32)
-                w = tl.load(w_e + n[None, :] * KB + k0 // 2 + kb[:, None])       # (BK/2, BN)
-                acc = tl.dot_scaled(a, None, "bf16", w, sc, "e2m1", acc, fast_math=True)
-            wt = tl.load(topw_ptr + p, mask=ok, other=0.0)
-            y = acc.to(tl.bfloat16).to(tl.float32) * wt[:, None]
-            tl.atomic_add(y_ptr + t[:, None] * L + n[None, :], y, mask=ok[:, None],
-                          sem="relaxed")
-
-
 def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
@@ -297,44 +215,6 @@ def default_mma_config(num_experts: int, intermediate: int, latent: int) -> MmaC
                      down_bk=_pow2_divisor(I, 64))
 
 
-# The chunked down kernel software-pipelines its partial loads: each stage past the first
-# buffers BM rows × KS slices × (gate, up) × BK fp32 in shared memory (115 KB a stage at K3
-# TP16's KS = 14, BK = 64: 3 stages need 235,648 B > the H200's 232,448, the first GPU run's
-# OutOfResources). Configs over this budget are refused before launch.
-RUNS_PIPE_SMEM = 200 * 1024
-
-
-def runs_pipe_bytes(cfg: MmaConfig) -> int:
-    """Shared memory the chunked down kernel's pipelined partial loads take (see above)."""
-    return (cfg.down_stages - 1) * BM * cfg.gate_up_ks * 2 * cfg.down_bk * 4
-
-
-def default_runs_config(num_experts: int, intermediate: int, latent: int) -> MmaConfig:
-    """The per-pair default with an unpipelined down loop (the partials of 16 rows are what
-    the down loop's stages would buffer; the weights' loads are small beside them)."""
-    return dataclasses.replace(default_mma_config(num_experts, intermediate, latent),
-                               down_stages=1)
-
-
-def runs_candidates(num_experts: int, intermediate: int, latent: int) -> list[MmaConfig]:
-    """The GPU sweep's configs for the chunked form (scripts/bench/moe_runs_sweep.py): tile
-    widths, K slices, warps and the down pipelining that fits `RUNS_PIPE_SMEM`."""
-    I, L = intermediate, latent
-    d = default_runs_config(num_experts, I, L)
-    rep = lambda **kw: dataclasses.replace(d, **kw)     # noqa: E731
-    out = [d,
-           rep(down_stages=2),
-           rep(gate_up_bk=128, gate_up_ks=L // 128),
-           rep(gate_up_bk=128, gate_up_ks=L // 256, gate_up_stages=2),
-           rep(gate_up_bn=32),
-           rep(gate_up_bn=32, gate_up_bk=128, gate_up_ks=L // 512, gate_up_stages=3),
-           rep(gate_up_bn=64, gate_up_warps=8),
-           rep(gate_up_warps=8, down_warps=8),
-           rep(down_bn=128, down_warps=8),
-           rep(down_bn=32, down_warps=2)]
-    return [c for c in unique_valid(out, I, L) if runs_pipe_bytes(c) <= RUNS_PIPE_SMEM]
-
-
 def candidates(num_experts: int, intermediate: int, latent: int) -> list[MmaConfig]:
     """~12 configs for the GPU sweep around the default: K slice size (1, 2 or 4 steps per
     program), tile width, warps, pipelining, and the swapped (weights-on-M) orientation."""
@@ -358,23 +238,6 @@ def candidates(num_experts: int, intermediate: int, latent: int) -> list[MmaConf
     return unique_valid(out, I, L)
 
 
-def _buffers(z: torch.Tensor, topk_ids: torch.Tensor, I: int, cfg: MmaConfig,
-             out: torch.Tensor | None):
-    """What both tensor-core forms launch with: flat ids, out (T, L) fp32 (allocated when
-    None), the split-K partials (P, KS, 2I) fp32, the gate_up grid (P slots, I/BN, KS) and
-    each gate_up program's slice of out to zero (ZB)."""
-    T, L = z.shape
-    P, ks = topk_ids.numel(), cfg.gate_up_ks
-    ids = topk_ids.reshape(-1)
-    ids = ids if ids.is_contiguous() else ids.contiguous()
-    if out is None:
-        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
-    part = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
-    grid = (P, I // cfg.gate_up_bn, ks)
-    zb = triton.next_power_of_2(-(-(T * L) // (grid[0] * grid[1] * ks)))
-    return ids, out, part, grid, zb
-
-
 def moe_mxfp4_decode_mma(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          experts: MXFP4Experts, config: MmaConfig | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
@@ -392,7 +255,13 @@ def moe_mxfp4_decode_mma(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
                          "under TRITON_INTERPRET=1)")
     cfg = (config or default_mma_config(experts.num_experts, I, L)).validate(I, L)
     ks = cfg.gate_up_ks
-    ids, out, part, grid, zb = _buffers(z, topk_ids, I, cfg, out)
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    if out is None:
+        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
+    part = torch.empty(P, ks, 2 * I, dtype=torch.float32, device=z.device)
+    grid = (P, I // cfg.gate_up_bn, ks)
+    zb = triton.next_power_of_2(-(-(T * L) // (grid[0] * grid[1] * ks)))
     pdl = pdl_launch(z)
     _gate_up_mma_kernel[grid](
         z.contiguous(), ids, experts.w13, experts.s13, part, out, T * L, k, L=L, I=I,
@@ -408,71 +277,11 @@ def moe_mxfp4_decode_mma(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: 
     return out
 
 
-def expert_chunks(ids: torch.Tensor, rows: int = BM) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs (flat ids (P,)) grouped by expert in chunks of ≤ `rows`, with device ops only
-    (no host sync, capturable) -> (order (P,) int64: the pairs sorted by expert, stable;
-    starts (P + 1,) int32: chunk c is order[starts[c] : starts[c + 1]]). There are at most P
-    chunks; the slots past the last one are empty (starts = P)."""
-    P = ids.numel()
-    order = torch.argsort(ids, stable=True)
-    srt = ids[order]
-    pos = torch.arange(P, device=ids.device)
-    new = torch.ones(P, dtype=torch.bool, device=ids.device)
-    new[1:] = srt[1:] != srt[:-1]
-    run_start = torch.cummax(torch.where(new, pos, torch.zeros_like(pos)), 0).values
-    first = new | ((pos - run_start) % rows == 0)
-    chunk = torch.cumsum(first.to(torch.int64), 0) - 1                 # non-decreasing
-    starts = torch.searchsorted(chunk, torch.arange(P + 1, device=ids.device))
-    return order, starts.to(torch.int32)
-
-
-def moe_mxfp4_decode_runs(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                          experts: MXFP4Experts, config: MmaConfig | None = None,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_k w·expert(z) (T, L) fp32 with each expert's tile read and decoded ONCE per chunk of
-    ≤ 16 of its pairs (`expert_chunks`; the tensor-core kernels with a chunk's tokens as the
-    dot's rows). For batches past the per-pair kernels' range (docs/PERF.md round 28): not
-    measured yet, so nothing serves it unless `moe_mxfp4_decode.RUNS_MAX_PAIRS` says so. 2
-    launches + the chunking ops, no host sync, capturable. weights_m is not supported."""
-    _check_inputs(z, topk_weights, topk_ids, experts, (torch.bfloat16, torch.float32))
-    T, L = z.shape
-    k = topk_ids.shape[1]
-    P, I = T * k, experts.intermediate
-    cfg = (config or default_runs_config(experts.num_experts, I, L)).validate(I, L)
-    if cfg.weights_m:
-        raise ValueError(f"MmaConfig {cfg}: weights_m is not supported by the chunked form")
-    if runs_pipe_bytes(cfg) > RUNS_PIPE_SMEM:
-        raise ValueError(f"MmaConfig {cfg}: down_stages {cfg.down_stages} pipelines "
-                         f"{runs_pipe_bytes(cfg)} B of partials in the chunked form; at most "
-                         f"{RUNS_PIPE_SMEM} B (fewer down_stages, or a smaller gate_up_ks)")
-    if not available(z, experts.w13):
-        raise ValueError("moe_mxfp4_decode_runs needs Triton and CUDA tensors (or CPU tensors "
-                         "under TRITON_INTERPRET=1)")
-    ks = cfg.gate_up_ks
-    ids, out, part, grid, zb = _buffers(z, topk_ids, I, cfg, out)
-    order, starts = expert_chunks(ids)
-    pdl = pdl_launch(z)
-    _gate_up_runs_kernel[grid](
-        z.contiguous(), ids, order, starts, experts.w13, experts.s13, part, out, T * L, k, L=L,
-        I=I, KB=L // 2, KG=L // 32, KS=ks, LS=L // ks, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk,
-        ZB=zb, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **pdl)
-    lin = experts.linear_beta
-    _down_runs_kernel[(P, L // cfg.down_bn)](
-        part, ids, order, starts, topk_weights.reshape(-1).contiguous(), experts.w2,
-        experts.s2, out, k, float(experts.beta), float(lin if lin is not None else 1.0), L=L,
-        I=I, KB=I // 2, KG=I // 32, KS=ks, HAS_LIN=lin is not None, BN=cfg.down_bn,
-        BK=cfg.down_bk, num_warps=cfg.down_warps, num_stages=cfg.down_stages, **pdl)
-    return out
-
-
 # Shapes (E, I, L) whose few-token MoE runs on tensor cores, with their measured config; the
 # CUDA-core kernel (moe_mxfp4_decode) serves every other shape. `USE_MMA` forces the tensor-core
 # kernel (TUNED entry, else the default config) for A/B timing; None = TUNED decides.
 TUNED: dict[tuple[int, int, int], MmaConfig] = {}
 USE_MMA: bool | None = None
-# (E, I, L) → the chunked form's measured config (scripts/bench/moe_runs_sweep.py); else
-# `default_runs_config`.
-RUNS_TUNED: dict[tuple[int, int, int], MmaConfig] = {}
 # (E, I, L, T) calls served by the resident CuTe kernel (kernels/moe_resident_cute.py) where it
 # fits; `USE_RESIDENT` True / False forces it on / off for A/B timing, None = this set decides.
 # K3 TP16 batch 1 (PERF round 19, H200, same-lease layer A/B, medians over 3 leases): KDA
@@ -503,9 +312,7 @@ def moe_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
                experts: MXFP4Experts, out: torch.Tensor | None = None) -> torch.Tensor:
     """The specialized few-token MoE (T·k ≤ MAX_PAIRS): the resident CuTe kernel where chosen
     (RESIDENT / USE_RESIDENT) and it fits, the tensor-core kernel where chosen (TUNED /
-    USE_MMA), else `moe_mxfp4_decode`. Past MAX_PAIRS (only when `use_decode_kernel` admits
-    it: moe_mxfp4_decode.RUNS_MAX_PAIRS) the chunked `moe_mxfp4_decode_runs`. Same contract
-    as all of them."""
+    USE_MMA), else `moe_mxfp4_decode`. Same contract as all three."""
     key = (experts.num_experts, experts.intermediate, experts.latent)
     if USE_RESIDENT or (USE_RESIDENT is None and key + (z.shape[0],) in RESIDENT):
         plan = _resident_plan(z, topk_ids, experts)
@@ -515,16 +322,11 @@ def moe_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
                 out = torch.empty(z.shape[0], experts.latent, dtype=torch.float32,
                                   device=z.device)
             return resident_moe_into(plan, z, topk_weights, topk_ids, experts, out)
-    if topk_ids.numel() > _cuda_core.MAX_PAIRS:       # past the per-pair kernels: chunked
-        return moe_mxfp4_decode_runs(z, topk_weights, topk_ids, experts, RUNS_TUNED.get(key),
-                                     out)
     cfg = TUNED.get(key)
     if USE_MMA or (USE_MMA is None and cfg is not None):
         return moe_mxfp4_decode_mma(z, topk_weights, topk_ids, experts, cfg, out)
     return _cuda_core.moe_mxfp4_decode(z, topk_weights, topk_ids, experts, out=out)
 
 
-__all__ = ["BM", "MmaConfig", "RESIDENT", "RUNS_PIPE_SMEM", "RUNS_TUNED", "TUNED", "USE_MMA",
-           "USE_RESIDENT", "candidates", "default_mma_config", "default_runs_config",
-           "expert_chunks", "moe_decode", "moe_mxfp4_decode_mma", "moe_mxfp4_decode_runs",
-           "runs_candidates", "runs_pipe_bytes"]
+__all__ = ["BM", "MmaConfig", "RESIDENT", "TUNED", "USE_MMA", "USE_RESIDENT", "candidates",
+           "default_mma_config", "moe_decode", "moe_mxfp4_decode_mma"]

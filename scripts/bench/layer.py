@@ -227,7 +227,6 @@ def run(args) -> dict:
               "moe_resident_predecode": args.moe_resident_predecode,
               "kda_splits": args.kda_splits,
               "moe_max_pairs": moe_mxfp4_decode.MAX_PAIRS,
-              "moe_runs_max_pairs": moe_mxfp4_decode.RUNS_MAX_PAIRS,
               "mma_config": args.mma_config, "gemv_config": getattr(args, "gemv_config", []),
               "ffn_path": FFN_PATH, "mla_path": MLA_PATH, "l2_prefetch": L2PF,
               "l2_prefetch_start_mib": L2PF_START_MIB, "l2_prefetch_kind": l2_prefetch.KIND,
@@ -343,26 +342,19 @@ def set_gemv_mapping(spec: str) -> None:
 
 
 def add_moe_limit_args(ap: argparse.ArgumentParser) -> None:
-    """The flags `set_moe_limits` applies (layer.py and step.py)."""
-    ap.add_argument("--moe-runs-max-pairs", type=int, default=None,
-                    help="T·k up to which the chunked tensor-core MoE serves past --moe-max-pairs "
-                         "(kernels.moe_mxfp4_decode.RUNS_MAX_PAIRS; default: its value, 0 = off)")
+    """The flag `set_moe_limits` applies (layer.py and step.py)."""
     ap.add_argument("--moe-max-pairs", type=int, default=None,
                     help="T·k up to which the specialized MoE runs the few-token kernels "
                          "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
 
 
-def set_moe_limits(max_pairs: int | None, runs_max_pairs: int | None) -> None:
-    """--moe-max-pairs / --moe-runs-max-pairs: the pair counts up to which the specialized MoE
-    runs the per-pair and the chunked few-token kernels (None: keep the module's value)."""
+def set_moe_limits(max_pairs: int | None) -> None:
+    """--moe-max-pairs: the pair count up to which the specialized MoE runs the few-token
+    kernels (None: keep the module's value)."""
     if max_pairs is not None:
         if max_pairs < 1:
             raise SystemExit(f"--moe-max-pairs {max_pairs}: expected ≥ 1")
         moe_mxfp4_decode.MAX_PAIRS = max_pairs
-    if runs_max_pairs is not None:
-        if runs_max_pairs < 0:
-            raise SystemExit(f"--moe-runs-max-pairs {runs_max_pairs}: expected ≥ 0")
-        moe_mxfp4_decode.RUNS_MAX_PAIRS = runs_max_pairs
 
 
 def set_gemv_mappings(specs: list[str]) -> None:
@@ -392,8 +384,10 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024, help="MLA cached tokens per sequence")
     ap.add_argument("--copies", type=int, default=0, help="layer copies per graph (0: auto)")
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--gemv-max-batch", type=int, default=2,
-                    help="specialized uses kernels.gemv.linear up to this batch")
+    ap.add_argument("--gemv-max-batch", type=int, default=64,
+                    help="specialized uses kernels.gemv.linear up to this batch, as the served "
+                         "step does at every batch (its own dispatch: CuTe GEMV for M ≤ 2, the "
+                         "skinny GEMM to SKINNY_MAX_M, then cuBLAS); above it F.linear")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one eager step at the smallest and largest batch")
@@ -440,7 +434,7 @@ def main(argv=None) -> int:
         moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
     from raydecode.kernels import kda_decode
     kda_decode.SPLITS = args.kda_splits
-    set_moe_limits(args.moe_max_pairs, args.moe_runs_max_pairs)
+    set_moe_limits(args.moe_max_pairs)
     for flag, values, cls, table in (
             ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,
              moe_mxfp4_decode_mma.TUNED),

@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     mla_decode_triton.PRE_TILE = bool(args.mla_pre_tile)
     from raydecode.kernels import moe_mxfp4_decode
     from .layer import set_gemv_mappings, set_moe_limits
-    set_moe_limits(args.moe_max_pairs, args.moe_runs_max_pairs)
+    set_moe_limits(args.moe_max_pairs)
     try:
         set_gemv_mappings(args.gemv_config)
     except ValueError as e:
@@ -442,7 +442,6 @@ def main(argv=None) -> int:
               "kda_splits": args.kda_splits, "router_gather": args.router_gather,
               "attnres_bank": args.attnres_bank, "mla_pre_tile": args.mla_pre_tile,
               "moe_max_pairs": moe_mxfp4_decode.MAX_PAIRS,
-              "moe_runs_max_pairs": moe_mxfp4_decode.RUNS_MAX_PAIRS,
               "moe_fused": moe.FUSED_SPECIALIZED,
               "ffn_out_fused": moe.FUSED_FFN_OUT,
               "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,

@@ -127,60 +127,6 @@ def test_moe_decode_split_k_validates():
             D.DecodeConfig(gate_up_gb=16, gate_up_ks=ks).validate(192, 3584)
 
 
-@pytest.mark.parametrize("case", ["random", "one_expert", "distinct"])
-def test_expert_chunks_partition_the_pairs_by_expert(case):
-    """`expert_chunks` (device ops only): every pair in exactly one chunk, a chunk holds one
-    expert and ≤ rows pairs, chunks in expert order, a run split only at multiples of rows,
-    and the slots past the last chunk empty."""
-    from raydecode.kernels.moe_mxfp4_decode_mma import expert_chunks
-    g = torch.Generator().manual_seed(7)
-    P, rows = 77, 16
-    ids = {"random": torch.randint(0, 9, (P,), generator=g),
-           "one_expert": torch.full((P,), 4),
-           "distinct": torch.randperm(P, generator=g)}[case]
-    order, starts = expert_chunks(ids, rows)
-    assert starts.dtype == torch.int32 and starts.shape == (P + 1,) and int(starts[0]) == 0
-    st = starts.tolist()
-    assert st == sorted(st) and st[-1] == P
-    assert sorted(order.tolist()) == list(range(P))
-    bounds = [(a, b) for a, b in zip(st[:-1], st[1:]) if b > a]
-    assert bounds[0][0] == 0 and bounds[-1][1] == P
-    assert all(b1 == a2 for (_, b1), (a2, _) in zip(bounds, bounds[1:]))   # contiguous
-    experts = [ids[order[a:b]] for a, b in bounds]
-    assert all(1 <= len(e) <= rows and bool((e == e[0]).all()) for e in experts)
-    firsts = [int(e[0]) for e in experts]
-    assert firsts == sorted(firsts)
-    counts = torch.bincount(ids)
-    want = sum(-(-int(c) // rows) for c in counts if c > 0)      # ⌈run / rows⌉ chunks each
-    assert len(bounds) == want
-
-
-def test_runs_configs_fit_the_shared_memory_budget_and_bad_ones_are_named():
-    """The chunked form's down kernel pipelines 16 rows of partials per stage: the K3 default
-    that overflowed the H200 (3 stages: 2 × 114,688 B of partials; round 29's first run) is not
-    what the chunked form runs, every sweep candidate fits, and an over-budget config is
-    refused before any launch, naming its stages and bytes."""
-    import dataclasses as dc
-    from raydecode.kernels import moe_mxfp4_decode_mma as MM
-    for I in (192, 384):
-        per_pair = MM.default_mma_config(896, I, 3584)
-        assert MM.runs_pipe_bytes(per_pair) > MM.RUNS_PIPE_SMEM        # 3 stages at KS 14
-        assert MM.runs_pipe_bytes(MM.default_runs_config(896, I, 3584)) == 0
-        cands = MM.runs_candidates(896, I, 3584)
-        assert cands[0] == MM.default_runs_config(896, I, 3584) and len(cands) >= 8
-        assert all(MM.runs_pipe_bytes(c) <= MM.RUNS_PIPE_SMEM for c in cands)
-        assert any(c.down_stages == 2 for c in cands)
-    assert MM.runs_pipe_bytes(dc.replace(MM.default_runs_config(896, 192, 3584),
-                                         down_stages=2)) == 16 * 14 * 2 * 64 * 4
-    ex = M.MXFP4Experts.random(8, 3584, 192, 4.0, None, seed=0)
-    z = torch.randn(2, 3584).to(BF)
-    w = torch.full((2, 4), 0.25)
-    ids = torch.arange(8).view(2, 4)
-    bad = dc.replace(MM.default_runs_config(8, 192, 3584), down_stages=3)
-    with pytest.raises(ValueError, match="down_stages 3 pipelines 229376 B"):
-        MM.moe_mxfp4_decode_runs(z, w, ids, ex, bad)
-
-
 def test_skinny_default_configs_fill_the_gpu_and_cpu_linear_stays_on_torch(monkeypatch):
     """`gemm_skinny_triton.default_config` on the K3 per-rank GEMVs: valid for every M it
     serves, ≥ 1.5 programs per SM where ≤ 8 K slices give it (else the most slices ≤ 8), x

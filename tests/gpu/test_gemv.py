@@ -199,7 +199,9 @@ def test_gemv_fp32_out_and_fused_shapes(M: int, N: int, K: int):
 
 
 def test_linear_fp32_out_above_kernel_batches_is_cublas_fp32():
-    x, w, seed = _inputs(8, 1048, 7168)
+    """Past the CuTe GEMV's and the skinny GEMM's batches (M > SKINNY_MAX_M), fp32 output is
+    cuBLAS's fp32 product, bit for bit (tests/gpu/test_skinny.py covers M ≤ SKINNY_MAX_M)."""
+    x, w, seed = _inputs(G.SKINNY_MAX_M + 8, 1048, 7168)
     y = G.linear(x, w, torch.float32)
     assert y.dtype == torch.float32
     assert torch.equal(y, G.linear_f32_reference(x, w)), f"seed {seed}"
