@@ -38,6 +38,7 @@ Layers: `_skinny_kernel` → `SkinnyConfig` / `default_config` (pure Python, val
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +49,11 @@ MAX_M = 64
 MIN_M = 3            # M ≤ 2: the CuTe GEMV
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 @dataclass(frozen=True)
 class SkinnyConfig:
     """BN W rows per program, BK K columns per step, KS K slices (grid (⌈N/BN⌉, KS)); warps and
     pipelining depth of the K loop."""
-    bn: int = 64
+    bn: int = 32
     bk: int = 128
     ks: int = 1
     warps: int = 4
@@ -88,11 +85,12 @@ def m_block(M: int) -> int:
     return max(16, 1 << (M - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=1024)      # `supports` asks on every dispatched call
 def default_config(M: int, N: int, K: int, sms: int = 132, bn: int = 32,
                    bk: int | None = None) -> SkinnyConfig:
     """BN 32 (mma.sync tiles: BN 64's wgmma form streamed slower in round 30's first run), BK
-    (default: the widest ≤ 128 dividing K), and the smallest KS ≤ 8 dividing K/BK that gives ≥ 1.5
-    programs per SM (the last program of a block sums KS partials: long sums were the slow
+    (default: the widest ≤ 128 dividing K), and the smallest KS ≤ 8 dividing K/BK that gives
+    ≥ 1.5 programs per SM (the last program of a block sums KS partials: long sums were the slow
     tail at M = 64); 3 stages at MB = 64 (its x tile doubles the stage), else 4."""
     bk = bk or next((b for b in (128, 64, 32) if K % b == 0), 128)
     steps = max(K // bk, 1)

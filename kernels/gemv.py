@@ -24,9 +24,10 @@ supported and `linear_uses_cute` says it beats cuBLAS, else `torch.nn.functional
 
 M-bucket: M ≤ 8 compiles for that exact M (the decode engine pads batches to a few buckets).
 8 < M ≤ 64 is supported by `gemv` (MT = 8-row blocks, W re-read per block) for testing, but
-`linear` sends every M > 2 to cuBLAS — the documented choice instead of a CUDA-core split-K: the
-FMA rate, not HBM, bounds this kernel from M ≈ 4 (M FMAs per weight element; measured 0.33 of
-HBM bandwidth at M = 8, docs/PERF.md). A tensor-core split-K kernel is the follow-up.
+`linear` sends no M > 2 to it: the FMA rate, not HBM, bounds this kernel from M ≈ 4 (M FMAs per
+weight element; measured 0.33 of HBM bandwidth at M = 8, docs/PERF.md). 2 < M ≤ SKINNY_MAX_M
+goes to the tensor-core skinny GEMM (kernels/gemm_skinny_triton.py, PERF round 30), larger M
+to cuBLAS.
 The structure is generic SIMT code (no wgmma, no TMA), so it builds unchanged for sm_100/103.
 """
 
@@ -218,7 +219,7 @@ L2_PREFETCH_MIB = int(os.environ.get("RAYDECODE_GEMV_L2_PREFETCH_MIB", "0"))
 LINEAR_M2_MAX_BYTES = 16 * 2**20
 # 2 < M ≤ this goes to the tensor-core skinny GEMM (kernels/gemm_skinny_triton.py) instead of
 # cuBLAS, on CUDA (PERF round 30, H200: 1.1–1.8× cuBLAS on the TP16 GEMVs at M = 4–16, TP16
-# step −0.2 to −0.4 ms at batches 4–16; at M = 32–64 it loses on the widest matrices);
+# step −0.2 to −0.65 ms at batches 4–16; at M = 32–64 it loses on the widest matrices);
 # 0 = off. RAYDECODE_SKINNY_MAX_M overrides it for A/B runs.
 SKINNY_MAX_M = int(os.environ.get("RAYDECODE_SKINNY_MAX_M", "16"))
 

@@ -30,7 +30,8 @@ from .report_io import report_header, write_report
 
 
 def candidates(M: int, N: int, K: int) -> list[S.SkinnyConfig]:
-    """The default, then BN 16 and BK 256 (each with its own K slices), twice the K slices, 2 and 8 warps, a deeper pipeline, BN 64 (the wgmma tile)."""
+    """The default, then BN 16 and BK 256 (each with its own K slices), twice the K slices,
+    2 and 8 warps, a deeper pipeline, BN 64 (the wgmma tile)."""
     d = S.default_config(M, N, K)
     rep = dataclasses.replace
     out = [d, S.default_config(M, N, K, bn=16)]
@@ -59,7 +60,8 @@ def bench_shape(N: int, K: int, M: int, n_cands: int) -> dict:
     x1 = x[:1].contiguous()
     y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     row = {"N": N, "K": K, "M": M, "weight_bytes": wbytes, "copies": copies, "calls": calls}
-    row["cublas_us"] = graph_time_us([lambda i=i: F.linear(x, ws[i % copies]) for i in range(calls)])
+    row["cublas_us"] = graph_time_us([lambda i=i: F.linear(x, ws[i % copies])
+                                      for i in range(calls)])
     if G.supports(x1, ws[0]):
         y1 = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
         cfg1 = G.config_for(1, N, K)
@@ -136,10 +138,10 @@ def main(argv=None) -> int:
             row["floor_us"] = row["weight_bytes"] / bw * 1e6
             report["results"].append(row)
             write_report(report, args.out, t0)
-            b = row.get("best", {})
+            b, nan = row.get("best", {}), float("nan")
             print(f"[skinny] {name:15s} {N}x{K} M={M:<2} cublas {row['cublas_us']:6.2f}  "
-                  f"cute_m1 {row.get('cute_m1_us', float('nan')):6.2f}  default "
-                  f"{row['skinny'][0].get('us', float('nan')):6.2f}  best {b.get('us', float('nan')):6.2f} "
+                  f"cute_m1 {row.get('cute_m1_us', nan):6.2f}  default "
+                  f"{row['skinny'][0].get('us', nan):6.2f}  best {b.get('us', nan):6.2f} "
                   f"{b.get('config', '')}  floor {row['floor_us']:.2f}", flush=True)
     write_report(report, args.out, t0)
     return 0
