@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from raydecode.kernels import gemm_skinny_triton as _skinny
 from raydecode.kernels._cute import CompileCache, cute_available
 from raydecode.kernels._cute_dsl import (Float32, _dsl, _Stream, _Tensor, const_expr, cp_async_bulk_prefetch,
                                          cute, cutlass)
@@ -531,10 +532,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
         raise ValueError(f"linear: out_dtype={out_dtype}; accepted: None, {x.dtype}, torch.float32")
     if cute_available() and supports(x2, w, max_m=2) and linear_uses_cute(x2.shape[0], w.shape[0], w.shape[1]):
         return gemv(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
-    if 2 < x2.shape[0] <= SKINNY_MAX_M and x2.is_cuda:
-        from raydecode.kernels import gemm_skinny_triton as skinny
-        if skinny.supports(x2, w):
-            return skinny.skinny_gemm(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    if 2 < x2.shape[0] <= SKINNY_MAX_M and x2.is_cuda and _skinny.supports(x2, w):
+        return _skinny.skinny_gemm(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
     if f32:
         return linear_f32_reference(x2, w).reshape(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)

@@ -121,7 +121,7 @@ def test_mma_bad_config_and_inputs_rejected():
             MM.moe_mxfp4_decode_mma(z, w, ids, ex, cfg)
     for c in MM.candidates(ex.num_experts, I, L) + [MM.default_mma_config(16, I, L)]:
         assert c.validate(I, L) is c
-    T = MM._cuda_core.MAX_PAIRS // 4 + 1                             # P = T·k past the pair limit
+    T = MM._cuda_core.MAX_PAIRS // 4 + 1                  # P = T·k past the pair limit
     ex2, z2, w2, ids2, _ = _case(*SMALL, T, 1)
     with pytest.raises(ValueError, match=f"{T * 4} \\(token, expert\\) pairs"):
         MM.moe_mxfp4_decode_mma(z2, w2, ids2, ex2)
