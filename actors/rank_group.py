@@ -367,7 +367,8 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
                              num_gpus_per_rank: float | None = None,
                              runner_factory: RunnerFactory | None = None,
                              max_model_len: int | None = None,
-                             step_graphs: bool | None = None) -> RankGroupExecutor:
+                             step_graphs: bool | None = None,
+                             num_snapshots: int = 0) -> RankGroupExecutor:
     """A started TP group of `tp` rank actors for `model` (preset or checkpoint folder).
 
     Each rank loads only its shard and owns caches for num_slots sequences and num_blocks
@@ -379,7 +380,8 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
     spec_runner_factory(...)). step_graphs (None: RAYDECODE_STEP_GRAPHS on this driver, and
     unset there: auto, `step_graph.resolve`): the default factory builds GraphedRunners, each
     capturing every bucket at build; max_model_len
-    bounds their block-table width. A runner_factory ignores both (SpecRunner stays eager)."""
+    bounds their block-table width. A runner_factory ignores both (SpecRunner stays eager).
+    num_snapshots: KDA snapshot slots per rank, for the coordinator's prefix cache."""
     from raydecode.models.parallel import Parallel
 
     Parallel(0, tp, dcp)          # validates tp >= 1 and dcp | tp with a clear message
@@ -387,7 +389,8 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
         num_gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     spec = ShardSpec(model=str(model), dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
                      block_size=block_size, max_model_len=max_model_len,
-                     step_graphs=step_graphs_setting() if step_graphs is None else step_graphs)
+                     step_graphs=step_graphs_setting() if step_graphs is None else step_graphs,
+                     num_snapshots=num_snapshots)
     opts = GroupOptions(tp_size=tp, dcp_size=dcp, step_timeout_s=step_timeout_s,
                         init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
                         num_cpus_per_rank=num_cpus_per_rank, placement=placement,

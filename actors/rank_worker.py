@@ -51,6 +51,7 @@ class ShardSpec:
     block_size: int = 16
     max_model_len: int | None = None   # bounds a graph's block-table width; None: num_blocks
     step_graphs: bool | None = None    # GraphedRunner + capture at build; None: auto (resolve)
+    num_snapshots: int = 0             # KDA snapshot slots (prefix caching)
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -79,7 +80,8 @@ def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> Mode
     if graphs:
         ns, nb = graph_cache_sizes(spec.num_slots, spec.num_blocks, spec.graph_buckets)
     shard = load_shard(spec.model, par, comm, dtype=spec.dtype, device=device,
-                       num_slots=ns, num_blocks=nb, block_size=spec.block_size)
+                       num_slots=ns, num_blocks=nb, block_size=spec.block_size,
+                       num_snapshots=spec.num_snapshots)
     if not graphs:
         return ModelRunner(shard.model, shard.caches, device)
     runner = GraphedRunner(shard.model, shard.caches, device, num_slots=spec.num_slots,

@@ -7,9 +7,9 @@ executor that fans a StepPlan out to TP rank workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
-from .request import Request, RequestError, SamplingParams, Status
+from .request import Request, RequestError, SamplingParams, Status, sample_seed
 from .runner import ModelRunner
 from .sampling import NO_LOGPROBS, SamplingRows, StepResult
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -35,12 +35,21 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None          # None: enough for max_num_seqs × max_model_len
     dcp_size: int = 1
+    enable_prefix_caching: bool = False    # restore cached prefixes (engine/prefix_cache.py)
+    num_snapshots: int = 0                 # KDA snapshot slots per rank (prefix caching)
+    fork: bool = True                      # n > 1 samples share one prefill
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r}; expected a positive integer")
+        if isinstance(self.num_snapshots, bool) or not isinstance(self.num_snapshots, int) \
+                or self.num_snapshots < 0:
+            raise ValueError(f"num_snapshots = {self.num_snapshots!r}; expected an integer >= 0")
+        if self.enable_prefix_caching and self.num_snapshots < 1:
+            raise ValueError("enable_prefix_caching needs num_snapshots >= 1 (a cached prefix "
+                             "is only usable where a KDA state snapshot exists)")
 
     @property
     def blocks(self) -> int:
@@ -53,7 +62,9 @@ class EngineConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                max_num_batched_tokens=self.max_num_batched_tokens,
                                num_blocks=self.blocks, block_size=self.block_size,
-                               dcp_size=self.dcp_size)
+                               dcp_size=self.dcp_size,
+                               prefix_caching=self.enable_prefix_caching,
+                               num_snapshots=self.num_snapshots, fork=self.fork)
 
 
 @dataclass
@@ -66,6 +77,8 @@ class StepOutput:
     # per new token, when the request asked for logprobs: (logprob, [(id, logprob) × top n])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     error: str | None = None            # this request failed alone (its sampling raised)
+    index: int = 0                      # n > 1: which sample of its request (choice index)
+    cached_tokens: int = 0              # prompt tokens served from the prefix cache
 
 
 class LLMEngine:
@@ -79,7 +92,9 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, forks: Sequence[str] = ()) -> Request:
+        """Queue a request; `forks`: the request ids of samples 1..n-1 of it (n > 1), which
+        share its prefill and sample with their own seeds (request.sample_seed)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("prompt is empty; expected at least one token")
@@ -88,10 +103,19 @@ class LLMEngine:
                                f"{self.cfg.max_model_len} (prompt + at least one new token)")
         kw = {"request_id": request_id} if request_id else {}
         req = Request(prompt_ids=ids, params=params, **kw)
-        if req.request_id in self.requests:
-            raise RequestError(f"request_id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
-        self._emitted[req.request_id] = 0
+        names = [req.request_id, *forks]
+        taken = [i for i in names if i in self.requests]
+        if taken or len(set(names)) != len(names):
+            raise RequestError(f"request_id {(taken or names)[0]!r} is already in use")
+        for i, rid in enumerate(forks, start=1):
+            req.forks.append(Request(prompt_ids=list(ids), params=params, request_id=rid,
+                                     sample_seed=sample_seed(req.sample_seed, i),
+                                     sample_index=i, fork_of=req))
+        for r in (req, *req.forks):
+            if r.params.seed is not None:
+                r.sample_seed = sample_seed(r.params.seed, r.sample_index)
+            self.requests[r.request_id] = r
+            self._emitted[r.request_id] = 0
         self.scheduler.add(req)
         return req
 
@@ -104,6 +128,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def cache_stats(self) -> dict:
+        """Prefill work and what the prefix cache and n > 1 forks saved of it: prefill tokens
+        run, forks, and with prefix caching the cache's counters (prefix_cache.PrefixStats)
+        plus the snapshots held."""
+        sch = self.scheduler
+        out = {"prefill_tokens": self.stats["prefill_tokens"], "forks": sch.num_forks,
+               "prefix_caching": sch.prefix is not None}
+        if sch.prefix is not None:
+            out |= sch.prefix.stats.as_dict() | {"snapshots": sch.prefix.num_cached,
+                                                 "snapshot_slots": sch.prefix.num_snapshots}
+        return out
+
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()                               # prepare
@@ -111,13 +147,15 @@ class LLMEngine:
             return []
         reqs = self.scheduler.requests_of(plan)
         emits = [r.num_cached + s.length == r.num_tokens for r, s in zip(reqs, plan.batch.seqs)]
-        plan.sampling = sampling_rows(reqs, emits)
+        forked = self.scheduler.forks_of(plan)          # rows past the seqs: they emit
+        rows, emits = reqs + forked, emits + [True] * len(forked)
+        plan.sampling = sampling_rows(rows, emits)
         result = self.executor.execute(plan)                           # run (device sampling)
         for r, s in zip(reqs, plan.batch.seqs):                        # post-process
             r.num_cached += s.length
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(s.length for s in plan.batch.seqs if s.length > 1)
-        outputs = [self.take_row(r, result, i) for i, (r, e) in enumerate(zip(reqs, emits)) if e]
+        outputs = [self.take_row(r, result, i) for i, (r, e) in enumerate(zip(rows, emits)) if e]
         self.stats["tokens"] += len(outputs)
         return outputs
 
@@ -128,7 +166,8 @@ class LLMEngine:
         if why is not None:
             req.finish_reason = "error"
             self.finish_request(req)
-            return StepOutput(req.request_id, [], "", True, "error", error=why)
+            return StepOutput(req.request_id, [], "", True, "error", error=why,
+                              index=req.sample_index)
         out = self.append_token(req, result.token_ids[i])
         if req.params.logprobs is not None and result.logprob is not None and out.new_token_ids:
             tops = list(zip(result.top_ids[i], result.top_logprobs[i])) if result.top_ids else []
@@ -172,7 +211,8 @@ class LLMEngine:
                 end -= 1
         delta = text[self._emitted[req.request_id]:end]
         self._emitted[req.request_id] = end
-        return StepOutput(req.request_id, new_ids, delta, done, req.finish_reason)
+        return StepOutput(req.request_id, new_ids, delta, done, req.finish_reason,
+                          index=req.sample_index, cached_tokens=req.cached_prompt_tokens or 0)
 
     def finish_request(self, req: Request) -> None:
         self.scheduler.finish(req)

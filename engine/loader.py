@@ -72,7 +72,8 @@ class LoadedShard:
 
 def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None = None,
                dtype: str = "float32", device: str = "cpu", num_slots: int = 16,
-               num_blocks: int = 256, block_size: int = 16) -> LoadedShard:
+               num_blocks: int = 256, block_size: int = 16,
+               num_snapshots: int = 0) -> LoadedShard:
     from raydecode.models.k3 import make_caches
     from raydecode.models.weights import load_model
 
@@ -80,7 +81,8 @@ def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None =
     dt = parse_dtype(dtype)
     cfg, model = load_model(path, par, comm or LocalComm(), dt, device)
     caches = make_caches(cfg, par, num_slots=num_slots, num_blocks=num_blocks,
-                         block_size=block_size, dtype=dt, device=device)
+                         block_size=block_size, dtype=dt, device=device,
+                         num_snapshots=num_snapshots)
     return LoadedShard(cfg, model, caches, path)
 
 
@@ -92,8 +94,10 @@ def load_tokenizer(spec: str | Path):
 
 def build_local_engine(spec: str | Path, dtype: str = "float32", max_num_seqs: int = 8,
                        max_model_len: int | None = None, max_num_batched_tokens: int = 256,
-                       block_size: int = 16):
-    """The single-process stock engine (TP=1) for `raydecode generate` and tests."""
+                       block_size: int = 16, enable_prefix_caching: bool = False,
+                       num_snapshots: int = 0):
+    """The single-process stock engine (TP=1) for `raydecode generate` and tests; with
+    enable_prefix_caching, num_snapshots KDA snapshot slots (engine/prefix_cache.py)."""
     from .engine import EngineConfig, LLMEngine, LocalExecutor
     from .runner import ModelRunner
 
@@ -101,9 +105,10 @@ def build_local_engine(spec: str | Path, dtype: str = "float32", max_num_seqs: i
     cfg = load_config(resolve_checkpoint(spec))
     mml = max_model_len or min(cfg.max_position_embeddings, 4096)
     ecfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=mml,
-                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                        enable_prefix_caching=enable_prefix_caching, num_snapshots=num_snapshots)
     shard = load_shard(spec, dtype=dtype, num_slots=max_num_seqs, num_blocks=ecfg.blocks,
-                       block_size=block_size)
+                       block_size=block_size, num_snapshots=num_snapshots)
     tok = load_tokenizer(spec)
     eos = tuple(sorted(set(tok.eos_ids) | {shard.cfg.eos_token_id}))
     return LLMEngine(LocalExecutor(ModelRunner(shard.model, shard.caches)), tok, ecfg, eos)

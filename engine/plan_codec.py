@@ -8,10 +8,12 @@ Every frame is a fixed header then a payload:
 Plan kinds: PLAN (packed below), PICKLED (any other plan object, e.g. a speculative
 SpecStepPlan, as pickle protocol 5), STOP (end the rank's step loop). A PLAN payload:
 
-    '<BBIIIIII'  path code, flags (1: sampling rows), seqs S, tokens T, sample rows R,
-                 changed tables N, table entries E, reset slots Z
+    '<BBIIIIIIII'  path code, flags (1: sampling rows), seqs S, tokens T, sample rows R,
+                   changed tables N, table entries E, reset slots Z, state copies K,
+                   block copies C
     int32 seqs (S, 4) [slot, start, length, pos] · tokens (T,) · sample rows (R,) ·
-    table slots (N,) · table lengths (N,) · table entries (E,) · resets (Z,)
+    table slots (N,) · table lengths (N,) · table entries (E,) · resets (Z,) ·
+    state copies (K, 2) [src, dst] (a snapshot slot i as -1 - i) · block copies (C, 2)
     [flags & 1] fp32 temperature, top_p (R,) · int32 top_k (R,) · int64 seed (R,) ·
                 int32 counter, logprobs (R,)
 
@@ -23,7 +25,8 @@ A RESULT payload:
     int64 token ids (R,) · [1] fp32 logprob (R,) · int32 top ids (R, n) · fp32 top lp (R, n)
     · [2] utf-8 JSON list of (row, why)
 
-Request ids travel in neither (ranks never need them); a decoded plan has request_ids = [].
+Request ids travel in neither (ranks never need them); a decoded plan has request_ids = [] and
+forked_ids = []. Version 2 added the cache copies (prefix caching, n > 1 forks).
 """
 from __future__ import annotations
 
@@ -40,12 +43,12 @@ from raydecode.models.specialized import PATHS
 from .sampling import SamplingRows, StepResult
 from .scheduler import StepPlan
 
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<4sHHqI")
 PLAN_MAGIC, RESULT_MAGIC = b"RDPL", b"RDRS"
 PLAN, PICKLED, STOP = 1, 2, 3
 RESULT, PICKLED_RESULT, ERROR, HELLO = 1, 2, 3, 4
-_COUNTS = struct.Struct("<BBIIIIII")
+_COUNTS = struct.Struct("<BBIIIIIIII")
 _RES = struct.Struct("<IBH")
 _I32, _I64, _F32 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
 
@@ -86,10 +89,12 @@ def encode_plan(plan: StepPlan) -> bytes:
     parts = [
         _COUNTS.pack(PATHS.index(plan.path), 1 if rows is not None else 0, len(seqs),
                      len(plan.tokens), len(plan.sample_rows), len(tables), len(entries),
-                     len(plan.reset_slots)),
+                     len(plan.reset_slots), len(plan.state_copies), len(plan.block_copies)),
         _pack("i", itertools.chain.from_iterable(seqs)),     # SeqSlice: (slot, start, len, pos)
         _pack("i", plan.tokens), _pack("i", plan.sample_rows), _pack("i", tables),
         _pack("i", map(len, tables.values())), _pack("i", entries), _pack("i", plan.reset_slots),
+        _pack("i", itertools.chain.from_iterable(plan.state_copies)),
+        _pack("i", itertools.chain.from_iterable(plan.block_copies)),
     ]
     if rows is not None:
         if len(rows) != len(plan.sample_rows):
@@ -112,7 +117,7 @@ def decode_plan(kind: int, step_id: int, payload: bytes | memoryview) -> StepPla
         return pickle.loads(payload)
     if kind != PLAN:
         raise FrameError(f"plan frame kind {kind}; expected {PLAN}, {PICKLED} or {STOP}")
-    path, flags, S, T, R, N, E, Z = _COUNTS.unpack_from(payload)
+    path, flags, S, T, R, N, E, Z, K, C = _COUNTS.unpack_from(payload)
     at = _COUNTS.size
 
     def take(code: str, n: int) -> tuple:
@@ -126,6 +131,7 @@ def decode_plan(kind: int, step_id: int, payload: bytes | memoryview) -> StepPla
     tokens, sample_rows = list(take("i", T)), list(take("i", R))
     slots, lens, entries = take("i", N), take("i", N), take("i", E)
     resets = list(take("i", Z))
+    sc, bc = take("i", 2 * K), take("i", 2 * C)
     tables, off = {}, 0
     for slot, n in zip(slots, lens):
         tables[slot] = list(entries[off:off + n])
@@ -136,7 +142,8 @@ def decode_plan(kind: int, step_id: int, payload: bytes | memoryview) -> StepPla
                             take("i", R), take("i", R))
     return StepPlan(step_id=step_id, batch=StepBatch(seqs), tokens=tokens,
                     sample_rows=sample_rows, block_tables=tables, reset_slots=resets,
-                    path=PATHS[path], sampling=rows)
+                    path=PATHS[path], sampling=rows, state_copies=list(zip(sc[0::2], sc[1::2])),
+                    block_copies=list(zip(bc[0::2], bc[1::2])))
 
 
 # ---- results ----------------------------------------------------------------------------------

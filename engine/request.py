@@ -68,6 +68,22 @@ class Status(enum.Enum):
 
 _ids = itertools.count()
 _seeds = random.SystemRandom()
+_M64 = 2**64 - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The sampler seed of sample `index` of a request whose seed is `seed` (n > 1): sample 0
+    keeps the request's seed (its tokens equal the n = 1 answer's), sample i > 0 takes
+    splitmix64(seed + i·0x9E3779B97F4A7C15 mod 2⁶⁴): a bijection of distinct inputs, so the
+    n samples of one request have distinct 64-bit seeds, whose noise streams the sampler's hash
+    makes independent (engine/sampling.py)."""
+    if index == 0:
+        return seed
+    z = (int(seed) + index * _GOLDEN64) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
 
 
 @dataclass
@@ -85,6 +101,13 @@ class Request:
     # the sampler's seed: params.seed, else drawn once here, so a request's noise never depends
     # on its batch (engine/sampling.py); kept across preemption and resubmission
     sample_seed: int = field(default_factory=lambda: _seeds.getrandbits(63))
+    # n > 1: sample `sample_index` of its request; samples 1.. wait in their parent's `forks`
+    # until its prompt is cached, then share its prefill (engine/scheduler.py)
+    sample_index: int = 0
+    fork_of: "Request | None" = field(default=None, repr=False, compare=False)
+    forks: list["Request"] = field(default_factory=list, repr=False, compare=False)
+    # prompt tokens served from the prefix cache at the first admission (usage.cached_tokens)
+    cached_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -17,12 +17,21 @@ class ModelRunner:
         self.model, self.caches, self.device = model, caches, torch.device(device)
 
     def update_caches(self, plan: StepPlan) -> None:
-        """The plan's changed block tables and KDA slot resets (host tables, device zeroing)."""
-        if self.caches.mla is not None:
-            self.caches.mla.block_tables.update(plan.block_tables)
-        if self.caches.kda is not None:
+        """Before the forward, the plan's cache ops in their order (engine/scheduler.py): KDA
+        state copies (prefix-cache saves and restores, n > 1 forks), MLA block copies, then
+        the changed block tables and the KDA slot resets. Host tables; on the device copies
+        and zeroing in stream order, no host sync."""
+        mla, kda = self.caches.mla, self.caches.kda
+        if kda is not None:
+            for src, dst in plan.state_copies:
+                kda.copy(src, dst)
+        if mla is not None:
+            for src, dst in plan.block_copies:
+                mla.copy_block(src, dst)
+            mla.block_tables.update(plan.block_tables)
+        if kda is not None:
             for slot in plan.reset_slots:
-                self.caches.kda.reset(slot)
+                kda.reset(slot)
 
     def prepare(self, plan: StepPlan) -> torch.Tensor:
         self.update_caches(plan)

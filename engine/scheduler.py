@@ -3,10 +3,24 @@
 Policy per step (a token budget bounds the step):
 1. every running sequence in decode gets its one token (decode never starves behind prompts);
 2. running sequences still in prefill get the next chunk of their prompt;
-3. waiting requests are admitted (a slot + cache blocks) while budget and cache last.
-When the cache cannot hold the tokens of a running sequence, the most recently admitted other
-sequence is preempted: its cache is freed and it re-queues at the front, to be recomputed from its
-prompt plus what it generated so far (so nothing it produced is lost).
+3. waiting requests are admitted (a slot + cache blocks) while budget and cache last; with
+   prefix caching a request first restores the longest cached prefix of its tokens
+   (engine/prefix_cache.py) and prefills only the rest.
+When the cache cannot hold the tokens of a running sequence, cached prefixes are evicted (least
+recently used first), then the most recently admitted other sequence is preempted: its cache is
+freed and it re-queues at the front, to be recomputed from its prompt plus what it generated so
+far (so nothing it produced is lost).
+
+n > 1: samples 1..n-1 of a request wait in `forks` of sample 0 (their parent). In the step whose
+chunk ends the parent's prompt each of them forks: a slot of its own, the parent's full blocks
+shared, a copy of the partial block and of the KDA state (the next plan's copies), and a sample
+row on the parent's last prompt row, drawn with its own seed. So the prompt is prefilled once.
+
+Cache ops travel in the plan and run on every rank before the step's forward, reading what the
+previous steps left: `state_copies` (KDA state, in order), `block_copies` (MLA blocks, in
+order), then `reset_slots`. A copy of a state reached at the end of step k (a snapshot save, a
+fork) is therefore shipped with plan k+1; the ops of one plan run in the order they were
+decided, so a slot or block freed and reused meanwhile is read before it is overwritten.
 """
 from __future__ import annotations
 
@@ -16,6 +30,7 @@ from dataclasses import dataclass, field
 from raydecode.models.cache import SeqSlice, StepBatch
 
 from .cache import BlockAllocator, CacheFullError, SlotAllocator
+from .prefix_cache import PrefixCache, Snapshot, snapshot_ref
 from .request import Request, Status
 from .sampling import SamplingRows
 
@@ -34,6 +49,13 @@ class StepPlan:
     # per sample row: how the sampling rank draws its token (engine.sampling); set by the
     # engine after scheduling; None: greedy for every row
     sampling: SamplingRows | None = None
+    # before the forward, in order: KDA state copies (src, dst), a slot ≥ 0 or a snapshot
+    # slot -1 - i (prefix_cache.snapshot_ref); then MLA block copies (src, dst); then resets
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # host only: the request of each sample row past the sequences' own (n > 1 forks drawing
+    # their first token from their parent's last prompt row)
+    forked_ids: list[str] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +69,9 @@ class SchedulerConfig:
     num_blocks: int = 1024
     block_size: int = 16
     dcp_size: int = 1
+    prefix_caching: bool = False
+    num_snapshots: int = 0                # KDA snapshot slots per rank (prefix caching)
+    fork: bool = True                     # n > 1 shares the prefill (False: each prefills)
 
 
 class Scheduler:
@@ -56,11 +81,20 @@ class Scheduler:
         self.running: list[Request] = []          # admission order
         self.slots = SlotAllocator(cfg.max_num_seqs)
         self.blocks = BlockAllocator(cfg.num_blocks, cfg.block_size, cfg.dcp_size)
+        self.prefix = PrefixCache(self.blocks, cfg.num_snapshots) if cfg.prefix_caching \
+            else None
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_forks = 0
+        # copies of states reached by the last step, shipped with the next plan
+        self._next_state: list[tuple[int, int]] = []
+        self._next_block: list[tuple[int, int]] = []
+        self._next_made: list[Snapshot] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        if not self.cfg.fork:
+            self._unfork(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -68,10 +102,25 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+            if req.finish_reason != "error":
+                self._save(req, req.num_cached)     # where its conversation may resume
             self._free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req.fork_of is not None and req in req.fork_of.forks:
+            req.fork_of.forks.remove(req)
+        self._unfork(req)             # a parent that ends before forking: its samples go alone
         req.status = Status.FINISHED
+
+    def _unfork(self, parent: Request) -> None:
+        """Pending forks of `parent` become requests of their own (queued first)."""
+        for child in reversed(parent.forks):
+            child.fork_of = None
+            if parent in self.waiting:
+                self.waiting.insert(self.waiting.index(parent) + 1, child)
+            else:
+                self.waiting.appendleft(child)
+        parent.forks = []
 
     def _free(self, req: Request) -> None:
         if req.slot is not None:
@@ -92,9 +141,18 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return True
 
+    def _reserve(self, n_blocks: int, keep: Snapshot | None = None) -> bool:
+        """At least n_blocks free, evicting cached prefixes (never `keep`) if needed."""
+        while self.blocks.num_free < n_blocks:
+            if self.prefix is None or not self.prefix.evict_one(keep):
+                return False
+        return True
+
     def _grow(self, req: Request, n_tokens: int, changed: dict[int, list[int]]) -> bool:
-        """Make room for n_tokens of req, preempting later sequences if needed."""
+        """Make room for n_tokens of req: evicting cached prefixes, then preempting later
+        sequences if needed."""
         while True:
+            self._reserve(self.blocks.extra_needed(req.slot, n_tokens))
             try:
                 if self.blocks.ensure(req.slot, n_tokens):
                     changed[req.slot] = list(self.blocks.tables[req.slot])
@@ -103,11 +161,77 @@ class Scheduler:
                 if not self._preempt(keep=req):
                     return False
 
+    def _save(self, req: Request, h: int) -> None:
+        """Snapshot req's state after its first h tokens (reached by the last step run)."""
+        if self.prefix is None or req.slot is None:
+            return
+        table = self.blocks.tables.get(req.slot, [])
+        snap = self.prefix.save(req.all_ids[:h], table)
+        if snap is not None:
+            kda, blk = self.prefix.save_ops(snap, req.slot, table)
+            self._next_state.append(kda)
+            if blk is not None:
+                self._next_block.append(blk)
+            self._next_made.append(snap)
+
+    def _admit(self, req: Request, budget: int, changed: dict[int, list[int]],
+               reset: list[int], state: list, block: list) -> int:
+        """Slot, cached prefix and blocks for the first waiting request; -> the tokens it
+        runs this step, 0 if it does not fit now."""
+        hit = self.prefix.lookup(req.all_ids, req.num_tokens - 1) if self.prefix else None
+        h = hit.length if hit is not None else 0
+        n = min(req.num_tokens - h, budget)
+        if not self._reserve(self.blocks.blocks_for(h + n) - (len(hit.blocks) if hit else 0),
+                             keep=hit):
+            return 0
+        req.slot = self.slots.allocate()
+        if hit is None:
+            reset.append(req.slot)
+        else:                                    # restore: its state, blocks, partial block
+            table = self.blocks.share(req.slot, hit.blocks)
+            state.append((snapshot_ref(hit.index), req.slot))
+            if hit.tail_block is not None:
+                table.append(self.blocks.allocate())
+                block.append((hit.tail_block, table[-1]))
+        self.blocks.ensure(req.slot, h + n)
+        changed[req.slot] = list(self.blocks.tables[req.slot])
+        req.num_cached = h
+        if req.cached_prompt_tokens is None:
+            req.cached_prompt_tokens = min(h, len(req.prompt_ids))
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return n
+
+    def _fork(self, parent: Request, child: Request, changed: dict[int, list[int]]) -> bool:
+        """child (a pending fork of parent, whose prompt the running step completes) takes a
+        slot, the parent's full blocks and copies of its partial block and KDA state."""
+        P, span = parent.num_tokens, self.blocks.span
+        full, partial = P // span, P % span != 0
+        if not self.slots.num_free or not self._reserve(int(partial)):
+            return False
+        child.slot = self.slots.allocate()
+        ptable = self.blocks.tables[parent.slot]
+        table = self.blocks.share(child.slot, ptable[:full])
+        if partial:
+            table.append(self.blocks.allocate())
+            self._next_block.append((ptable[full], table[-1]))
+        self._next_state.append((parent.slot, child.slot))
+        changed[child.slot] = list(table)
+        child.num_cached, child.status, child.fork_of = P, Status.RUNNING, None
+        child.cached_prompt_tokens = parent.cached_prompt_tokens
+        self.running.append(child)
+        self.num_forks += 1
+        return True
+
     def schedule(self) -> StepPlan | None:
         budget = self.cfg.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []      # (request, number of tokens this step)
         changed: dict[int, list[int]] = {}
         reset: list[int] = []
+        state, block, made = self._next_state, self._next_block, self._next_made
+        self._next_state, self._next_block, self._next_made = [], [], []
+        for s in made:
+            s.ready = True
 
         decode = [r for r in self.running if not r.in_prefill]
         prefill = [r for r in self.running if r.in_prefill]
@@ -121,36 +245,57 @@ class Scheduler:
             budget -= n
         chosen = [(r, n) for r, n in chosen if r in self.running]
 
+        admitted = set()
         while self.waiting and budget > 0 and self.slots.num_free:
             req = self.waiting[0]
-            n = min(req.num_tokens, budget)
-            if self.blocks.blocks_for(n) > self.blocks.num_free:
+            n = self._admit(req, budget, changed, reset, state, block)
+            if not n:
                 break
             self.waiting.popleft()
-            req.slot = self.slots.allocate()
-            req.num_cached = 0
-            req.status = Status.RUNNING
-            self.blocks.ensure(req.slot, n)
-            changed[req.slot] = list(self.blocks.tables[req.slot])
-            reset.append(req.slot)
-            self.running.append(req)
+            admitted.add(id(req))
             chosen.append((req, n))
             budget -= n
 
-        if not chosen:
+        if not chosen:             # nothing ran: the copies wait for the next plan
+            for s in made:
+                s.ready = False
+            self._next_state, self._next_block, self._next_made = state, block, made
             return None
-        seqs, tokens, rows, ids = [], [], [], []
+        seqs, tokens, rows, ids, forked = [], [], [], [], []
         for req, n in chosen:
             start = len(tokens)
             seqs.append(SeqSlice(slot=req.slot, start=start, length=n, pos=req.num_cached))
             tokens.extend(req.all_ids[req.num_cached:req.num_cached + n])
             rows.append(start + n - 1)
             ids.append(req.request_id)
+        span, budget = self.blocks.span, self.cfg.max_num_batched_tokens
+        for (req, n), row in zip(chosen, list(rows)):
+            end = req.num_cached + n
+            if not (n > 1 or id(req) in admitted or req.num_cached < len(req.prompt_ids)):
+                continue                         # a decode token
+            if end < req.num_tokens:             # a chunk: the last aligned one before the
+                if end % span == 0 and req.num_tokens - end <= budget:     # end (a repeated
+                    self._save(req, end)         # prompt resumes there)
+                continue
+            self._save(req, end)                 # the prompt's end: after this step
+            for child in list(req.forks) if not req.output_ids else ():
+                if not self._fork(req, child, changed):
+                    break
+                req.forks.remove(child)
+                rows.append(row)
+                forked.append(child.request_id)
+            self._unfork(req)                    # no room for the rest: they prefill alone
         self.step_id += 1
         return StepPlan(step_id=self.step_id, batch=StepBatch(seqs), tokens=tokens,
                         sample_rows=rows, block_tables=changed, reset_slots=reset,
-                        request_ids=ids)
+                        request_ids=ids, state_copies=state, block_copies=block,
+                        forked_ids=forked)
 
     def requests_of(self, plan: StepPlan) -> list[Request]:
         by_id = {r.request_id: r for r in self.running}
         return [by_id[i] for i in plan.request_ids]
+
+    def forks_of(self, plan: StepPlan) -> list[Request]:
+        """The requests of the plan's fork rows (sample rows past its sequences)."""
+        by_id = {r.request_id: r for r in self.running}
+        return [by_id[i] for i in plan.forked_ids]

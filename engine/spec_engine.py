@@ -16,6 +16,7 @@ earliest drafts to a fixed mean length; the text it produces is meaningless and
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -58,7 +59,11 @@ class SpecConfig:
 class SpecEngine(LLMEngine):
     def __init__(self, executor, tokenizer, cfg: EngineConfig, eos_ids: tuple[int, ...],
                  spec: SpecConfig):
-        super().__init__(executor, tokenizer, cfg, eos_ids)
+        if cfg.enable_prefix_caching:
+            raise ValueError("prefix caching is not supported with speculative decoding yet "
+                             "(a snapshot would need the drafter's context rows too)")
+        # n > 1 samples prefill one by one: a verify plan's sample rows are its plain seqs'
+        super().__init__(executor, tokenizer, dataclasses.replace(cfg, fork=False), eos_ids)
         self.spec = spec
         self.acceptance = AcceptanceStats(spec.num_drafts)
         self._rng = random.Random(spec.seed)
@@ -127,7 +132,9 @@ class SpecEngine(LLMEngine):
         released, self._released = self._released, []
         return SpecStepPlan(step_id=plan.step_id, batch=StepBatch(seqs), tokens=tokens,
                             sample_rows=rows, block_tables=tables, reset_slots=plan.reset_slots,
-                            path=plan.path, request_ids=plan.request_ids, spec=spec,
+                            path=plan.path, request_ids=plan.request_ids,
+                            state_copies=plan.state_copies, block_copies=plan.block_copies,
+                            spec=spec,
                             num_drafts=k, synthetic_length=self.spec.synthetic_length,
                             synthetic_seed=self.spec.seed, release_ids=released,
                             sampling=sampling_rows([r for r, _ in plain], [e for _, e in plain]))
@@ -156,7 +163,8 @@ class SpecEngine(LLMEngine):
             text += out.delta_text
             if req.finished:
                 break
-        return StepOutput(req.request_id, ids, text, out.finished, out.finish_reason)
+        return StepOutput(req.request_id, ids, text, out.finished, out.finish_reason,
+                          index=out.index, cached_tokens=out.cached_tokens)
 
     def finish_request(self, req: Request) -> None:
         super().finish_request(req)

@@ -7,7 +7,12 @@ holds the tensors and the addressing:
   (num_mla_layers, num_blocks, block_size, latent_dim). With DCP size D this rank stores only the
   tokens t with t mod D == dcp_rank, at local index t // D of the sequence's block table.
 - `KDAStateCache`: per slot, the short-conv tail (last conv_size-1 inputs of q, k, v; model dtype)
-  and the recurrent state (heads_local, dk, dv) in fp32.
+  and the recurrent state (heads_local, dk, dv) in fp32; plus `num_snapshots` snapshot slots of
+  the same shapes (prefix caching: a sequence's state at a position where it may resume).
+
+Both take the prefix cache's copies (engine/prefix_cache.py): `KDAStateCache.copy(src, dst)`
+between slots and snapshot slots, `MLALatentCache.copy_block(src, dst)` of this rank's rows of
+one block; device copies in stream order, no host sync.
 
 `StepBatch` is the flat layout of one step: tokens of all sequences concatenated, each sequence a
 `SeqSlice` (its slot, where its tokens start in the flat tensor, how many, and the absolute
@@ -75,6 +80,13 @@ class MLALatentCache:
         self.block_size, self.dcp_rank, self.dcp_size = block_size, dcp_rank, dcp_size
         self.block_tables: dict[int, list[int]] = {}   # slot -> block ids (set by the engine)
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's rows of block src into block dst (this rank's DCP share of both)."""
+        n = self.pool.shape[1]
+        if not (0 <= src < n and 0 <= dst < n):
+            raise ValueError(f"block copy {src} -> {dst}: this rank holds blocks [0, {n})")
+        self.pool[:, dst].copy_(self.pool[:, src])
+
     def local_len(self, n_tokens: int) -> int:
         """How many of a sequence's first n_tokens positions this DCP rank stores."""
         d, r = self.dcp_size, self.dcp_rank
@@ -106,7 +118,7 @@ class MLALatentCache:
 
 class KDAStateCache:
     def __init__(self, num_layers: int, num_slots: int, heads_local: int, head_dim: int,
-                 conv_size: int, dtype: torch.dtype, device=None):
+                 conv_size: int, dtype: torch.dtype, device=None, num_snapshots: int = 0):
         inner = heads_local * head_dim
         # (layers, slots, 3·inner_local, conv_size-1): q, k, v pre-conv inputs, oldest first
         self.conv = torch.zeros(num_layers, num_slots, 3 * inner, conv_size - 1, dtype=dtype,
@@ -114,10 +126,32 @@ class KDAStateCache:
         # (layers, slots, heads_local, dk, dv) fp32 recurrent state S
         self.rec = torch.zeros(num_layers, num_slots, heads_local, head_dim, head_dim,
                                dtype=torch.float32, device=device)
+        # the same per snapshot slot (layers, snapshots, ...); never read by a forward
+        self.snap_conv = torch.zeros(num_layers, num_snapshots, *self.conv.shape[2:],
+                                     dtype=dtype, device=device)
+        self.snap_rec = torch.zeros(num_layers, num_snapshots, *self.rec.shape[2:],
+                                    dtype=torch.float32, device=device)
 
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()
         self.rec[:, slot].zero_()
+
+    def _state(self, ref: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, rec) views of a slot (ref ≥ 0) or of snapshot slot -1 - ref (ref < 0)."""
+        conv, rec, i = (self.conv, self.rec, ref) if ref >= 0 else \
+            (self.snap_conv, self.snap_rec, -1 - ref)
+        if i >= conv.shape[1]:
+            what = "slot" if ref >= 0 else "snapshot slot"
+            raise ValueError(f"KDA state copy names {what} {i}; this rank holds "
+                             f"{conv.shape[1]} (deployment kda_snapshot_slots for snapshots)")
+        return conv[:, i], rec[:, i]
+
+    def copy(self, src: int, dst: int) -> None:
+        """Every layer's conv tail and recurrent state of src into dst (slots ≥ 0, snapshot
+        slots -1 - i)."""
+        (c0, r0), (c1, r1) = self._state(src), self._state(dst)
+        c1.copy_(c0)
+        r1.copy_(r0)
 
 
 @dataclass

@@ -178,19 +178,19 @@ class K3ForCausalLM(nn.Module):
 
 def make_caches(cfg: K3Config, par: Parallel, num_slots: int, num_blocks: int, block_size: int,
                 dtype: torch.dtype = torch.float32, device=None,
-                extra_mla_layers: int = 0) -> ModelCaches:
+                extra_mla_layers: int = 0, num_snapshots: int = 0) -> ModelCaches:
     """Empty cache storage for one rank: MLA latent pools (this rank's DCP share) for the MLA
     layers and KDA conv/state for num_slots sequences. Block tables are the engine's to set
     (`caches.mla.block_tables[slot] = [block ids]`). `extra_mla_layers` adds pool rows under
     the virtual layer keys num_layers, num_layers + 1, … (the DSpark drafter's layers), which
-    share the target's block tables."""
+    share the target's block tables. `num_snapshots`: KDA snapshot slots (prefix caching)."""
     mla_ids = cfg.mla_layers + tuple(range(cfg.num_layers, cfg.num_layers + extra_mla_layers))
     kda_ids = cfg.kda_layer_ids
     mla = (MLALatentCache(len(mla_ids), num_blocks, block_size, cfg.mla.latent_dim, dtype,
                           device, dcp_rank=par.dcp_rank, dcp_size=par.dcp_size)
            if mla_ids else None)
     kda = (KDAStateCache(len(kda_ids), num_slots, par.shard(cfg.kda.num_heads, "KDA num_heads"),
-                         cfg.kda.head_dim, cfg.kda.conv_size, dtype, device)
+                         cfg.kda.head_dim, cfg.kda.conv_size, dtype, device, num_snapshots)
            if kda_ids else None)
     return ModelCaches(mla=mla, kda=kda, mla_index={l: i for i, l in enumerate(mla_ids)},
                        kda_index={l: i for i, l in enumerate(kda_ids)})

@@ -30,9 +30,15 @@ def random_plan(rng: random.Random, step_id: int) -> StepPlan:
         params, [rng.randint(-(2**63), 2**63 - 1) for _ in rows],
         [rng.randint(0, 1 << 30) for _ in rows],
         [-1 if p is None or p.logprobs is None else p.logprobs for p in params])
+    # prefix-cache and fork copies: slots >= 0, snapshot slots -1 - i; often none
+    slot = lambda: rng.choice([rng.randrange(200), -1 - rng.randrange(64)])  # noqa: E731
+    states = [(slot(), slot()) for _ in range(rng.choice([0, 0, rng.randint(1, 12)]))]
+    blocks = [(rng.randrange(5000), rng.randrange(5000))
+              for _ in range(rng.choice([0, 0, rng.randint(1, 12)]))]
     return StepPlan(step_id, StepBatch(seqs), [rng.randrange(163840) for _ in range(at)], rows,
                     tables, rng.sample([s.slot for s in seqs], rng.randint(0, len(seqs))),
-                    rng.choice(["stock", "specialized"]), sampling=sampling)
+                    rng.choice(["stock", "specialized"]), sampling=sampling,
+                    state_copies=states, block_copies=blocks)
 
 
 def roundtrip_plan(frame: bytes) -> StepPlan:
@@ -54,6 +60,8 @@ def test_random_plans_round_trip_exactly(seed):
     assert got.batch.seqs == plan.batch.seqs and got.tokens == plan.tokens
     assert got.sample_rows == plan.sample_rows and got.block_tables == plan.block_tables
     assert got.reset_slots == plan.reset_slots and got.request_ids == []
+    # cache copies keep their order (they run in it on every rank)
+    assert got.state_copies == plan.state_copies and got.block_copies == plan.block_copies
     if plan.sampling is None:
         assert got.sampling is None
     else:
@@ -69,6 +77,21 @@ def test_a_decode_plan_is_small():
     plan = StepPlan(7, StepBatch.decode([3], [1000]), [42], [0], {}, [], "specialized",
                     sampling=SamplingRows.greedy(1))
     assert len(pc.encode_plan(plan)) < 128
+
+
+def test_cache_copies_cost_eight_bytes_each_and_forked_ids_stay_home():
+    base = StepPlan(7, StepBatch.decode([3], [1000]), [42], [0], {}, [], "specialized",
+                    sampling=SamplingRows.greedy(1))
+    ops = StepPlan(7, base.batch, [42], [0, 0], {}, [], "specialized",
+                   sampling=SamplingRows.greedy(2), state_copies=[(-3, 3), (3, 5)],
+                   block_copies=[(9, 11)], forked_ids=["req-1#1"])
+    a, b = pc.encode_plan(base), pc.encode_plan(ops)
+    # 3 copies of 2 int32 + a sample row index + its sampling (fp32 T, top_p, int32 top_k,
+    # int64 seed, int32 counter, logprobs: 28 B)
+    assert len(b) - len(a) == 3 * 8 + 4 + 28
+    got = roundtrip_plan(b)
+    assert got.state_copies == [(-3, 3), (3, 5)] and got.block_copies == [(9, 11)]
+    assert got.sample_rows == [0, 0] and got.forked_ids == []
 
 
 def test_speculative_plans_and_results_travel_pickled():
