@@ -90,6 +90,7 @@ class Scheduler:
         self._next_state: list[tuple[int, int]] = []
         self._next_block: list[tuple[int, int]] = []
         self._next_made: list[Snapshot] = []
+        self._behind: dict[str, list[Snapshot]] = {}   # request -> its superseded snapshots
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -109,6 +110,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.fork_of is not None and req in req.fork_of.forks:
             req.fork_of.forks.remove(req)
+        self._behind.pop(req.request_id, None)
         self._unfork(req)             # a parent that ends before forking: its samples go alone
         req.status = Status.FINISHED
 
@@ -168,6 +170,9 @@ class Scheduler:
         table = self.blocks.tables.get(req.slot, [])
         snap = self.prefix.save(req.all_ids[:h], table)
         if snap is not None:
+            for old in self._behind.get(req.request_id, ()):
+                self.prefix.demote(old)                  # superseded by the longer one
+            self._behind[req.request_id] = [snap]
             kda, blk = self.prefix.save_ops(snap, req.slot, table)
             self._next_state.append(kda)
             if blk is not None:
@@ -188,6 +193,7 @@ class Scheduler:
         if hit is None:
             reset.append(req.slot)
         else:                                    # restore: its state, blocks, partial block
+            self._behind[req.request_id] = [hit]
             table = self.blocks.share(req.slot, hit.blocks)
             state.append((snapshot_ref(hit.index), req.slot))
             if hit.tail_block is not None:
