@@ -158,6 +158,21 @@ class DeployConfig(_Model):
         default=256, ge=0, description="Requests queued beyond the running ones before new ones "
                                        "get 503 + Retry-After.")
     block_size: int = Field(default=16, ge=1, description="Tokens per latent-cache block.")
+    enable_prefix_caching: bool | None = Field(
+        default=None, description="Reuse the cache of earlier requests that share a token "
+                                  "prefix: MLA latent blocks shared by prefix hash and KDA "
+                                  "state snapshots where conversations resume (a prompt's end, "
+                                  "a finished request's end), so a follow-up turn prefills only "
+                                  "its new tokens; usage reports them as "
+                                  "prompt_tokens_details.cached_tokens. null: on, except with "
+                                  "speculative_config (not supported together yet).")
+    kda_snapshot_slots: int = Field(
+        default=32, ge=0, description="KDA state snapshots each rank keeps for prefix "
+                                      "caching, evicted least recently used: each holds one "
+                                      "sequence's recurrent + conv state (K3: 28.1 MB per rank "
+                                      "at TP16, 56.2 MB at TP8; `raydecode plan "
+                                      "--kda-snapshots` counts them). Unused when prefix "
+                                      "caching is off.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Weights/activations dtype; auto: bfloat16 on GPU, float32 "
                                     "on CPU.")
@@ -188,6 +203,17 @@ class DeployConfig(_Model):
         return v
 
     @model_validator(mode="after")
+    def _prefix_caching(self) -> "DeployConfig":
+        if self.enable_prefix_caching and self.speculative_config is not None:
+            raise ValueError("enable_prefix_caching = true with speculative_config: not "
+                             "supported together yet; set enable_prefix_caching to false or "
+                             "null (null turns it off for speculative replicas)")
+        if self.enable_prefix_caching and self.kda_snapshot_slots < 1:
+            raise ValueError("enable_prefix_caching = true needs kda_snapshot_slots >= 1 (a "
+                             "cached prefix is only usable where a KDA state snapshot exists)")
+        return self
+
+    @model_validator(mode="after")
     def _dcp_divides_tp(self) -> "DeployConfig":
         if self.tensor_parallel_size % self.decode_context_parallel_size:
             raise ValueError(f"decode_context_parallel_size = {self.decode_context_parallel_size}"
@@ -212,12 +238,23 @@ class DeployConfig(_Model):
     def resolved_max_model_len(self, model_max_positions: int) -> int:
         return self.max_model_len or min(model_max_positions, 4096)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """enable_prefix_caching resolved: null is on without speculative_config and with
+        snapshot slots to keep."""
+        if self.enable_prefix_caching is not None:
+            return self.enable_prefix_caching
+        return self.speculative_config is None and self.kda_snapshot_slots > 0
+
     def engine_config(self, model_max_positions: int) -> EngineConfig:
+        on = self.prefix_caching
         return EngineConfig(max_num_seqs=self.max_num_seqs,
                             max_model_len=self.resolved_max_model_len(model_max_positions),
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             block_size=self.block_size,
-                            dcp_size=self.decode_context_parallel_size)
+                            dcp_size=self.decode_context_parallel_size,
+                            enable_prefix_caching=on,
+                            num_snapshots=self.kda_snapshot_slots if on else 0)
 
     def envelope_policy(self) -> EnvelopePolicy:
         return EnvelopePolicy(enabled=self.envelope.enabled, max_batch=self.envelope.max_batch,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import logging
@@ -26,7 +27,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 import torch
 
-from raydecode.engine.engine import LLMEngine, LocalExecutor, StepOutput
+from raydecode.engine.engine import EngineConfig, LLMEngine, LocalExecutor, StepOutput
 from raydecode.engine.request import RequestError, SamplingParams
 from raydecode.engine.sampling import StepResult
 from raydecode.engine.scheduler import StepPlan
@@ -87,8 +88,27 @@ class LocalReplicaExecutor(LocalExecutor):
         r = self.runner
         return r.ready(num_seqs) if isinstance(r, GraphedRunner) and r.capture else True
 
+    @property
+    def kda_snapshot_slots(self) -> int:
+        kda = self.runner.caches.kda
+        return kda.snap_rec.shape[1] if kda is not None else 1 << 30
+
     def close(self) -> None:
         pass
+
+
+def fit_prefix_cache(ecfg: EngineConfig, executor) -> EngineConfig:
+    """The engine config `executor` can serve: prefix caching addresses the ranks' KDA
+    snapshot slots, so it keeps at most the executor's `kda_snapshot_slots` (an executor that
+    does not say has none: caching off)."""
+    have = getattr(executor, "kda_snapshot_slots", 0)
+    if ecfg.num_snapshots <= have:
+        return ecfg
+    if ecfg.enable_prefix_caching:
+        log.warning("prefix caching with %d KDA snapshot slots asked; the executor holds %d",
+                    ecfg.num_snapshots, have)
+    return dataclasses.replace(ecfg, num_snapshots=have,
+                               enable_prefix_caching=ecfg.enable_prefix_caching and have > 0)
 
 
 def executor_supports(config: DeployConfig) -> bool:
@@ -131,7 +151,7 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
         shard = ShardSpec(model=str(config.model), dtype=config.resolved_dtype(),
                           num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
                           block_size=ecfg.block_size, max_model_len=ecfg.max_model_len,
-                          step_graphs=step_graphs_setting())
+                          step_graphs=step_graphs_setting(), num_snapshots=ecfg.num_snapshots)
         runner = load_runner(shard, Parallel(), LocalComm(), device)
         prepare_runner(runner, Parallel(), device)       # kernels, then the step graphs
         return LocalReplicaExecutor(runner)
@@ -147,13 +167,16 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
         placement = plan_replica_placement(tp, dcp, options=config.placement)
         verified = placement.profile == "production" and placement.domain is not None
         rank_cpus = config.placement.rank_cpus
-    return make_rank_group_executor(
+    ex = make_rank_group_executor(
         config.model, tp, dcp, config.resolved_dtype(), num_slots=ecfg.max_num_seqs,
         num_blocks=ecfg.blocks, block_size=ecfg.block_size,
         step_timeout_s=config.rank_step_timeout_s, placement=placement,
         domain_verified=verified, num_cpus_per_rank=rank_cpus, max_model_len=ecfg.max_model_len,
+        num_snapshots=ecfg.num_snapshots,
         # a speculating replica's SpecRunner stays eager: no step graphs (rank_group.py)
         runner_factory=None if spec is None else spec_runner_factory(spec))
+    ex.kda_snapshot_slots = ecfg.num_snapshots        # what every rank allocated
+    return ex
 
 
 def _spec_shard(config: DeployConfig, ecfg):
@@ -240,6 +263,8 @@ class _Stream:
     where: str = "pending"                           # pending | replica | stock
     done: bool = False
     task: asyncio.Task | None = None                 # its stock continuation
+    index: int = 0                                   # n > 1: its sample (choice) index
+    forks: list[str] = field(default_factory=list)   # index 0 of n > 1: the others' ids
 
     def send(self, out: StepOutput | BaseException) -> None:
         if self.done:
@@ -247,6 +272,7 @@ class _Stream:
         if isinstance(out, BaseException):
             self.done = True
         else:
+            out.index = self.index
             self.ids += out.new_token_ids
             self.text += out.delta_text
             self.done = out.finished
@@ -311,14 +337,15 @@ class CoordinatorCore:
         return self.healthy
 
     def _build_engine(self) -> None:
-        self._path_exec = EnvelopeExecutor(self.factory(), self.policy, self.counters,
+        inner = self.factory()
+        self._path_exec = EnvelopeExecutor(inner, self.policy, self.counters,
                                            self.config.tensor_parallel_size)
+        ecfg = fit_prefix_cache(self.engine_cfg, inner)
         if self.spec is None:
-            self.engine = LLMEngine(self._path_exec, self.tokenizer, self.engine_cfg,
-                                    self.eos_ids)
+            self.engine = LLMEngine(self._path_exec, self.tokenizer, ecfg, self.eos_ids)
         else:
-            self.engine = SpecEngine(self._path_exec, self.tokenizer, self.engine_cfg,
-                                     self.eos_ids, self.spec)
+            self.engine = SpecEngine(self._path_exec, self.tokenizer, ecfg, self.eos_ids,
+                                     self.spec)
             self.engine.acceptance = self.acceptance     # one series across rebuilds
         # one thread per engine generation: a hung step keeps its thread, not the next engine's
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step")
@@ -338,26 +365,55 @@ class CoordinatorCore:
             self._pool.shutdown(wait=False)
 
     # ---- requests -----------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       n: int = 1) -> AsyncIterator[StepOutput]:
         """Admit (raising RequestError / Overloaded before anything is yielded), yield an empty
-        'accepted' delta, then the request's deltas until one has finished=True."""
-        s = self._admit(request_id, list(prompt_ids), params)
+        'accepted' delta, then the request's deltas until one has finished=True. n > 1: the
+        deltas of n samples sharing one prefill, each carrying its `index` (0..n-1), until
+        all n have finished; sample i > 0 runs as request f"{request_id}#{i}" with its own
+        seed (engine/request.py `sample_seed`)."""
+        group = self._admit_group(request_id, list(prompt_ids), params, n)
+        left = len(group)
         try:
             yield StepOutput(request_id, [], "", False, None)
-            while True:
-                out = await s.queue.get()
+            while left:
+                out = await group[0].queue.get()
                 if isinstance(out, BaseException):
                     raise out
                 yield out
-                if out.finished:
-                    return
+                left -= out.finished
         finally:
-            if not s.done:
-                self.abort(request_id)
-            self.streams.pop(request_id, None)
+            for s in group:
+                if not s.done:
+                    self.abort(s.request_id)
+                self.streams.pop(s.request_id, None)
 
-    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> _Stream:
+    def _admit_group(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     n: int) -> list[_Stream]:
+        """The n streams of a request (one queue): index 0 carries the others' ids and enters
+        the engine with them as its forks; on the stock pool each continues alone."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError(f"n = {n!r}; expected an integer >= 1")
+        if n > 1 and self.num_waiting + n > self.config.max_waiting_requests:
+            raise Overloaded(f"{self.num_waiting} requests already wait and this one adds {n} "
+                             f"(max_waiting_requests = {self.config.max_waiting_requests})")
+        ids = [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+        taken = [i for i in ids[1:] if i in self.streams]
+        if taken:
+            raise RequestError(f"request_id {taken[0]!r} is already in use")
+        head = self._admit(request_id, prompt_ids, params, ids[1:])
+        group = [head]
+        for i, rid in enumerate(ids[1:], start=1):
+            s = _Stream(rid, prompt_ids, _sample_params(params, i), queue=head.queue,
+                        where=head.where, index=i)
+            self.streams[rid] = s
+            group.append(s)
+            if head.where == "stock":
+                self._to_stock(s)
+        return group
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               forks: list[str] | None = None) -> _Stream:
         if not prompt_ids:
             raise RequestError("prompt is empty; expected at least one token")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -369,7 +425,7 @@ class CoordinatorCore:
                                f"{self.engine_cfg.max_model_len} (prompt + at least one new token)")
         if request_id in self.streams:
             raise RequestError(f"request_id {request_id!r} is already in use")
-        s = _Stream(request_id, prompt_ids, params)
+        s = _Stream(request_id, prompt_ids, params, forks=list(forks or ()))
         if not self.healthy:
             if self.stock is None:
                 raise Overloaded(f"replica is unhealthy ({self.last_failure}) and rebuilding; "
@@ -388,9 +444,12 @@ class CoordinatorCore:
         return s
 
     def abort(self, request_id: str) -> None:
+        """End a request (with n > 1, the id of sample 0 ends every sample)."""
         s = self.streams.get(request_id)
         if s is None:
             return
+        for rid in s.forks:
+            self.abort(rid)
         s.send(StepOutput(request_id, [], "", True, "abort"))      # ends its generator
         if s.where == "pending" and s in self._pending:
             self._pending.remove(s)
@@ -429,8 +488,11 @@ class CoordinatorCore:
         self._aborts.clear()
         for s in self._pending:
             try:
-                self.engine.add_request(s.prompt_ids, s.params, request_id=s.request_id)
+                self.engine.add_request(s.prompt_ids, s.params, request_id=s.request_id,
+                                        forks=s.forks)
                 s.where = "replica"
+                for rid in s.forks:
+                    self.streams[rid].where = "replica"
             except RequestError as e:
                 s.send(e)
         self._pending.clear()
@@ -542,6 +604,7 @@ class CoordinatorCore:
             "waiting": self.num_waiting,
             "on_stock": sum(1 for s in self.streams.values() if s.where == "stock" and not s.done),
             "preemptions": sched.num_preemptions if sched else 0,
+            "cache": self.engine.cache_stats() if self.engine else None,
             "speculative": self._spec_stats(),
             "control_plane": self._control_plane(),
         }
@@ -570,6 +633,16 @@ class CoordinatorCore:
                 "warning": self.config.synthetic_warning}
 
 
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index`'s params when it continues alone (the stock pool): a seeded request's
+    samples keep distinct seeds there too (engine/request.py `sample_seed`)."""
+    from raydecode.engine.request import sample_seed
+
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=sample_seed(params.seed, index))
+
+
 def _close_quietly(executor: ReplicaExecutor) -> None:
     try:
         (getattr(executor, "close", None) or executor.shutdown)()
@@ -588,8 +661,9 @@ class CoordinatorActor:
         await self.core.start()
         return True
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
-        async for out in self.core.generate(request_id, prompt_ids, params):
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       n: int = 1):
+        async for out in self.core.generate(request_id, prompt_ids, params, n):
             yield out
 
     async def abort(self, request_id: str) -> None:

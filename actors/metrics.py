@@ -2,7 +2,8 @@
 
 Request-level series (TTFT, TPOT, tokens, requests by status) are measured where the client is,
 in the ingress; step-level series (steps and tokens by path, fall-back reasons, fail-overs, queue
-depth, health) come from the coordinator's `stats()` snapshot, rendered at scrape time; so do
+depth, health, prefill tokens and the prefix cache's hits) come from the coordinator's
+`stats()` snapshot, rendered at scrape time; so do
 the speculative-decoding series of a DSpark replica (mean acceptance length, the acceptance
 length histogram over 1..k+1, per-position acceptance rates, the synthetic-acceptance flag).
 """
@@ -94,6 +95,8 @@ class _StatsCollector:
         yield g
         if s.get("speculative"):
             yield from _spec_families(s["speculative"])
+        if s.get("cache"):
+            yield from _cache_families(s["cache"])
         cp = s.get("control_plane")
         if cp:      # the step channel: what crossed between coordinator and ranks (no logits)
             for key, help_ in (("steps", "Steps sent over the rank step channel"),
@@ -106,6 +109,25 @@ class _StatsCollector:
             yield GaugeMetricFamily("raydecode_control_plane_max_result_bytes",
                                     "Largest result frame of one step, bytes",
                                     value=cp["max_result_bytes"])
+
+
+def _cache_families(c: dict):
+    """Prefill work and what the prefix cache (engine/prefix_cache.py) and n > 1 forks saved;
+    counters restart with the engine (a rebuild)."""
+    yield CounterMetricFamily("raydecode_prefill_tokens", "Prompt tokens run through prefill "
+                              "chunks", value=c["prefill_tokens"])
+    yield CounterMetricFamily("raydecode_forked_samples", "n > 1 samples that shared their "
+                              "request's prefill", value=c["forks"])
+    if not c.get("prefix_caching"):
+        return
+    for key, help_ in (("queries", "Admissions that looked the prefix cache up"),
+                       ("hits", "Admissions restored from a cached prefix"),
+                       ("hit_tokens", "Tokens restored from cached prefixes"),
+                       ("saves", "KDA + MLA snapshots made"),
+                       ("evictions", "Snapshots evicted (least recently used)")):
+        yield CounterMetricFamily(f"raydecode_prefix_cache_{key}", help_, value=c[key])
+    yield GaugeMetricFamily("raydecode_prefix_cache_snapshots", "KDA state snapshots held "
+                            "(of kda_snapshot_slots per rank)", value=c["snapshots"])
 
 
 def _spec_families(sp: dict):

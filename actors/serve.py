@@ -29,12 +29,13 @@ from .metrics import CONTENT_TYPE, RequestMetrics
 from .stock_pool import StockPoolError
 
 RETRY_AFTER_S = 5
+MAX_N = 128                                # choices per request (OpenAI's bound)
 WARNING_HEADER = "X-Raydecode-Warning"     # set on every completion in synthetic-acceptance mode
 
 
 class Backend(Protocol):
-    def generate(self, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[StepOutput]: ...
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 n: int = 1) -> AsyncIterator[StepOutput]: ...    # n > 1: outputs by .index
 
     def abort(self, request_id: str) -> None: ...          # non-blocking
 
@@ -47,8 +48,8 @@ class LocalBackend:
     def __init__(self, core: CoordinatorCore):
         self.core = core
 
-    def generate(self, request_id, prompt_ids, params):
-        return self.core.generate(request_id, prompt_ids, params)
+    def generate(self, request_id, prompt_ids, params, n=1):
+        return self.core.generate(request_id, prompt_ids, params, n)
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
@@ -64,8 +65,8 @@ class RayBackend:
     def __init__(self, actor):
         self.actor = actor
 
-    async def generate(self, request_id, prompt_ids, params):
-        async for ref in self.actor.generate.remote(request_id, prompt_ids, params):
+    async def generate(self, request_id, prompt_ids, params, n=1):
+        async for ref in self.actor.generate.remote(request_id, prompt_ids, params, n):
             yield await ref
 
     def abort(self, request_id: str) -> None:
@@ -134,8 +135,8 @@ def _sampling(req: oa._Common, n_prompt: int, blame: str, ctx: ServingContext) -
     if req.unsupported():
         name = req.unsupported()[0]
         raise oa.bad_request(f"'{name}' is not supported by this server", name)
-    if req.n != 1:
-        raise oa.bad_request(f"n = {req.n}; this server returns one choice (n = 1)", "n")
+    if not 1 <= req.n <= MAX_N:
+        raise oa.bad_request(f"n = {req.n}; expected 1 <= n <= {MAX_N} choices", "n")
     mml = ctx.max_model_len
     if n_prompt >= mml:
         raise oa.bad_request(f"This model's maximum context length is {mml} tokens; your "
@@ -268,14 +269,19 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
                 if len(raw) > 2**16 else _prompt_ids(req, ctx)
             params = _sampling(req, len(ids), blame, ctx)
             rid = oa.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
-            gen = backend.generate(rid, ids, params)
+            gen = backend.generate(rid, ids, params, req.n)
             await gen.__anext__()                 # admission: errors here are HTTP errors
         except Exception as e:  # noqa: BLE001 — every failure becomes an OpenAI error body
             err = _map_error(e)
             metrics.requests.labels(endpoint, str(err.status)).inc()
             return _error_response(err)
-        run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name,
-                   ctx.warning)
+        if req.n > 1:
+            from .choices import Choices
+            run = Choices(_Run, endpoint, rid, req, ids, gen, backend, metrics, t0,
+                          ctx.model_name, ctx.warning)
+        else:
+            run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name,
+                       ctx.warning)
         headers = {WARNING_HEADER: ctx.warning} if ctx.warning else None
         if req.stream:
             try:
@@ -301,6 +307,7 @@ class _Run:
         self.created = int(time.time())
         self.t_first = self.t_last = None
         self.ids: list[int] = []
+        self.cached = 0                          # prompt tokens served from the prefix cache
         self.finish: str | None = None
         self._head: list[StepOutput] = []        # deltas taken by first(), replayed by sse()
         self._it: AsyncIterator[StepOutput] | None = None
@@ -334,6 +341,7 @@ class _Run:
                 self.t_first = self.t_first or now
                 self.t_last = now
                 self.ids += out.new_token_ids
+            self.cached = max(self.cached, out.cached_tokens)
             if out.finished:
                 self.finish = out.finish_reason
             yield out
@@ -356,19 +364,30 @@ class _Run:
             if self.finish is None:
                 self.backend.abort(self.rid)
         self._done(200)
-        use = oa.usage(self.n_prompt, len(self.ids))
+        use = oa.usage(self.n_prompt, len(self.ids), self.cached)
         tids = self.ids if self.req.return_token_ids else None
         body = oa.chat_body if self.endpoint == "chat" else oa.completion_body
         out = body(self.rid, self.model, "".join(text), self.finish, use, tids, self.created)
         return {**out, "warning": self.warning} if self.warning else out
 
     async def sse(self):
+        it = self.chunks(self.req.include_usage)
+        try:
+            async for obj in it:
+                yield oa.sse(obj)
+        finally:                  # a client gone mid-stream: chunks' cleanup runs now
+            await it.aclose()
+        yield oa.SSE_DONE
+
+    async def chunks(self, include_usage: bool):
+        """The stream's chunk objects (an error body last if it fails mid-stream), without
+        the [DONE] line."""
         chat, tids = self.endpoint == "chat", self.req.return_token_ids
         status = 499                       # stays so if the client goes away mid-stream
         try:
             if chat:
-                yield oa.sse(oa.chat_chunk(self.rid, self.model, self.created,
-                                           {"role": "assistant", "content": ""}, None))
+                yield oa.chat_chunk(self.rid, self.model, self.created,
+                                    {"role": "assistant", "content": ""}, None)
             async for out in self._replay():
                 if not (out.delta_text or out.finished or (tids and out.new_token_ids)):
                     continue
@@ -376,25 +395,23 @@ class _Run:
                 fin = out.finish_reason if out.finished else None
                 if chat:
                     delta = {"content": out.delta_text} if out.delta_text else {}
-                    yield oa.sse(oa.chat_chunk(self.rid, self.model, self.created, delta, fin,
-                                               ids))
+                    yield oa.chat_chunk(self.rid, self.model, self.created, delta, fin, ids)
                 else:
-                    yield oa.sse(oa.completion_chunk(self.rid, self.model, self.created,
-                                                     out.delta_text, fin, ids))
-            if self.req.include_usage:
+                    yield oa.completion_chunk(self.rid, self.model, self.created,
+                                              out.delta_text, fin, ids)
+            if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                yield oa.sse(oa.usage_chunk(self.rid, obj, self.model, self.created,
-                                            oa.usage(self.n_prompt, len(self.ids))))
+                yield oa.usage_chunk(self.rid, obj, self.model, self.created,
+                                     oa.usage(self.n_prompt, len(self.ids), self.cached))
             status = 200
         except Exception as e:  # noqa: BLE001 — a failure mid-stream is an SSE error event
             err = _map_error(e)
             status = err.status
-            yield oa.sse(err.body())
+            yield err.body()
         finally:
             if self.finish is None:
                 self.backend.abort(self.rid)
             self._done(status)
-        yield oa.SSE_DONE
 
 
 # ---- Ray Serve ----------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ BAD = [  # (raw body or kwargs, expected status, expected param)
     ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ({"model": NAME, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"model": NAME, "prompt": 42}, 400, "prompt"),
-    ({"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": NAME, "prompt": "hi", "n": 0}, 400, "n"),
     ({"model": NAME, "prompt": "x " * MML, "max_tokens": 1}, 400, "prompt"),
     # hostile sampling values that underflow in fp32: once they failed the whole batch's step
     ({"model": NAME, "prompt": "hi", "temperature": 1.0, "top_p": 1e-300}, 400, "top_p"),
@@ -243,6 +243,29 @@ def test_stop_seed_and_top_p(server, engine):
     assert stopped.choices[0].text == full.output_text[:full.output_text.find(stop)]
     assert seeded[0].choices[0].text == seeded[1].choices[0].text      # same seed, same sample
     assert nucleus.choices[0].text == full.output_text                 # top_p → only the argmax
+
+
+def test_n2_choices_and_cached_tokens_through_ray_serve(server, engine):
+    """n = 2 through the Serve ingress and the Coordinator actor (its generator carries every
+    sample's deltas by index); the same prompt again is served partly from the prefix cache."""
+    prompt = "A haiku about caches:"
+    want = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+
+    async def run():
+        c = client(server)
+        kw = dict(model=NAME, prompt=prompt, max_tokens=8, temperature=0, n=2)
+        body = await c.completions.create(**kw)
+        parts = {0: "", 1: ""}
+        async for ch in await c.completions.create(**kw, stream=True):
+            for choice in ch.choices:
+                parts[choice.index] += choice.text
+        return body, parts
+
+    body, parts = asyncio.run(run())
+    assert [ch.index for ch in body.choices] == [0, 1]
+    assert [ch.text for ch in body.choices] == [want.output_text] * 2 == [parts[0], parts[1]]
+    assert body.usage.completion_tokens == 2 * len(want.output_ids)
+    assert body.usage.prompt_tokens_details.cached_tokens == 0       # shorter than a chunk
 
 
 def test_raw_sse_framing(server):
