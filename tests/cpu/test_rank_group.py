@@ -1,6 +1,8 @@
 """TP rank groups on real Ray actors and a real gloo group (tiny checkpoint, CPU):
 TP = 2 and 4 greedy decodes equal TP = 1; the specialized step equals the stock step through the
-actors; DCP = 2 and 4 (TP = 4) equal DCP = 1; deadlines and a killed rank become RankFailure.
+actors; DCP = 2 and 4 (TP = 4) equal DCP = 1; prefix-cache restores and n = 2 forks (the plan's
+KDA state and MLA block copies on every rank) at TP = 2 and at TP = 4 / DCP = 2 generate what
+TP = 1 generates without caching; deadlines and a killed rank become RankFailure.
 
 One Ray instance for the module and at most one rank group alive at a time: spawning rank
 processes (importing torch) is the expensive part on a 2-core machine, so the TP = 4 group is
@@ -25,7 +27,7 @@ torch.set_num_threads(1)
 PROMPTS = ["hello there", "Ray"]
 N_DECODE = 64          # decode steps of the TP runs (max_tokens = 1 from prefill + 64)
 N_DCP = 24             # decode steps of the DCP runs
-BLOCK, MAX_LEN, SLOTS = 4, 96, 2
+BLOCK, MAX_LEN, SLOTS, SNAPSHOTS = 4, 96, 2, 4
 STEP_TIMEOUT_S = 60.0
 
 
@@ -42,7 +44,8 @@ class Groups:
             self.pg = placement_group
             self.ex = make_rank_group_executor(
                 "tiny", tp, dcp, "float32", SLOTS, engine_cfg(1).blocks, BLOCK,
-                STEP_TIMEOUT_S, placement_group, num_cpus_per_rank=0.5)
+                STEP_TIMEOUT_S, placement_group, num_cpus_per_rank=0.5,
+                num_snapshots=SNAPSHOTS)
         elif self.ex.dcp_size != dcp:
             self.ex.set_dcp(dcp)
         return self.ex
@@ -70,9 +73,49 @@ def tok():
     return load_tokenizer("tiny")
 
 
-def engine_cfg(dcp: int) -> EngineConfig:
+def engine_cfg(dcp: int, caching: bool = False) -> EngineConfig:
     return EngineConfig(max_num_seqs=SLOTS, max_model_len=MAX_LEN, block_size=BLOCK,
-                        dcp_size=dcp)
+                        dcp_size=dcp, enable_prefix_caching=caching,
+                        num_snapshots=SNAPSHOTS if caching else 0)
+
+
+TURN1 = "the prefix cache keeps a snapshot of every layer where a turn ends"
+TURN2_TAIL = [11, 12, 13]
+N_TURN = 8
+
+
+def two_turns_and_a_fork(executor, tok, dcp: int, caching: bool) -> dict:
+    """Turn 1, turn 2 = turn 1 + its output + new tokens (restored from turn 1's finished
+    snapshot when caching), and turn 1's prompt + one token with n = 2 (restored from turn 1's
+    prompt end, then forked)."""
+    eng = LLMEngine(executor, tok, engine_cfg(dcp, caching), eos_ids=(497,))
+    p = SamplingParams(max_tokens=N_TURN, temperature=0.0, ignore_eos=True)
+    first = eng.generate([tok.encode(TURN1)], p)[0]
+    second = eng.generate([first.all_ids + TURN2_TAIL], p)[0]
+    a = eng.add_request(tok.encode(TURN1) + TURN2_TAIL[:1], p, forks=["fork#1"])
+    while eng.has_unfinished():
+        eng.step()
+    return {"tokens": [first.output_ids, second.output_ids, a.output_ids,
+                       eng.requests["fork#1"].output_ids],
+            "cached": second.cached_prompt_tokens, "turn1": len(first.all_ids),
+            "forks": eng.cache_stats()["forks"]}
+
+
+@pytest.fixture(scope="module")
+def turns_tp1(tok):
+    shard = load_shard("tiny", num_slots=SLOTS, num_blocks=engine_cfg(1).blocks,
+                       block_size=BLOCK)
+    out = two_turns_and_a_fork(LocalExecutor(ModelRunner(shard.model, shard.caches)), tok, 1,
+                               caching=False)
+    assert out["cached"] == 0 and out["tokens"][2] == out["tokens"][3]
+    return out
+
+
+def check_prefix_cache_equals_tp1(executor, tok, dcp: int, ref: dict) -> None:
+    got = two_turns_and_a_fork(ForceSpecialized(executor), tok, dcp, caching=True)
+    # turn 2 resumed where turn 1 finished: its prompt and all outputs but the last
+    assert got["cached"] == ref["turn1"] - 1 and got["forks"] == 1
+    assert got["tokens"] == ref["tokens"]
 
 
 def greedy(executor, tok, dcp: int, n_decode: int) -> list[list[int]]:
@@ -168,6 +211,10 @@ def test_tp2_forced_specialized_decode_equals_stock(groups, tok, tp1_tokens):
     assert [a - b for a, b in zip(specialized_counts(ex), before)] == [N_DECODE] * 2
 
 
+def test_tp2_prefix_cache_and_fork_equal_tp1(groups, tok, turns_tp1):
+    check_prefix_cache_equals_tp1(groups.get(2, 1), tok, 1, turns_tp1)
+
+
 def test_unknown_path_is_refused_before_the_ranks(groups, tok):
     ex = groups.get(2, 1)
     before = ex.stats()
@@ -209,6 +256,10 @@ def test_dcp_greedy_equals_dcp1(groups, tok, tp1_tokens, dcp):
     assert ex.dcp_size == dcp and ex.healthy
     # tp1_tokens == the TP=4, DCP=1 tokens (test_tp4_greedy_equals_tp1)
     assert greedy(ex, tok, dcp, N_DCP) == [t[:N_DCP + 1] for t in tp1_tokens]
+
+
+def test_dcp2_prefix_cache_and_fork_equal_tp1(groups, tok, turns_tp1):
+    check_prefix_cache_equals_tp1(groups.get(4, 2), tok, 2, turns_tp1)
 
 
 def test_dcp4_specialized_step_equals_stock(groups, tok):
