@@ -35,6 +35,7 @@ class Deployment:
     state_dtype: str = "fp32"
     gpu_memory_utilization: float = 0.90
     prefill_chunk: int = 8192          # tokens per prefill chunk (activation workspace)
+    kda_snapshots: int = 0             # KDA state snapshots per rank (prefix caching)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ def validate(cfg: K3Config, gpu: GPU, dep: Deployment, wl: Workload | None = Non
         ok = ("bf16", "fp8") if nm == "--kv-dtype" else ("fp32", "bf16")
         if v not in ok:
             raise PlanError(f"{nm} {v!r}; expected one of {ok}")
+    if isinstance(dep.kda_snapshots, bool) or not isinstance(dep.kda_snapshots, int) \
+            or dep.kda_snapshots < 0:
+        raise PlanError(f"--kda-snapshots {dep.kda_snapshots}: expected an integer >= 0 (the "
+                        "deployment's kda_snapshot_slots; 0 without prefix caching)")
     if not 0.0 < dep.gpu_memory_utilization <= 1.0:
         raise PlanError(f"--gpu-memory-utilization {dep.gpu_memory_utilization}: expected (0, 1]")
     if dep.dspark_k:
@@ -143,16 +148,20 @@ def memory(cfg: K3Config, gpu: GPU, dep: Deployment) -> dict:
         + decode_tokens * cfg.vocab_size // tp * 4
     usable = dep.gpu_memory_utilization * gpu.hbm_bytes
     weights = sum(w.values())
-    cache = usable - weights - drafter - workspace
     kv_tok = P.kv_bytes_per_token(cfg, dep.dcp, dep.kv_dtype,
                                   P.DrafterSpec().num_layers if dep.dspark_k else 0)
     kda_seq = P.kda_state_bytes_per_seq(cfg, tp, dep.state_dtype)
+    # prefix caching: each snapshot slot is one sequence's KDA state, allocated at start (its
+    # MLA blocks come out of the cache budget's block pool and are evicted under pressure)
+    snapshots = dep.kda_snapshots * kda_seq
+    cache = usable - weights - drafter - workspace - snapshots
     per_seq = dep.context * kv_tok + kda_seq
     return {
         "hbm": gpu.hbm_bytes, "usable": usable, "reserved": gpu.hbm_bytes - usable,
         "weights_by_kind": w, "weights": weights,
         "weights_replicated": sum(w[k] for k in P.REPLICATED_IN_STOCK),
-        "drafter": drafter, "workspace": workspace, "cache_budget": cache,
+        "drafter": drafter, "workspace": workspace, "kda_snapshots": snapshots,
+        "cache_budget": cache,
         "kv_bytes_per_token": kv_tok, "kda_state_bytes_per_seq": kda_seq,
         "bytes_per_seq": per_seq, "cache_used": dep.batch * per_seq,
         "max_concurrency": max(0, int(cache // per_seq)),
@@ -181,10 +190,13 @@ def check_fits(cfg: K3Config, gpu: GPU, dep: Deployment, mem: dict) -> None:
         over = -mem["cache_budget"]
         raise PlanError(
             f"weights {mem['weights'] / gb:.1f} GB + drafter {mem['drafter'] / gb:.1f} GB + "
-            f"workspace {mem['workspace'] / gb:.1f} GB per GPU exceed the usable "
+            f"workspace {mem['workspace'] / gb:.1f} GB "
+            + (f"+ {dep.kda_snapshots} KDA snapshots {mem['kda_snapshots'] / gb:.1f} GB "
+               if dep.kda_snapshots else "") + "per GPU exceed the usable "
             f"{mem['usable'] / gb:.1f} GB of {gpu.name} at --tp {dep.tp} (over by {over / gb:.1f} "
             f"GB); "
-            f"use {tp_hint}, or a smaller --prefill-chunk if the workspace is the excess")
+            f"use {tp_hint}, or a smaller --prefill-chunk if the workspace is the excess"
+            + (", or fewer --kda-snapshots" if dep.kda_snapshots else ""))
     if mem["cache_used"] > mem["cache_budget"]:
         over = mem["cache_used"] - mem["cache_budget"]
         raise PlanError(

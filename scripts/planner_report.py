@@ -34,6 +34,8 @@ def render(r: dict) -> str:
           _row("  of which replicated", f"{m['weights_replicated'] / GB:.2f}"),
           _row("DSpark drafter", f"{m['drafter'] / GB:.2f}"),
           _row("activation workspace", f"{m['workspace'] / GB:.2f}"),
+          _row(f"KDA snapshots ×{d['kda_snapshots']} (prefix cache)",
+               f"{m['kda_snapshots'] / GB:.2f}"),
           _row("reserved (1 - utilization)", f"{m['reserved'] / GB:.2f}"),
           _row("KV + KDA cache budget", f"{m['cache_budget'] / GB:.2f}"),
           _row(f"cache in use at batch {d['batch']}", f"{m['cache_used'] / GB:.2f}"),
@@ -142,6 +144,7 @@ def plot(r: dict, out_dir: str | Path) -> list[str]:
     parts = [(KIND_LABELS.get(k, k) + (" [R]" if k in REPLICATED else ""), v / GB)
              for k, v in sorted(m["weights_by_kind"].items(), key=lambda kv: -kv[1])]
     parts += [("DSpark drafter", m["drafter"] / GB), ("workspace", m["workspace"] / GB),
+              ("KDA snapshots (prefix cache)", m["kda_snapshots"] / GB),
               (f"KV + KDA cache (batch {d['batch']})", m["cache_used"] / GB),
               ("cache free", max(0.0, (m["cache_budget"] - m["cache_used"]) / GB)),
               ("reserved", m["reserved"] / GB)]

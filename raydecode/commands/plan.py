@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "graphs); same meaning as vLLM's")
     d.add_argument("--prefill-chunk", type=int, default=8192,
                    help="tokens per prefill chunk; sizes the activation workspace")
+    d.add_argument("--kda-snapshots", type=int, default=32,
+                   help="KDA state snapshots per rank kept for prefix caching (the "
+                        "deployment's kda_snapshot_slots, default 32; 0 with prefix caching "
+                        "off): each is one sequence's KDA state, taken from the cache budget")
     w = p.add_argument_group("workload (give --requests-per-s or --concurrent-users to size a "
                              "fleet)")
     w.add_argument("--requests-per-s", type=float, default=None,
@@ -111,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
                             acceptance=args.acceptance_length, kv_dtype=args.kv_dtype,
                             state_dtype=args.state_dtype,
                             gpu_memory_utilization=args.gpu_memory_utilization,
-                            prefill_chunk=args.prefill_chunk)
+                            prefill_chunk=args.prefill_chunk,
+                            kda_snapshots=args.kda_snapshots)
         if args.price is not None and args.price <= 0:
             raise PlanError(f"--price {args.price}: expected > 0")
         bench = args.bench_dir if args.bench_dir is not None else _default_bench_dir()

@@ -61,6 +61,18 @@ def test_memory_dcp_and_dspark(k3, cat):
     assert md["kv_bytes_per_token"] == (24 + 5) * 576 * 2
 
 
+def test_kda_snapshots_come_out_of_the_cache_budget(k3, cat):
+    g = gb300(cat)
+    base = PL.memory(k3, g, PL.Deployment(tp=16, context=32768))
+    snap = PL.memory(k3, g, PL.Deployment(tp=16, context=32768, kda_snapshots=32))
+    per = base["kda_state_bytes_per_seq"]                   # 28.09 MB at TP16
+    assert snap["kda_snapshots"] == 32 * per and base["kda_snapshots"] == 0
+    assert snap["cache_budget"] == pytest.approx(base["cache_budget"] - 32 * per)
+    assert snap["max_concurrency"] <= base["max_concurrency"]
+    with pytest.raises(PlanError, match=r"--kda-snapshots -1: expected an integer >= 0"):
+        PL.plan(k3, g, PL.Deployment(kda_snapshots=-1))
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,gpu,match", [
@@ -271,6 +283,9 @@ def test_cli_run_json_fields_and_speed(capsys):
         assert key in r
     assert r["memory"]["kv_bytes_per_token"] == 27_648
     assert r["memory"]["kda_state_bytes_per_seq"] == 28_085_760
+    # the deployment default keeps 32 KDA snapshots per rank for prefix caching
+    assert r["deployment"]["kda_snapshots"] == 32
+    assert r["memory"]["kda_snapshots"] == 32 * 28_085_760
     assert r["speed"]["specialized"]["batch"] == 4
     assert set(r["speed"]["specialized"]["layer_kinds"]) == {"kda+dense", "kda+moe", "mla+moe"}
     assert [a["public_tok_s"] for a in r["anchors"]] == [256.4, 136.0, 3606.0, 842.0, 488.0]
