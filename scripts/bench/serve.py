@@ -49,7 +49,8 @@ BLOCK = 16
 
 
 # ---- the rank's runner: rank 0's shard of K3 at TP `tp`, graphed ------------------------------
-def solo_model(config: str, tp: int, layers: int, seed: int, device: str = "cuda"):
+def solo_model(config: str, tp: int, layers: int, seed: int, device: str = "cuda",
+               dtype: torch.dtype = torch.bfloat16):
     from raydecode.models.config import load_config
     from raydecode.models.k3 import K3ForCausalLM
     from raydecode.models.parallel import Parallel
@@ -61,34 +62,50 @@ def solo_model(config: str, tp: int, layers: int, seed: int, device: str = "cuda
         cfg = dataclasses.replace(cfg, num_layers=layers)
     par = Parallel(0, tp)
     with torch.device(device):
-        return init_on_device_(K3ForCausalLM(cfg, par, SoloRankComm(par), torch.bfloat16),
-                               seed)
+        return init_on_device_(K3ForCausalLM(cfg, par, SoloRankComm(par), dtype), seed)
 
 
 def solo_runner(config: str, tp: int, layers: int, seed: int, num_slots: int, num_blocks: int,
-                max_blocks: int, par, comm, device):
+                max_blocks: int, par, comm, device, *, num_snapshots: int = 0,
+                dtype: torch.dtype = torch.bfloat16):
     """RunnerFactory of the benchmark's rank (ignores the group's par/comm: it plays rank 0 of
-    TP `tp` alone)."""
+    TP `tp` alone); num_snapshots KDA snapshot slots for prefix caching. The decode steps are
+    graph-shaped for bf16 (a float32 model runs every step on the plain path)."""
     from raydecode.actors.rank_worker import ShardSpec
     from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
     from raydecode.models.k3 import make_caches
 
-    model = solo_model(config, tp, layers, seed, device)
+    model = solo_model(config, tp, layers, seed, device, dtype)
     buckets = ShardSpec("", num_slots=num_slots).graph_buckets      # up to num_slots' bucket
     ns, nb = graph_cache_sizes(num_slots, num_blocks, buckets)
-    caches = make_caches(model.cfg, model.par, ns, nb, BLOCK, torch.bfloat16, device=device)
+    caches = make_caches(model.cfg, model.par, ns, nb, BLOCK, dtype, device=device,
+                         num_snapshots=num_snapshots)
     return GraphedRunner(model, caches, device, num_slots=num_slots, num_blocks=num_blocks,
                          max_blocks=max_blocks, buckets=buckets)
 
 
 def solo_executor(runner_factory, num_slots: int, num_blocks: int, step_timeout_s: float,
-                  gpu: bool = True):
+                  gpu: bool = True, num_snapshots: int = 0):
+    """The replica's executor: one rank actor running `runner_factory`; num_snapshots: the
+    KDA snapshot slots that factory's caches hold (what the coordinator's prefix cache may
+    address)."""
     from raydecode.actors.rank_group import make_rank_group_executor
 
-    return make_rank_group_executor(
+    ex = make_rank_group_executor(
         "tiny", 1, 1, "bfloat16", num_slots, num_blocks, BLOCK, step_timeout_s,
         init_timeout_s=1800.0, num_gpus_per_rank=1.0 if gpu else 0.0,
         num_cpus_per_rank=0.5, runner_factory=runner_factory)
+    ex.kda_snapshot_slots = num_snapshots
+    return ex
+
+
+def prompt_id_range(config: str, tp: int) -> tuple[int, int]:
+    """[lo, hi) of the prompt token ids: ids that rank 0 of TP `tp` embeds as themselves."""
+    from raydecode.models.config import load_config
+
+    V = load_config(config).vocab_size
+    hi = min(10000, V // tp, V - 64)
+    return hi // 2, hi
 
 
 def checkpoint_dir(config: str) -> str:
@@ -220,8 +237,8 @@ def serve_levels(args, ckpt: str, report: dict, out_path) -> tuple[list, list, l
     rng = random.Random(args.seed)
     from raydecode.models.config import load_config
     V = load_config(args.config).vocab_size
-    hi = min(10000, V // args.tp, V - 64)        # rank 0's vocab rows embed as themselves
-    prompts = [[rng.randrange(hi // 2, hi) for _ in range(args.prompt_tokens)] for _ in range(S)]
+    lo, hi = prompt_id_range(args.config, args.tp)
+    prompts = [[rng.randrange(lo, hi) for _ in range(args.prompt_tokens)] for _ in range(S)]
     rows = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
