@@ -68,6 +68,12 @@ def test_every_field_has_a_description():
     ("model: tiny\nstock_pool: {base_url: 'stock:8000/v1'}\n", "expected an http:// or https://"),
     ("model: tiny\nenvelope: {max_batch: 65}\n", "envelope.max_batch"),
     ("model: tiny\nplacement: {profile: fast}\n", "placement.profile"),
+    ("model: tiny\nenable_prefix_caching: true\n"
+     "speculative_config: {method: dspark, num_speculative_tokens: 3}\n",
+     "enable_prefix_caching = true with speculative_config: not supported together yet"),
+    ("model: tiny\nenable_prefix_caching: true\nkda_snapshot_slots: 0\n",
+     "needs kda_snapshot_slots >= 1"),
+    ("model: tiny\nkda_snapshot_slots: -1\n", "kda_snapshot_slots: Input should be greater"),
     ("tensor_parallel_size: 2\n", "model: Field required"),
     ("- model: tiny\n", "expected a mapping"),
     ("model: [tiny\n", "not valid YAML"),
@@ -77,6 +83,17 @@ def test_bad_configs_name_the_field_and_what_is_accepted(tmp_path, text, needle)
     with pytest.raises(DeployConfigError) as e:
         load_deploy_config(p)
     assert needle in str(e.value) and str(p) in str(e.value)
+
+
+def test_prefix_caching_defaults_on_except_with_speculation():
+    on = DeployConfig(model="tiny").engine_config(4096)
+    assert on.enable_prefix_caching and on.num_snapshots == 32
+    spec = DeployConfig(model="tiny", speculative_config={"method": "dspark",
+                                                          "num_speculative_tokens": 3})
+    assert not spec.prefix_caching and spec.engine_config(4096).num_snapshots == 0
+    off = DeployConfig(model="tiny", enable_prefix_caching=False).engine_config(4096)
+    assert not off.enable_prefix_caching and off.num_snapshots == 0      # no memory for it
+    assert not DeployConfig(model="tiny", kda_snapshot_slots=0).prefix_caching
 
 
 def test_missing_file_and_example_files():

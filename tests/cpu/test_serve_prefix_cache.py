@@ -154,3 +154,17 @@ def test_n_out_of_range_is_a_400_naming_n(servers):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=60)
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "n"
+
+
+def test_an_executor_without_snapshot_slots_serves_without_caching():
+    """A replica's executor built elsewhere (a benchmark's factory, a test double) that does
+    not report its KDA snapshot slots gets caching off, never plans naming slots it lacks."""
+    from raydecode.actors.coordinator import fit_prefix_cache
+
+    ecfg = cfg(True).engine_config(4096)
+    assert ecfg.enable_prefix_caching and ecfg.num_snapshots == 8
+    off = fit_prefix_cache(ecfg, object())
+    assert not off.enable_prefix_caching and off.num_snapshots == 0
+    fewer = fit_prefix_cache(ecfg, type("Ex", (), {"kda_snapshot_slots": 3})())
+    assert fewer.enable_prefix_caching and fewer.num_snapshots == 3
+    assert fit_prefix_cache(ecfg, type("Ex", (), {"kda_snapshot_slots": 99})()) is ecfg
