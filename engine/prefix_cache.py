@@ -96,8 +96,8 @@ class PrefixCache:
 
     # ---- lookup -------------------------------------------------------------------------------
     def lookup(self, tokens: list[int], limit: int) -> Snapshot | None:
-        """The ready snapshot of the longest prefix tokens[0:h] with h ≤ limit, or None."""
-        self.stats.queries += 1
+        """The ready snapshot of the longest prefix tokens[0:h] with h ≤ limit, or None (the
+        caller `record`s what it used)."""
         if not self.lru or limit < 1:
             return None
         span = self.span
@@ -110,11 +110,16 @@ class PrefixCache:
                         tuple(tokens[j * span:s.length]) == s.tail:
                     best = s
             if best is not None:
-                self.lru.move_to_end(best.index)
-                self.stats.hits += 1
-                self.stats.hit_tokens += best.length
                 return best
         return None
+
+    def record(self, hit: Snapshot | None) -> None:
+        """An admission looked the cache up and used `hit` (None: a miss)."""
+        self.stats.queries += 1
+        if hit is not None:
+            self.lru.move_to_end(hit.index)
+            self.stats.hits += 1
+            self.stats.hit_tokens += hit.length
 
     # ---- save ---------------------------------------------------------------------------------
     def save(self, tokens: list[int], table: list[int]) -> Snapshot | None:

@@ -86,7 +86,7 @@ def sample_seed(seed: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
-@dataclass
+@dataclass(eq=False)       # identity: `req in running` must not compare (shared) prompts
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
@@ -104,8 +104,8 @@ class Request:
     # n > 1: sample `sample_index` of its request; samples 1.. wait in their parent's `forks`
     # until its prompt is cached, then share its prefill (engine/scheduler.py)
     sample_index: int = 0
-    fork_of: "Request | None" = field(default=None, repr=False, compare=False)
-    forks: list["Request"] = field(default_factory=list, repr=False, compare=False)
+    fork_of: "Request | None" = field(default=None, repr=False)
+    forks: list["Request"] = field(default_factory=list, repr=False)
     # prompt tokens served from the prefix cache at the first admission (usage.cached_tokens)
     cached_prompt_tokens: int | None = None
 

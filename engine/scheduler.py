@@ -190,6 +190,8 @@ class Scheduler:
                              keep=hit):
             return 0
         req.slot = self.slots.allocate()
+        if self.prefix is not None:
+            self.prefix.record(hit)
         if hit is None:
             reset.append(req.slot)
         else:                                    # restore: its state, blocks, partial block

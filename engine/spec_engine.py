@@ -152,7 +152,7 @@ class SpecEngine(LLMEngine):
 
     def _seed(self, r: Request) -> int:
         if r.params.seed is not None:
-            return r.params.seed
+            return r.sample_seed           # the seed, or sample i's of an n > 1 request
         return self._seeds.setdefault(r.request_id, self._rng.getrandbits(63))
 
     def _append_many(self, req: Request, toks: list[int]) -> StepOutput:

@@ -79,7 +79,10 @@ def test_lookup_takes_the_longest_ready_prefix_within_the_limit(dcp):
     kda, blk = pc.save_ops(s13, 3, table)
     assert kda == (3, snapshot_ref(s13.index)) and snapshot_ref(0) == -1
     assert blk == ((table[13 // span], s13.tail_block) if s13.tail_block is not None else None)
-    assert pc.stats.hits == 3 and pc.stats.hit_tokens == 24 + 13 + 13
+    pc.record(s24)
+    pc.record(None)
+    assert pc.stats.as_dict() | {"saves": 2} == {"queries": 2, "hits": 1, "hit_tokens": 24,
+                                                 "saves": 2, "evictions": 0, "skipped": 0}
 
 
 def test_least_recently_used_snapshots_go_first_and_free_their_blocks():
@@ -96,7 +99,9 @@ def test_least_recently_used_snapshots_go_first_and_free_their_blocks():
         blocks.release(s)
     # what is left is what the two snapshots hold: 2 full blocks + 1 tail copy each
     assert blocks.num_free == 16 - 2 * 3
-    assert pc.lookup([100 + i for i in range(10)] + [7], 10) is snaps[1]   # touched: newest
+    hit = pc.lookup([100 + i for i in range(10)] + [7], 10)
+    assert hit is snaps[1]
+    pc.record(hit)                                         # used: the most recent now
     assert pc.evict_one() and pc.num_cached == 1 and snaps[2] not in pc.lru.values()
     assert pc.evict_one() and not pc.evict_one() and blocks.num_free == 16
 
@@ -299,3 +304,20 @@ def test_random_conversations_under_pressure_equal_no_cache_and_leak_nothing(
     for e in engines.values():
         b = e.scheduler.blocks
         assert b.num_free == NB and not any(b.refs) and b.by_hash == {}
+
+
+def test_speculative_engines_run_n2_as_two_requests_and_refuse_caching():
+    from raydecode.engine.spec_engine import SpecConfig, SpecEngine, build_local_spec_engine
+
+    eng = build_local_spec_engine("tiny", num_drafts=3, max_num_seqs=2, max_model_len=128)
+    prompt, _ = _turns(20, seed=6)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
+    a = eng.add_request(prompt, seeded, forks=["s#1"])
+    while eng.has_unfinished():
+        eng.step()
+    b = eng.requests["s#1"]
+    assert eng.stats["prefill_tokens"] == 2 * len(prompt) and eng.cache_stats()["forks"] == 0
+    assert len(a.output_ids) == len(b.output_ids) == 8 and a.output_ids != b.output_ids
+    with pytest.raises(ValueError, match="not supported with speculative decoding"):
+        SpecEngine(None, None, EngineConfig(enable_prefix_caching=True, num_snapshots=2), (),
+                   SpecConfig(3))
