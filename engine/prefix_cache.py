@@ -17,12 +17,12 @@ least one token to compute, whose logits it samples): a match on H_j beats any o
 
 Snapshots are made where conversations resume (the scheduler decides: the end of a prompt's
 prefill, the end of a finished request, and the block-aligned end of a long prompt's last
-chunk before its end, where a repeated prompt resumes) and evicted least recently used when their slot or a
-block is needed; a conversation's newest snapshot demotes its earlier ones (the one it was
-restored from, its own prompt end) to the front of that order, so an agent's turns keep one
-live snapshot each. The copies a snapshot needs run on the ranks as ordered plan ops
-(StepPlan.state_copies / block_copies); a snapshot turns `ready` once the plan carrying its
-save ops is built, so no restore can be shipped before its save.
+chunk before its end, where a repeated prompt resumes) and evicted least recently used when
+their slot or a block is needed; a conversation's newest snapshot demotes its earlier ones
+(the one it was restored from, its own prompt end) to the front of that order, so an agent's
+turns keep one live snapshot each. The copies a snapshot needs run on the ranks as ordered
+plan ops (StepPlan.state_copies / block_copies); a snapshot turns `ready` once the plan
+carrying its save ops is built, so no restore can be shipped before its save.
 """
 from __future__ import annotations
 
