@@ -70,6 +70,18 @@ class ChannelDelta:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def extend(self, d: "ChannelDelta") -> "ChannelDelta":
+        """`d` appended (a call's pieces merged into its last entry)."""
+        self.reasoning += d.reasoning
+        self.content += d.content
+        for tc in d.tool_calls:
+            last = self.tool_calls[-1] if self.tool_calls else None
+            if last is not None and last["index"] == tc["index"] and "id" not in tc:
+                last["function"]["arguments"] += tc["function"]["arguments"]
+            else:
+                self.tool_calls.append(tc)
+        return self
+
 
 @dataclass
 class _El:
