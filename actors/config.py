@@ -140,8 +140,9 @@ class ServeOptions(_Model):
     metrics_port: int | None = Field(
         default=None, ge=0, le=65535,
         description="Serve /metrics and /health on this port (of metrics_host) instead of the "
-                    "public one; with several ingress replicas on a host, replica r binds "
-                    "metrics_port + r. 0: an OS-chosen port. null: on the public port.")
+                    "public one; with several ingress replicas on a node, the replica of "
+                    "local rank r binds metrics_port + r. 0: an OS-chosen port. null: on the "
+                    "public port.")
     metrics_host: str = Field(default="127.0.0.1",
                               description="Listen address of metrics_port (local by default).")
 

@@ -496,7 +496,9 @@ def _ingress_class():
             self._ops = None
             if self._http.state.ops_app is not None:
                 port = cfg.serve.metrics_port
-                rank = getattr(serve.get_replica_context(), "rank", 0) or 0
+                # the replica's rank among this deployment's replicas on its node
+                rank = getattr(getattr(serve.get_replica_context(), "rank", None),
+                               "local_rank", 0) or 0
                 self._ops = OpsServer(self._http.state.ops_app, cfg.serve.metrics_host,
                                       port + rank if port else 0)
                 self._ops.start()
