@@ -93,6 +93,7 @@ class ServingContext:
     default_chat_template_kwargs: dict | None = None
     api_keys: APIKeys = APIKeys()   # none: the /v1 routes are open
     ops_separate: bool = False      # /health and /metrics on their own app (serve.metrics_port)
+    speculative: bool = False       # DSpark replica: its verification steps report no logprobs
 
     @staticmethod
     def from_config(cfg: DeployConfig) -> "ServingContext":
@@ -101,7 +102,8 @@ class ServingContext:
         return ServingContext(cfg.model_name, cfg.resolved_max_model_len(
             mcfg.max_position_embeddings), mcfg.vocab_size, load_tokenizer(cfg.model),
             int(time.time()), cfg.synthetic_warning, cfg.default_chat_template_kwargs,
-            resolve_api_keys(cfg.serve), cfg.serve.metrics_port is not None)
+            resolve_api_keys(cfg.serve), cfg.serve.metrics_port is not None,
+            cfg.speculative_config is not None)
 
 
 # ---- request → (prompt ids, sampling params) -----------------------------------------------
@@ -152,6 +154,10 @@ def _sampling(req: oa._Common, n_prompt: int, blame: str, ctx: ServingContext) -
         raise oa.bad_request(f"'{name}' is not supported by this server", name)
     if req.n != 1:
         raise oa.bad_request(f"n = {req.n}; this server returns one choice (n = 1)", "n")
+    if req.num_logprobs is not None and ctx.speculative:
+        raise oa.bad_request("logprobs are not reported by this deployment's speculative "
+                             "decoding (speculative_config); send the request without them",
+                             "logprobs")
     mml = ctx.max_model_len
     if n_prompt >= mml:
         raise oa.bad_request(f"This model's maximum context length is {mml} tokens; your "

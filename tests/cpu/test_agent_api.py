@@ -8,6 +8,8 @@ executor_factory: every request's k-th sampled token is script[k] (the plan's pe
 counter), so the whole engine, detokenizer and HTTP stack run as in production."""
 import asyncio
 import json
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -347,3 +349,34 @@ def test_logprobs_out_of_range_are_400s(real):
         assert e.value.body["param"] == "logprobs"
 
     asyncio.run(run())
+
+
+def test_speculative_deployments_refuse_logprobs_and_unencodable_text_is_a_400(tok):
+    eos = tok.special_tokens["<|end_of_msg|>"]
+    srv = LocalServer(cfg(speculative_config={"method": "dspark", "num_speculative_tokens": 3}),
+                      lambda: ScriptedExecutor([eos], eos))
+    url = srv.start()
+    try:
+        async def run():
+            c = client(url)
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(model=NAME, prompt="x", logprobs=1)
+            return e.value
+
+        assert asyncio.run(run()).body["param"] == "logprobs"
+    finally:
+        srv.stop()
+    # a lone surrogate escape (text no tokenizer can encode, and the marker characters' range)
+    srv = LocalServer(cfg(), lambda: ScriptedExecutor([eos], eos))
+    base = srv.start()
+    try:
+        body = (b'{"model": "%s", "messages": [{"role": "user", "content": "a\\udc00b"}]}'
+                % NAME.encode())
+        req = urllib.request.Request(base + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 400 and "surrogate" in json.loads(e.value.read())["error"][
+            "message"]
+    finally:
+        srv.stop()
