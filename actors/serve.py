@@ -289,7 +289,13 @@ class OpsServer:
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        try:
+            self.sock.bind((host, port))
+        except OSError as e:
+            self.sock.close()
+            raise RuntimeError(f"serve.metrics_port: cannot bind {host}:{port} for /health and "
+                               f"/metrics ({e.strerror}); choose a free port (replica r of a "
+                               "node binds metrics_port + r)") from None
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -358,8 +364,8 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
             err = _map_error(e)
             metrics.requests.labels(endpoint, str(err.status)).inc()
             return _error_response(err)
-        run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name,
-                   ctx.warning, output)
+        run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name, output,
+                   ctx.warning)
         headers = {WARNING_HEADER: ctx.warning} if ctx.warning else None
         if req.stream:
             try:
@@ -378,8 +384,8 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
 class _Run:
     """One admitted request: its stream of deltas → SSE chunks or one response body."""
 
-    def __init__(self, endpoint, rid, req, ids, gen, backend, metrics, t0, model, warning=None,
-                 output: ChoiceOutput | None = None):
+    def __init__(self, endpoint, rid, req, ids, gen, backend, metrics, t0, model,
+                 output: ChoiceOutput, warning=None):
         self.endpoint, self.rid, self.req, self.n_prompt = endpoint, rid, req, len(ids)
         self.gen, self.backend, self.metrics, self.t0, self.model = gen, backend, metrics, t0, model
         self.warning = warning
@@ -465,7 +471,6 @@ class _Run:
                 ids = out.new_token_ids if tids else None
                 yield oa.sse(oa.chunk_body(self.rid, obj, self.model, self.created, choice, ids))
             if self.req.include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
                 yield oa.sse(oa.usage_chunk(self.rid, obj, self.model, self.created,
                                             oa.usage(self.n_prompt, len(self.ids))))
             status = 200
