@@ -3,33 +3,33 @@
 K3 ships no Jinja template; its tokenizer renders conversations in Python. XTML elements are
 opened by the special token <|open|>, carry a header (a tag name and `key="value"` attributes,
 values escaped `&` -> `&amp;`, `"` -> `&quot;`), end their header with <|sep|> and close with
-<|close|>NAME<|sep|>; every top-level message ends with <|end_of_msg|>. A prompt reads, in order:
+<|close|>NAME<|sep|>; every top-level message ends with <|end_of_msg|>. Writing
+MSG(attrs, body) for <|open|>message attrs<|sep|>body<|close|>message<|sep|><|end_of_msg|>
+and OPEN(x) / CLOSE(x) for <|open|>x<|sep|> / <|close|>x<|sep|>, a prompt reads, in order:
 
-  <|open|>message role="system" type="tool-declare"<|sep|># Tools …```json\\n[TOOLS]\\n```<|close|>message<|sep|><|end_of_msg|>
-                                          (with tools: the tool objects as compact, key-sorted JSON)
-  <|open|>message role="system" type="thinking-effort"<|sep|>… `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>
-                                          (thinking on)
-  <|open|>message role="user"<|sep|>TEXT<|close|>message<|sep|><|end_of_msg|>   (system, user; name="…")
-  <|open|>message role="assistant"<|sep|>[<|open|>think<|sep|>R<|close|>think<|sep|>]
-      <|open|>response<|sep|>C<|close|>response<|sep|>[TOOLS]<|close|>message<|sep|><|end_of_msg|>
-                                          (the think channel, even empty, only with thinking on)
-  <|open|>message role="tool" tool="NAME" index="I"<|sep|>RESULT<|close|>message<|sep|><|end_of_msg|>
-  <|open|>message role="system" type="tool-choice"<|sep|>…<|close|>message<|sep|><|end_of_msg|>
-                                          (tool_choice required / none / a named function)
-  <|open|>message role="assistant"<|sep|><|open|>think<|sep|>    (generation; thinking off: response)
+  MSG(role="system" type="tool-declare", "# Tools … ```json\n[TOOLS]\n```")
+        with tools: the tool objects as compact, key-sorted JSON
+  MSG(role="system" type="thinking-effort", "… `thinking_effort=max`.")      thinking on
+  MSG(role="user", TEXT)                            system and user alike; name="…" if given
+  MSG(role="assistant", [OPEN(think) R CLOSE(think)] OPEN(response) C CLOSE(response) [CALLS])
+        the think channel, even empty, only with thinking on
+  MSG(role="tool" tool="NAME" index="I", RESULT)
+  MSG(role="system" type="tool-choice", …)         tool_choice required, none, or a function
+  <|open|>message role="assistant"<|sep|>OPEN(think)          (generation; thinking off:
+                                                                OPEN(response))
 
-TOOLS = <|open|>tools<|sep|><|open|>call tool="N" index="1"<|sep|>
-            <|open|>argument key="K" type="T"<|sep|>V<|close|>argument<|sep|> …
-        <|close|>call<|sep|> … <|close|>tools<|sep|>
+CALLS = OPEN(tools) OPEN(call tool="N" index="1") OPEN(argument key="K" type="T") V
+        CLOSE(argument) … CLOSE(call) … CLOSE(tools)
 with T the JSON type of the value (string values raw, the others as JSON; integer -> number) and
 index counting the message's calls from 1; arguments that are not a JSON object keep their text
 in <|open|>json type="object"<|sep|>…<|close|>json<|sep|>. Tool results are matched to the
 preceding assistant's calls by tool_call_id (then reordered to the calls' order) and take
 their tool name and index from the call.
 
-A named tool_choice is forced by the generation prefix: the assistant message is opened up to
-the start of that call (an empty think channel first when thinking is on), so the model writes
-only its arguments. `ChatPrompt.start` says where the prefix leaves the model, for the output
+tool_choice "required" and "none" are K3's control messages only (no grammar constrains the
+output). A named tool_choice gets the "required" message and is forced by the generation
+prefix: the assistant message is opened up to the start of that call (an empty think channel
+first when thinking is on), so the model writes only its arguments. `ChatPrompt.start` says where the prefix leaves the model, for the output
 parser (engine/k3_channels.py).
 
 Text from the request (content, names, arguments) is always encoded as ordinary text: a user
@@ -57,7 +57,8 @@ _TOOL_DECLARE = ("# Tools\nHere are the available tools, described in JSONSchema
                  "{tools}\n```")
 _THINKING_EFFORT = ("`thinking_effort` guides on how much to think in your thinking channel (not "
                     "including the response channel), supported values include `low`, `medium`, "
-                    "`high`, and `max`.\nNow the system is invoked with `thinking_effort={effort}`.")
+                    "`high`, and `max`.\nNow the system is invoked with "
+                    "`thinking_effort={effort}`.")
 _TOOL_CHOICE = {
     "required": "The system is invoked with `tool_choice=required`.\n"
                 "You MUST call tools in the next message.",
