@@ -1,7 +1,8 @@
 """n > 1 over HTTP: one admitted request whose StepOutputs carry their sample `index`
 (0..n-1, the coordinator's group: one prefill, n samples with their own seeds) is split into n
-single-choice runs — the n = 1 formatting of actors/serve.py, so every per-choice rule
-(stop strings, token ids, logprobs, output parsing) holds for each choice — and merged back:
+single-choice runs — the n = 1 formatting of actors/serve.py, each with its own ChoiceOutput
+(actors/outputs.py), so every per-choice rule (token ids, logprobs, K3's reasoning / content /
+tool-call channels) holds for each choice — and merged back:
 
     body    choices [0..n-1] with their indices, one usage (the prompt once, the completion
             tokens of all n, the prompt's cached tokens);
@@ -82,12 +83,14 @@ class Choices:
     """The `_Run` interface (first / abandon / collect / sse) over n per-choice runs."""
 
     def __init__(self, run_cls, endpoint, rid, req, ids, gen, backend, metrics, t0, model,
-                 warning=None):
+                 outputs: list, warning=None):
+        """outputs: one ChoiceOutput per choice (its parser and logprob state)."""
+        assert len(outputs) == req.n, (len(outputs), req.n)
         self.req, self.rid, self.backend, self.metrics = req, rid, backend, metrics
         self.endpoint, self.t0, self.n_prompt, self.model = endpoint, t0, len(ids), model
         self.split = _Split(gen, req.n)
         self.runs = [run_cls(endpoint, rid, req, ids, self.split.stream(i), backend, _Quiet(),
-                             t0, model, warning) for i in range(req.n)]
+                             t0, model, outputs[i], warning) for i in range(req.n)]
         self.created = self.runs[0].created
         for r in self.runs:
             r.created = self.created

@@ -14,6 +14,7 @@ class RequestError(ValueError):
 MIN_TEMPERATURE = 0.01
 MIN_TOP_P = 1e-6
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None     # None: none; n: the chosen token's logprob + the top n
+    # output text keeps K3's structural tokens as marker characters (engine/k3_chat.py MARKS)
+    # for the chat endpoint's channel parser, instead of dropping them with the other specials
+    channel_markers: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
@@ -41,8 +45,11 @@ class SamplingParams:
             # below fp32's resolution of a cumulative probability the top-p cut is meaningless
             # (2.2e-313 reads as 0.0 in fp32 and dropped every token)
             raise RequestError(f"top_p = {self.top_p!r}; expected {MIN_TOP_P} <= top_p <= 1")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k = {self.top_k!r}; expected an integer >= 0 (0 = off)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
+                or not 0 <= self.top_k <= MAX_TOP_K:
+            # int32 on the wire and on the device; any k past the vocabulary keeps every token
+            raise RequestError(f"top_k = {self.top_k!r}; expected an integer in [0, {MAX_TOP_K}]"
+                               " (0 = off)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**64):
             # torch.Generator.manual_seed raises past 64 bits, inside the step of every request

@@ -160,7 +160,7 @@ def test_one_row_that_cannot_be_sampled_fails_alone(monkeypatch):
     ({"top_p": 2.2e-313}, "top_p"), ({"top_p": 1e-300}, "top_p"),
     ({"temperature": 1e-300}, "temperature"), ({"temperature": 1e-3}, "temperature"),
     ({"temperature": math.nan}, "temperature"), ({"logprobs": 21}, "logprobs"),
-    ({"logprobs": -1}, "logprobs")])
+    ({"logprobs": -1}, "logprobs"), ({"top_k": 2**63}, "top_k"), ({"top_k": 2**31}, "top_k")])
 def test_bad_sampling_params_name_the_field(kw, needle):
     with pytest.raises(RequestError, match=needle):
         SamplingParams(**kw)

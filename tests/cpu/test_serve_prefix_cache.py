@@ -49,7 +49,7 @@ def client(url: str) -> openai.OpenAI:
 
 def conversation() -> list[dict]:
     rng = random.Random(29)
-    prefix = " ".join(rng.choice(WORDS) for _ in range(470))      # ~2,050 tiny-BPE tokens
+    prefix = " ".join(rng.choice(WORDS) for _ in range(470))      # ~2,300 prompt tokens
     return [{"role": "system", "content": "You are a coding agent. Repository notes: " + prefix},
             {"role": "user", "content": "List the files you would open first."}]
 
@@ -94,7 +94,7 @@ def test_second_turn_is_served_from_the_cache_and_equals_recompute(servers):
                                          temperature=0.0)
         got[on] = (t1, t2, body)
     t1, t2, body = got[True]
-    assert 2000 <= t1["usage"].prompt_tokens <= 2200
+    assert 2000 <= t1["usage"].prompt_tokens <= 2500
     assert t1["usage"].prompt_tokens_details.cached_tokens == 0
     # the first turn's prompt-end snapshot: everything up to its generation prompt
     assert t2["usage"].prompt_tokens_details.cached_tokens >= 1900
