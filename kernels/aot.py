@@ -71,7 +71,7 @@ class NormSituItem:
 @dataclass(frozen=True)
 class ResidentMoEItem:
     """The resident MoE kernel (kernels/moe_resident_cute.py) where `moe_decode` serves the
-    model's experts with it (moe_mxfp4_decode_mma.RESIDENT): its whole launch plan, which
+    model's experts with it (moe_decode.RESIDENT): its whole launch plan, which
     includes the GPU's SM count."""
     plan: object                      # kernels.moe_resident_cute.ResidentMoEPlan
     name: str = "moe_resident"
@@ -145,9 +145,9 @@ def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
 
 def _moe_items(cfg, tp, buckets, path, sm_count, skipped) -> tuple[ResidentMoEItem, ...]:
     """The resident MoE kernel at each bucket `moe_decode` sends to it: the (E, I/TP, L, M) in
-    moe_mxfp4_decode_mma.RESIDENT, MXFP4 experts, the plan `_resident_plan` builds (fp32 z in
+    moe_decode.RESIDENT, MXFP4 experts, the plan `_resident_plan` builds (fp32 z in
     the fused block of a bf16 model, as `_forward_fused` passes it)."""
-    from raydecode.kernels import moe_mxfp4_decode_mma as DM
+    from raydecode.kernels import moe_decode as DM
     from raydecode.kernels import moe_resident_cute as R
     from raydecode.models.moe import routed_experts_mxfp4
     from raydecode.models.params import moe_block_fused

@@ -46,7 +46,7 @@ once (a duplicate expert of two pairs twice) + G · (T·L·2 + P·I·4) of z and
 Measured (H200, PERF round 19): 13.2 µs per call against the Triton pair's 15.1 in the MoE
 bench (0.30 of the roofline); in the TP16 batch-1 layer, medians over 3 leases (6 processes
 with the pair, 7 resident), KDA 68.4 → 64.0 µs and MLA 77.5 → 73.2 µs, one kernel fewer.
-Served for that shape only (kernels/moe_mxfp4_decode_mma.py `RESIDENT`, predecode 3: 64
+Served for that shape only (kernels/moe_decode.py `RESIDENT`, predecode 3: 64
 registers a thread leave the SM room for the next kernel's PDL prologue; all 7 rows take 128).
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ from raydecode.kernels.gemv_norm_situ import supports as norm_situ_gemv_supports
 from raydecode.kernels.moe_mxfp4 import (MAX_SCALE, MXFP4Experts, fused_moe_mxfp4,
                                          moe_mxfp4_reference)
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
-from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
+from raydecode.kernels.moe_decode import moe_decode
 from raydecode.kernels.router import route_topk, router_logits
 
 from .checkpoint import PREFIX, expert_is_mxfp4

@@ -403,11 +403,11 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-decode", choices=("auto", "mma", "cuda-core", "resident"),
                     default="auto",
                     help="few-token MoE kernel: tensor cores (mma), CUDA cores, the resident "
-                         "CuTe kernel where it fits (resident), or moe_mxfp4_decode_mma's "
-                         "TUNED / RESIDENT per shape (auto)")
+                         "CuTe kernel where it fits (resident), or the tensor-core TUNED / "
+                         "moe_decode.RESIDENT per shape (auto)")
     ap.add_argument("--moe-resident-predecode", type=int, default=None,
                     help="the resident MoE kernel's `predecode` (down rows per lane decoded "
-                         "before the wait; default: moe_mxfp4_decode_mma.RESIDENT_PREDECODE)")
+                         "before the wait; default: moe_decode.RESIDENT_PREDECODE)")
     ap.add_argument("--kda-splits", type=int, default=None,
                     help="programs per head of the fused KDA decode (kernels.kda_decode.SPLITS: "
                          "1 = one program per head, N = the split form; default: automatic)")
@@ -426,12 +426,12 @@ def main(argv=None) -> int:
                          "kernel where it supports the layout, else Triton)")
     args = ap.parse_args(argv)
     from raydecode.kernels import attnres_norm
-    from raydecode.kernels import moe_mxfp4_decode_mma
+    from raydecode.kernels import moe_decode, moe_mxfp4_decode_mma
     attnres_norm.USE_CUTE = args.attnres == "cute"
     moe_mxfp4_decode_mma.USE_MMA = {"mma": True, "cuda-core": False}.get(args.moe_decode)
-    moe_mxfp4_decode_mma.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
+    moe_decode.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
     if args.moe_resident_predecode is not None:
-        moe_mxfp4_decode_mma.RESIDENT_PREDECODE = args.moe_resident_predecode
+        moe_decode.RESIDENT_PREDECODE = args.moe_resident_predecode
     from raydecode.kernels import kda_decode
     kda_decode.SPLITS = args.kda_splits
     set_moe_limits(args.moe_max_pairs)

@@ -60,7 +60,7 @@ from raydecode.kernels.mla_decode import (mla_absorb, mla_decode, mla_decode_abs
                                           mla_decode_fused, mla_prep)
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
-from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
+from raydecode.kernels.moe_decode import moe_decode
 from raydecode.kernels.router import route_topk
 
 from .layer_step import BF16, DecodeStep, mm_f32

@@ -10,7 +10,7 @@ random top-16 routing, so the graph touches > 2 × L2 of experts. Every variant'
 checked against `moe_mxfp4_reference` (‖out − ref‖ / ‖ref‖ < 1e-2) before it is timed; the
 variants are timed in `--rounds` interleaved rounds and the JSON keeps every round.
 Variants: triton (the pair, PDL); resident (as served: 16 warps, PDL, the down rows
-`moe_mxfp4_decode_mma.RESIDENT_PREDECODE` decodes before the wait); resident_pre8 (all rows
+`moe_decode.RESIDENT_PREDECODE` decodes before the wait); resident_pre8 (all rows
 decoded before the wait: the fastest call, 128 registers); resident_late (none); resident_w8
 (8 warps); resident_nopdl. Roofline: the touched experts' bytes / the HBM read bandwidth
 measured in the same run. `--trace`: one traced launch each of resident and resident_late; per
@@ -45,7 +45,7 @@ def _bank(tp: int, seed: int):
 
 
 def _predecode(name: str) -> int:
-    from raydecode.kernels.moe_mxfp4_decode_mma import RESIDENT_PREDECODE
+    from raydecode.kernels.moe_decode import RESIDENT_PREDECODE
     return {"resident_pre8": 8, "resident_late": 0}.get(name, RESIDENT_PREDECODE)
 
 

@@ -385,12 +385,12 @@ def test_offline_compile_sets_the_knobs_this_tritons_launch_sets():
 
 def test_plan_k3_tp16_lists_the_resident_moe_the_dispatch_builds():
     """The resident MoE kernel where `moe_decode` serves the experts with it (K3 TP16, M = 1):
-    the same plan `moe_mxfp4_decode_mma._resident_plan` builds on a 132-SM GPU (fp32 z from
+    the same plan `moe_decode._resident_plan` builds on a 132-SM GPU (fp32 z from
     the fused block, the config's SiTU betas, the served predecode), so the launch hits the
     warmed entry; nothing at TP8, on the stock path, or without an SM count and a GPU."""
     from types import SimpleNamespace
 
-    from raydecode.kernels import moe_mxfp4_decode_mma as DM
+    from raydecode.kernels import moe_decode as DM
     from raydecode.kernels import moe_resident_cute as R
 
     cfg = load_config("k3")

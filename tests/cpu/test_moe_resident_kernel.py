@@ -151,7 +151,7 @@ def test_dispatch_table_fits_and_cpu_calls_fall_through():
     (132 SMs) with the served predecode; on CPU tensors it never plans a launch."""
     import torch
 
-    from raydecode.kernels import moe_mxfp4_decode_mma as D
+    from raydecode.kernels import moe_decode as D
     from raydecode.kernels.moe_mxfp4 import MXFP4Experts
 
     assert (896, 192, 3584, 1) in D.RESIDENT

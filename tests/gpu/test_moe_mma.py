@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 
+from raydecode.kernels import moe_decode as MD
 from raydecode.kernels import moe_mxfp4 as M
 from raydecode.kernels import moe_mxfp4_decode as D
 from raydecode.kernels import moe_mxfp4_decode_mma as MM
@@ -209,5 +210,5 @@ def test_moe_decode_dispatch_follows_tuned_and_use_mma(monkeypatch):
         monkeypatch.setattr(MM, "TUNED", tuned)
         monkeypatch.setattr(MM, "USE_MMA", use)
         ran.clear()
-        _check(MM.moe_decode(z, w, ids, ex), ref, seed, f"TUNED {tuned} USE_MMA {use}")
+        _check(MD.moe_decode(z, w, ids, ex), ref, seed, f"TUNED {tuned} USE_MMA {use}")
         assert ran == [want], f"seed {seed}: TUNED {tuned} USE_MMA {use} ran {ran}"
