@@ -6,13 +6,13 @@ once to the cache folder ($RAYDECODE_CACHE or ~/.cache/raydecode) and loaded lik
 """
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from raydecode.kernels import settings
 from raydecode.models.cache import ModelCaches
 from raydecode.models.config import PRESETS, ConfigError, K3Config, load_config
 from raydecode.models.parallel import Comm, LocalComm, Parallel
@@ -30,7 +30,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RAYDECODE_CACHE", Path.home() / ".cache" / "raydecode"))
+    return settings.model_cache_dir()
 
 
 def resolve_checkpoint(spec: str | Path) -> Path:

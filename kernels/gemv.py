@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import gemm_skinny_triton as _skinny
+from raydecode.kernels import settings
 from raydecode.kernels._cute import CompileCache, cute_available
 from raydecode.kernels._cute_dsl import (Float32, _dsl, _Stream, _Tensor, const_expr, cp_async_bulk_prefetch,
                                          cute, cutlass)
@@ -455,7 +456,7 @@ def compile_gemv(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig, ff
 
 
 # TVM-FFI launch path; RAYDECODE_CUTE_TVM_FFI=0 selects DLPack + explicit stream (hosts without tvm-ffi)
-FFI_DEFAULT = os.environ.get("RAYDECODE_CUTE_TVM_FFI", "1") != "0"
+FFI_DEFAULT = settings.cute_tvm_ffi()
 
 
 def _compiled(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig,

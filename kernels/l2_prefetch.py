@@ -36,11 +36,11 @@ tensors) alive as long as the graph.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from raydecode.kernels._triton import tl, triton
+from raydecode.kernels import settings
 
 ROWS_PER_PROGRAM = 32        # one warp per program, one row per lane
 ALIGN = 16                   # cp.async.bulk.prefetch: 16-byte address and size
@@ -50,13 +50,8 @@ LINE = 128                   # bytes per `prefetch.global.L2` (one L2 line)
 #   lines: one program per row, one `prefetch.global.L2` per 128-byte line of it (a thread
 #          per line: the requests come from the SM's load units, not its copy engine).
 KINDS = ("bulk", "lines")
-KIND = os.environ.get("RAYDECODE_L2PF_KIND", "bulk")
-if KIND not in KINDS:
-    raise ValueError(f"RAYDECODE_L2PF_KIND={KIND!r}; accepted: {', '.join(KINDS)}")
-_chunk = os.environ.get("RAYDECODE_L2PF_CHUNK", "16384")      # bytes per table row
-if not _chunk.isdigit() or int(_chunk) == 0 or int(_chunk) % ALIGN:
-    raise ValueError(f"RAYDECODE_L2PF_CHUNK={_chunk!r}; accepted: a positive multiple of {ALIGN}")
-CHUNK_BYTES = int(_chunk)
+KIND = settings.get("RAYDECODE_L2PF_KIND")
+CHUNK_BYTES = settings.get("RAYDECODE_L2PF_CHUNK")      # bytes per table row (a multiple of ALIGN)
 
 
 def prefetch_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:

@@ -27,7 +27,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import time
 import torch
 
 from raydecode.kernels import l2_prefetch, moe_mxfp4, moe_mxfp4_decode
+from raydecode.kernels import settings
 from raydecode.models.config import load_config
 from raydecode.models.parallel import Parallel
 from raydecode.models.params import decode_gemv_shapes
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--png", default="", help="plot of µs vs batch (PNG)")
     ap.add_argument("--md", default="", help="markdown table file")
-    ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"),
+    ap.add_argument("--commit", default=settings.commit(),
                     help="git commit of the benchmarked tree (default $RAYDECODE_COMMIT)")
     ap.add_argument("--config", default="k3", help="model preset or config.json")
     ap.add_argument("--layer-idx", default="kda=46,mla=47",

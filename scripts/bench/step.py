@@ -48,6 +48,7 @@ from raydecode.engine.cache import BlockAllocator, SlotAllocator
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
+from raydecode.kernels import settings
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
@@ -364,7 +365,7 @@ def main(argv=None) -> int:
     from .layer import add_moe_limit_args
     add_moe_limit_args(ap)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
-    ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=settings.commit())
     args = ap.parse_args(argv)
     from raydecode.kernels import kda_decode, router_triton
     kda_decode.SPLITS = args.kda_splits
