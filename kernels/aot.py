@@ -114,7 +114,8 @@ def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
     """What one rank of a (cfg, TP) replica compiles for decode at these M buckets on `arch`.
     sm_count: the GPU's SMs, which the resident MoE kernel's grid is (None: this process's GPU;
     without one that kernel is listed in `skipped`)."""
-    from raydecode.kernels.gemv import config_for, linear_uses_cute
+    from raydecode.kernels.gemv import config_for
+    from raydecode.kernels.linear import linear_uses_cute
     from raydecode.models.params import ShardError, decode_gemv_shapes, gemv_out_dtype
 
     buckets, arch = check_buckets(buckets), check_arch(arch)

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from raydecode.kernels.gemv import linear as _gemv_linear
+from raydecode.kernels.linear import linear as _gemv_linear
 
 from .config import K3Config
 from .parallel import Comm, Parallel

@@ -31,6 +31,7 @@ import torch
 
 from raydecode.kernels import ffn_gemv_triton as FG
 from raydecode.kernels import gemv as G
+from raydecode.kernels import linear as LN
 from raydecode.kernels import gemv_norm_situ as NS
 from raydecode.kernels._cute import cute_available
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
@@ -81,7 +82,7 @@ def bench_case(s: dict, T: int, timer: GraphTimer, sweep: bool, device: str = "c
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=device)
     row = {**s, "T": T, "weight_bytes": wbytes, "fused_read_bytes": FG.read_bytes(N, n, I),
            "copies": copies, "calls_per_graph": calls,
-           "a_gemv": ("cute" if cute_available() and G.linear_uses_cute(T, N, K)
+           "a_gemv": ("cute" if cute_available() and LN.linear_uses_cute(T, N, K)
                       else "cublas (F.linear)") + ("" if cute_available()
                                                    else ": CuTe DSL not installed"),
            "fused_uses_kernel": FG.uses_kernel(lat, n, gu, Ws[0], w),
@@ -99,14 +100,14 @@ def bench_case(s: dict, T: int, timer: GraphTimer, sweep: bool, device: str = "c
         return row
 
     def pair(i):
-        G.linear(latent_norm_situ(lat, w, eps, 0, n, gu, beta, lb, x), Ws[i % copies])
+        LN.linear(latent_norm_situ(lat, w, eps, 0, n, gu, beta, lb, x), Ws[i % copies])
 
     def fused(i, cfg=None):
         FG.norm_situ_gemv(lat, w, eps, 0, n, gu, beta, lb, Ws[i % copies], out=out, config=cfg)
 
     latent_norm_situ(lat, w, eps, 0, n, gu, beta, lb, x)
     variants = {"a_pair": pair, "b_fused": fused,
-                "c_gemv": lambda i: G.linear(x, Ws[i % copies]),
+                "c_gemv": lambda i: LN.linear(x, Ws[i % copies]),
                 "d_fused_triton": lambda i: fused(i, FG.config_for(T, D))}
     for name, fn in variants.items():
         t = timer.run([lambda i=i, fn=fn: fn(i) for i in range(calls)])

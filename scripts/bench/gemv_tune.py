@@ -31,6 +31,7 @@ import sys
 import time
 
 from raydecode.kernels import gemv as G
+from raydecode.kernels import linear as LN
 
 from .report_io import report_header, write_report
 
@@ -91,7 +92,7 @@ def default_shapes(tp: int) -> list[tuple[str, int, int]]:
     from raydecode.scripts.bench.step import load_config
     seen, out = set(), []
     for name, (N, K) in decode_gemv_shapes(load_config("k3"), tp, "specialized").items():
-        if (N, K) not in seen and G.linear_uses_cute(1, N, K):
+        if (N, K) not in seen and LN.linear_uses_cute(1, N, K):
             seen.add((N, K))
             out.append((name, N, K))
     return out

@@ -28,6 +28,7 @@ import time
 import torch
 
 from raydecode.kernels import gemv as G
+from raydecode.kernels import linear as LN
 from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.l2_prefetch import KINDS, SidePrefetch, l2_prefetch, prefetch_table
 
@@ -79,21 +80,21 @@ def bench_shape(name, N, K, f32, spin_us, variants, timer, hbm) -> dict:
                 if kind == "read":           # a plain read of W by every SM: a load, not a hint
                     torch.sum(w, dtype=torch.float32)
                 elif kind == "gemv":         # the same GEMV, earlier: the same SMs read each line
-                    G.linear(x, w, od)
+                    LN.linear(x, w, od)
                 else:
                     l2_prefetch(table, kind)
             spin(ns)
             torch.cuda.current_stream().wait_stream(side.stream)
-            G.linear(x, w, od)
+            LN.linear(x, w, od)
         return fn
 
     ref = x.float() @ ws[0].float().t()
-    err = float((G.linear(x, ws[0], od).float() - ref).abs().max() / ref.abs().max())
+    err = float((LN.linear(x, ws[0], od).float() - ref).abs().max() / ref.abs().max())
     t = {
         "spin": timer.run([lambda: spin(ns)] * copies, count_nodes=False),
-        "cold": timer.run([lambda i=i: (spin(ns), G.linear(x, ws[i], od))
+        "cold": timer.run([lambda i=i: (spin(ns), LN.linear(x, ws[i], od))
                            for i in range(copies)], count_nodes=False),
-        "hot": timer.run([lambda: (spin(ns), G.linear(x, ws[0], od))] * copies,
+        "hot": timer.run([lambda: (spin(ns), LN.linear(x, ws[0], od))] * copies,
                          count_nodes=False),
     }
     for kind, chunk in variants:

@@ -74,7 +74,7 @@ def rms(x: torch.Tensor, w32: torch.Tensor, eps: float) -> torch.Tensor:
 
 def gemv_linear() -> Linear:
     """kernels.gemv.linear (the CuTe GEMV with its own F.linear fallback), contiguous inputs."""
-    from raydecode.kernels import gemv
+    from raydecode.kernels import linear as gemv
 
     def lin(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None
             ) -> torch.Tensor:

@@ -53,6 +53,7 @@ from dataclasses import replace
 import torch
 
 from raydecode.kernels import gemv as G
+from raydecode.kernels import linear as LN
 from raydecode.kernels import resident_chain_cute as RC
 from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
 
@@ -269,7 +270,7 @@ def run_variant(name: str, chain: Chain, grid: int, counter, flag, sync, op_ns: 
     xs, w = chain.xs, chain.w
     if name == "cute_op":
         for i in range(4):
-            xs[i + 1].copy_(G.linear(xs[i][None], w[i])[0])
+            xs[i + 1].copy_(LN.linear(xs[i][None], w[i])[0])
             spin(op_ns, pdl_like=xs[i])            # the op: a one-CTA wait, PDL
         return
     if name in RING:
@@ -277,7 +278,7 @@ def run_variant(name: str, chain: Chain, grid: int, counter, flag, sync, op_ns: 
         return
     if name == "cute":
         for i in range(4):
-            xs[i + 1].copy_(G.linear(xs[i][None], w[i])[0])
+            xs[i + 1].copy_(LN.linear(xs[i][None], w[i])[0])
         return
     if name == "launches":
         for i in range(4):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from raydecode.kernels import aot
-from raydecode.kernels.gemv import config_for, linear_uses_cute
+from raydecode.kernels.gemv import config_for
+from raydecode.kernels.linear import linear_uses_cute
 from raydecode.models import mla, moe
 from raydecode.models import specialized as spec
 from raydecode.models.cache import SeqSlice, StepBatch

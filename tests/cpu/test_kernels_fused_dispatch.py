@@ -133,7 +133,7 @@ def test_skinny_default_configs_fill_the_gpu_and_cpu_linear_stays_on_torch(monke
     padded to 16/32/64 rows; M ≤ 2 and bad tiles are refused by name. `gemv.linear` with the
     skinny path on still runs torch on CPU tensors (the kernel is CUDA-only in dispatch)."""
     from raydecode.kernels import gemm_skinny_triton as S
-    from raydecode.kernels import gemv as G
+    from raydecode.kernels import linear as G
     shapes = [(3216, 7168), (7168, 768), (1048, 7168), (900, 7168), (1152, 1536), (7168, 640),
               (7168, 384), (10240, 7168)]
     for N, K in shapes:
