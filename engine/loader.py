@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from raydecode.kernels import settings
+from raydecode.kernels.settings import DecodeOptions
 from raydecode.models.cache import ModelCaches
 from raydecode.models.config import PRESETS, ConfigError, K3Config, load_config
 from raydecode.models.parallel import Comm, LocalComm, Parallel
@@ -72,13 +73,16 @@ class LoadedShard:
 
 def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None = None,
                dtype: str = "float32", device: str = "cpu", num_slots: int = 16,
-               num_blocks: int = 256, block_size: int = 16) -> LoadedShard:
+               num_blocks: int = 256, block_size: int = 16,
+               options: DecodeOptions | None = None) -> LoadedShard:
+    """This rank's model shard (built with the replica's DecodeOptions; None: the served
+    defaults) and its caches."""
     from raydecode.models.k3 import make_caches
     from raydecode.models.weights import load_model
 
     path = resolve_checkpoint(spec)
     dt = parse_dtype(dtype)
-    cfg, model = load_model(path, par, comm or LocalComm(), dt, device)
+    cfg, model = load_model(path, par, comm or LocalComm(), dt, device, options=options)
     caches = make_caches(cfg, par, num_slots=num_slots, num_blocks=num_blocks,
                          block_size=block_size, dtype=dt, device=device)
     return LoadedShard(cfg, model, caches, path)

@@ -31,6 +31,7 @@ from raydecode.kernels.aot_store import (
     file_lock, load_or_compile_gemv, use_triton_cache, versions,
 )
 from raydecode.kernels.aot_triton import TritonSpec, compile_spec, triton_specs
+from raydecode.kernels.settings import DEFAULT_OPTIONS
 
 DEFAULT_BUCKETS = (1, 2)
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}   # params.gemv_out_dtype -> torch
@@ -169,7 +170,7 @@ def _moe_items(cfg, tp, buckets, path, sm_count, skipped) -> tuple[ResidentMoEIt
         dev = torch.cuda.current_device()
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
     z_fp32 = cfg.dtype == "bfloat16" and moe_block_fused(cfg)
-    kw = {} if DM.RESIDENT_PREDECODE is None else {"predecode": DM.RESIDENT_PREDECODE}
+    kw = {"predecode": DEFAULT_OPTIONS.moe_resident_predecode}
     items = []
     for M in wanted:
         try:

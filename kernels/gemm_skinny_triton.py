@@ -180,6 +180,11 @@ def _scratch(device: torch.device, N: int, cfg: SkinnyConfig, MB: int):
     return _SCRATCH[key]
 
 
+def shape_ok(M: int, N: int, K: int) -> bool:
+    """The (M, N, K) the kernel tiles (the shape part of `supports`)."""
+    return MIN_M <= M <= MAX_M and K % 32 == 0 and N >= 1
+
+
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The shapes/dtypes/devices `skinny_gemm` runs (no exception: the dispatch predicate)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -190,7 +195,7 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     M, K = x.shape
     N = w.shape[0]
-    if not (MIN_M <= M <= MAX_M and K % 32 == 0 and N >= 1):
+    if not shape_ok(M, N, K):
         return False
     cfg = config_for(M, N, K, sm_count(str(x.device)))     # split-K needs its scratch first
     return cfg.ks == 1 or not _capturing(x.device) or \
@@ -233,4 +238,4 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None 
 
 
 __all__ = ["MAX_M", "MIN_M", "SkinnyConfig", "TUNED", "config_for", "default_config", "m_block",
-           "skinny_gemm", "supports"]
+           "shape_ok", "skinny_gemm", "supports"]

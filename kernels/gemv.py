@@ -34,7 +34,6 @@ The structure is generic SIMT code (no wgmma, no TMA), so it builds unchanged fo
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -212,28 +211,35 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
 }
 # Launch with programmatic dependent launch (PDL): W loads overlap the previous kernel's tail.
 PDL_DEFAULT = True
-# Entry L2 prefetch budget per launch in MiB (GemvConfig.l2_prefetch_mib; 0 = off):
-# RAYDECODE_GEMV_L2_PREFETCH_MIB overrides it for A/B runs.
-L2_PREFETCH_MIB = int(os.environ.get("RAYDECODE_GEMV_L2_PREFETCH_MIB", "0"))
+
+
 def _m_tile(M: int) -> int:
     if M <= MAX_M_TILE:
         return M
     return max(d for d in range(1, MAX_M_TILE + 1) if M % d == 0)
 
 
-def config_for(M: int, N: int, K: int) -> GemvConfig:
-    return _config_for(M, N, K, PDL_DEFAULT, L2_PREFETCH_MIB)
+def config_for(M: int, N: int, K: int, l2_prefetch_mib: int = 0,
+               overrides: tuple = ()) -> GemvConfig:
+    """The launch config of an (M, N, K) GEMV: `overrides` ((N, K), GemvConfig) pairs for
+    M = 1 (DecodeOptions.gemv_configs, A/B runs), else the TUNED entry, else `default_config`;
+    with PDL and the entry L2 prefetch budget (an experiment, 0 = off:
+    DecodeOptions.gemv_l2_prefetch_mib). Raises ValueError when no mapping tiles the shape."""
+    return _config_for(M, N, K, PDL_DEFAULT, l2_prefetch_mib, overrides)
 
 
 @functools.lru_cache(maxsize=4096)
-def _config_for(M: int, N: int, K: int, pdl: bool, l2_prefetch_mib: int) -> GemvConfig:
+def _config_for(M: int, N: int, K: int, pdl: bool, l2_prefetch_mib: int,
+                overrides: tuple) -> GemvConfig:
     # memoized: default_config's search cost ≈ 35 µs of host time per GEMV call (an eager
     # K3 TP16 step made 3126 calls: 108 ms of its 213; bench/results/step-*.json host profile)
-    cfg = TUNED.get((M, N, K)) or default_config(M, N, K)
+    mine = next((c for nk, c in overrides if tuple(nk) == (N, K)), None) if M == 1 else None
+    cfg = mine or TUNED.get((M, N, K)) or default_config(M, N, K)
     return replace(cfg, pdl=pdl, l2_prefetch_mib=l2_prefetch_mib)
 
 
-def supports(x: torch.Tensor, w: torch.Tensor, max_m: int = MAX_M) -> bool:
+def supports(x: torch.Tensor, w: torch.Tensor, max_m: int = MAX_M, l2_prefetch_mib: int = 0,
+             overrides: tuple = ()) -> bool:
     """Shapes/dtypes/layouts the CuTe kernel handles (no exception: used by dispatch)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         return False
@@ -250,7 +256,7 @@ def supports(x: torch.Tensor, w: torch.Tensor, max_m: int = MAX_M) -> bool:
     if x.data_ptr() % 16 or w.data_ptr() % 16:
         return False
     try:
-        config_for(M, N, K)
+        config_for(M, N, K, l2_prefetch_mib, overrides)
     except ValueError:
         return False
     return True

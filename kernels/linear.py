@@ -1,29 +1,52 @@
-"""`linear`: the GEMV dispatch of the specialized decode step (moved from kernels/gemv.py)."""
-from __future__ import annotations
+"""`linear`: the GEMV dispatch of the specialized decode step.
 
-import os
+    y (..., N) = x (..., K) · Wᵀ,  W (N, K) bf16 row-major,  M = rows of x
+
+Which kernel serves an (M, N, K) is a shape rule (`gemv_kernel`), the same one the decode plan
+lists per batch bucket (models/decode_plan.py) and the node cache compiles (kernels/aot.py):
+    cute    M = 1, or M = 2 under LINEAR_M2_MAX_BYTES of weights: the CuTe GEMV
+            (kernels/gemv.py; CUDA cores, memory-bound; FMA-bound from M ≈ 4)
+    skinny  2 < M ≤ DecodeOptions.skinny_max_m (16): the tensor-core skinny GEMM
+            (kernels/gemm_skinny_triton.py)
+    cublas  everything else (torch.nn.functional.linear)
+`linear` applies the rule to real tensors and falls back to F.linear where the chosen kernel
+cannot run them (CPU, no CuTe DSL / Triton, a layout or alignment the kernel refuses, a first
+split-K skinny call under graph capture). Measurements behind the thresholds: docs/PERF.md
+("GEMV" and "skinny GEMM" rows).
+"""
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import gemm_skinny_triton as _skinny
 from raydecode.kernels._cute import cute_available
-from raydecode.kernels.gemv import gemv, supports, weight_bytes
+from raydecode.kernels.gemv import config_for, gemv, supports, weight_bytes
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
-# `linear` takes the CuTe kernel where it measured faster than cuBLAS (run2): every M = 1 shape,
-# M = 2 below this many weight bytes; M > 2 is FMA-bound on CUDA cores (docs/PERF.md).
+# The CuTe GEMV serves every M = 1 shape and M = 2 below this many weight bytes (measured
+# faster than cuBLAS there); M > 2 is FMA-bound on CUDA cores.
 LINEAR_M2_MAX_BYTES = 16 * 2**20
-# 2 < M ≤ this goes to the tensor-core skinny GEMM (kernels/gemm_skinny_triton.py) instead of
-# cuBLAS, on CUDA (PERF round 30, H200: 1.1–1.8× cuBLAS on the TP16 GEMVs at M = 4–16, TP16
-# step −0.2 to −0.65 ms at batches 4–16; at M = 32–64 it loses on the widest matrices);
-# 0 = off. RAYDECODE_SKINNY_MAX_M overrides it for A/B runs.
-SKINNY_MAX_M = int(os.environ.get("RAYDECODE_SKINNY_MAX_M", "16"))
-
+KERNELS = ("cute", "skinny", "cublas")
 
 
 def linear_uses_cute(M: int, N: int, K: int) -> bool:
     """Shapes where `linear` prefers the CuTe GEMV over cuBLAS (measured, docs/PERF.md)."""
     return M == 1 or (M == 2 and weight_bytes(N, K) < LINEAR_M2_MAX_BYTES)
+
+
+def gemv_kernel(M: int, N: int, K: int, options: DecodeOptions = DEFAULT_OPTIONS) -> str:
+    """The kernel `linear` sends a bf16 (M, N, K) GEMV to on a CUDA rank (module docstring):
+    'cute' (only where a GEMV mapping tiles the shape), 'skinny' or 'cublas'."""
+    if linear_uses_cute(M, N, K):
+        try:
+            config_for(M, N, K, options.gemv_l2_prefetch_mib, options.gemv_configs)
+            return "cute"
+        except ValueError:
+            return "cublas"
+    if 2 < M <= options.skinny_max_m and _skinny.shape_ok(M, N, K):
+        return "skinny"
+    return "cublas"
 
 
 def linear_f32_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -42,9 +65,10 @@ def linear_f32_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.double(), w.double()).float()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x (..., K) · Wᵀ: the CuTe GEMV where it beats cuBLAS (`linear_uses_cute`), the skinny
-    tensor-core GEMM for 2 < M ≤ SKINNY_MAX_M on CUDA, else F.linear.
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+           options: DecodeOptions = DEFAULT_OPTIONS) -> torch.Tensor:
+    """x (..., K) · Wᵀ on the kernel `gemv_kernel` picks, where it runs these tensors; else
+    F.linear.
 
     out_dtype=torch.float32 returns the fp32 accumulator unrounded (router logits: a GEMV whose
     rows also feed bf16 consumers rounds per consumer, which equals F.linear's single rounding)."""
@@ -52,14 +76,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     f32 = out_dtype == torch.float32
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"linear: out_dtype={out_dtype}; accepted: None, {x.dtype}, torch.float32")
-    if cute_available() and supports(x2, w, max_m=2) and linear_uses_cute(x2.shape[0], w.shape[0], w.shape[1]):
-        return gemv(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
-    if 2 < x2.shape[0] <= SKINNY_MAX_M and x2.is_cuda and _skinny.supports(x2, w):
-        return _skinny.skinny_gemm(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    M, N, K = x2.shape[0], w.shape[0], w.shape[1]
+    l2, over = options.gemv_l2_prefetch_mib, options.gemv_configs
+    if cute_available() and supports(x2, w, 2, l2, over) and linear_uses_cute(M, N, K):
+        return gemv(x2, w, out_dtype=out_dtype, config=config_for(M, N, K, l2, over)
+                    ).reshape(*x.shape[:-1], N)
+    if 2 < M <= options.skinny_max_m and x2.is_cuda and _skinny.supports(x2, w):
+        return _skinny.skinny_gemm(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], N)
     if f32:
-        return linear_f32_reference(x2, w).reshape(*x.shape[:-1], w.shape[0])
+        return linear_f32_reference(x2, w).reshape(*x.shape[:-1], N)
     return F.linear(x, w)
 
 
-__all__ = ["LINEAR_M2_MAX_BYTES", "SKINNY_MAX_M", "linear", "linear_f32_reference",
+__all__ = ["KERNELS", "LINEAR_M2_MAX_BYTES", "gemv_kernel", "linear", "linear_f32_reference",
            "linear_uses_cute"]

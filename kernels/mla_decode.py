@@ -32,7 +32,7 @@ Numerics: the kernel rounds p to bf16 before p·V relative to the running max (s
 normalising); everything else at the stock rounding points. The references compute p·V in fp32
 (models/mla.py `mla_absorbed_attention` semantics).
 
-Dispatch: the Triton kernels on CUDA tensors (`USE_TRITON`), the references elsewhere.
+Dispatch: the Triton kernels on CUDA tensors, the references elsewhere.
 """
 from __future__ import annotations
 
@@ -43,11 +43,10 @@ from raydecode.kernels import mla_decode_triton as _tri
 from raydecode.kernels._triton import H200_SMS, sm_count
 
 BF16 = torch.bfloat16
-USE_TRITON = True          # the Triton kernels on CUDA tensors (False: references everywhere)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return USE_TRITON and x.is_cuda and _tri.available(x)
+    return x.is_cuda and _tri.available(x)
 
 
 def default_num_splits(batch: int, max_rows: int, sms: int = H200_SMS) -> int:
@@ -477,7 +476,7 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
 
 def mla_decode_absorbed(qkv, q, kv_norm_w, cache, block_table, positions, seq_lens, w_uv_t,
                         gate, *, q_lora: int, kv_lora: int, eps: float, scale: float, out=None,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, pre_tile: bool = True) -> torch.Tensor:
     """mla_prep's row store and q norm + attention + output (DCP = 1) in TWO kernels: the
     split kernel scales q and the split holding the new row stores it first
     (`split_rows_triton`), then the output kernel. Replaces `mla_decode_fused`'s phase A:
@@ -487,7 +486,9 @@ def mla_decode_absorbed(qkv, q, kv_norm_w, cache, block_table, positions, seq_le
     qkv (T, q_lora + kv_lora + rope) bf16: the gathered q_a ‖ kv_a latents; q (T, h, kv_lora +
     rope) = x · W_q''ᵀ with x = qkv[:, :q_lora], best fp32 (rounded once, after the scale).
     Every token must be its own sequence (a decode step, no two tokens sharing a block written
-    in this call): a stored row is read by its own token's split only. -> (T, h·v) bf16."""
+    in this call): a stored row is read by its own token's split only. -> (T, h·v) bf16.
+    pre_tile: each split requests its first KV tile before its PDL wait
+    (DecodeOptions.mla_pre_tile; False: the wait first)."""
     T, rope = _check_qkv(qkv, q_lora, kv_lora)
     _need(q.dim() == 3 and q.dtype in (BF16, torch.float32) and q.shape[0] == T
           and q.shape[2] == kv_lora + rope and q.stride(2) == 1,
@@ -505,13 +506,13 @@ def mla_decode_absorbed(qkv, q, kv_norm_w, cache, block_table, positions, seq_le
     o_part = q.new_empty(T, S, h, kv_lora, dtype=torch.float32)
     lse_part = q.new_empty(T, S, h, dtype=torch.float32)
     _tri.split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens, q_lora,
-                           kv_lora, eps, scale, o_part, lse_part)
+                           kv_lora, eps, scale, o_part, lse_part, pre_tile=pre_tile)
     return _tri.output_triton(o_part, lse_part, w_uv_t, gate, out)
 
 
 __all__ = ["mla_prep", "mla_absorb", "mla_attention", "mla_output", "mla_decode",
            "attention_partials", "absorbed_q_weight", "default_num_splits", "paged_rows",
            "mla_prep_reference", "mla_absorb_reference", "mla_attention_reference",
-           "mla_output_reference", "USE_TRITON", "mla_decode_fused", "mla_decode_fused_reference",
+           "mla_output_reference", "mla_decode_fused", "mla_decode_fused_reference",
            "folded_q_b_weight", "fused_sync", "check_fused_sync", "FUSED_ONE_LAUNCH_MAX_T",
            "mla_decode_absorbed", "mla_decode_absorbed_reference"]

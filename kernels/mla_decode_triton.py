@@ -579,18 +579,16 @@ def split_triton(q_abs, cache, block_table, seq_lens, kv_lora: int, scale: float
                           num_stages=2, **pdl_launch(o_part))
 
 
-# `_split_rows_kernel` requests each split's first KV tile before its PDL wait (the new row
-# patched in from registers). False: the wait first, as before round 24 (A/B runs).
-PRE_TILE = True
-
-
 def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens,
                       q_lora: int, kv_lora: int, eps: float, scale: float,
-                      o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+                      o_part: torch.Tensor, lse_part: torch.Tensor,
+                      pre_tile: bool = True) -> None:
     """`split_triton` on the raw absorbed q (T, h, c + R) fp32 or bf16, x·W_q''ᵀ with x =
     qkv[:, :q_lora]: scaled by rms_scale(x) and rounded to the cache dtype per program; the
     split holding positions[t] stores token t's row (qkv's kv part) before reading its tiles.
-    Every token its own sequence: no other token reads that row here."""
+    Every token its own sequence: no other token reads that row here. pre_tile: each split
+    requests its first KV tile before its PDL wait (the new row patched in from registers);
+    False: the wait first."""
     T, h, d = q.shape
     S = o_part.shape[1]
     R = d - kv_lora
@@ -602,7 +600,7 @@ def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens
         q_lora, kv_norm_w, positions, float(eps), HP=_p2(h), BC=_p2(kv_lora), BR=_p2(R),
         BN=32 if kv_lora >= 256 else 64, BX=_p2(q_lora), DOT_F32=not q.is_cuda,
         num_warps=4 if kv_lora <= 256 else 8, num_stages=2,
-        PRE_TILE=PRE_TILE, **pdl_launch(o_part))
+        PRE_TILE=bool(pre_tile), **pdl_launch(o_part))
 
 
 def merge_triton(o_part, lse_part, o_lat: torch.Tensor, lse: torch.Tensor) -> None:

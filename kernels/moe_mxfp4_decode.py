@@ -67,12 +67,13 @@ import torch
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tanh_f32, tl, triton
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
 
-# T·k up to which the specialized step uses the few-token kernels (the stock grouped kernel past
-# it). 256 = batch 16 at k = 16 (docs/PERF.md rounds 25–27): there the per-pair kernels beat the
-# grouped one with routing spread over ≈ 120–230 experts (layer bench: 1.57× at batch 8, 1.48×
-# at 16) and with every token on the same 16 experts (step 1.50× at 8, 1.16× at 16). A pair
-# decodes its expert by itself, at a cost that does not fall when experts repeat, so at batch 64
-# the whole step ran 0.74× of the grouped kernel's speed (layer bench, uniform routing: 1.05×).
+# T·k up to which the specialized step uses the few-token kernels by default (the stock grouped
+# kernel past it; DecodeOptions.moe_max_pairs). 256 = batch 16 at k = 16: there the per-pair
+# kernels beat the grouped one with routing spread over ≈ 120–230 experts (layer bench: 1.57×
+# at batch 8, 1.48× at 16) and with every token on the same 16 experts (step 1.50× at 8, 1.16×
+# at 16). A pair decodes its expert by itself, at a cost that does not fall when experts
+# repeat, so at batch 64 the whole step ran 0.74× of the grouped kernel's speed (layer bench,
+# uniform routing: 1.05×). docs/PERF.md, MoE.
 MAX_PAIRS = 256
 
 
@@ -566,9 +567,11 @@ def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     return out
 
 
-def use_decode_kernel(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Experts) -> bool:
-    """Whether `moe_mxfp4_decode` serves this call (few pairs, Triton on these tensors)."""
-    return topk_ids.numel() <= MAX_PAIRS and available(z, experts.w13)
+def use_decode_kernel(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Experts,
+                      max_pairs: int = MAX_PAIRS) -> bool:
+    """Whether the few-token kernels serve this call (≤ max_pairs pairs, Triton on these
+    tensors; max_pairs: DecodeOptions.moe_max_pairs)."""
+    return topk_ids.numel() <= max_pairs and available(z, experts.w13)
 
 
 __all__ = ["DecodeConfig", "MAX_PAIRS", "TUNED", "default_decode_config", "moe_mxfp4_decode",

@@ -45,6 +45,7 @@ from .layer_step import gemv_linear
 from .layer_step_spec import FFN_PATH, L2PF, L2PF_START_MIB, MLA_PATH, make_step
 from .layer_timing import GraphTimer, hbm_read_bandwidth, profile_kernel_count
 from .layer_weights import LayerState, LayerWeights, random_experts, random_params
+from .options import add_decode_args, options_from_args
 from .report_io import write_report
 
 L2_BYTES = 60 * 2**20
@@ -325,49 +326,6 @@ def _ratios(report: dict) -> None:
             r["speedup_vs_stock"] = s["us"] / r["us"]
 
 
-def set_gemv_mapping(spec: str) -> None:
-    """'N,K={"lanes_per_row": …, "k_warps": …, "rows_per_group": …, "row_warps": …}' → the
-    M = 1 entry of kernels.gemv.TUNED (validated; PDL and the prefetch budget stay the defaults)."""
-    from raydecode.kernels import gemv
-    key, js = spec.split("=", 1)
-    N, K = (int(x) for x in key.split(","))
-    fields = json.loads(js)
-    allowed = {"lanes_per_row", "k_warps", "rows_per_group", "row_warps", "batch"}
-    if not isinstance(fields, dict) or set(fields) - allowed:
-        raise ValueError(f"fields {fields!r}; accepted keys {sorted(allowed)}")
-    cfg = gemv.GemvConfig(m_tile=1, **fields)
-    cfg.validate(1, N, K)
-    gemv.TUNED[(1, N, K)] = cfg
-    gemv._config_for.cache_clear()
-
-
-def add_moe_limit_args(ap: argparse.ArgumentParser) -> None:
-    """The flag `set_moe_limits` applies (layer.py and step.py)."""
-    ap.add_argument("--moe-max-pairs", type=int, default=None,
-                    help="T·k up to which the specialized MoE runs the few-token kernels "
-                         "(kernels.moe_mxfp4_decode.MAX_PAIRS; default: its value)")
-
-
-def set_moe_limits(max_pairs: int | None) -> None:
-    """--moe-max-pairs: the pair count up to which the specialized MoE runs the few-token
-    kernels (None: keep the module's value)."""
-    if max_pairs is not None:
-        if max_pairs < 1:
-            raise SystemExit(f"--moe-max-pairs {max_pairs}: expected ≥ 1")
-        moe_mxfp4_decode.MAX_PAIRS = max_pairs
-
-
-def set_gemv_mappings(specs: list[str]) -> None:
-    """`set_gemv_mapping` for each --gemv-config value (layer.py, step.py); a bad one raises
-    ValueError naming it and the expected form."""
-    for c in specs:
-        try:
-            set_gemv_mapping(c)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"--gemv-config {c!r}: expected N,K={{GemvConfig mapping fields "
-                             f"as JSON}} that tile (1, N, K) ({e})") from e
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -400,60 +358,28 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe-decode-sweep-batches", default="1,4",
                     help="batches the MoE decode tile sweep times (it tunes per expert shape)")
-    ap.add_argument("--moe-decode", choices=("auto", "mma", "cuda-core", "resident"),
-                    default="auto",
-                    help="few-token MoE kernel: tensor cores (mma), CUDA cores, the resident "
-                         "CuTe kernel where it fits (resident), or the tensor-core TUNED / "
-                         "moe_decode.RESIDENT per shape (auto)")
+    ap.add_argument("--moe-decode", choices=("auto", "cuda-core", "resident"), default="auto",
+                    help="few-token MoE kernel: CUDA cores, the resident CuTe kernel where it "
+                         "fits (resident), or kernels/moe_decode.py RESIDENT per shape (auto): "
+                         "DecodeOptions.moe_kernel")
     ap.add_argument("--moe-resident-predecode", type=int, default=None,
                     help="the resident MoE kernel's `predecode` (down rows per lane decoded "
-                         "before the wait; default: moe_decode.RESIDENT_PREDECODE)")
+                         "before the wait; DecodeOptions.moe_resident_predecode)")
     ap.add_argument("--kda-splits", type=int, default=None,
-                    help="programs per head of the fused KDA decode (kernels.kda_decode.SPLITS: "
+                    help="programs per head of the fused KDA decode (DecodeOptions.kda_splits: "
                          "1 = one program per head, N = the split form; default: automatic)")
-    ap.add_argument("--mma-config", action="append", default=[],
-                    help="E,I,L={MmaConfig JSON}: a tensor-core MoE config for that shape")
-    ap.add_argument("--decode-config", action="append", default=[],
-                    help="E,I,L={DecodeConfig JSON}: the CUDA-core MoE decode config for that "
-                         "shape (same-lease A/B, e.g. words vs f16x2)")
-    ap.add_argument("--gemv-config", action="append", default=[],
-                    help="M=1 GEMV mapping override, repeatable: N,K={json of GemvConfig mapping "
-                         "fields: lanes_per_row, k_warps, rows_per_group, row_warps[, batch]} "
-                         "(kernels.gemv.TUNED; A/B runs of scripts/bench/gemv_tune.py)")
-    add_moe_limit_args(ap)
+    add_decode_args(ap)
     ap.add_argument("--attnres", choices=("cute", "triton"), default="cute",
                     help="AttnRes mix + norm kernel of the specialized step (cute: the CuTe DSL "
                          "kernel where it supports the layout, else Triton)")
     args = ap.parse_args(argv)
-    from raydecode.kernels import attnres_norm
-    from raydecode.kernels import moe_decode, moe_mxfp4_decode_mma
-    attnres_norm.USE_CUTE = args.attnres == "cute"
-    moe_mxfp4_decode_mma.USE_MMA = {"mma": True, "cuda-core": False}.get(args.moe_decode)
-    moe_decode.USE_RESIDENT = {"resident": True, "auto": None}.get(args.moe_decode, False)
+    fields = {"attnres_cute": args.attnres == "cute", "kda_splits": args.kda_splits,
+              "moe_kernel": args.moe_decode.replace("-", "_")}
     if args.moe_resident_predecode is not None:
-        moe_decode.RESIDENT_PREDECODE = args.moe_resident_predecode
-    from raydecode.kernels import kda_decode
-    kda_decode.SPLITS = args.kda_splits
-    set_moe_limits(args.moe_max_pairs)
-    for flag, values, cls, table in (
-            ("--mma-config", args.mma_config, moe_mxfp4_decode_mma.MmaConfig,
-             moe_mxfp4_decode_mma.TUNED),
-            ("--decode-config", args.decode_config, moe_mxfp4_decode.DecodeConfig,
-             moe_mxfp4_decode.TUNED)):
-        for c in values:             # "E,I,L={json of the config's fields}"
-            try:
-                key, js = c.split("=", 1)
-                shape = tuple(int(x) for x in key.split(","))
-                if len(shape) != 3:
-                    raise ValueError(f"{len(shape)} numbers before '='")
-                conf = cls(**json.loads(js))
-                conf.validate(shape[1], shape[2])
-            except (ValueError, TypeError) as e:     # JSONDecodeError is a ValueError
-                ap.error(f"{flag} {c!r}: expected E,I,L={{{cls.__name__} fields as JSON}} "
-                         f"that fit I and L ({e})")
-            table[shape] = conf
+        fields["moe_resident_predecode"] = args.moe_resident_predecode
     try:
-        set_gemv_mappings(args.gemv_config)
+        settings.check_no_retired()
+        args.options = options_from_args(args, **fields)
     except ValueError as e:
         ap.error(str(e))
     for name, conv in (("tps", int), ("kinds", str), ("batches", int),

@@ -52,8 +52,6 @@ from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.kernels.ffn_gemv_triton import norm_situ_gemv
 from raydecode.kernels.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
 from raydecode.kernels.gemv_norm_situ import supports as cute_ffn_supports
-from raydecode.models import moe as served_moe
-from raydecode.models.specialized import env_choice
 from raydecode.kernels.kda_decode import kda_decode
 from raydecode.kernels.l2_prefetch import SidePrefetch, prefetch_table
 from raydecode.kernels.mla_decode import (mla_absorb, mla_decode, mla_decode_absorbed,
@@ -61,10 +59,11 @@ from raydecode.kernels.mla_decode import (mla_absorb, mla_decode, mla_decode_abs
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
 from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
 from raydecode.kernels.moe_decode import moe_decode
+from raydecode.kernels.settings import DEFAULT_OPTIONS
 from raydecode.kernels.router import route_topk
 
 from .layer_step import BF16, DecodeStep, mm_f32
-from .layer_weights import MLA_PATH
+from .layer_weights import MLA_PATH, env_choice
 
 
 # RAYDECODE_BENCH_FFN: the latent norm + SiTU and the ffn_out GEMV as
@@ -236,7 +235,7 @@ class SpecializedStep(DecodeStep):
         else:
             lat = fused_moe_mxfp4(z.to(BF16), weights, ids, W.experts)   # [all-reduce]
         gu, w_out, w_norm = y[:, ne + nz:], W.spec["ffn_out_local"], t["latent_norm"]
-        if ((FFN_PATH == "served" and served_moe.FUSED_FFN_OUT
+        if ((FFN_PATH == "served" and DEFAULT_OPTIONS.ffn_out_fused
              and cute_ffn_supports(lat, w_norm, nz, gu, w_out))
                 or (FFN_PATH == "fused" and uses_ffn_kernel(lat, nz, gu, w_out, w_norm))):
             return norm_situ_gemv(lat, t["latent_norm"], self.eps, 0, nz, y[:, ne + nz:],

@@ -37,7 +37,16 @@ from raydecode.models.config import K3Config
 from raydecode.models.k3 import K3DecoderLayer
 from raydecode.models.parallel import LocalComm, Parallel
 from raydecode.models.params import FUSED_ROW_ALIGN, ffn_out_k
-from raydecode.models.specialized import env_choice
+
+
+def env_choice(env: str, choices: tuple[str, ...], default: str) -> str:
+    """One of `choices` from the environment (this hand-kept bench copy only; it goes when
+    the layer bench drives the model's layer)."""
+    import os
+    v = os.environ.get(env, default)
+    if v not in choices:
+        raise ValueError(f"{env}={v!r}; accepted: {', '.join(choices)}")
+    return v
 
 BF16 = torch.bfloat16
 # RAYDECODE_BENCH_MLA: the specialized MLA block as

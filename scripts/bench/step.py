@@ -52,11 +52,11 @@ from raydecode.kernels import settings
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
-from raydecode.models import mla, moe
 from raydecode.models.moe import MXFP4_PARAMS, random_mxfp4
 from raydecode.models.parallel import Comm, Parallel
 
 from .layer_weights import ParamSpec, init_value
+from .options import add_decode_args, options_from_args
 
 VARIANTS = ("stock", "specialized", "graphed")
 BLOCK = 16
@@ -349,36 +349,28 @@ def main(argv=None) -> int:
     ap.add_argument("--routing-probe", action="store_true",
                     help="per batch, one more step recording the distinct routed experts per "
                          "MoE call of the eager specialized variant (needs it in --variants)")
-    ap.add_argument("--gemv-config", action="append", default=[],
-                    help="M=1 GEMV mapping override, repeatable (layer.py --gemv-config syntax)")
     ap.add_argument("--kda-splits", type=int, default=None,
-                    help="programs per head of the fused KDA decode (layer.py --kda-splits)")
+                    help="programs per head of the fused KDA decode (DecodeOptions.kda_splits; "
+                         "default: automatic)")
     ap.add_argument("--router-gather", type=int, choices=(0, 1), default=1,
-                    help="router top-k weights from registers (1, router_triton.GATHER_DEFAULT) "
+                    help="router top-k weights from registers (1: DecodeOptions.router_gather) "
                          "or re-loaded (0: A/B runs)")
     ap.add_argument("--attnres-bank", type=int, choices=(0, 1), default=1,
-                    help="AttnRes snapshots as slots of one bank tensor (1, models/attnres.py "
-                         "BANK) or separate tensors (0: A/B runs)")
+                    help="AttnRes snapshots as slots of one bank tensor (1: DecodeOptions"
+                         ".attnres_bank) or separate tensors (0: A/B runs)")
     ap.add_argument("--mla-pre-tile", type=int, choices=(0, 1), default=1,
-                    help="MLA split kernel's first KV tile before its PDL wait (1, "
-                         "mla_decode_triton.PRE_TILE) or after it (0: A/B runs)")
-    from .layer import add_moe_limit_args
-    add_moe_limit_args(ap)
+                    help="MLA split kernel's first KV tile before its PDL wait (1: "
+                         "DecodeOptions.mla_pre_tile) or after it (0: A/B runs)")
+    add_decode_args(ap)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--commit", default=settings.commit())
     args = ap.parse_args(argv)
-    from raydecode.kernels import kda_decode, router_triton
-    kda_decode.SPLITS = args.kda_splits
-    router_triton.GATHER_DEFAULT = bool(args.router_gather)
-    from raydecode.models import attnres
-    attnres.BANK = bool(args.attnres_bank)
-    from raydecode.kernels import mla_decode_triton
-    mla_decode_triton.PRE_TILE = bool(args.mla_pre_tile)
-    from raydecode.kernels import moe_mxfp4_decode
-    from .layer import set_gemv_mappings, set_moe_limits
-    set_moe_limits(args.moe_max_pairs)
     try:
-        set_gemv_mappings(args.gemv_config)
+        settings.check_no_retired()
+        options = options_from_args(args, kda_splits=args.kda_splits,
+                                    router_gather=bool(args.router_gather),
+                                    attnres_bank=bool(args.attnres_bank),
+                                    mla_pre_tile=bool(args.mla_pre_tile))
     except ValueError as e:
         raise SystemExit(str(e))
     batches = [int(b) for b in args.batches.split(",")]
@@ -400,7 +392,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     with torch.device(args.device):
-        model = init_on_device_(K3ForCausalLM(cfg, par, comm, dtype), args.seed)
+        model = init_on_device_(K3ForCausalLM(cfg, par, comm, dtype, options), args.seed)
     build_s = time.perf_counter() - t0
     env = {"device": str(args.device)}
     hbm = None
@@ -440,12 +432,14 @@ def main(argv=None) -> int:
               "config": cfg.name, "tp": args.tp, "layers": cfg.num_layers,
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
-              "kda_splits": args.kda_splits, "router_gather": args.router_gather,
-              "attnres_bank": args.attnres_bank, "mla_pre_tile": args.mla_pre_tile,
-              "moe_max_pairs": moe_mxfp4_decode.MAX_PAIRS,
-              "moe_fused": moe.FUSED_SPECIALIZED,
-              "ffn_out_fused": moe.FUSED_FFN_OUT,
-              "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,
+              "kda_splits": options.kda_splits, "router_gather": int(options.router_gather),
+              "attnres_bank": int(options.attnres_bank),
+              "mla_pre_tile": int(options.mla_pre_tile),
+              "moe_max_pairs": options.moe_max_pairs,
+              "moe_fused": options.moe_fused,
+              "ffn_out_fused": options.ffn_out_fused,
+              "mla_absorbed_q": options.mla_absorbed_q, "gemv_config": args.gemv_config,
+              "decode_options": options.as_dict(),
               "method": __doc__.split("\n\n", 2)[2], "rows": rows}
     if args.out:
         with open(args.out, "w") as f:

@@ -153,7 +153,8 @@ def test_bank_of_list_and_tensor_agree():
 def test_dispatch_on_cpu_still_returns_the_reference():
     bank, (wr, wp, wo) = _bank()
     blocks, pre = [bank[:, j] for j in range(4)], bank[:, 4]
-    assert A.USE_CUTE is True            # default: the CuTe kernel first where it can run
+    from raydecode.kernels.settings import DEFAULT_OPTIONS
+    assert DEFAULT_OPTIONS.attnres_cute is True   # default: the CuTe kernel first where it runs
     assert torch.equal(A.attnres_mix_norm(blocks, pre, wr, wp, wo, 1e-6, 1e-5),
                        A.attnres_mix_norm_reference(blocks, pre, wr, wp, wo, 1e-6, 1e-5))
 

@@ -8,7 +8,7 @@ import pytest
 
 from raydecode.kernels import gemv as G
 from raydecode.scripts.bench import gemv_tune as T
-from raydecode.scripts.bench import layer as LB
+from raydecode.scripts.bench import options as LB
 
 K3_TP16 = [(3584, 7168), (7168, 768), (3216, 7168), (1048, 7168), (900, 7168), (7168, 640),
            (1152, 1536)]
@@ -35,27 +35,24 @@ def test_spread_counts_the_last_wave():
     assert T.spread(G.GemvConfig(32, 1, 1, 1, 1), 4224) == 1.0     # 4224 CTAs = 32 per SM
 
 
-def test_layer_gemv_override_sets_tuned_and_rejects_bad_input(monkeypatch):
-    monkeypatch.setattr(G, "TUNED", dict(G.TUNED))
-    G._config_for.cache_clear()
-    try:
-        LB.set_gemv_mapping('3584,7168=' + json.dumps(
-            {"lanes_per_row": 32, "k_warps": 2, "rows_per_group": 1, "row_warps": 4}))
-        got = G.config_for(1, 3584, 7168)
-        assert (got.lanes_per_row, got.k_warps, got.rows_per_group, got.row_warps) == (32, 2, 1, 4)
-        with pytest.raises(ValueError, match="accepted keys"):
-            LB.set_gemv_mapping('3584,7168={"lanes": 32}')
-        with pytest.raises(ValueError, match="rows_per_cta"):      # 3584 % 24 rows per CTA
-            LB.set_gemv_mapping('3584,7168=' + json.dumps(
-                {"lanes_per_row": 4, "k_warps": 1, "rows_per_group": 3, "row_warps": 1}))
-    finally:
-        monkeypatch.undo()
-        G._config_for.cache_clear()
+def test_layer_gemv_override_sets_tuned_and_rejects_bad_input():
+    """--gemv-config becomes an override of the tuned table in the run's DecodeOptions;
+    config_for under those options returns it (the table itself is untouched)."""
+    before = dict(G.TUNED)
+    over = LB.gemv_mapping('3584,7168=' + json.dumps(
+        {"lanes_per_row": 32, "k_warps": 2, "rows_per_group": 1, "row_warps": 4}))
+    got = G.config_for(1, 3584, 7168, overrides=(over,))
+    assert (got.lanes_per_row, got.k_warps, got.rows_per_group, got.row_warps) == (32, 2, 1, 4)
+    assert G.TUNED == before and G.config_for(1, 3584, 7168) != got
+    with pytest.raises(ValueError, match="accepted keys"):
+        LB.gemv_mapping('3584,7168={"lanes": 32}')
+    with pytest.raises(ValueError, match="rows_per_cta"):      # 3584 % 24 rows per CTA
+        LB.gemv_mapping('3584,7168=' + json.dumps(
+            {"lanes_per_row": 4, "k_warps": 1, "rows_per_group": 3, "row_warps": 1}))
 
 
 @pytest.mark.parametrize("spec", ['3584,7168={"lanes": 32}', "3584", 'x,7168={}'])
-def test_gemv_config_flags_name_the_bad_value(spec, monkeypatch):
+def test_gemv_config_flags_name_the_bad_value(spec):
     """layer.py and step.py's --gemv-config: one message names the value and the form."""
-    monkeypatch.setattr(G, "TUNED", dict(G.TUNED))
     with pytest.raises(ValueError, match=r"--gemv-config .*expected N,K=\{GemvConfig"):
-        LB.set_gemv_mappings([spec])
+        LB.gemv_mappings([spec])

@@ -17,7 +17,7 @@ import torch
 
 from raydecode.engine.spec_runner import KDARollback
 from raydecode.kernels import kda_decode as kda_decode_op
-from raydecode.models import moe
+from raydecode.kernels.settings import DecodeOptions
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
@@ -43,11 +43,9 @@ def _cfg(name: str):
     return dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, **kda))
 
 
-@pytest.fixture(autouse=True)
-def unfused_moe(monkeypatch):
-    """Whole models are compared at bf16 tolerance here; the fused specialized MoE block's
-    re-association (tests/cpu/test_moe_fused.py) is not this file's subject."""
-    monkeypatch.setattr(moe, "FUSED_SPECIALIZED", False)
+# Whole models are compared at bf16 tolerance here; the fused specialized MoE block's
+# re-association (tests/cpu/test_moe_fused.py) is not this file's subject: the unfused block.
+UNFUSED_MOE = DecodeOptions(moe_fused=False)
 
 
 @pytest.fixture
@@ -71,7 +69,8 @@ class Pair:
 
     def __init__(self, cfg, dtype, seed=11, layer=False):
         self.cfg, self.dtype = cfg, dtype
-        self.model = init_random_(K3ForCausalLM(cfg, dtype=dtype), seed=seed)
+        self.model = init_random_(K3ForCausalLM(cfg, dtype=dtype, options=UNFUSED_MOE),
+                                  seed=seed)
         self.layer = self.model.model.layers[cfg.kda_layer_ids[0]].self_attn if layer else None
         self.caches = {p: make_caches(cfg, self.model.par, NUM_SLOTS, 32, 4, dtype) for p in PATHS}
         for c in self.caches.values():
@@ -205,7 +204,7 @@ def test_unsupported_head_dim_takes_the_loop(spy):
 
 def test_cacheless_specialized_forward_takes_the_loop(spy):
     cfg = _cfg("tiny")
-    model = init_random_(K3ForCausalLM(cfg, dtype=torch.bfloat16), seed=3)
+    model = init_random_(K3ForCausalLM(cfg, dtype=torch.bfloat16, options=UNFUSED_MOE), seed=3)
     toks = torch.randint(0, cfg.vocab_size, (1,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         a = model(toks, path="specialized")

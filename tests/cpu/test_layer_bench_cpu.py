@@ -88,31 +88,27 @@ def test_fused_weights_are_counted_once():
 
 
 @pytest.mark.parametrize("flag,arg,why", [
-    ("--mma-config", "x", "not enough values"),
-    ("--mma-config", '896,192={}', "2 numbers"),
-    ("--mma-config", '896,192,3584={"nope": 1}', "nope"),
-    ("--mma-config", '896,192,3584={"gate_up_bn": 3}', "gate_up_bn 3"),
     ("--decode-config", "x", "not enough values"),
+    ("--decode-config", '896,192={}', "2 numbers"),
     ("--decode-config", '896,192,3584={"nope": 1}', "nope"),
     ("--decode-config", '896,192,3584={"gate_up_bn": 7}', "gate_up BN 7"),
     ("--decode-config", '896,192,3584={"f16x2": true}', "f16x2 needs words=True")])
 def test_bad_moe_config_is_refused_by_name(flag, arg, why, capsys):
-    """--mma-config / --decode-config are validated at the edge (before any GPU work): the
-    message names the argument and the reason; the TUNED tables are left untouched."""
+    """--decode-config is validated at the edge (before any GPU work): the message names the
+    argument and the reason; the TUNED table is left untouched."""
     from raydecode.kernels import moe_mxfp4_decode as MD
-    from raydecode.kernels import moe_mxfp4_decode_mma as MM
     from raydecode.scripts.bench import layer
-    before = (dict(MM.TUNED), dict(MD.TUNED))
+    before = dict(MD.TUNED)
     with pytest.raises(SystemExit):
         layer.main(["--out", "unused.json", flag, arg])
     err = capsys.readouterr().err
     assert f"{flag} {arg!r}" in err and why in err
-    assert (MM.TUNED, MD.TUNED) == before
+    assert MD.TUNED == before
 
 
 def test_decode_config_sets_the_shape_before_the_run(monkeypatch):
-    """A valid --decode-config lands in moe_mxfp4_decode.TUNED before `run` (here replaced:
-    the benchmark itself needs a GPU), so the timing uses it."""
+    """A valid --decode-config lands in the run's decode options before `run` (here
+    replaced: the benchmark itself needs a GPU), so the timing uses it."""
     import dataclasses
     import json
 
@@ -125,12 +121,11 @@ def test_decode_config_sets_the_shape_before_the_run(monkeypatch):
         pass
 
     def fake_run(args):
-        seen["cfg"] = MD.TUNED[(896, 192, 3584)]
+        seen["cfg"] = dict(args.options.moe_decode_configs)[(896, 192, 3584)]
         raise Stop
 
     monkeypatch.setattr(layer, "DEVICE", "cpu")
     monkeypatch.setattr(layer, "run", fake_run)
-    monkeypatch.setitem(MD.TUNED, (896, 192, 3584), MD.TUNED[(896, 192, 3584)])  # restored
     with pytest.raises(Stop):
         layer.main(["--out", "unused.json", "--decode-config",
                     "896,192,3584=" + json.dumps(dataclasses.asdict(want))])

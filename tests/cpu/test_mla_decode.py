@@ -293,7 +293,7 @@ def test_absorbed_composition_matches_layer_step_mla():
 @pytest.mark.skipif(not INTERPRET, reason="the kernels: Triton + TRITON_INTERPRET=1")
 @pytest.mark.parametrize("pre_tile", [True, False])
 @pytest.mark.parametrize("ctx_rows", [(1, 40, 17, 64), (1, 129, 5, 3)])
-def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile, monkeypatch):
+def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile):
     """split_rows_triton + output_triton (the two kernels of mla_decode_absorbed) vs
     mla_decode_absorbed_reference on fresh random inputs: per token a different length, the
     new row at positions[t] = len − 1 (one token −1: not stored, its row read as it was), a
@@ -302,7 +302,6 @@ def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile, monkeypatch):
     stored rows equal the reference's bits up to 1 bf16 ulp. pre_tile: each split's first
     tile read before the row store (as before the PDL wait on the GPU), so a row stored into
     it (lengths 1, 17, 129: in the first tile of its split) must come from registers."""
-    monkeypatch.setattr(MT, "PRE_TILE", pre_tile)
     seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
     g = torch.Generator().manual_seed(seed)
     T, bs, mb, S = len(ctx_rows), 16, 9, 3
@@ -322,7 +321,8 @@ def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile, monkeypatch):
     ref = M.mla_decode_absorbed_reference(qkv, q, wkv, ref_c, bt, pos, seq, w_uv, gate, **kw)
     got_c = cache0.clone()
     o_p, l_p = torch.empty(T, S, H, KL), torch.empty(T, S, H)
-    MT.split_rows_triton(q, qkv, wkv, got_c, bt, pos, seq, QL, KL, 1e-6, 0.1, o_p, l_p)
+    MT.split_rows_triton(q, qkv, wkv, got_c, bt, pos, seq, QL, KL, 1e-6, 0.1, o_p, l_p,
+                         pre_tile=pre_tile)
     got = MT.output_triton(o_p, l_p, w_uv, gate, torch.empty(T, H * V, dtype=BF))
     msg = f"seed {seed}"
     assert _rel(got, ref) < 2e-2, msg

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import raydecode.models.mla as mla
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
@@ -33,8 +34,9 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
-# the DCP-1 fast path's op: round 16's absorbed-q form, or round 9's (RAYDECODE_MLA_ABSORBED_Q=0)
-DCP1 = "mla_decode_absorbed" if mla.ABSORBED_Q else "mla_decode_fused"
+# the DCP-1 fast path's op: the served absorbed-q form, or the folded-q_b one
+# (DecodeOptions.mla_absorbed_q off)
+DCP1 = "mla_decode_absorbed" if DEFAULT_OPTIONS.mla_absorbed_q else "mla_decode_fused"
 
 
 class Spy:
@@ -108,11 +110,11 @@ def bf16_model():
 
 @pytest.mark.parametrize("absorbed", [True, False])
 def test_layer_fused_decode_equals_stock(bf16_model, monkeypatch, absorbed):
-    """Both DCP-1 forms: the served absorbed-q one and round 9's (the A/B switch)."""
+    """Both DCP-1 forms: the served absorbed-q one and the folded-q_b one (the option)."""
     cfg, model = bf16_model
     attn = model.model.layers[cfg.mla_layers[0]].self_attn
     x = torch.randn(30, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(BF)
-    monkeypatch.setattr(mla, "ABSORBED_Q", absorbed)
+    monkeypatch.setattr(attn, "options", DecodeOptions(mla_absorbed_q=absorbed))
     spy = Spy(monkeypatch)
     got = run_layer(attn, cfg, model.par, x, ("stock", "specialized"))
     op, other = (("mla_decode_absorbed", "mla_decode_fused") if absorbed

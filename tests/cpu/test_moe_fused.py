@@ -18,7 +18,6 @@ from raydecode.models import moe
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
-from raydecode.models.specialized import env_choice, env_switch
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
@@ -145,29 +144,3 @@ def test_packed_weights_hold_the_params_once_and_follow_a_reload():
         assert p.data_ptr() == w[at].data_ptr(), n
         at += p.shape[0]
     assert w.shape[0] % 16 == 0 and (w[at:] == 0).all()
-
-
-@pytest.mark.parametrize("env", ["RAYDECODE_MOE_FUSED", "RAYDECODE_FFN_OUT_FUSED",
-                                 "RAYDECODE_MLA_ABSORBED_Q"])
-def test_env_switch_is_validated(monkeypatch, env):
-    monkeypatch.setenv(env, "yes")
-    with pytest.raises(ValueError, match=f"{env}='yes'; accepted"):
-        env_switch(env, "on")
-    monkeypatch.setenv(env, "0")
-    assert env_switch(env, "on") is False
-    monkeypatch.delenv(env)
-    assert env_switch(env, "on") is True
-
-
-@pytest.mark.parametrize("env, choices", [
-    ("RAYDECODE_BENCH_MLA", ("r16", "r9", "r8")),
-    ("RAYDECODE_BENCH_FFN", ("served", "pair", "fused")),
-    ("RAYDECODE_BENCH_L2PF", ("off", "mid", "all", "next"))])
-def test_env_choice_is_validated(monkeypatch, env, choices):
-    monkeypatch.delenv(env, raising=False)
-    assert env_choice(env, choices, choices[0]) == choices[0]
-    monkeypatch.setenv(env, choices[-1])
-    assert env_choice(env, choices, choices[0]) == choices[-1]
-    monkeypatch.setenv(env, "fast")
-    with pytest.raises(ValueError, match=f"{env}='fast'; accepted: {', '.join(choices)}"):
-        env_choice(env, choices, choices[0])

@@ -153,11 +153,12 @@ def test_dispatch_table_fits_and_cpu_calls_fall_through():
 
     from raydecode.kernels import moe_decode as D
     from raydecode.kernels.moe_mxfp4 import MXFP4Experts
+    from raydecode.kernels.settings import DEFAULT_OPTIONS
 
     assert (896, 192, 3584, 1) in D.RESIDENT
     for E, I, L, T in D.RESIDENT:
         R.ResidentMoEPlan(tokens=T, top_k=16, num_experts=E, intermediate=I, latent=L, ctas=132,
-                          predecode=D.RESIDENT_PREDECODE)
+                          predecode=DEFAULT_OPTIONS.moe_resident_predecode)
     ex = MXFP4Experts.random(4, 512, 64, 4.0, None)
-    assert D._resident_plan(torch.zeros(1, 512, dtype=torch.bfloat16),
+    assert D.resident_plan(torch.zeros(1, 512, dtype=torch.bfloat16),
                             torch.zeros(1, 4, dtype=torch.int64), ex) is None

@@ -9,7 +9,7 @@ import torch
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 from raydecode.kernels.attnres_norm_triton import bank_view
 from raydecode.kernels.router import route_topk, router_logits
-from raydecode.models import moe
+from raydecode.kernels.settings import DecodeOptions
 from raydecode.models.attnres import AttnResStream
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -204,7 +204,6 @@ def test_k3_specialized_forward_mixes_one_bank_view(bank_on, monkeypatch):
     """Every fused mix of the specialized forward gets its blocks as slots of one tensor (the
     CuTe kernel's layout, no stack copy); with the bank off the deeper mixes do not."""
     from raydecode.models import attnres
-    monkeypatch.setattr(attnres, "BANK", bank_on)
     seen = []
 
     def record(op):
@@ -216,7 +215,8 @@ def test_k3_specialized_forward_mixes_one_bank_view(bank_on, monkeypatch):
     monkeypatch.setattr(attnres, "attnres_mix_norm", record(attnres_mix_norm))
     monkeypatch.setattr(attnres, "attnres_add_mix_norm", record(attnres_add_mix_norm))
     cfg = load_config("tiny")
-    model = init_random_(K3ForCausalLM(cfg, dtype=torch.float32), seed=2)
+    model = init_random_(K3ForCausalLM(cfg, dtype=torch.float32,
+                                       options=DecodeOptions(attnres_bank=bank_on)), seed=2)
     with torch.inference_mode():
         model(torch.tensor([3, 5]), path="specialized")
     assert len(seen) == 2 * cfg.num_layers + 1
@@ -278,9 +278,9 @@ def _rel(a, b) -> float:
 def test_specialized_step_equals_stock_tp1(dtype, tol, monkeypatch):
     # the unfused MoE block: bf16 whole models stay within tol of stock only without the fused
     # block's re-association (its own whole-model test: tests/cpu/test_moe_fused.py)
-    monkeypatch.setattr(moe, "FUSED_SPECIALIZED", False)
     cfg = load_config("tiny")
-    model = init_random_(K3ForCausalLM(cfg, dtype=dtype), seed=11)
+    model = init_random_(K3ForCausalLM(cfg, dtype=dtype, options=DecodeOptions(moe_fused=False)),
+                         seed=11)
     toks = torch.randint(0, cfg.vocab_size, (10,), generator=_gen(3))
     caches = {p: make_caches(cfg, model.par, 2, 8, 4, dtype) for p in ("stock", "specialized")}
     logits = {}

@@ -128,9 +128,10 @@ class Twin:
 
 def test_graph_shaped_decode_equals_plain(model, monkeypatch):
     seen = {"kda": 0, "mla": 0}       # fused calls that received the statics' own tensors
-    op = "mla_decode_absorbed" if mla.ABSORBED_Q else "mla_decode_fused"   # the DCP-1 op
+    absorbed = model.options.mla_absorbed_q
+    op = "mla_decode_absorbed" if absorbed else "mla_decode_fused"   # the DCP-1 op
     real_kda, real_mla = kda_decode_op.kda_decode, getattr(mla, op)
-    n_pre = 3 if mla.ABSORBED_Q else 4            # arguments before (pool, table, store, lens)
+    n_pre = 3 if absorbed else 4            # arguments before (pool, table, store, lens)
 
     def kda_spy(*a, **kw):
         st = twin.graphed.caches.statics

@@ -50,11 +50,8 @@ def _gpu_unless_moe_decode(request):
         pytest.skip("needs CUDA (the interpreter runs only the small test_moe_decode_* cases)")
 
 
-@pytest.fixture(autouse=True)
-def _triton_attnres(monkeypatch):
-    """These tests compare the public AttnRes ops with the Triton kernel bit for bit: keep the
-    dispatch off the CuTe DSL kernel (tests/gpu/test_attnres_cute.py covers that one)."""
-    monkeypatch.setattr(A, "USE_CUTE", False)
+# These tests compare the public AttnRes ops with the Triton kernel bit for bit: the dispatch
+# is kept off the CuTe DSL kernel (cute=False; tests/gpu/test_attnres_cute.py covers that one).
 
 
 def _seed() -> int:
@@ -102,7 +99,8 @@ def test_attnres_mix_norm(T, n, H):
     assert _rel(mix, ref_mix) <= TOL["attnres_mix"], f"seed {seed}"
     assert _rel(h, ref) <= TOL["attnres_h"], f"seed {seed}: {_rel(h, ref)}"
     # the public op dispatches here on CUDA; separate (non-view) blocks take the stack path
-    h2 = A.attnres_mix_norm([b.clone() for b in blocks], pre.clone(), wr, wp, wo, 1e-6, 1e-5)
+    h2 = A.attnres_mix_norm([b.clone() for b in blocks], pre.clone(), wr, wp, wo, 1e-6, 1e-5,
+                            cute=False)
     assert torch.equal(h2, h), f"seed {seed}"
 
 
@@ -120,7 +118,7 @@ def test_attnres_add_mix_norm_into_bank(T, n, H):
     assert torch.equal(mid[:, n], ref_p), f"seed {seed}: p + o rounds once, as the reference"
     assert mid[:, :n].isnan().all(), f"seed {seed}: wrote outside the prefix slot"
     assert _rel(h, ref_h) <= TOL["attnres_h"], f"seed {seed}: {_rel(h, ref_h)}"
-    p2, h2 = A.attnres_add_mix_norm(blocks, pre, out, wr, wp, wo, 1e-6, 1e-5)
+    p2, h2 = A.attnres_add_mix_norm(blocks, pre, out, wr, wp, wo, 1e-6, 1e-5, cute=False)
     assert torch.equal(p2, ref_p) and torch.equal(h2, h), f"seed {seed}"
 
 
@@ -364,6 +362,35 @@ def test_moe_decode_graph_replays_new_routing(I, ks):
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"seed {seed}"
         assert _rel(out, M.moe_mxfp4_reference(z, w, ids, ex)) <= TOL["moe"], f"seed {seed}"
+
+
+def test_moe_decode_dispatch_follows_the_options(monkeypatch):
+    """`moe_decode` (the served few-token dispatch) runs the CUDA-core kernel with its config
+    from the options' override, else from the TUNED table / default rule, for a shape not in
+    RESIDENT; moe_kernel 'resident' without a resident plan (no CuTe on these tensors, or a
+    shape that does not fit) falls back to the CUDA-core kernel. The real kernel runs, wrapped
+    to record the config, and the result is checked against the reference."""
+    from raydecode.kernels import moe_decode as MDE
+    from raydecode.kernels.settings import DecodeOptions
+    seed = _seed()
+    E, L, I, k = 16, 256, 64, 4
+    ex, z, w, ids, _ = _moe_case(E, L, I, k, 1, seed)
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    ran, real = [], D.moe_mxfp4_decode
+    monkeypatch.setattr(D, "moe_mxfp4_decode",
+                        lambda *a, **kw: ran.append(a[4]) or real(*a, **kw))
+    mine = D.DecodeConfig(gate_up_bn=16, gate_up_gb=8, gate_up_warps=2, down_bn=64, down_gb=2,
+                          down_warps=2, gate_up_ks=1)
+    assert mine != D.default_decode_config(E, I, L)
+    cases = ((DecodeOptions(), D.default_decode_config(E, I, L)),
+             (DecodeOptions(moe_decode_configs=(((E, I, L), mine),)), mine))
+    if not ON_GPU:      # no CuTe here: the resident choice has no plan and falls through
+        cases += ((DecodeOptions(moe_kernel="resident"), D.default_decode_config(E, I, L)),)
+    for opts, want in cases:
+        ran.clear()
+        out = MDE.moe_decode(z, w, ids, ex, options=opts)
+        assert _rel(out, ref) <= MOE_TOL, f"seed {seed} {opts}"
+        assert ran == [want], f"seed {seed}: {opts} ran {ran}"
 
 
 # ---- SiTU and latent RMSNorm ----------------------------------------------------------------

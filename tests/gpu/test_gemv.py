@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from raydecode.kernels import gemv as G
 from raydecode.kernels import linear as LN
+from raydecode.kernels.settings import DEFAULT_OPTIONS
 from raydecode.kernels._cute import cute_available
 
 pytestmark = pytest.mark.skipif(not cute_available(), reason="needs CUDA and nvidia-cutlass-dsl")
@@ -200,9 +201,9 @@ def test_gemv_fp32_out_and_fused_shapes(M: int, N: int, K: int):
 
 
 def test_linear_fp32_out_above_kernel_batches_is_cublas_fp32():
-    """Past the CuTe GEMV's and the skinny GEMM's batches (M > SKINNY_MAX_M), fp32 output is
-    cuBLAS's fp32 product, bit for bit (tests/gpu/test_skinny.py covers M ≤ SKINNY_MAX_M)."""
-    x, w, seed = _inputs(LN.SKINNY_MAX_M + 8, 1048, 7168)
+    """Past the CuTe GEMV's and the skinny GEMM's batches (M > skinny_max_m), fp32 output is
+    cuBLAS's fp32 product, bit for bit (tests/gpu/test_skinny.py covers M ≤ skinny_max_m)."""
+    x, w, seed = _inputs(DEFAULT_OPTIONS.skinny_max_m + 8, 1048, 7168)
     y = LN.linear(x, w, torch.float32)
     assert y.dtype == torch.float32
     assert torch.equal(y, LN.linear_f32_reference(x, w)), f"seed {seed}"

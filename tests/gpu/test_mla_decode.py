@@ -490,9 +490,9 @@ def kernels_dispatched(monkeypatch):
     """The public ops run the kernels: on CUDA as shipped; under the interpreter also on CPU
     tensors (the ops otherwise take their references off-GPU). Counts the launches of the
     DCP-1 decode's first kernel (the model's D = 1 decode is one `split_rows_triton` per layer
-    and step; `fused_triton` with RAYDECODE_MLA_ABSORBED_Q=0)."""
+    and step; `fused_triton` with DecodeOptions.mla_absorbed_q off)."""
     if not ON_GPU:
-        monkeypatch.setattr(M, "_use_triton", lambda x: M.USE_TRITON and MT.available(x))
+        monkeypatch.setattr(M, "_use_triton", MT.available)
     launches = [0]
     for name in ("fused_triton", "split_rows_triton"):
         real = getattr(MT, name)

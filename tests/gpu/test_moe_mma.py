@@ -18,7 +18,6 @@ import os
 import pytest
 import torch
 
-from raydecode.kernels import moe_decode as MD
 from raydecode.kernels import moe_mxfp4 as M
 from raydecode.kernels import moe_mxfp4_decode as D
 from raydecode.kernels import moe_mxfp4_decode_mma as MM
@@ -187,28 +186,3 @@ def test_mma_graph_replays_new_routing(I, weights_m):
         gr.replay()
         torch.cuda.synchronize()
         _check(out, M.moe_mxfp4_reference(z, w, ids, ex), seed, "replay")
-
-
-def test_moe_decode_dispatch_follows_tuned_and_use_mma(monkeypatch):
-    """`moe_decode` runs the tensor-core kernel (with the TUNED config) for a TUNED shape or
-    when forced, else the CUDA-core kernel; both wrapped to record which one ran (the real
-    kernels run) and the result checked against the reference."""
-    seed = _seed()
-    E, L, I, k = SMALL
-    ex, z, w, ids, _ = _case(E, L, I, k, 1, seed)
-    ref = M.moe_mxfp4_reference(z, w, ids, ex)
-    ran = []
-    mma, cuda_core = MM.moe_mxfp4_decode_mma, D.moe_mxfp4_decode
-    monkeypatch.setattr(MM, "moe_mxfp4_decode_mma",
-                        lambda *a, **kw: ran.append(("mma", a[4])) or mma(*a, **kw))
-    monkeypatch.setattr(D, "moe_mxfp4_decode",
-                        lambda *a, **kw: ran.append(("cuda-core", None)) or cuda_core(*a, **kw))
-    cfg = SMALL_CFGS[0]
-    for tuned, use, want in (({}, None, ("cuda-core", None)), ({(E, I, L): cfg}, None,
-                             ("mma", cfg)), ({(E, I, L): cfg}, False, ("cuda-core", None)),
-                             ({}, True, ("mma", None))):
-        monkeypatch.setattr(MM, "TUNED", tuned)
-        monkeypatch.setattr(MM, "USE_MMA", use)
-        ran.clear()
-        _check(MD.moe_decode(z, w, ids, ex), ref, seed, f"TUNED {tuned} USE_MMA {use}")
-        assert ran == [want], f"seed {seed}: TUNED {tuned} USE_MMA {use} ran {ran}"

@@ -90,7 +90,7 @@ def _drive(w, info, path: str, ckpt, seed: int) -> dict:
     from raydecode.engine.engine import EngineConfig, LLMEngine
     from raydecode.engine.request import SamplingParams
     from raydecode.engine.tokenizer import Tokenizer
-    from raydecode.models import moe
+    from raydecode.kernels.settings import DEFAULT_OPTIONS
 
     cfg = w.runner.model.cfg
     fan, counters = _FanOut(w, bool(info["specialized"][0])), PathCounters()
@@ -109,7 +109,7 @@ def _drive(w, info, path: str, ckpt, seed: int) -> dict:
     dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     base = 1 + cfg.num_layers + dense
     # the fused specialized MoE block all-reduces its (T, H) bf16 output: one more per MoE layer
-    fused = (cfg.num_layers - dense) if moe.FUSED_SPECIALIZED else 0
+    fused = (cfg.num_layers - dense) if DEFAULT_OPTIONS.moe_fused else 0
     return {"logits": fan.logits, "calls": fan.calls, "steps": dict(counters.steps),
             "out": [r.output_ids for r in reqs],
             "expect": {"stock": base, "specialized": base + fused}}

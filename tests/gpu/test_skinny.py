@@ -20,6 +20,7 @@ import torch
 from raydecode.kernels import gemm_skinny_triton as S
 from raydecode.kernels import gemv as G
 from raydecode.kernels import linear as LN
+from raydecode.kernels.settings import DecodeOptions
 
 ON_GPU = torch.cuda.is_available() and S.triton is not None
 INTERPRET = (not torch.cuda.is_available() and S.triton is not None
@@ -121,18 +122,17 @@ def test_bad_inputs_and_configs_are_named():
 
 @gpu_only
 def test_linear_takes_the_skinny_gemm_when_enabled(monkeypatch):
-    """`gemv.linear` at M = 8: cuBLAS while SKINNY_MAX_M = 0, the skinny kernel (recorded)
-    once it covers M; both within bf16 tolerance of the product, fp32 output unrounded."""
+    """`linear` at M = 8: cuBLAS while skinny_max_m = 0, the skinny kernel (recorded) once it
+    covers M; both within bf16 tolerance of the product, fp32 output unrounded."""
     seed = _seed()
     x, w, ref = _case(8, 1048, 7168, seed)
     ran = []
     real = S.skinny_gemm
     monkeypatch.setattr(S, "skinny_gemm", lambda *a, **k: ran.append(1) or real(*a, **k))
-    monkeypatch.setattr(LN, "SKINNY_MAX_M", 0)
-    assert _rel(LN.linear(x, w), ref) <= 4e-3 and not ran
-    monkeypatch.setattr(LN, "SKINNY_MAX_M", 64)
-    assert _rel(LN.linear(x, w), ref) <= 4e-3 and len(ran) == 1
-    y32 = LN.linear(x, w, torch.float32)
+    off, on = DecodeOptions(skinny_max_m=0), DecodeOptions(skinny_max_m=64)
+    assert _rel(LN.linear(x, w, options=off), ref) <= 4e-3 and not ran
+    assert _rel(LN.linear(x, w, options=on), ref) <= 4e-3 and len(ran) == 1
+    y32 = LN.linear(x, w, torch.float32, options=on)
     assert y32.dtype == torch.float32 and _rel(y32, ref) <= 1e-5 and len(ran) == 2
 
 
@@ -147,13 +147,13 @@ def test_first_split_k_call_under_capture_is_refused_and_linear_falls_back(monke
     cfg = S.default_config(8, N, K)
     assert cfg.ks > 1
     monkeypatch.setattr(S, "_SCRATCH", {})
-    monkeypatch.setattr(LN, "SKINNY_MAX_M", 16)
+    on = DecodeOptions(skinny_max_m=16)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         assert not S.supports(x, w)
         with pytest.raises(ValueError, match="first split-K call for N=900"):
             S.skinny_gemm(x, w)
-        y = LN.linear(x, w)                                  # cuBLAS in the graph
+        y = LN.linear(x, w, options=on)                     # cuBLAS in the graph
     g.replay()
     torch.cuda.synchronize()
     assert _rel(y, ref) <= 4e-3, f"seed {seed}"
@@ -161,7 +161,7 @@ def test_first_split_k_call_under_capture_is_refused_and_linear_falls_back(monke
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g2):
         assert S.supports(x, w)
-        y2 = LN.linear(x, w)
+        y2 = LN.linear(x, w, options=on)
     y2.fill_(float("nan"))
     g2.replay()
     torch.cuda.synchronize()
