@@ -35,18 +35,26 @@ def linear_uses_cute(M: int, N: int, K: int) -> bool:
     return M == 1 or (M == 2 and weight_bytes(N, K) < LINEAR_M2_MAX_BYTES)
 
 
-def gemv_kernel(M: int, N: int, K: int, options: DecodeOptions = DEFAULT_OPTIONS) -> str:
-    """The kernel `linear` sends a bf16 (M, N, K) GEMV to on a CUDA rank (module docstring):
-    'cute' (only where a GEMV mapping tiles the shape), 'skinny' or 'cublas'."""
+def gemv_choice(M: int, N: int, K: int, options: DecodeOptions = DEFAULT_OPTIONS
+                ) -> tuple[str, object, str]:
+    """(kernel, config, why) for a bf16 (M, N, K) GEMV on a CUDA rank (module docstring):
+    'cute' with its GemvConfig, 'skinny' with its SkinnyConfig, or 'cublas' with None; `why`
+    says what decided it."""
     if linear_uses_cute(M, N, K):
         try:
-            config_for(M, N, K, options.gemv_l2_prefetch_mib, options.gemv_configs)
-            return "cute"
-        except ValueError:
-            return "cublas"
+            cfg = config_for(M, N, K, options.gemv_l2_prefetch_mib, options.gemv_configs)
+        except ValueError as e:
+            return "cublas", None, f"no GEMV mapping: {e}"
+        return "cute", cfg, "CuTe GEMV (M = 1, or M = 2 under 16 MiB)"
     if 2 < M <= options.skinny_max_m and _skinny.shape_ok(M, N, K):
-        return "skinny"
-    return "cublas"
+        return "skinny", _skinny.config_for(M, N, K), f"skinny GEMM (M ≤ {options.skinny_max_m})"
+    return "cublas", None, "cuBLAS (linear_uses_cute is False)"
+
+
+def gemv_kernel(M: int, N: int, K: int, options: DecodeOptions = DEFAULT_OPTIONS) -> str:
+    """The kernel `linear` sends a bf16 (M, N, K) GEMV to on a CUDA rank: 'cute' (only where
+    a GEMV mapping tiles the shape), 'skinny' or 'cublas' (`gemv_choice`)."""
+    return gemv_choice(M, N, K, options)[0]
 
 
 def linear_f32_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -88,5 +96,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     return F.linear(x, w)
 
 
-__all__ = ["KERNELS", "LINEAR_M2_MAX_BYTES", "gemv_kernel", "linear", "linear_f32_reference",
+__all__ = ["KERNELS", "LINEAR_M2_MAX_BYTES", "gemv_choice", "gemv_kernel", "linear",
+           "linear_f32_reference",
            "linear_uses_cute"]

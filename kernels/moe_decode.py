@@ -54,13 +54,19 @@ def moe_kernel(tokens: int, top_k: int, num_experts: int, intermediate: int, lat
     return few_token_kernel(tokens, num_experts, intermediate, latent, options)
 
 
-def decode_config(experts: MXFP4Experts, options: DecodeOptions = DEFAULT_OPTIONS
-                  ) -> _cuda_core.DecodeConfig:
-    """The CUDA-core kernel's config for these experts: an options override, else its TUNED
-    entry, else its default rule."""
-    key = (experts.num_experts, experts.intermediate, experts.latent)
+def decode_config_for(num_experts: int, intermediate: int, latent: int,
+                      options: DecodeOptions = DEFAULT_OPTIONS) -> _cuda_core.DecodeConfig:
+    """The CUDA-core kernel's config for an (E, I, L) expert shape: an options override,
+    else its TUNED entry, else its default rule."""
+    key = (num_experts, intermediate, latent)
     mine = next((c for k, c in options.moe_decode_configs if tuple(k) == key), None)
     return mine or _cuda_core.default_decode_config(*key)
+
+
+def decode_config(experts: MXFP4Experts, options: DecodeOptions = DEFAULT_OPTIONS
+                  ) -> _cuda_core.DecodeConfig:
+    """`decode_config_for` these experts."""
+    return decode_config_for(experts.num_experts, experts.intermediate, experts.latent, options)
 
 
 def resident_plan(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Experts,
@@ -118,5 +124,6 @@ def routed_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       for i in range(0, z.shape[0], step)])
 
 
-__all__ = ["KERNELS", "MAX_FUSED_PAIRS", "RESIDENT", "decode_config", "few_token_kernel",
+__all__ = ["KERNELS", "MAX_FUSED_PAIRS", "RESIDENT", "decode_config", "decode_config_for",
+           "few_token_kernel",
            "moe_decode", "moe_kernel", "resident_plan", "routed_moe"]

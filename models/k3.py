@@ -25,6 +25,7 @@ from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from .attnres import AttnResStream
 from .cache import KDAStateCache, MLALatentCache, ModelCaches, SeqSlice, StepBatch
 from .config import K3Config
+from .decode_plan import BUCKETS, DecodePlan, resolve_plan
 from .kda import KDAAttention
 from .layers import (GatedMLP, RMSNorm, VocabParallelEmbedding, column_linear,
                      replicated_linear, shard_tensor)
@@ -124,8 +125,9 @@ class K3ForCausalLM(nn.Module):
     path "stock" (default) or "specialized" (models/specialized.py): the same weights, caches,
     inputs and outputs; specialized shards the replicated projections 1/TP + all-gather and runs
     the fused kernels/ ops. `specialized_support` = specialized_supported(cfg, par).
-    options: the replica's DecodeOptions (what the specialized step runs; default: served);
-    `plan(...)` resolves them into the decode plan (models/decode_plan.py).
+    options: the replica's DecodeOptions (what the specialized step runs; default: served).
+    `decode_plan`: the kernels every batch bucket's specialized step runs under those options
+    on this shard's device (models/decode_plan.py), resolved on first use (the rank build).
 
     caches=None: every sequence of `batch` must be a prefill from position 0 (naive MLA, zero
     KDA state; nothing is stored). With caches, each sequence reads and writes its slot: KDA conv
@@ -143,6 +145,20 @@ class K3ForCausalLM(nn.Module):
         self.specialized_support = specialized_supported(cfg, par)   # (ok, reason)
         self.model = K3Model(cfg, par, comm, dtype, self.options)
         self.lm_head = column_linear(cfg.hidden_size, cfg.vocab_size, par, dtype, "vocab_size")
+        self._plan: DecodePlan | None = None
+
+    @property
+    def decode_plan(self) -> DecodePlan:
+        """This shard's decode plan for every bucket (memoized: a pure function of the config,
+        the layout, the options, the dtype and the device's SM count)."""
+        if self._plan is None:
+            dev = self.lm_head.weight.device
+            sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+                   if dev.type == "cuda" else None)
+            self._plan = resolve_plan(self.cfg, self.par.tp_size, self.options, BUCKETS,
+                                      self.par.dcp_size, str(self.dtype).removeprefix("torch."),
+                                      sms)
+        return self._plan
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch | None = None,
                 caches: ModelCaches | None = None, path: str = "stock",
