@@ -3,7 +3,7 @@
 Two kinds, kept apart:
 - `DecodeOptions` (frozen): the switches that change what the served decode step runs (which
   fused blocks, which kernel serves a batch). They are fields of the deployment config
-  (actors/config.py `DecodeConfig`, section `decode:`), carried to every rank with the shard
+  (actors/config.py `DecodeOptionsConfig`, section `decode:`), carried to every rank with the shard
   spec and read by the model (models/decode_plan.py resolves them into the plan). The
   benchmarks set them from their flags (`--decode FIELD=VALUE`). No environment variable
   reaches them, so a rank runs what its replica's config says, whatever its node's env holds.
