@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import gemv_norm_situ as _cute_ns
+from raydecode.kernels.gemv_norm_situ import norm_situ_gemv_reference
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 from raydecode.kernels.decode_elementwise_triton import (latent_norm_situ,
                                                          latent_norm_situ_reference)
@@ -194,13 +195,6 @@ class FusedGemvConfig:
 def config_for(T: int, D: int) -> FusedGemvConfig:
     """BN = 32, 4 warps (module docstring); the rms step loads 32 lat values a thread."""
     return FusedGemvConfig(block_d=min(_pow2_ceil(D), max(32, 4096 // _pow2_ceil(T))))
-
-
-def norm_situ_gemv_reference(lat, w_norm, eps, c0, n_cols, gu, beta, linear_beta, weight):
-    """The composition the kernel replaces: latent_norm_situ_reference, then F.linear."""
-    x = latent_norm_situ_reference(lat, w_norm, eps, c0, n_cols, gu, beta, linear_beta,
-                                   weight.shape[1])
-    return F.linear(x, weight)
 
 
 def _validate(lat, w_norm, c0, n_cols, gu, beta, linear_beta, weight, out) -> None:

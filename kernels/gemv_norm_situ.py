@@ -200,6 +200,14 @@ def compiled(M: int, N: int, K: int, D: int, n_cols: int, I: int, gu_stride: int
     return _CACHE.get((M, N, K, D, n_cols, I, gu_stride, has_lin, cfg, w_norm_dtype), build)
 
 
+def norm_situ_gemv_reference(lat, w_norm, eps, c0, n_cols, gu, beta, linear_beta, weight):
+    """The composition the fused kernel replaces: latent_norm_situ_reference, then F.linear."""
+    from raydecode.kernels.decode_elementwise_triton import latent_norm_situ_reference
+    x = latent_norm_situ_reference(lat, w_norm, eps, c0, n_cols, gu, beta, linear_beta,
+                                   weight.shape[1])
+    return torch.nn.functional.linear(x, weight)
+
+
 def shape_ok(M: int, N: int, K: int, D: int, n_cols: int, I: int) -> bool:
     """The shapes the fused form serves (where it measured faster than the pair: one token,
     ≤ PROLOGUE_MAX_COLS columns of a) and a GEMV mapping tiles; `supports` and the kernel plan
@@ -250,4 +258,4 @@ def norm_situ_gemv_cute(lat: torch.Tensor, w_norm: torch.Tensor, eps: float, c0:
 
 
 __all__ = ["NormSituGemvKernel", "cache_key", "compile_norm_situ_gemv", "compiled",
-           "norm_situ_gemv_cute", "shape_ok", "supports"]
+           "norm_situ_gemv_cute", "norm_situ_gemv_reference", "shape_ok", "supports"]
