@@ -182,7 +182,7 @@ def default_config(M: int, N: int, K: int, sm_count: int = 132) -> GemvConfig:
 
 # Per-shape M = 1 mappings. First the fastest PDL launch of an 8-config sweep in
 # bench/results/gemv-h200-2026-11-29-run2.json; then (marked *) the winners of
-# scripts/bench/gemv_tune.py over 25 mappings per shape, adopted where ≥ 3% faster and confirmed
+# scripts/explore/gemv_tune.py over 25 mappings per shape, adopted where ≥ 3% faster and confirmed
 # inside the layer (bench/results/gemv-tune-h200-2026-11-30-tp{16,8}.json, docs/PERF.md round 14;
 # the packed shapes of the served step had no entry before). H200, CUDA graph, rotating weights.
 # Key (M, N, K) -> (lanes_per_row, k_warps, rows_per_group, row_warps); others use default_config.

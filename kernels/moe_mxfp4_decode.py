@@ -242,7 +242,7 @@ if triton is not None:
         """`_group_dot_words` on packed fp16 math: per int32 word of 8 codes, 4 fp16x2 decodes
         and 4 fp16x2 multiply-adds (`_F16X2_WORD_DOT`: 28 PTX instructions per 4-byte word;
         whole kernels 7.7–8.6 SASS instructions per weight byte on row-reuse tiles against
-        ≈ 11 for words, scripts/bench/moe_decode_sass.py), the two fp16 lanes summed in fp32
+        ≈ 11 for words, scripts/explore/moe_decode_sass.py), the two fp16 lanes summed in fp32
         per word. xp_j, inv from
         `_x_f16x2`; the group scale 2**(s − 113) × inv -> (BN,) fp32."""
         w = _load_words(w_ptr, rows, grp, KB)                                  # (BN, GB, 4)

@@ -18,7 +18,7 @@ the whole row (in-warp rounds, no barriers) and measured 16.6 µs — the 32-dee
 compare chains cost more than the barriers — so 4 warps stay. Round 5 (`SORT`, the default):
 the k rounds are replaced by Triton's bitonic `tl.topk` over the same int64 keys (same ids,
 same tie order): 4.53 vs 5.16 µs at batch 1 and 4.57 vs 5.23 at batch 4 (H200, CUDA graph of
-16 calls, scripts/bench/probe_kernels.py). Triton version for round 2 of issue 6 (the CuTe DSL
+16 calls, scripts/explore/probe_kernels.py). Triton version for round 2 of issue 6 (the CuTe DSL
 kernel is the follow-up).
 """
 from __future__ import annotations

@@ -34,7 +34,8 @@ import time
 
 import torch
 
-from raydecode.kernels import l2_prefetch, moe_mxfp4, moe_mxfp4_decode
+from raydecode.kernels import moe_mxfp4, moe_mxfp4_decode
+from raydecode.kernels.experimental import l2_prefetch
 from raydecode.kernels import settings
 from raydecode.models.config import load_config
 from raydecode.models.parallel import Parallel
@@ -248,7 +249,7 @@ def run(args) -> dict:
                 print(f"check {kind} B={b}: ok={r['ok']} flips={r['routing_flips']} "
                       f"{json.dumps(r['errors'])}", flush=True)
     if args.moe_sweep:
-        from .layer_moe_sweep import sweep
+        from raydecode.scripts.explore.layer_moe_sweep import sweep
         report["moe_sweep"] = sweep(cfg.moe, tps=args.tps, batches=(1, max(args.batches)),
                                     log=lambda m: print(m, flush=True))
         report["moe_tuned"] = {str(k): dataclasses.asdict(v)
@@ -256,7 +257,7 @@ def run(args) -> dict:
         print(f"MoE sweep done (t={time.time() - t0:.0f}s)", flush=True)
     prior_decode = {}
     if args.moe_decode_sweep:
-        from .layer_moe_decode_sweep import sweep as decode_sweep
+        from raydecode.scripts.explore.layer_moe_decode_sweep import sweep as decode_sweep
         prior_decode = dict(moe_mxfp4_decode.TUNED)
         report["moe_decode_sweep"] = decode_sweep(cfg.moe, tps=args.tps,
                                                   batches=args.moe_decode_sweep_batches,

@@ -49,11 +49,11 @@ import torch.nn.functional as F
 
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
-from raydecode.kernels.ffn_gemv_triton import norm_situ_gemv
-from raydecode.kernels.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
+from raydecode.kernels.experimental.ffn_gemv_triton import norm_situ_gemv
+from raydecode.kernels.experimental.ffn_gemv_triton import uses_kernel as uses_ffn_kernel
 from raydecode.kernels.gemv_norm_situ import supports as cute_ffn_supports
 from raydecode.kernels.kda_decode import kda_decode
-from raydecode.kernels.l2_prefetch import SidePrefetch, prefetch_table
+from raydecode.kernels.experimental.l2_prefetch import SidePrefetch, prefetch_table
 from raydecode.kernels.mla_decode import (mla_absorb, mla_decode, mla_decode_absorbed,
                                           mla_decode_fused, mla_prep)
 from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
@@ -72,10 +72,10 @@ from .layer_weights import MLA_PATH, env_choice
 #       (kernels/gemv_norm_situ.py `supports`: T = 1 at TP16), else the pair;
 #   pair: latent_norm_situ + the CuTe GEMV (round 14 and before);
 #   fused: a fused kernel wherever one serves: the CuTe form, else the Triton one
-#       (kernels/ffn_gemv_triton.py, round 10).
+#       (kernels/experimental/ffn_gemv_triton.py, round 10).
 FFN_PATH = env_choice("RAYDECODE_BENCH_FFN", ("served", "pair", "fused"), "served")
 
-# RAYDECODE_BENCH_L2PF: weight prefetch into L2 on a side branch (kernels/l2_prefetch.py, round
+# RAYDECODE_BENCH_L2PF: weight prefetch into L2 on a side branch (kernels/experimental/l2_prefetch.py, round
 # 17), forked where the chain enters latency-bound kernels:
 #   off (default; PERF round 17 measured no gain at batch 1): none;
 #   mid: after in_proj / W_q'' (o_proj + h2_proj, during the KDA step / MLA attention) and

@@ -165,7 +165,7 @@ def test_l2_prefetch_plan_covers_the_next_gemvs_and_changes_nothing(kind, mode, 
     """RAYDECODE_BENCH_L2PF: each fork point's table requests exactly the weights of the GEMVs
     that follow it (the first GEMVs within the start budget), and the step's results equal the
     step without prefetch (on CPU the launches are no-ops; on the GPU they are cache hints)."""
-    from raydecode.kernels.l2_prefetch import prefetch_ranges, table_bytes
+    from raydecode.kernels.experimental.l2_prefetch import prefetch_ranges, table_bytes
     from raydecode.scripts.bench import layer_step_spec as LS
 
     T = 1

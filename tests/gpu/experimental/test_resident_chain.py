@@ -1,4 +1,4 @@
-"""Resident GEMV chain (kernels/resident_chain_cute.py) against its PyTorch reference on the GPU:
+"""Resident GEMV chain (kernels/experimental/resident_chain_cute.py) against its PyTorch reference on the GPU:
 fresh random weights and x over the bench's K3 widths and small shapes, poisoned outputs,
 repeated launches and graph replays (the kernel must leave its counters at zero), and a stage
 size that splits a CTA's rows into a short last stage."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydecode.kernels import resident_chain_cute as RC
+from raydecode.kernels.experimental import resident_chain_cute as RC
 from raydecode.kernels._cute import cute_available
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and cute_available()),

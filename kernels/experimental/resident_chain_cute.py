@@ -37,7 +37,7 @@ Shared memory: NS · S bytes of ring + 2·NS mbarriers + the row partials. Bytes
 Σ 2·N_p·K_p (each weight once) + G · Σ 2·K_p (x_p, through L2; 4·K_p when tagged).
 `chain_reference` is the PyTorch reference; `compile_chain` returns `launch(xs, ws, scratch, trace)` on the
 current torch stream (graph-capturable). GPU only (sm_90+: bulk copies and mbarriers); the plan
-logic runs anywhere. Exploration beside `scripts/bench/persistent_chain.py`, not on the served
+logic runs anywhere. Exploration beside `scripts/explore/persistent_chain.py`, not on the served
 path.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FFN-out GEMV with the latent norm + SiTU prologue: the fused kernel vs the pair it replaces,
 at K3 per-rank shapes (GPU only).
 
-    python3 -m raydecode.scripts.bench.ffn_gemv --out X.json --commit SHA [--ts 1,2,4,8]
+    python3 -m raydecode.scripts.explore.ffn_gemv --out X.json --commit SHA [--ts 1,2,4,8]
 
 Variants per (TP, T), each timed in a CUDA graph of back-to-back calls that rotate over enough
 distinct W copies (> 3× the H200's 50 MB L2 together) that no weight is served from L2;
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from raydecode.kernels import ffn_gemv_triton as FG
+from raydecode.kernels.experimental import ffn_gemv_triton as FG
 from raydecode.kernels import gemv as G
 from raydecode.kernels import linear as LN
 from raydecode.kernels import gemv_norm_situ as NS
@@ -38,8 +38,8 @@ from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.models.config import load_config
 from raydecode.models.params import ffn_out_k
 
-from .layer_timing import GraphTimer
-from .report_io import report_header, write_report
+from raydecode.scripts.bench.layer_timing import GraphTimer
+from raydecode.scripts.bench.report_io import report_header, write_report
 
 L2_BYTES = 50 * 2**20                  # H200
 ROTATE_BYTES = 3 * L2_BYTES + 16 * 2**20

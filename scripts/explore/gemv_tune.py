@@ -1,6 +1,6 @@
 """GEMV mapping sweep on the decode step's per-rank shapes, then an A/B inside the layer (GPU only).
 
-    python -m raydecode.scripts.bench.gemv_tune --out OUT.json --commit SHA [--tp 16]
+    python -m raydecode.scripts.explore.gemv_tune --out OUT.json --commit SHA [--tp 16]
         [--shapes N1xK1,…] [--max-configs 24] [--confirm-layer --layer-runs 2]
 
 Stage 1: for each shape (default: `decode_gemv_shapes(k3, tp, "specialized")`, the GEMVs one
@@ -33,7 +33,7 @@ import time
 from raydecode.kernels import gemv as G
 from raydecode.kernels import linear as LN
 
-from .report_io import report_header, write_report
+from raydecode.scripts.bench.report_io import report_header, write_report
 
 SM_COUNT = 132
 WARP_SLOTS = SM_COUNT * 64          # H200: 64 resident warps per SM
@@ -122,18 +122,13 @@ def sweep(shapes, limit: int, min_gain: float, hbm: float, log=print) -> list[di
 
 
 def confirm_in_layer(rows, tp: int, runs: int, out: str, commit: str, log=print) -> dict:
-    from raydecode.kernels import gemv
     from raydecode.scripts.bench import layer
     overrides = [f"{r['N']},{r['K']}={json.dumps({k: r['best']['config'][k] for k in ('lanes_per_row', 'k_warps', 'rows_per_group', 'row_warps')})}"
                  for r in rows if r["adopt"]]
-    shipped = dict(gemv.TUNED)
     arms = {"shipped": [], "tuned": overrides}
     res = {a: {} for a in arms}
     for i in range(runs):
-        for arm, extra in arms.items():
-            gemv.TUNED.clear()
-            gemv.TUNED.update(shipped)
-            gemv._config_for.cache_clear()
+        for arm, extra in arms.items():    # --gemv-config: decode options of that run only
             path = out.replace(".json", f"-layer-{arm}-{i + 1}.json")
             argv = ["--tps", str(tp), "--batches", "1", "--kinds", "kda,mla", "--no-check",
                     "--out", path, "--commit", commit]
@@ -145,9 +140,6 @@ def confirm_in_layer(rows, tp: int, runs: int, out: str, commit: str, log=print)
                     if r["variant"] == "specialized" and "us" in r:
                         res[arm].setdefault(r["kind"], []).append(r["us"])
             log(f"layer arm {arm} run {i + 1}: {res[arm]}", flush=True)
-    gemv.TUNED.clear()
-    gemv.TUNED.update(shipped)
-    gemv._config_for.cache_clear()
     return {"overrides": overrides, "us": res,
             "median_us": {a: {k: statistics.median(v) for k, v in d.items()} for a, d in res.items()}}
 

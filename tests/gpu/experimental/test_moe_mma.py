@@ -1,4 +1,4 @@
-"""Tensor-core few-token MXFP4 experts (kernels/moe_mxfp4_decode_mma.py) vs `moe_mxfp4_reference`
+"""Tensor-core few-token MXFP4 experts (kernels/experimental/moe_mxfp4_decode_mma.py) vs `moe_mxfp4_reference`
 and vs the CUDA-core `moe_mxfp4_decode`, on the GPU (K3 TP16 / TP8 per-rank shapes, every sweep
 candidate, CUDA graphs) and, small shapes only, under the CPU interpreter:
 
@@ -20,7 +20,7 @@ import torch
 
 from raydecode.kernels import moe_mxfp4 as M
 from raydecode.kernels import moe_mxfp4_decode as D
-from raydecode.kernels import moe_mxfp4_decode_mma as MM
+from raydecode.kernels.experimental import moe_mxfp4_decode_mma as MM
 
 ON_GPU = torch.cuda.is_available() and MM.triton is not None
 INTERPRET = (not torch.cuda.is_available() and MM.triton is not None

@@ -7,7 +7,7 @@ reports SASS instructions per thread ÷ weight bytes per thread: the issue cost 
 the round-5 Nsight run found the kernels bound by (docs/PERF.md rounds 5, 7, 11). The kernels
 are fully unrolled at these tiles, so the static count is the executed count per thread.
 
-    python -m raydecode.scripts.bench.moe_decode_sass --out sass.json --commit $(git rev-parse HEAD)
+    python -m raydecode.scripts.explore.moe_decode_sass --out sass.json --commit $(git rev-parse HEAD)
 """
 from __future__ import annotations
 

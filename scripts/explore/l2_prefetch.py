@@ -1,7 +1,7 @@
-"""Side-branch L2 prefetch (kernels/l2_prefetch.py) under a latency-bound kernel: does the GEMV
+"""Side-branch L2 prefetch (kernels/experimental/l2_prefetch.py) under a latency-bound kernel: does the GEMV
 that follows read its weight from L2, and how much faster is it? (GPU only.)
 
-    python -m raydecode.scripts.bench.l2_prefetch --out OUT.json --commit SHA [--spin-us 8]
+    python -m raydecode.scripts.explore.l2_prefetch --out OUT.json --commit SHA [--spin-us 8]
 
 Per K3 TP16 matrix, one CUDA graph per variant, each call on its own weight copy (the copies
 together > 3× L2, so nothing is left in L2 from the previous replay):
@@ -30,11 +30,11 @@ import torch
 from raydecode.kernels import gemv as G
 from raydecode.kernels import linear as LN
 from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
-from raydecode.kernels.l2_prefetch import KINDS, SidePrefetch, l2_prefetch, prefetch_table
+from raydecode.kernels.experimental.l2_prefetch import KINDS, SidePrefetch, l2_prefetch, prefetch_table
 
-from .gemv import ROTATE_BYTES
-from .layer_timing import GraphTimer, hbm_read_bandwidth
-from .report_io import report_header, write_report
+from raydecode.scripts.bench.gemv import ROTATE_BYTES
+from raydecode.scripts.bench.layer_timing import GraphTimer, hbm_read_bandwidth
+from raydecode.scripts.bench.report_io import report_header, write_report
 
 # (name, N, K, fp32 out): the TP16 GEMVs a prefetch would cover (layer_step_spec.py L2PF)
 SHAPES = [("kda_o_proj", 7168, 768, False), ("h2_proj", 1048, 7168, True),
@@ -64,7 +64,7 @@ def spin(ns: int, pdl_like: torch.Tensor | None = None) -> None:
 
 
 def bench_shape(name, N, K, f32, spin_us, variants, timer, hbm) -> dict:
-    """variants: [(kind, chunk_bytes)] of the prefetch (kernels/l2_prefetch.py KINDS)."""
+    """variants: [(kind, chunk_bytes)] of the prefetch (kernels/experimental/l2_prefetch.py KINDS)."""
     dev = torch.device("cuda")
     copies = max(4, math.ceil(ROTATE_BYTES / (2 * N * K)))
     ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K ** 0.5 for _ in range(copies)]

@@ -1,4 +1,4 @@
-"""kernels/ffn_gemv_triton.py on a CPU-only machine (no Triton in this venv; the module must
+"""kernels/experimental/ffn_gemv_triton.py on a CPU-only machine (no Triton in this venv; the module must
 import without it): `norm_situ_gemv` falls back to the reference composition bit for bit, bad
 inputs are named, and the column pieces the kernel tiles cover x. The kernel itself is tested
 in tests/gpu/test_ffn_gemv.py (GPU, or the Triton interpreter for small shapes)."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raydecode.kernels import decode_elementwise_triton as X
-from raydecode.kernels import ffn_gemv_triton as FG
+from raydecode.kernels.experimental import ffn_gemv_triton as FG
 
 torch.set_num_threads(1)
 BF = torch.bfloat16

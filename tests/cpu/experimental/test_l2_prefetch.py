@@ -1,4 +1,4 @@
-"""kernels/l2_prefetch.py: the (address, bytes) tables cover exactly the tensors' bytes, in
+"""kernels/experimental/l2_prefetch.py: the (address, bytes) tables cover exactly the tensors' bytes, in
 aligned chunks, padded for the one-warp programs; bad tables and chunk sizes are refused; on
 CPU the prefetch and the side branch are no-ops that still validate."""
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from raydecode.kernels import l2_prefetch as P
+from raydecode.kernels.experimental import l2_prefetch as P
 
 
 def _distinct(table: torch.Tensor) -> list[tuple[int, int]]:
@@ -111,7 +111,7 @@ def test_cpu_prefetch_and_side_branch_are_no_ops():
 @pytest.mark.parametrize("variants, named", [("bulk:24", "bulk:24"), ("warp:16", "warp:16"),
                                              ("lines:0", "lines:0"), ("bulk", "'bulk'")])
 def test_bench_refuses_bad_variants_by_name(variants, named, tmp_path, capsys):
-    from raydecode.scripts.bench import l2_prefetch as bench
+    from raydecode.scripts.explore import l2_prefetch as bench
 
     with pytest.raises(SystemExit) as e:
         bench.main(["--out", str(tmp_path / "o.json"), "--variants", variants])
@@ -120,7 +120,7 @@ def test_bench_refuses_bad_variants_by_name(variants, named, tmp_path, capsys):
 
 
 def test_chain_bench_refuses_unknown_variants(tmp_path, capsys):
-    from raydecode.scripts.bench import persistent_chain as bench
+    from raydecode.scripts.explore import persistent_chain as bench
 
     with pytest.raises(SystemExit) as e:
         bench.main(["--out", str(tmp_path / "o.json"), "--variants", "persist,megakernel"])
@@ -134,6 +134,6 @@ def test_chain_bench_refuses_unknown_variants(tmp_path, capsys):
     ("RAYDECODE_L2PF_CHUNK", "big", "RAYDECODE_L2PF_CHUNK='big'"),
 ])
 def test_bad_environment_switches_are_named(env, value, named):
-    r = subprocess.run([sys.executable, "-c", "import raydecode.kernels.l2_prefetch"],
+    r = subprocess.run([sys.executable, "-c", "import raydecode.kernels.experimental.l2_prefetch"],
                        env={**os.environ, env: value}, capture_output=True, text=True)
     assert r.returncode != 0 and named in r.stderr

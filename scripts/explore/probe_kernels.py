@@ -5,7 +5,7 @@ rotating routings (the same timing as the layer benchmark's MoE sweep), so a pro
 come from one process.
 
     ncu --clock-control none --set full -k regex:"_gate_up|_down_kernel|_route" \
-        python3 -m raydecode.scripts.bench.probe_kernels --tp 16 --batch 1
+        python3 -m raydecode.scripts.explore.probe_kernels --tp 16 --batch 1
 
 Configs: the TUNED one, then the `--config` JSON dicts of `DecodeConfig` fields (optional), then
 with `--mma` every `moe_mxfp4_decode_mma.candidates` config (tensor cores).
@@ -30,13 +30,13 @@ import torch
 from raydecode.kernels import mla_decode as MLA
 from raydecode.kernels import mla_decode_triton as MT
 from raydecode.kernels import moe_mxfp4_decode as D
-from raydecode.kernels import moe_mxfp4_decode_mma as MM
+from raydecode.kernels.experimental import moe_mxfp4_decode_mma as MM
 from raydecode.kernels.router import route_topk_reference
 from raydecode.kernels.router_triton import route_topk_triton
 from raydecode.models.config import load_config
 
 from .layer_moe_sweep import check_and_time, expert_bank, random_calls
-from .layer_timing import GraphTimer
+from raydecode.scripts.bench.layer_timing import GraphTimer
 
 
 def mla_splits(splits: list[int], batch: int, context: int, min_chunk: int,

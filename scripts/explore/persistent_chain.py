@@ -2,7 +2,7 @@
 barriers: the building block a per-layer kernel would need (issue #6's 80 %-of-roofline point;
 docs/PERF.md round 17 bounds the launch chain below it). GPU only; exploration, not production.
 
-    python -m raydecode.scripts.bench.persistent_chain --out OUT.json --commit SHA
+    python -m raydecode.scripts.explore.persistent_chain --out OUT.json --commit SHA
 
 The chain (K3 TP16-like widths, M = 1, bf16, each output the next input):
     x1 = W0·x0  (1024 × 7168)    x2 = W1·x1  (7168 × 1024)
@@ -24,7 +24,7 @@ Variants, each in one CUDA graph over rotating weight copies (> 3× L2):
   cute_op, ring_op: cute / ring with a stand-in latency-bound op (a --op-us wait; in cute a
             one-CTA PDL kernel, in ring the consumers wait) after every GEMV: how much of the
             ops the weight stream hides (PERF round 18; `ops_us` is their sum)
-  ring, ring_*: kernels/resident_chain_cute.py (CuTe): one resident launch whose producer
+  ring, ring_*: kernels/experimental/resident_chain_cute.py (CuTe): one resident launch whose producer
             lane streams every phase's rows through a shared-memory ring with bulk copies and
             mbarriers, never waiting for the chain (only for a free slot), so the weights keep
             streaming while the consumers wait for x (PERF round 18); ring: 12 slots × 16 KiB,
@@ -54,13 +54,13 @@ import torch
 
 from raydecode.kernels import gemv as G
 from raydecode.kernels import linear as LN
-from raydecode.kernels import resident_chain_cute as RC
+from raydecode.kernels.experimental import resident_chain_cute as RC
 from raydecode.kernels._triton import pdl_enter, pdl_launch, tl, triton
 
-from .gemv import ROTATE_BYTES
+from raydecode.scripts.bench.gemv import ROTATE_BYTES
 from .l2_prefetch import spin
-from .layer_timing import GraphTimer, hbm_read_bandwidth
-from .report_io import report_header, write_report
+from raydecode.scripts.bench.layer_timing import GraphTimer, hbm_read_bandwidth
+from raydecode.scripts.bench.report_io import report_header, write_report
 
 WIDTHS = (7168, 1024, 7168, 1024, 7168)      # x0 … x4: W_i is (WIDTHS[i+1], WIDTHS[i])
 SPIN_MAX = 1 << 22

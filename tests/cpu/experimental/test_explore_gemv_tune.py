@@ -7,7 +7,7 @@ import json
 import pytest
 
 from raydecode.kernels import gemv as G
-from raydecode.scripts.bench import gemv_tune as T
+from raydecode.scripts.explore import gemv_tune as T
 from raydecode.scripts.bench import options as LB
 
 K3_TP16 = [(3584, 7168), (7168, 768), (3216, 7168), (1048, 7168), (900, 7168), (7168, 640),

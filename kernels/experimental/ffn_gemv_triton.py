@@ -34,7 +34,7 @@ against the HBM time of the tile stream at 4.3 TB/s:
 were no better (redundant prologue, or register caps and spills).
 
 Prediction (H200, CUDA graph over rotating weights, written before any GPU run; the lead
-compares with scripts/bench/ffn_gemv.py): TP16 T = 1 reads 7168 × 608 × 2 = 8.72 MB (the
+compares with scripts/explore/ffn_gemv.py): TP16 T = 1 reads 7168 × 608 × 2 = 8.72 MB (the
 9.18 MB K = 640 tile minus its pad; lat 14 KB, gu 3 KB, out 14 KB negligible) → 2.2 µs at
 ~4 TB/s effective + ~1 µs of launch and prologue latency ≈ 3.2 µs per call; TP8 T = 1:
 17.4 MB → 4.4 + 1 ≈ 5.4 µs; T = 8 adds ≈ 0.5–1.5 µs (issue ≈ stream time above). The pair

@@ -1,4 +1,4 @@
-"""Resident GEMV chain (kernels/resident_chain_cute.py) on a CPU-only machine: the plan's
+"""Resident GEMV chain (kernels/experimental/resident_chain_cute.py) on a CPU-only machine: the plan's
 validation and derived layout (row split, stages, partial-sum rows, buffer offsets), the
 reference, the op's buffer checks, and every bench variant's plan. With nvidia-cutlass-dsl
 (/work/venv-cute, `CUTE_DSL_ARCH=sm_90a`) the kernel also COMPILES and its SASS has the bulk
@@ -12,7 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")   # before cutlass is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from raydecode.kernels import resident_chain_cute as RC  # noqa: E402
+from raydecode.kernels.experimental import resident_chain_cute as RC  # noqa: E402
 
 torch.set_num_threads(1)
 K3 = ((1024, 7168), (7168, 1024), (1024, 7168), (7168, 1024))
@@ -108,7 +108,7 @@ def test_op_refuses_bad_buffers_before_compiling():
 
 
 def test_every_bench_variant_is_a_valid_plan():
-    from raydecode.scripts.bench import persistent_chain as bench
+    from raydecode.scripts.explore import persistent_chain as bench
 
     for name in bench.RING:
         plan = bench.ring_plan(name, 132)
@@ -132,7 +132,7 @@ def test_kernel_compiles_with_bulk_copies_and_no_local_memory(publish, tmp_path)
 
 
 def test_bench_refuses_a_negative_op_time():
-    from raydecode.scripts.bench import persistent_chain as bench
+    from raydecode.scripts.explore import persistent_chain as bench
 
     with pytest.raises(SystemExit):
         bench.main(["--out", "/dev/null", "--op-us", "-1"])

@@ -1,10 +1,10 @@
 """L2 prefetch on the GPU: the launch runs eagerly and inside a captured CUDA graph as a side
 branch, changes no value, and the work after the join sees every write before the fork.
-Timing is measured in scripts/bench/l2_prefetch.py, never asserted here."""
+Timing is measured in scripts/explore/l2_prefetch.py, never asserted here."""
 import pytest
 import torch
 
-from raydecode.kernels import l2_prefetch as P
+from raydecode.kernels.experimental import l2_prefetch as P
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or P.triton is None

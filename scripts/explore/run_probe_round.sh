@@ -1,9 +1,9 @@
 #!/bin/bash
 # Kernel-level round on an offline GPU host (needs Triton only, no CuTe DSL): GPU tests of the
-# Triton decode kernels, then scripts/bench/probe_kernels.py (MoE decode configs, router
+# Triton decode kernels, then scripts/explore/probe_kernels.py (MoE decode configs, router
 # selection algorithms, MLA KV split counts). All output under $OUT: tests.log, probe.jsonl.
 #
-#   STAGE=.stage/s2/1 TESTS="test_fused_triton test_kda_decode" bash scripts/bench/run_probe_round.sh
+#   STAGE=.stage/s2/1 TESTS="test_fused_triton test_kda_decode" bash scripts/explore/run_probe_round.sh
 #
 # env: STAGE (a staged wheel part to hand to install-staged.sh first, optional), TESTS (tests/gpu
 # files without .py), PYTEST_S (per-file limit), MOE_CONFIGS (extra DecodeConfig JSONs, one per
@@ -20,7 +20,7 @@ for f in ${TESTS-test_fused_triton test_kda_decode test_mla_decode}; do
   echo "pytest $f rc=$? t=$(( $(date +%s) - T0 ))"; tail -1 "$OUT/tests.log"
 done
 grep -E "^E  |^FAILED|Error:" "$OUT/tests.log" | cut -c1-300 | head -30
-P="python3 -m raydecode.scripts.bench.probe_kernels"
+P="python3 -m raydecode.scripts.explore.probe_kernels"
 CFG=(); while IFS= read -r c; do [ -n "$c" ] && CFG+=(--config "$c"); done <<< "$MOE_CONFIGS"
 for b in 1 4; do
   timeout 120 $P --tp 16 --batch $b "${CFG[@]}" $PROBE_ARGS 2>&1 | grep '^{' >> "$OUT/probe.jsonl"

@@ -1,4 +1,4 @@
-"""The fused latent-norm + SiTU + FFN-out GEMV kernels (kernels/ffn_gemv_triton.py and its CuTe
+"""The fused latent-norm + SiTU + FFN-out GEMV kernels (kernels/experimental/ffn_gemv_triton.py and its CuTe
 form kernels/gemv_norm_situ.py, every case once per form on a GPU) against the composition they
 replace, `latent_norm_situ_reference` then F.linear.
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from raydecode.kernels import decode_elementwise_triton as X
-from raydecode.kernels import ffn_gemv_triton as FG
+from raydecode.kernels.experimental import ffn_gemv_triton as FG
 from raydecode.kernels import gemv_norm_situ as NS
 
 ON_GPU = torch.cuda.is_available() and FG.triton is not None

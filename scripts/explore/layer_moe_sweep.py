@@ -18,7 +18,7 @@ import torch
 
 from raydecode.kernels import moe_mxfp4 as M
 
-from .layer_timing import GraphTimer
+from raydecode.scripts.bench.layer_timing import GraphTimer
 
 
 def candidates(P: int, E: int, I: int, L: int) -> list[M.MoEConfig]:

@@ -2,7 +2,7 @@
 TUNED config: the served default) vs the resident CuTe kernel (kernels/moe_resident_cute.py),
 each timed in the same process (GPU only; PERF round 19).
 
-    python -m raydecode.scripts.bench.moe_resident --out OUT.json --commit SHA [--trace]
+    python -m raydecode.scripts.explore.moe_resident --out OUT.json --commit SHA [--trace]
 
 Per shape (TP16 batch 1 by default; `--shapes tp16b1,…`): one random expert bank (E = 896,
 L = 3584, I = 3072 / TP), `--calls` back-to-back calls in one CUDA graph, each with its own
@@ -30,8 +30,8 @@ from raydecode.kernels import moe_mxfp4_decode as D
 from raydecode.kernels import moe_resident_cute as R
 
 from .layer_moe_sweep import check_and_time, random_calls
-from .layer_timing import hbm_read_bandwidth
-from .report_io import report_header, write_report
+from raydecode.scripts.bench.layer_timing import hbm_read_bandwidth
+from raydecode.scripts.bench.report_io import report_header, write_report
 
 SHAPES = {"tp16b1": (16, 1), "tp16b2": (16, 2), "tp8b1": (8, 1)}
 VARIANTS = ("triton", "resident", "resident_pre8", "resident_late", "resident_w8", "resident_nopdl")
