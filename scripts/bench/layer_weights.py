@@ -38,6 +38,8 @@ from raydecode.models.k3 import K3DecoderLayer
 from raydecode.models.parallel import LocalComm, Parallel
 from raydecode.models.params import FUSED_ROW_ALIGN, ffn_out_k
 
+from .random_init import ParamSpec, init_value
+
 
 def env_choice(env: str, choices: tuple[str, ...], default: str) -> str:
     """One of `choices` from the environment (this hand-kept bench copy only; it goes when
@@ -56,46 +58,6 @@ BF16 = torch.bfloat16
 # Same-lease A/B runs only; the weights built (and counted) follow it.
 MLA_PATHS = ("r16", "r9", "r8")
 MLA_PATH = env_choice("RAYDECODE_BENCH_MLA", MLA_PATHS, "r16")
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]       # local (this rank)
-    full_shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def layer_param_specs(cfg: K3Config, layer_idx: int, par: Parallel) -> dict[str, ParamSpec]:
-    """The model's parameters of layer `layer_idx` at this rank's shapes (meta device)."""
-    with torch.device("meta"):
-        layer = K3DecoderLayer(cfg, layer_idx, par, LocalComm(), BF16)
-    return {n: ParamSpec(tuple(p.shape), tuple(p.full_shape), p.dtype)
-            for n, p in layer.named_parameters()}
-
-
-def init_value(name: str, spec: ParamSpec, cfg: K3Config, gen: torch.Generator,
-               device) -> torch.Tensor:
-    """A random local tensor for parameter `name` (models/k3.py `_random_full` rules)."""
-    leaf = name.rsplit(".", 1)[-1]
-    owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    shape = spec.shape
-
-    def randn():
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-
-    if leaf == "A_log":
-        v = torch.rand(shape, generator=gen, device=device) * math.log(4.0)
-    elif leaf == "dt_bias":
-        v = 0.5 * randn() - 1.0
-    elif leaf == "e_score_correction_bias":
-        v = 0.1 * randn()
-    elif owner.endswith("conv1d"):
-        v = 0.5 * randn()
-    elif owner.endswith("norm"):
-        v = 1.0 + 0.1 * randn()
-    else:
-        v = randn() / math.sqrt(spec.full_shape[-1])
-    return v.to(spec.dtype)
 
 
 def random_params(cfg: K3Config, layer_idx: int, par: Parallel, seed: int, device,

@@ -52,55 +52,14 @@ from raydecode.kernels import settings
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
-from raydecode.models.moe import MXFP4_PARAMS, random_mxfp4
-from raydecode.models.parallel import Comm, Parallel
+from raydecode.models.moe import MXFP4_PARAMS
+from raydecode.models.parallel import Parallel
 
-from .layer_weights import ParamSpec, init_value
 from .options import add_decode_args, options_from_args
+from .random_init import SoloRankComm, init_on_device_
 
 VARIANTS = ("stock", "specialized", "graphed")
 BLOCK = 16
-
-
-class SoloRankComm(Comm):
-    """One device playing rank 0 of TP `par.tp_size`: all-reduce is the identity (counted),
-    the gathers concatenate this rank's slice TP (DCP) times: the shapes and copies of the real
-    gather, the values of rank 0 everywhere."""
-
-    def __init__(self, par: Parallel):
-        self.par, self.counts = par, Counter()
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.counts["all_reduce"] += 1
-        return x
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        self.counts["all_gather"] += 1
-        return torch.cat([x] * self.par.tp_size, dim=dim) if self.par.tp_size > 1 else x
-
-    def dcp_all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        self.counts["dcp_all_gather"] += 1
-        return torch.cat([x] * self.par.dcp_size, dim=dim) if self.par.dcp_size > 1 else x
-
-
-@torch.no_grad()
-def init_on_device_(model: K3ForCausalLM, seed: int) -> K3ForCausalLM:
-    """Random local parameters drawn where they live (no full host tensors: K3 has 2.8T
-    parameters). Scales follow models/k3.py `_random_full` with the full fan-in; MXFP4 codes
-    are uniform bytes, scales drawn for the full group count and sliced."""
-    dev = next(model.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in MXFP4_PARAMS and leaf.endswith("_scale"):
-            full = random_mxfp4(tuple(p.shape[:-1]) + (p.full_shape[-1],), True, gen)
-            p.copy_(full[..., :p.shape[-1]])
-        elif leaf in MXFP4_PARAMS:
-            p.copy_(random_mxfp4(tuple(p.shape), False, gen))
-        else:
-            spec = ParamSpec(tuple(p.shape), tuple(p.full_shape), p.dtype)
-            p.copy_(init_value(name, spec, model.cfg, gen, dev))
-    return model
 
 
 # replicated weights the specialized path reads 1/TP of (models/specialized.py sharded_gemv,
