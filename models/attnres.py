@@ -54,6 +54,17 @@ class AttnResStream:
         self.bank = (embedding.new_empty(embedding.shape[0], capacity, embedding.shape[-1])
                      if capacity else None)
 
+    @classmethod
+    def resume(cls, blocks: list[torch.Tensor], prefix: torch.Tensor,
+               pending: torch.Tensor | None = None, cute: bool = True) -> "AttnResStream":
+        """The stream as it stands inside a forward: these snapshots (views of one bank
+        tensor, or separate tensors), the running prefix and a deferred sublayer output (a
+        layer benchmark's state before one layer). No capacity: the layer must not start a
+        block."""
+        s = cls(prefix, capacity=0, cute=cute)
+        s.blocks, s.pending = list(blocks), pending
+        return s
+
     def _next_slot(self) -> torch.Tensor | None:
         """The bank slot the next snapshot goes to (None: no bank, or full)."""
         n = len(self.blocks)

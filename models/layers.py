@@ -115,6 +115,15 @@ class DerivedWeights:
         return tuple((t.data_ptr(), 0 if t.is_inference() else t._version, t.device, t.dtype)
                      for t in sources)
 
+    def built(self) -> dict[str, torch.Tensor]:
+        """Every derived tensor built so far, by name."""
+        return {k: v[1] for k, v in self._memo.items()}
+
+    def source_ptrs(self) -> set[int]:
+        """data_ptr of every source the current derived tensors were built from (after the
+        build: a source `pack_rows_` moved points into its buffer)."""
+        return {k[0] for key, _ in self._memo.values() for k in key}
+
     def peek(self, name: str) -> torch.Tensor | None:
         """The last tensor built under `name` (whether or not it is still current)."""
         hit = self._memo.get(name)
