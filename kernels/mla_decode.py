@@ -102,7 +102,7 @@ def _check_partials(o, lse) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- references (PyTorch; the stock rounding points) -----------------------------------------
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """layer_step `rms`: F.rms_norm in fp32 with an fp32 weight, rounded to bf16."""
+    """RMSNorm in fp32 (F.rms_norm) with an fp32 weight, rounded to bf16."""
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(BF16)
 
 

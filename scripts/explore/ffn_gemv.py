@@ -49,7 +49,7 @@ SWEEP = [(16, 4), (32, 8), (64, 4), (64, 8)]   # (block_n, num_warps) besides th
 
 
 def k3_shape(tp: int) -> dict:
-    """Per-rank shapes of the ffn_out GEMV (scripts/bench/layer_weights.py builds its W)."""
+    """Per-rank shapes of the ffn_out GEMV (models/moe.py `_ffn_out` builds its W)."""
     cfg = load_config("k3")
     m = cfg.moe
     n, I = m.latent_size // tp, m.shared_intermediate // tp
@@ -76,7 +76,7 @@ def bench_case(s: dict, T: int, timer: GraphTimer, sweep: bool, device: str = "c
     Ws = []
     for _ in range(copies):
         W = (torch.randn(N, K, generator=g, device=device) / K ** 0.5).to(torch.bfloat16)
-        W[:, n + I:] = 0                                   # the zero pad, as layer_weights
+        W[:, n + I:] = 0                                   # the zero pad, as models/moe.py _ffn_out
         Ws.append(W)
     x = torch.empty(T, K, dtype=torch.bfloat16, device=device)
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=device)

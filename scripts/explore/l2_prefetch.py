@@ -36,7 +36,7 @@ from raydecode.scripts.bench.gemv import ROTATE_BYTES
 from raydecode.scripts.bench.layer_timing import GraphTimer, hbm_read_bandwidth
 from raydecode.scripts.bench.report_io import report_header, write_report
 
-# (name, N, K, fp32 out): the TP16 GEMVs a prefetch would cover (layer_step_spec.py L2PF)
+# (name, N, K, fp32 out): the TP16 GEMVs a side-branch prefetch would cover
 SHAPES = [("kda_o_proj", 7168, 768, False), ("h2_proj", 1048, 7168, True),
           ("ffn_out", 7168, 640, False), ("qkv_a_g", 900, 7168, False),
           ("q_b_absorbed", 3456, 1536, True), ("kda_in_proj", 3216, 7168, False)]

@@ -21,6 +21,8 @@ from raydecode.kernels import allreduce_oneshot as AR
 from raydecode.kernels import allreduce_oneshot_triton as ART
 from raydecode.models.parallel import LocalComm, Parallel, TorchComm
 
+from _numerics import fresh_seed
+
 from _net import free_port
 
 torch.set_num_threads(1)
@@ -180,7 +182,7 @@ def test_sim_all_reduce_matches_reference(world, T, H):
     sums are exact in bf16, plus a rank-order column (2^30, −2^30, 0…, 1 → 1; any other order
     → 0): bit-exact even though the interpreter truncates instead of rounding. Epochs 2, 3:
     normal values, ≤ 1 ulp (truncation), out allocated by the call at epoch 3."""
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     pbs = AR.PeerBuffers.local_group(world, 4, H, "cpu")
     for e in (1, 2, 3):
@@ -329,5 +331,5 @@ def _routing(rank: int, world: int, seed: int, H: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_group_matches_reference(world):
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    seed = fresh_seed()
     mp.spawn(_gloo_worker, args=(world, free_port(), seed), nprocs=world, join=True)

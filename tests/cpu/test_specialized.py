@@ -19,6 +19,8 @@ from raydecode.models.moe import MoEGate, route
 from raydecode.models.parallel import Parallel
 from raydecode.models.specialized import row_pieces, specialized_supported
 
+from _numerics import max_rel_err
+
 torch.set_num_threads(1)
 
 # (rtol, atol) of a fused-op reference against the stock ops it replaces
@@ -270,9 +272,6 @@ def test_unsupported_configs_name_the_size_and_refuse_the_step():
 
 # ---- the whole step, TP = 1 ----------------------------------------------------------------
 
-def _rel(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_specialized_step_equals_stock_tp1(dtype, tol, monkeypatch):
@@ -292,15 +291,15 @@ def test_specialized_step_equals_stock_tp1(dtype, tol, monkeypatch):
                      for t in range(6, 10)]
             logits[path] = model.compute_logits(torch.cat(outs))
         cacheless = {p: model.compute_logits(model(toks, path=p)) for p in caches}
-    assert _rel(logits["specialized"], logits["stock"]) < tol
+    assert max_rel_err(logits["specialized"], logits["stock"]) < tol
     # cacheless (one 10-token prefill) vs cached (6 + 4 × 1): the same math at other batch
     # shapes. fp32: equal within tol. bf16: the CPU matmuls round differently per batch shape,
     # and with the MXFP4 tiny model's random experts that flips a near-tie routing at some
     # token (seed 11: token 3, on both paths alike), so there only the two paths are compared
     # at equal batching.
     if dtype == torch.float32:
-        assert _rel(cacheless["specialized"], logits["stock"]) < tol
-    assert _rel(cacheless["specialized"], cacheless["stock"]) < tol
+        assert max_rel_err(cacheless["specialized"], logits["stock"]) < tol
+    assert max_rel_err(cacheless["specialized"], cacheless["stock"]) < tol
     s, p = caches["stock"], caches["specialized"]      # same cache contents written
-    assert _rel(p.kda.rec, s.kda.rec) < tol and _rel(p.kda.conv.float(), s.kda.conv.float()) < tol
-    assert _rel(p.mla.pool.float(), s.mla.pool.float()) < tol and p.mla.pool.abs().sum() > 0
+    assert max_rel_err(p.kda.rec, s.kda.rec) < tol and max_rel_err(p.kda.conv.float(), s.kda.conv.float()) < tol
+    assert max_rel_err(p.mla.pool.float(), s.mla.pool.float()) < tol and p.mla.pool.abs().sum() > 0

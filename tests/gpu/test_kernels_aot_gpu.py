@@ -14,6 +14,8 @@ import pytest
 
 from raydecode.kernels._cute import cute_available
 
+from _numerics import fresh_seed
+
 pytestmark = pytest.mark.skipif(not cute_available(), reason="needs CUDA and nvidia-cutlass-dsl")
 
 CHILD = r"""
@@ -66,7 +68,7 @@ def _child(cache: str, seed: int) -> dict:
 
 
 def test_second_process_loads_and_runs_without_compiling(tmp_path):
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 30)
+    seed = fresh_seed()
     first = _child(str(tmp_path), seed)
     second = _child(str(tmp_path), seed + 1)
     assert first["stats"]["compiled"] == 3 and first["stats"]["loaded"] == 0, first

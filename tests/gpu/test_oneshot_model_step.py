@@ -43,6 +43,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from raydecode.kernels import allreduce_oneshot_triton as ART  # noqa: E402
 
+from _numerics import fresh_seed
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TWO_GPUS = (ART.triton is not None and not INTERPRET and torch.cuda.is_available()
             and torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1)
@@ -253,7 +255,7 @@ def test_model_step_oneshot_equals_nccl(path, visible, tmp_path):
     from raydecode.models.checkpoint import write_checkpoint
     from raydecode.models.config import load_config
 
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    seed = fresh_seed()
     ckpt = tmp_path / "tiny"
     write_checkpoint(load_config("tiny"), ckpt, seed=seed)
     # the rendezvous server (rank 0's open_store under Ray); both ranks join as clients

@@ -25,6 +25,8 @@ from raydecode.kernels import decode_elementwise_triton as X
 from raydecode.kernels.experimental import ffn_gemv_triton as FG
 from raydecode.kernels import gemv_norm_situ as NS
 
+from _numerics import fresh_seed, rel_err
+
 ON_GPU = torch.cuda.is_available() and FG.triton is not None
 INTERPRET = (not torch.cuda.is_available() and FG.triton is not None
              and os.environ.get("TRITON_INTERPRET") == "1")
@@ -46,14 +48,6 @@ def form(request, monkeypatch):
     with the Triton kernel alone (ffn_gemv_triton.USE_CUTE)."""
     monkeypatch.setattr(FG, "USE_CUTE", request.param)
     return request.param
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _poison(nbytes: int = 1 << 28) -> None:
@@ -83,8 +77,8 @@ def _check(T, D, c0, n, I, K, N, lin, seed, gu_dtype=torch.float32, kernel=True)
     exact = x.double() @ W.double().t()
     msg = f"seed {seed} T={T} c0={c0} n={n} I={I} K={K} N={N} lin={lin}"
     assert not out.isnan().any(), f"{msg}: unwritten {out.isnan().nonzero()[:4].tolist()}"
-    assert _rel(out, ref) <= TOL, f"{msg}: rel {_rel(out, ref):.2e} vs reference"
-    assert _rel(out, exact) <= TOL, f"{msg}: rel {_rel(out, exact):.2e} vs fp64"
+    assert rel_err(out, ref) <= TOL, f"{msg}: rel {rel_err(out, ref):.2e} vs reference"
+    assert rel_err(out, exact) <= TOL, f"{msg}: rel {rel_err(out, exact):.2e} vs fp64"
     return out
 
 
@@ -97,12 +91,12 @@ SMALL = [(256, 40, 36, 48, 96, 72), (200, 0, 16, 64, 88, 32), (64, 0, 0, 40, 48,
 @pytest.mark.parametrize("shape", SMALL)
 @pytest.mark.parametrize("lin", [None, LIN])
 def test_small_shapes(T, shape, lin):
-    _check(T, *shape, lin, _seed())
+    _check(T, *shape, lin, fresh_seed())
 
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_bf16_gate_up(T):
-    _check(T, 256, 40, 36, 48, 96, 72, LIN, _seed(), gu_dtype=BF)
+    _check(T, 256, 40, 36, 48, 96, 72, LIN, fresh_seed(), gu_dtype=BF)
 
 
 @pytest.mark.parametrize("tp", ["tp16", "tp8"])
@@ -110,7 +104,7 @@ def test_bf16_gate_up(T):
 def test_k3_columns_few_rows(tp, T):
     """K3's D, n, I, K (the real column pieces) on 96 rows of W: fast under the interpreter."""
     D, n, I, K, _ = K3[tp]
-    _check(T, D, D - n, n, I, K, 96, LIN, _seed())
+    _check(T, D, D - n, n, I, K, 96, LIN, fresh_seed())
 
 
 @gpu_only
@@ -125,32 +119,32 @@ def test_k3_shapes(tp, T, form):
     assert NS.supports(lat, w, n, gu, W) == on
     assert NS.supports(lat, w.to(BF), n, gu, W) == on
     for c0 in (0, D - n):                 # rank 0 and the last rank's latent slice
-        _check(T, D, c0, n, I, K, N, LIN, _seed())
+        _check(T, D, c0, n, I, K, N, LIN, fresh_seed())
 
 
 @gpu_only
 @pytest.mark.parametrize("T", [16, 64])
 def test_k3_above_max_t_uses_the_pair(T):
     D, n, I, K, N = K3["tp16"]
-    _check(T, D, n, n, I, K, N, LIN, _seed(), kernel=False)
+    _check(T, D, n, n, I, K, N, LIN, fresh_seed(), kernel=False)
 
 
 @gpu_only
 def test_allocating_call_writes_every_output():
     D, n, I, K, N = K3["tp8"]
-    seed = _seed()
+    seed = fresh_seed()
     lat, w, gu, W = _inputs(2, D, I, K, N, seed)
     _poison()
     out = FG.norm_situ_gemv(lat, w, 1e-6, 0, n, gu, BETA, LIN, W)
     ref = FG.norm_situ_gemv_reference(lat, w, 1e-6, 0, n, gu, BETA, LIN, W)
-    assert not out.isnan().any() and _rel(out, ref) <= TOL, f"seed {seed}"
+    assert not out.isnan().any() and rel_err(out, ref) <= TOL, f"seed {seed}"
 
 
 @gpu_only
 @pytest.mark.parametrize("T", [1, 2])
 def test_graph_replay_reads_new_inputs(T):
     D, n, I, K, N = K3["tp16"]
-    seed = _seed()
+    seed = fresh_seed()
     lat, w, gu, W = _inputs(T, D, I, K, N, seed)
     out = torch.full((T, N), float("nan"), dtype=BF, device=DEV)
     s = torch.cuda.Stream()
@@ -170,4 +164,4 @@ def test_graph_replay_reads_new_inputs(T):
         torch.cuda.synchronize()
         ref = FG.norm_situ_gemv_reference(lat, w, 1e-6, n, n, gu, BETA, LIN, W)
         assert not out.isnan().any(), f"seed {seed} step {step}"
-        assert _rel(out, ref) <= TOL, f"seed {seed} step {step}: {_rel(out, ref):.2e}"
+        assert rel_err(out, ref) <= TOL, f"seed {seed} step {step}: {rel_err(out, ref):.2e}"

@@ -22,6 +22,9 @@ from raydecode.kernels import moe_mxfp4 as M
 from raydecode.kernels import moe_mxfp4_decode as D
 from raydecode.kernels.experimental import moe_mxfp4_decode_mma as MM
 
+from _numerics import TOL as NUM_TOL
+from _numerics import fresh_seed, rel_err
+
 ON_GPU = torch.cuda.is_available() and MM.triton is not None
 INTERPRET = (not torch.cuda.is_available() and MM.triton is not None
              and os.environ.get("TRITON_INTERPRET") == "1")
@@ -30,20 +33,12 @@ pytestmark = pytest.mark.skipif(not (ON_GPU or INTERPRET),
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="K3 shapes / CUDA graphs: GPU only")
 DEV = "cuda" if ON_GPU else "cpu"
 BF = torch.bfloat16
-TOL = 1e-2 if ON_GPU else 2.5e-2
+TOL = NUM_TOL["bf16_3round"] if ON_GPU else NUM_TOL["interpreter"]
 K3 = [(896, 3584, 192, 16), (896, 3584, 384, 16)]          # (E, L, I, k): TP16, TP8 per rank
 SMALL = (16, 256, 64, 4)
 # small-shape configs: split 4 / 1 and weights on M (interpreter: ~5 s per call at most)
 SMALL_CFGS = [MM.MmaConfig(8, 64, 4, 2, 1, 16, 64, 2, 1),
               MM.MmaConfig(16, 128, 1, 4, 2, 32, 64, 4, 1, weights_m=True)]
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _poison(nbytes: int = 1 << 28) -> None:
@@ -72,14 +67,14 @@ def _case(E, L, I, k, T, seed, lin=25.0):
 
 def _check(out, ref, seed, what=""):
     assert not out.isnan().any(), f"seed {seed} {what}: unwritten / unzeroed elements"
-    assert _rel(out, ref) <= TOL, f"seed {seed} {what}: rel {_rel(out, ref):.3g}"
+    assert rel_err(out, ref) <= TOL, f"seed {seed} {what}: rel {rel_err(out, ref):.3g}"
 
 
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("cfg", SMALL_CFGS, ids=["split4", "weights_m"])
 def test_mma_small_matches_reference_and_decode(T, cfg):
     """Small shapes (the interpreter's cases): vs the reference and the CUDA-core kernel."""
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids, _ = _case(*SMALL, T, seed, lin=None if T == 1 else 25.0)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     out = _nan_out(T, SMALL[1])
@@ -88,19 +83,19 @@ def test_mma_small_matches_reference_and_decode(T, cfg):
     assert res is out
     _check(out, ref, seed, str(cfg))
     dec = D.moe_mxfp4_decode(z, w, ids, ex)
-    assert _rel(out, dec) <= TOL, f"seed {seed}: vs moe_mxfp4_decode {_rel(out, dec):.3g}"
+    assert rel_err(out, dec) <= TOL, f"seed {seed}: vs moe_mxfp4_decode {rel_err(out, dec):.3g}"
 
 
 def test_mma_fp32_z_rounds_like_bf16():
     """fp32 z is rounded to bf16 on load: the same result as the bf16 call (atomics order
     only). Under the interpreter (which truncates) z32 holds bf16 values exactly."""
-    seed = _seed()
+    seed = fresh_seed()
     E, L, I, k = K3[0] if ON_GPU else SMALL
     ex, zb, w, ids, g = _case(E, L, I, k, 2, seed)
     z32 = torch.randn(2, L, generator=g, device=DEV) if ON_GPU else zb.float()
     a = MM.moe_mxfp4_decode_mma(z32, w, ids, ex)
     b = MM.moe_mxfp4_decode_mma(z32.to(BF), w, ids, ex)
-    assert _rel(a, b) <= 1e-6, f"seed {seed}: {_rel(a, b)}"
+    assert rel_err(a, b) <= 1e-6, f"seed {seed}: {rel_err(a, b)}"
 
 
 def test_mma_bad_config_and_inputs_rejected():
@@ -134,7 +129,7 @@ def test_mma_bad_config_and_inputs_rejected():
 @pytest.mark.parametrize("T", [1, 2, 4])
 @pytest.mark.parametrize("lin", [None, 25.0])
 def test_mma_k3_default_matches_reference_and_decode(E, L, I, k, T, lin):
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids, _ = _case(E, L, I, k, T, seed, lin)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     out = _nan_out(T, L)
@@ -142,7 +137,7 @@ def test_mma_k3_default_matches_reference_and_decode(E, L, I, k, T, lin):
     MM.moe_mxfp4_decode_mma(z, w, ids, ex, out=out)
     _check(out, ref, seed)
     dec = D.moe_mxfp4_decode(z, w, ids, ex)
-    assert _rel(out, dec) <= TOL, f"seed {seed}: vs moe_mxfp4_decode {_rel(out, dec):.3g}"
+    assert rel_err(out, dec) <= TOL, f"seed {seed}: vs moe_mxfp4_decode {rel_err(out, dec):.3g}"
 
 
 @gpu_only
@@ -150,7 +145,7 @@ def test_mma_k3_default_matches_reference_and_decode(E, L, I, k, T, lin):
 @pytest.mark.parametrize("T", [1, 4])
 def test_mma_every_candidate(E, L, I, k, T):
     """Each sweep candidate compiles and matches the reference (NaN out, poisoned partials)."""
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids, _ = _case(E, L, I, k, T, seed)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     cands = MM.candidates(E, I, L)
@@ -167,7 +162,7 @@ def test_mma_every_candidate(E, L, I, k, T):
 def test_mma_graph_replays_new_routing(I, weights_m):
     """Captured once (partials allocated inside the capture, PDL launches), replayed with new
     routings and new z; out re-zeroed by the kernel each replay."""
-    seed = _seed()
+    seed = fresh_seed()
     E, L, k, T = 896, 3584, 16, 2
     ex, z, w, ids, g = _case(E, L, I, k, T, seed)
     cfg = next(c for c in MM.candidates(E, I, L) if c.weights_m == weights_m)
