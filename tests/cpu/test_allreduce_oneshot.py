@@ -4,7 +4,7 @@ adapter's routing over a gloo TorchComm (which calls reach the one-shot buffers,
 base comm unchanged), the rank-order sum, close(), and the named input errors.
 
 The plain all-reduce kernel runs here only under the Triton interpreter, on simulated ranks
-(`cd /work/main && TRITON_INTERPRET=1 /work/venv-triton/bin/python -m pytest
+(`TRITON_INTERPRET=1 python -m pytest
 tests/cpu/test_allreduce_oneshot.py -q`); without Triton (the CI venv) those cases skip and the
 routing test checks that the one-shot calls reach the kernel launcher (which then names the
 missing Triton). The compiled kernel and the real IPC protocol: tests/gpu/test_allreduce_oneshot.py.

@@ -1,8 +1,8 @@
 """AttnRes mix + RMSNorm CuTe DSL kernel on a CPU-only machine.
 
-Without cutlass (CI's /work/venv): the thread-mapping choice, its validation and the layout
+Without cutlass (the CI venv): the thread-mapping choice, its validation and the layout
 checks that decide when the dispatcher may take the kernel. With nvidia-cutlass-dsl
-(/work/venv-cute, `CUTE_DSL_ARCH=sm_90a`, set below when unset): the kernel COMPILES for the K3
+(a venv with nvidia-cutlass-dsl, `CUTE_DSL_ARCH=sm_90a`, set below when unset): the kernel COMPILES for the K3
 shape (H = 7168, n = 4 block snapshots + prefix) and a small one, and the SASS has the
 properties the design rests on (16-byte loads, all issued before the first use, no local
 memory). Running it needs the GPU: tests/gpu/test_attnres_cute.py.
@@ -188,7 +188,7 @@ def keep_sass(tmp_path_factory) -> str:
 def _compile(keep_sass, n, H, add, write_mix, wdt=torch.float32, pdl=True, cfg=None):
     if K.cute is None:
         pytest.skip("nvidia-cutlass-dsl not importable (CI venv): compile checks need "
-                    "/work/venv-cute")
+                    "nvidia-cutlass-dsl")
     cfg = cfg or K.default_config(n, H, pdl=pdl)
     return cfg, K.compile_mix_norm(n, H, (wdt, wdt, wdt), add, write_mix, cfg,
                                    extra_options=keep_sass)

@@ -1,7 +1,7 @@
 """Kernel cache (kernels/aot*.py): plan, per-kernel lock, manifest, keys, corruption, and — where
 nvidia-cutlass-dsl / Triton are installed — real CuTe GEMV export/load across processes and real
 offline Triton compiles. Planning/lock/manifest tests need neither (CI venv); the others skip
-cleanly: run them with /work/venv-cute/bin/python and /work/venv-triton/bin/python."""
+cleanly: run them in a venv with nvidia-cutlass-dsl and in one with triton."""
 from __future__ import annotations
 
 import importlib.util

@@ -3,7 +3,7 @@ references agree with the models/ functions (fp32 where exact) and with the mode
 stock MLA step (models/mla.py; bf16 tolerance), paged indexing through shuffled block tables, the public ops fall back to the references bit for bit, and bad
 inputs raise ValueError naming the value. The Triton kernels: tests/gpu/test_mla_decode.py; the
 prep kernel's cache rows (shared with the fused kernel's phase A) here too, under the interpreter
-(`TRITON_INTERPRET=1 /work/venv-triton/bin/python -m pytest tests/cpu/test_mla_decode.py`)."""
+(`TRITON_INTERPRET=1 python -m pytest tests/cpu/test_mla_decode.py`)."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,7 @@
 """MLA absorbed decode kernels (kernels/mla_decode_triton.py) vs references, over the paged
 latent cache. On CUDA (the H200) every case; on a CPU under TRITON_INTERPRET=1 the small ones:
 
-    cd /work/main && TRITON_INTERPRET=1 /work/venv-triton/bin/python -m pytest \
+    TRITON_INTERPRET=1 python -m pytest \
         tests/gpu/test_mla_decode.py -q -x
 
 Fresh random inputs per case (seed from os.urandom, in every failure message); outputs are

@@ -1,7 +1,7 @@
 """Resident GEMV chain (kernels/experimental/resident_chain_cute.py) on a CPU-only machine: the plan's
 validation and derived layout (row split, stages, partial-sum rows, buffer offsets), the
 reference, the op's buffer checks, and every bench variant's plan. With nvidia-cutlass-dsl
-(/work/venv-cute, `CUTE_DSL_ARCH=sm_90a`) the kernel also COMPILES and its SASS has the bulk
+(a venv with nvidia-cutlass-dsl, `CUTE_DSL_ARCH=sm_90a`) the kernel also COMPILES and its SASS has the bulk
 copies and no local memory; running it needs the GPU (tests/gpu/test_resident_chain.py)."""
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_every_bench_variant_is_a_valid_plan():
 @pytest.mark.parametrize("publish", RC.PUBLISH)
 def test_kernel_compiles_with_bulk_copies_and_no_local_memory(publish, tmp_path):
     if RC.cute is None:
-        pytest.skip("nvidia-cutlass-dsl not importable (CI venv): compile checks need /work/venv-cute")
+        pytest.skip("nvidia-cutlass-dsl not importable (CI venv): compile checks need nvidia-cutlass-dsl")
     plan = RC.ChainPlan(K3, ctas=132, publish=publish)
     sass = RC.compile_chain(plan, f"--keep-sass --dump-dir={tmp_path}").__sass__
     assert sass.count("UBLKCP") >= plan.phases                      # one bulk copy site per phase

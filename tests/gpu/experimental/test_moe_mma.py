@@ -2,7 +2,7 @@
 and vs the CUDA-core `moe_mxfp4_decode`, on the GPU (K3 TP16 / TP8 per-rank shapes, every sweep
 candidate, CUDA graphs) and, small shapes only, under the CPU interpreter:
 
-    TRITON_INTERPRET=1 /work/venv-triton/bin/python -m pytest tests/gpu/test_moe_mma.py -q
+    TRITON_INTERPRET=1 python -m pytest tests/gpu/experimental/test_moe_mma.py -q
 
 Fresh random inputs per case (seed from os.urandom, in every failure message); `out` starts as
 NaN and on the GPU the caching allocator is poisoned with NaN first, so an element of `out` or
