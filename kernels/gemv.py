@@ -18,16 +18,13 @@ Small-M decode projections are memory-bound: every weight byte is read once, the
 
 Layers (STYLE §6): `GemvKernel` (@cute.jit host + @cute.kernel device) → `_compiled` cache keyed
 by (dtype, M-bucket, N, K, config) → `gemv_into` (writes a caller-allocated `out`) → `gemv`
-(allocates) → `linear` (dispatch: the CuTe kernel when CUDA + CuTe DSL are there, the shape is
-supported and `linear_uses_cute` says it beats cuBLAS, else `torch.nn.functional.linear`).
-`gemv_reference` is the PyTorch reference.
+(allocates); the dispatch that chooses it over the skinny GEMM and cuBLAS is
+kernels/linear.py. `gemv_reference` is the PyTorch reference.
 
 M-bucket: M ≤ 8 compiles for that exact M (the decode engine pads batches to a few buckets).
 8 < M ≤ 64 is supported by `gemv` (MT = 8-row blocks, W re-read per block) for testing, but
-`linear` sends no M > 2 to it: the FMA rate, not HBM, bounds this kernel from M ≈ 4 (M FMAs per
-weight element; measured 0.33 of HBM bandwidth at M = 8, docs/PERF.md). 2 < M ≤ SKINNY_MAX_M
-goes to the tensor-core skinny GEMM (kernels/gemm_skinny_triton.py, PERF round 30), larger M
-to cuBLAS.
+the dispatch sends no M > 2 to it: the FMA rate, not HBM, bounds this kernel from M ≈ 4 (M FMAs
+per weight element; measured 0.33 of HBM bandwidth at M = 8).
 The structure is generic SIMT code (no wgmma, no TMA), so it builds unchanged for sm_100/103.
 """
 
@@ -183,7 +180,7 @@ def default_config(M: int, N: int, K: int, sm_count: int = 132) -> GemvConfig:
 # Per-shape M = 1 mappings. First the fastest PDL launch of an 8-config sweep in
 # bench/results/gemv-h200-2026-11-29-run2.json; then (marked *) the winners of
 # scripts/explore/gemv_tune.py over 25 mappings per shape, adopted where ≥ 3% faster and confirmed
-# inside the layer (bench/results/gemv-tune-h200-2026-11-30-tp{16,8}.json, docs/PERF.md round 14;
+# inside the layer (bench/results/gemv-tune-h200-2026-11-30-tp{16,8}.json;
 # the packed shapes of the served step had no entry before). H200, CUDA graph, rotating weights.
 # Key (M, N, K) -> (lanes_per_row, k_warps, rows_per_group, row_warps); others use default_config.
 TUNED: dict[tuple[int, int, int], GemvConfig] = {
@@ -204,7 +201,7 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
         #   models/mla.py _qkv_a_g): TP16, then TP8
         (1048, 7168): (16, 7, 1, 1), (7168, 640): (8, 5, 4, 2), (900, 7168): (16, 8, 1, 2),
         (2096, 7168): (16, 7, 2, 1), (1800, 7168): (32, 7, 4, 1),
-        # * W_q'' (models/mla.py _q_b_absorbed) TP16, round 16's sweep (3.46 -> 3.30 µs;
+        # * W_q'' (models/mla.py _q_b_absorbed) TP16, its own sweep (3.46 -> 3.30 µs;
         #   bench/results/gemv-tune-h200-2026-11-30-r16-wq.json); TP8's 6912 × 1536 kept
         (3456, 1536): (32, 2, 4, 1),
     }.items()

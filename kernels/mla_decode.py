@@ -19,7 +19,7 @@ Ops (kernels in kernels/mla_decode_triton.py; counts are kernel launches):
   mla_decode     2   mla_attention's split kernel + mla_output's kernel on its partials
   mla_decode_absorbed  2   the served DCP-1 form: q from a q_b GEMV with W_uk and the q_a norm
                      weight folded in; the split kernel scales q and stores the new row
-  mla_decode_fused     3   the round-9 form: rms scale + absorb + row store; split; output
+  mla_decode_fused     3   rms scale + absorb + row store; split; output (mla_absorbed_q off)
 
 Paged cache (models/cache.py MLALatentCache, one layer's pool): cache (num_blocks, block_size,
 c + rope) bf16; row p of token t's sequence at cache[block_table[t, p // bs], p % bs];
@@ -399,7 +399,7 @@ def mla_decode(q_abs, cache, block_table, seq_lens, w_uv_t, gate, *, kv_lora: in
 
 # batches up to which mla_decode_fused is ONE launch (phases A, B, C of `_fused_kernel`);
 # above it phase A alone + the split + output kernels. 0: never one launch. Measured on the
-# H200 (docs/PERF.md round 9, probe_kernels --mla-fused): the one-launch form is slower at
+# H200 (scripts/explore/probe_kernels.py --mla-fused): the one-launch form is slower at
 # every batch (TP16 batch 1: 18.7 µs vs 13.8 for the three kernels): one num_warps for all
 # phases (the output phase runs 1.5 µs slower at 8 warps, the split 0.9 µs slower at 4) and
 # the phases' latencies add up where separate PDL launches overlap. Re-measure on sm_100.
@@ -481,7 +481,7 @@ def mla_decode_absorbed(qkv, q, kv_norm_w, cache, block_table, positions, seq_le
     split kernel scales q and the split holding the new row stores it first
     (`split_rows_triton`), then the output kernel. Replaces `mla_decode_fused`'s phase A:
     W_uk is folded into the q_b GEMV's weight instead (`absorbed_q_weight` with the q norm
-    weight: h·(c + rope) rows instead of h·(nope + rope), docs/PERF.md round 16).
+    weight: h·(c + rope) rows instead of h·(nope + rope)).
 
     qkv (T, q_lora + kv_lora + rope) bf16: the gathered q_a ‖ kv_a latents; q (T, h, kv_lora +
     rope) = x · W_q''ᵀ with x = qkv[:, :q_lora], best fp32 (rounded once, after the scale).

@@ -42,7 +42,7 @@ strided views as they come (last dim contiguous) and never synchronise with the 
                   data written in the kernel go through L2 (.cg)); each wait is on smaller
                   tickets, whose programs have started, so no co-residency is assumed; the
                   last program out zeroes the counters. Measured slower than the separate
-                  launches on the H200 (docs/PERF.md round 9), hence off by default.
+                  launches on the H200 (docs/PERF.md §5), hence off by default.
 The kernels are thin wrappers of @triton.jit parts (_absorb_part, _split_part, _merge_part,
 _output_token_part, _row_store_part) that the fused kernel calls by ticket.
 p is rounded to bf16 before p·V, as the stock path does (there after normalisation, here
@@ -237,7 +237,7 @@ if triton is not None:
                 kr0 = tl.where(new, rowr[None, :], kr0)
             tl.debug_barrier()      # the row's stores before this CTA's later tile loads; the
             # tile loop stays the plain split's (masking the row out of the tiles and attending
-            # it from registers cost +22 µs at batch 64: docs/PERF.md round 16)
+            # it from registers cost +22 µs at batch 64)
         if not PRE:
             rows0, mn0, kc0, kr0 = _tile_rows(c_ptr, c_sb, c_sr, bt_ptr, bt_st, t, start, end,
                                               BS, KL, R, oc, orr, BN)

@@ -25,7 +25,7 @@ Bytes: weights one step must read at batch T (every bf16 / fp32 parameter; of ea
 routed experts the expected distinct ones under uniform routing, E·(1 − (1 − k/E)^T)) plus the
 MLA latent cache read, against the HBM read bandwidth measured in the same run. The random
 model routes less evenly than that (`--routing-probe` measures it; K3 TP16, 4 layers, batch 8
-on the CPU: 88–106 distinct experts against 120; docs/PERF.md rounds 25 and 27), so at T > 1
+on the CPU: 88–106 distinct experts against 120), so at T > 1
 the expert bytes, and the HBM fraction, are upper bounds on what a step reads. Off CUDA
 (`--device cpu`, the tiny config; tests/cpu/test_bench_step.py) it runs eagerly, no graphs.
 """
@@ -134,7 +134,7 @@ class Bench:
                 changed[s] = list(self.blocks.tables[s])
         # SoloRankComm's all-reduce is the identity, so a token outside this rank's vocab rows
         # would embed as zeros (the rank owning it never adds its row) and every hidden state
-        # of the step would be token-independent (routing included: docs/PERF.md round 27).
+        # of the step would be token-independent (routing included).
         # Draw from this rank's rows, whose embedding is the real one.
         n = self.model.model.embed_tokens.weight.shape[0]
         lo = self.model.par.tp_rank * n

@@ -76,7 +76,7 @@ def test_plan_covers_every_cute_gemv_of_a_specialized_step(monkeypatch, fused, f
             missing.append(f"M={M} N={N} K={K} out={out}")
     assert not missing, f"CuTe GEMVs the step launches and the plan lacks: {missing}"
     # the fused MoE block's fp32-out GEMV ran (and is what the fp32 entries cover), and the
-    # MLA layers ran their fused decode: W_q'' (round 9's q_b' with the A/B switch off) with
+    # MLA layers ran their fused decode: W_q'' (the folded q_b' with mla_absorbed_q off) with
     # fp32 out
     blocks = [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
     assert all(("h2_proj" in b._derived._memo) == fused for b in blocks)

@@ -1,4 +1,4 @@
-"""Round-2 fused kernels on a CPU-only machine: every public op falls back to its PyTorch
+"""The fused decode kernels on a CPU-only machine: every public op falls back to its PyTorch
 reference (bit for bit), the bank-view detection the AttnRes kernel relies on, and the MoE
 decode kernel's tile validation. The kernels themselves are tested in
 tests/gpu/test_fused_triton.py."""

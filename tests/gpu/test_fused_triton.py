@@ -1,4 +1,4 @@
-"""Round-2 fused decode kernels (Triton) vs their PyTorch references on the GPU (needs CUDA +
+"""The fused decode kernels (Triton) vs their PyTorch references on the GPU (needs CUDA +
 Triton): AttnRes mix + RMSNorm (plain and residual-add), router top-k, few-token MXFP4 expert
 GEMV, shared SiTU, latent RMSNorm. On a CPU the small test_moe_decode_* cases run through the
 interpreter: `TRITON_INTERPRET=1 python -m pytest tests/gpu/test_fused_triton.py -k moe_decode`.
@@ -7,7 +7,7 @@ Fresh random inputs per case (seed from os.urandom, in every failure message); o
 preallocated NaN (or −1 for ids) or the caching allocator is poisoned with NaN first, so an
 element a kernel never writes fails the check. Tolerances: the `TOL` table below (bf16
 outputs, same rounding points as the references, differences only from the fp32 reduction
-order and the tanh/sigmoid forms). Run on an H200 in round 2: 47 passed.
+order and the tanh/sigmoid forms).
 """
 from __future__ import annotations
 

@@ -180,7 +180,7 @@ def test_gemv_rejects_bad_out():
         G.gemv(x.float(), w.float())
 
 
-# Round-3 fused GEMVs of the specialized step: [router ‖ latent down ‖ shared gate|up] rows with
+# The packed GEMVs of the specialized step: [router ‖ latent down ‖ shared gate|up] rows with
 # fp32 output (TP16 1048, TP8 2096 rows) and [latent up ‖ shared down ‖ 0] over a padded K.
 @pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("N,K", [(1048, 7168), (2096, 7168), (7168, 640), (7168, 1280)])

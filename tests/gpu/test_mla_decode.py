@@ -416,7 +416,7 @@ def test_fused_graph_replays(shape, T, ctx):
     _replays_equal_reference(c, g, ctx, qkv, pos, out, _capture(step), reference)
 
 
-# ---- the absorbed-q op (round 16, the served DCP-1 form): split (+ q scale, row), output -----
+# ---- the absorbed-q op (the served DCP-1 form): split (+ q scale, row), output ----------------
 
 def _absorbed_q(c: Case, qkv, wq, q_b, w_uk):
     """W_q'' (W_uk and the q norm weight folded into q_b) and q = x·W_q''ᵀ in fp32, as the
