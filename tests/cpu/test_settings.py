@@ -157,3 +157,20 @@ def test_deployment_config_carries_the_decode_options():
         parse_deploy_config({"model": "tiny", "decode": {"nope": 1}})
     with pytest.raises(DeployConfigError, match="skinny_max_m = -1: expected an integer ≥ 0"):
         parse_deploy_config({"model": "tiny", "decode": {"skinny_max_m": -1}})
+
+
+def test_no_served_module_imports_an_experiment():
+    """kernels/experimental and scripts/explore are imported by nothing served (the CLI,
+    actors, engine, models, kernels, cluster), at module level or inside a function."""
+    bad = []
+    for folder in ("raydecode", "actors", "engine", "models", "kernels", "cluster"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if "experimental" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [f"{node.module}.{a.name}" for a in node.names]
+                         if isinstance(node, ast.ImportFrom) and node.module else [])
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                        if "kernels.experimental" in n or "scripts.explore" in n]
+    assert not bad, bad
