@@ -237,18 +237,26 @@ def run(args) -> dict:
                 report["checks"].append(r)
                 print(f"check {kind} B={b}: ok={r['ok']} flips={r['routing_flips']} "
                       f"{json.dumps(r['errors'])}", flush=True)
-    if args.moe_sweep:
+    if args.moe_sweep:          # the stock grouped kernel's tiles: reported, not applied
         from raydecode.scripts.explore.layer_moe_sweep import sweep
         report["moe_sweep"] = sweep(cfg.moe, tps=args.tps, batches=(1, max(args.batches)),
                                     log=lambda m: print(m, flush=True))
         report["moe_tuned"] = {str(k): dataclasses.asdict(v)
                                for k, v in moe_mxfp4.TUNED.items()}
         print(f"MoE sweep done (t={time.time() - t0:.0f}s)", flush=True)
-    if args.moe_decode_sweep:
+    if args.moe_decode_sweep:   # the few-token kernel's tiles: batch-1 winners time the layers
         from raydecode.scripts.explore.layer_moe_decode_sweep import sweep as decode_sweep
-        report["moe_decode_sweep"] = decode_sweep(cfg.moe, tps=args.tps,
-                                                  batches=args.moe_decode_sweep_batches,
-                                                  log=lambda m: print(m, flush=True))
+        from raydecode.kernels.moe_mxfp4_decode import DecodeConfig
+        rows = decode_sweep(cfg.moe, tps=args.tps, batches=args.moe_decode_sweep_batches,
+                            log=lambda m: print(m, flush=True))
+        report["moe_decode_sweep"] = rows
+        m = cfg.moe
+        won = tuple(((m.num_experts, m.expert_intermediate // r["tp"], m.latent_size),
+                     DecodeConfig(**r["chosen"])) for r in rows
+                    if "chosen" in r and r["batch"] == 1)
+        # --decode-config entries first: the first match serves (moe_decode.decode_config_for)
+        opts = args.options = opts.replace(moe_decode_configs=opts.moe_decode_configs + won)
+        report["decode_options"] = opts.as_dict()
         report["moe_decode_tuned"] = {str(k): dataclasses.asdict(v)
                                       for k, v in moe_mxfp4_decode.TUNED.items()}
         print(f"MoE decode sweep done (t={time.time() - t0:.0f}s)", flush=True)
@@ -324,10 +332,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also profile one eager step at the smallest and largest batch")
     ap.add_argument("--moe-sweep", action="store_true",
-                    help="tune the MXFP4 MoE kernel (kernels.moe_mxfp4.TUNED) before timing")
+                    help="sweep the stock grouped MoE kernel's tiles first (scripts/explore; "
+                         "reported, the tuned table changes by hand)")
     ap.add_argument("--moe-decode-sweep", action="store_true",
-                    help="sweep the few-token MoE kernel's tiles (scripts/explore; the "
-                         "results are reported, the timed layers run the run's options)")
+                    help="sweep the few-token MoE kernel's tiles first (scripts/explore); its "
+                         "batch-1 winners time the layers (as decode options), reported")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe-decode-sweep-batches", default="1,4",
