@@ -42,7 +42,9 @@ def resolve_checkpoint(spec: str | Path) -> Path:
 
     s = str(spec)
     if s == "tiny":
-        out = cache_root() / f"tiny-seed{TINY_SEED}"
+        from raydecode.models.bpe import TINY_TOKENIZER_LAYOUT
+
+        out = cache_root() / f"tiny-seed{TINY_SEED}-{TINY_TOKENIZER_LAYOUT}"
         if not (out / "model.safetensors.index.json").is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             # write into a temp folder and rename, so concurrent first uses never see half a

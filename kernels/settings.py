@@ -98,6 +98,8 @@ _ALL = (
     Setting("RAYDECODE_TRITON_PDL", "1", "'0': Triton decode kernels launch without "
             "programmatic dependent launch (timing A/B, profiles without the overlap)",
             "'0' (off); anything else: on", _flag),
+    Setting("RAYDECODE_API_KEY", "", "API keys the ingress accepts besides the config's, comma "
+            "separated (actors/auth.py)", "comma-separated keys, or unset", _text),
     Setting("RAYDECODE_DEBUG", "", "set: the CLI shows the traceback of a user-input error",
             "any non-empty value", _text),
     Setting("RAYDECODE_COMMIT", "unknown", "git commit recorded in benchmark JSON (default of "
@@ -156,6 +158,11 @@ def cute_tvm_ffi() -> bool:
 
 def triton_pdl() -> bool:
     return get("RAYDECODE_TRITON_PDL")
+
+
+def api_keys() -> str:
+    """$RAYDECODE_API_KEY as set ('' when unset)."""
+    return get("RAYDECODE_API_KEY")
 
 
 def debug() -> bool:
