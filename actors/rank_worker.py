@@ -30,6 +30,7 @@ from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_channel import ChannelAddress, ChannelClient, ChannelClosed
 from raydecode.engine.step_graph import (BUCKETS, GraphedRunner, bucket_for, graph_cache_sizes,
                                          resolve)
+from raydecode.kernels import settings
 from raydecode.models.parallel import Comm, Parallel, TorchComm
 from raydecode.models.specialized import PATHS
 
@@ -139,7 +140,7 @@ class RankWorker:
         self._started, self._done, self._done_at = -1, -1, 0.0
         # one intra-op thread: ranks share the host's cores, and spinning OpenMP pools of
         # several processes on the same cores cost 10-20x on a loaded CPU
-        torch.set_num_threads(max(1, int(os.environ.get("RAYDECODE_RANK_THREADS", "1"))))
+        torch.set_num_threads(settings.rank_threads())
 
     def open_store(self, timeout_s: float = 120.0) -> tuple[str, int]:
         """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port) for the others."""
@@ -264,7 +265,7 @@ class RankWorker:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.comm.connect(min(ONESHOT_MAX_TOKENS, sms), model.cfg.hidden_size, dev,
                           dtype=getattr(model, "dtype", torch.float32),
-                          enable=os.environ.get("RAYDECODE_ONESHOT_ALLREDUCE", "1") != "0")
+                          enable=settings.oneshot_allreduce())
 
     def step(self, plan: StepPlan):
         """Run the plan on this shard (on plan.path); rank 0 samples on the device and returns

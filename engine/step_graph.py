@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from raydecode.kernels import kda_decode as kda_decode_op
+from raydecode.kernels import settings
 from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
 
 from .runner import ModelRunner
@@ -49,11 +50,7 @@ _PAD = object()      # a table row holding the scratch block only
 
 def setting() -> bool | None:
     """RAYDECODE_STEP_GRAPHS: '1' on, '0' off, unset or '' -> None: auto (`resolve`)."""
-    v = os.environ.get(ENV, "")
-    if v not in ("0", "1", ""):
-        raise ValueError(f"{ENV}={v!r}; accepted: '1' (graphs on), '0' (off) or unset (auto: "
-                         "on for CUDA ranks whose model the graphs support)")
-    return None if v == "" else v == "1"
+    return settings.step_graphs()
 
 
 def resolve(step_graphs: bool | None, device) -> bool:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import sys
+
+from raydecode.kernels import settings
 
 # name -> (module under raydecode.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         # user input errors (ConfigError, RequestError, CheckpointError, ... are ValueErrors):
         # one clear line, no traceback, unless RAYDECODE_DEBUG asks for it
-        if os.environ.get("RAYDECODE_DEBUG"):
+        if settings.debug():
             raise
         print(f"raydecode {args.command}: error: {e}", file=sys.stderr)
         return 2
