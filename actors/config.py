@@ -118,7 +118,8 @@ except ImportError:
 
 
 class ServeOptions(_Model):
-    host: str = Field(default="0.0.0.0", description="HTTP listen address of the Serve proxy.")
+    host: str = Field(default="127.0.0.1", description="HTTP listen address of the Serve proxy; "
+                                                       "0.0.0.0 to serve other machines.")
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the Serve proxy.")
     num_replicas: int = Field(default=1, ge=1, description="Replicas (each a coordinator and "
                                                            "its TP group).")

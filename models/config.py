@@ -502,6 +502,8 @@ def load_from_spec(spec: str | Path, presets: dict, parse, what: str):
     if s in presets:
         return presets[s]()
     p = Path(s)
+    # a folder names the model (a checkpoint folder); a file is named by its path as given
+    name = p.resolve().name if p.is_dir() else s
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
@@ -511,7 +513,7 @@ def load_from_spec(spec: str | Path, presets: dict, parse, what: str):
         d = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: malformed JSON ({e})") from None
-    return parse(d, name=p.parent.name or "custom")
+    return parse(d, name=name or "custom")
 
 
 def load_config(spec: str | Path) -> K3Config:

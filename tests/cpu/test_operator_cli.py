@@ -1,0 +1,185 @@
+"""What a new operator meets on a clean clone (issue 30 §3): the messages of `--help`,
+verify-domain, model-info, generate and demo, and `raydecode serve`'s checks before Ray starts
+(model path, CPUs), the default listen address, and the tiny example serving on this machine."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raydecode.cli import main
+
+from _net import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "raydecode.cli"]
+
+
+def _run(args, timeout=120, env=None):
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
+
+
+def test_help_describes_the_tool_in_whole_sentences(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    desc = out.split("\n\n")[1].replace("\n", " ").strip()
+    assert desc.endswith("."), desc                     # not cut mid-sentence
+    assert "exposes" not in desc and "raydecode/commands" not in desc
+
+
+def test_verify_domain_without_facts_names_this_node(tmp_path):
+    """No NVML on this machine: the verdict is about this node, not 'the given facts'."""
+    r = _run(["verify-domain", "--tp", "4"])
+    assert r.returncode == 1, r.stderr
+    assert "given facts" not in r.stdout
+    assert "this node" in r.stdout and "NVML" in r.stdout
+
+
+def test_malformed_facts_file_is_named(tmp_path):
+    bad = tmp_path / "tray07.json"
+    bad.write_text("{not json")
+    r = _run(["verify-domain", "--tp", "4", "--facts", str(bad)])
+    assert r.returncode == 2
+    assert str(bad) in r.stderr and "not valid JSON" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_model_info_of_a_config_file_is_named_by_its_path(tmp_path, capsys):
+    d = tmp_path / "some-folder"
+    d.mkdir()
+    shutil.copy(REPO / "models" / "data" / "kimi-k3-config.json", d / "k3.json")
+    assert main(["model-info", str(d / "k3.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == str(d / "k3.json")
+    shutil.copy(d / "k3.json", d / "config.json")
+    assert main(["model-info", str(d), "--json"]) == 0          # a folder: the folder's name
+    assert json.loads(capsys.readouterr().out)["name"] == "some-folder"
+
+
+def test_generate_names_the_num_draft_flag(capsys):
+    assert main(["generate", "--spec", "dspark", "--num-draft", "9", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-draft 9" in err and "1..7" in err
+    assert "num_speculative_tokens" not in err
+
+
+def test_demo_lists_only_what_shards_the_tiny_model(capsys):
+    assert main(["demo", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 3" in err and "4/4" in err
+    assert "8" not in err.split("accepted", 1)[1] and "16" not in err
+
+
+def test_demo_path_table_says_what_the_stock_steps_were():
+    from raydecode.commands.demo import _path_table
+
+    text = "\n".join([
+        '# TYPE raydecode_steps counter', 'raydecode_steps_total{path="specialized"} 31.0',
+        'raydecode_steps_total{path="stock"} 2.0',
+        '# TYPE raydecode_step_tokens counter',
+        'raydecode_step_tokens_total{path="specialized"} 104.0',
+        'raydecode_step_tokens_total{path="stock"} 176.0',
+        '# TYPE raydecode_stock_fallback_steps counter',
+        'raydecode_stock_fallback_steps_total{reason="prefill_in_batch"} 2.0',
+        'raydecode_stock_fallback_steps_total{reason="batch_too_large"} 0.0', ""])
+    rows = {r[0]: r for r in _path_table(text)}
+    assert rows["stock"][4] == "prefill 2"
+    assert rows["specialized"][4] == "decode"
+
+
+# ---- raydecode serve ----------------------------------------------------------------------------
+
+def test_serve_listens_on_loopback_by_default():
+    from raydecode.actors.config import parse_deploy_config
+    from raydecode.commands.serve import with_overrides
+
+    cfg = parse_deploy_config({"model": "tiny"})
+    assert cfg.serve.host == "127.0.0.1"
+    assert with_overrides(cfg, "0.0.0.0").serve.host == "0.0.0.0"
+
+
+def test_serve_checks_the_model_path_before_ray(tmp_path):
+    cfg = yaml.safe_load((REPO / "docs" / "examples" / "deploy-k3-tp16.yaml").read_text())
+    cfg["model"] = str(tmp_path / "Kimi-K3")
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    r = _run(["serve", str(path)], timeout=60, env=env)
+    assert time.monotonic() - t0 < 10
+    assert r.returncode == 2
+    assert str(tmp_path / "Kimi-K3") in r.stderr and "no such checkpoint folder" in r.stderr
+    assert "Traceback" not in r.stderr and "rendezvous" not in r.stderr
+    (tmp_path / "Kimi-K3").mkdir()                        # a folder without a config
+    r = _run(["serve", str(path)], timeout=60, env=env)
+    assert r.returncode == 2 and "config.json" in r.stderr
+
+
+def test_cpu_count_names_every_part():
+    from raydecode.actors.config import parse_deploy_config
+    from raydecode.commands.serve import check_resources, cpus_needed
+
+    cfg = parse_deploy_config({"model": "tiny", "tensor_parallel_size": 2,
+                               "decode_context_parallel_size": 2})
+    assert cpus_needed(cfg) == {"ingress": 1.0, "coordinator": 1.0, "ranks": 2.0}
+    why = check_resources(cfg, 2.0)
+    assert why is not None and "needs 4 CPUs" in why and "has 2" in why
+    assert check_resources(cfg, 4.0) is None
+    lean = parse_deploy_config({"model": "tiny", "tensor_parallel_size": 2,
+                                "serve": {"num_cpus": 0}})
+    assert check_resources(lean, 2.0) is None
+    solo = parse_deploy_config({"model": "tiny"})            # TP 1: no rank actors
+    assert cpus_needed(solo)["ranks"] == 0
+
+
+def test_serve_exits_at_once_naming_the_cpus_it_needs(tmp_path):
+    """More CPUs than any test machine has: an error within 10 s, before Ray starts."""
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny", "tensor_parallel_size": 2,
+                                    "serve": {"num_replicas": 4096}}))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    r = _run(["serve", str(path)], timeout=60, env=env)
+    assert time.monotonic() - t0 < 10, r.stderr
+    assert r.returncode == 2
+    assert "needs 16384 CPUs" in r.stderr and "this machine has" in r.stderr
+
+
+def test_tiny_example_answers_models_within_a_minute():
+    """`raydecode serve docs/examples/deploy-tiny.yaml` on this (2-core) machine."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(CLI + ["serve", "docs/examples/deploy-tiny.yaml", "--port",
+                                   str(port)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    t0, body = time.monotonic(), None
+    try:
+        while time.monotonic() - t0 < 60 and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models",
+                                            timeout=5) as r:
+                    body = json.loads(r.read())
+                    break
+            except OSError:
+                time.sleep(1)
+        elapsed = time.monotonic() - t0
+        assert body is not None, f"no /v1/models within {elapsed:.0f} s"
+        assert body["data"][0]["id"] == "tiny"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)             # Ctrl-C: Serve and Ray shut down
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    assert proc.returncode == 0, proc.stdout.read().decode()[-2000:]
