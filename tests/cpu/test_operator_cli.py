@@ -183,3 +183,32 @@ def test_tiny_example_answers_models_within_a_minute():
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
     assert proc.returncode == 0, proc.stdout.read().decode()[-2000:]
+
+
+# ---- kernels-warmup ------------------------------------------------------------------------------
+
+def test_kernels_warmup_without_the_gpu_packages_fails_and_writes_no_manifest(tmp_path, capsys):
+    import importlib.util
+    if importlib.util.find_spec("cutlass") and importlib.util.find_spec("triton"):
+        pytest.skip("the GPU packages are installed: the warmup would really compile")
+    code = main(["kernels-warmup", "--config", "k3", "--tp", "16", "--arch", "sm_90a",
+                 "--cache-dir", str(tmp_path / "kc")])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert not (tmp_path / "kc" / "manifest.json").exists()
+    assert "nothing written" in out and "(manifest.json)" not in out
+    assert "were not compiled" in err and "raydecode[gpu]" in err
+
+
+@pytest.mark.parametrize("arch", ["sm_999", "sm_75", "sm_91a"])
+def test_kernels_warmup_refuses_an_arch_no_kernel_targets(arch, capsys):
+    assert main(["kernels-warmup", "--arch", arch, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert arch in err and "sm_90a" in err and "sm_103a" in err
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a", "sm_100f"])
+def test_kernels_warmup_takes_the_known_archs(arch, capsys):
+    assert main(["kernels-warmup", "--config", "k3", "--tp", "16", "--arch", arch,
+                 "--dry-run"]) == 0
+    assert arch in capsys.readouterr().out
