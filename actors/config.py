@@ -129,6 +129,10 @@ class ServeOptions(_Model):
                                       description="Requests one ingress replica holds at once.")
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved for the ingress and "
                                                            "for the coordinator actor each.")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="A non-streaming request not finished this many seconds "
+                                         "after it arrived is aborted and answered 503 + "
+                                         "Retry-After.")
 
     @field_validator("route_prefix")
     @classmethod

@@ -127,6 +127,14 @@ class ChatCompletionRequest(_Common):
     def unsupported(self) -> list[str]:
         return super().unsupported() + [k for k in ("logprobs", "tools") if getattr(self, k)]
 
+    def missing_content(self) -> tuple[int, str] | None:
+        """(index, role) of the first message that needs content and has none: only an
+        assistant message may omit it (OpenAI: one carrying tool calls)."""
+        for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":
+                return i, m.role
+        return None
+
 
 def parse_request(cls: type[_Common], raw: bytes) -> _Common:
     """Raw body → request model; malformed JSON or a wrong field → APIError 400."""
