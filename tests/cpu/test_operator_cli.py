@@ -174,6 +174,17 @@ def test_tiny_example_answers_models_within_a_minute():
         elapsed = time.monotonic() - t0
         assert body is not None, f"no /v1/models within {elapsed:.0f} s"
         assert body["data"][0]["id"] == "tiny"
+        # the Serve proxy has the header read timeout (installed by proxy_guard): a request
+        # that never finishes its headers is closed, not held
+        import socket
+
+        from raydecode.actors.http_timeouts import HEADER_TIMEOUT_S
+        s = socket.create_connection(("127.0.0.1", port), timeout=HEADER_TIMEOUT_S + 20)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        t1 = time.monotonic()
+        assert s.recv(65536) == b""                     # closed by the server
+        assert time.monotonic() - t1 < HEADER_TIMEOUT_S + 10
+        s.close()
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)             # Ctrl-C: Serve and Ray shut down

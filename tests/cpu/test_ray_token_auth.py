@@ -93,6 +93,8 @@ def test_jobs_api_refuses_requests_without_the_token(tmp_path):
     dash = free_port()
     short = tempfile.mkdtemp(prefix="rdauth", dir="/tmp")    # AF_UNIX paths: < 108 bytes
     ray = Path(sys.executable).with_name("ray")
+    if not ray.exists():
+        ray = Path(shutil.which("ray") or "ray")
     args = [str(ray), "start", "--head", "--block", f"--port={free_port()}",
             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
             f"--ray-client-server-port={free_port()}",
