@@ -28,6 +28,7 @@ import torch
 
 from raydecode.engine.engine import LLMEngine, LocalExecutor, StepOutput
 from raydecode.engine.request import RequestError, SamplingParams
+from raydecode.engine.sampling import StepResult
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.spec import AcceptanceStats
 from raydecode.engine.spec_engine import SpecEngine
@@ -52,10 +53,16 @@ class StepFailed(RuntimeError):
     """A step raised or did not return in time; the message names the step."""
 
 
+class RequestFailed(RuntimeError):
+    """This request alone could not continue (its sampling raised on the device); the step and
+    every other request in it went on."""
+
+
 # ---- the executor interface ----------------------------------------------------------------
 class ReplicaExecutor(Protocol):
     """What the coordinator drives. `execute` runs `plan` on `plan.path` (set by the
-    coordinator) and returns (len(plan.sample_rows), V) logits; for a speculating replica the
+    coordinator) and returns a StepResult: the token sampled on the device for each sample row
+    (plan.sampling says how), logprobs where asked, never logits; for a speculating replica the
     plan is a SpecStepPlan and the result a SpecStepResult (engine/spec_runner.py)."""
     tp_size: int
     dcp_size: int
@@ -63,18 +70,23 @@ class ReplicaExecutor(Protocol):
 
     def specialized_ready(self, num_seqs: int) -> bool: ...   # kernels compiled, graph captured
 
-    def execute(self, plan: StepPlan) -> torch.Tensor: ...
+    def execute(self, plan: StepPlan) -> StepResult: ...
 
     def close(self) -> None: ...
 
 
 class LocalReplicaExecutor(LocalExecutor):
-    """TP = 1 in this process. Both paths run the same PyTorch model, so specialized is always
-    'ready'; the rank-worker executor runs the fused step for plan.path == 'specialized'."""
+    """TP = 1 in this process: the runner a rank would build (`load_runner`), so on a CUDA
+    device a GraphedRunner whose buckets were captured at build and whose decode steps replay
+    them; specialized is ready for a step when its bucket is captured (always, eagerly, on
+    CPU and for other runners)."""
     tp_size, dcp_size, domain_verified = 1, 1, False
 
     def specialized_ready(self, num_seqs: int) -> bool:
-        return True
+        from raydecode.engine.step_graph import GraphedRunner
+
+        r = self.runner
+        return r.ready(num_seqs) if isinstance(r, GraphedRunner) and r.capture else True
 
     def close(self) -> None:
         pass
@@ -104,9 +116,6 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
     tp, dcp = config.tensor_parallel_size, config.decode_context_parallel_size
     spec = _spec_shard(config, ecfg)
     if tp == 1 and dcp == 1:
-        from raydecode.engine.loader import load_shard
-        from raydecode.engine.runner import ModelRunner
-
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
             torch.set_num_threads(1)    # a busy intra-op pool stalls small decode steps
@@ -115,10 +124,18 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
             from raydecode.models.parallel import LocalComm, Parallel
 
             return LocalReplicaExecutor(load_spec_runner(spec, Parallel(), LocalComm(), device))
-        shard = load_shard(config.model, dtype=config.resolved_dtype(), device=device,
-                           num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
-                           block_size=ecfg.block_size)
-        return LocalReplicaExecutor(ModelRunner(shard.model, shard.caches, device))
+        from raydecode.engine.step_graph import setting as step_graphs_setting
+        from raydecode.models.parallel import LocalComm, Parallel
+
+        from .rank_worker import ShardSpec, load_runner, prepare_runner
+
+        shard = ShardSpec(model=str(config.model), dtype=config.resolved_dtype(),
+                          num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
+                          block_size=ecfg.block_size, max_model_len=ecfg.max_model_len,
+                          step_graphs=step_graphs_setting())
+        runner = load_runner(shard, Parallel(), LocalComm(), device)
+        prepare_runner(runner, Parallel(), device)       # kernels, then the step graphs
+        return LocalReplicaExecutor(runner)
 
     import ray
 
@@ -192,7 +209,7 @@ class EnvelopeExecutor:
         self._ready = getattr(inner, "specialized_ready", lambda n: True)
         self.current = "no step yet"
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> StepResult:
         # a verification step (SpecStepPlan with drafts): k and batch·(k+1) decide, and its
         # k+1-token verify slices count as decode
         spec_k = getattr(plan, "spec_k", None)
@@ -207,9 +224,9 @@ class EnvelopeExecutor:
         self.current = (f"step {plan.step_id} ({d.path}, {plan.num_seqs} seqs, "
                         f"{plan.batch.num_tokens} tokens{verify})")
         t0 = time.perf_counter()
-        logits = self.inner.execute(plan)
+        result = self.inner.execute(plan)
         self.counters.record(d, plan.batch.num_tokens, time.perf_counter() - t0)
-        return logits
+        return result
 
 
 # ---- request streams ------------------------------------------------------------------------
@@ -505,7 +522,8 @@ class CoordinatorCore:
             if out.finished:
                 self.engine.pop_finished(out.request_id)
             if s is not None:
-                s.send(out)
+                s.send(RequestFailed(f"request {out.request_id}: {out.error}") if out.error
+                       else out)
 
     # ---- fail-over ----------------------------------------------------------------------
     def _fail_over(self, err: StepFailed) -> None:
@@ -596,7 +614,13 @@ class CoordinatorCore:
             "on_stock": sum(1 for s in self.streams.values() if s.where == "stock" and not s.done),
             "preemptions": sched.num_preemptions if sched else 0,
             "speculative": self._spec_stats(),
+            "control_plane": self._control_plane(),
         }
+
+    def _control_plane(self) -> dict | None:
+        inner = self._path_exec.inner if self._path_exec is not None else None
+        f = getattr(inner, "control_plane_stats", None)
+        return f() if f is not None else None
 
     def _spec_stats(self) -> dict | None:
         """Acceptance over every verified sequence-step: the length L ∈ [1, k+1] counts the

@@ -94,6 +94,18 @@ class _StatsCollector:
         yield g
         if s.get("speculative"):
             yield from _spec_families(s["speculative"])
+        cp = s.get("control_plane")
+        if cp:      # the step channel: what crossed between coordinator and ranks (no logits)
+            for key, help_ in (("steps", "Steps sent over the rank step channel"),
+                               ("plan_bytes", "Plan frame bytes sent to the ranks (all ranks)"),
+                               ("result_bytes", "Result frame bytes received from rank 0 "
+                                                "(token ids, logprobs when asked)"),
+                               ("result_rows", "Sample rows answered by rank 0")):
+                yield CounterMetricFamily(f"raydecode_control_plane_{key}", help_,
+                                          value=cp[key])
+            yield GaugeMetricFamily("raydecode_control_plane_max_result_bytes",
+                                    "Largest result frame of one step, bytes",
+                                    value=cp["max_result_bytes"])
 
 
 def _spec_families(sp: dict):

@@ -1,11 +1,17 @@
-"""The executor that fans a StepPlan out to the TP rank actors of one replica.
+"""The executor that runs a replica's steps on its TP rank actors.
 
-Every call has a deadline that names the step and the ranks that missed it (DESIGN §6: a hang in
-the first decode step must become an error, never a stuck request). Results are collected as
-they arrive, so a rank that died fails the step at once: its peers may be blocked inside a
-collective waiting for it, and the executor never waits on them beyond the deadline. Any failure
-marks the group unhealthy; the coordinator fails its requests over, calls `close()` (which
-kills every rank actor, blocked or not) and builds a new group.
+Ray places, starts, inspects and kills the rank actors; the steps themselves never go through a
+Ray call. After the group is built each rank runs a persistent step loop on the coordinator's
+step channel (engine/step_channel.py): per step one packed plan frame to every rank
+(engine/plan_codec.py) and one result frame back from rank 0 — the token ids sampled on its GPU
+(and logprobs where a request asked), never logits.
+
+Every step has a deadline that names the step and the ranks that missed it (DESIGN §6: a hang in
+the first decode step must become an error, never a stuck request). A rank that dies is seen at
+once (its channel reaches EOF) while its peers may still block in a collective waiting for it; a
+rank that raises sends an error frame; silence past the deadline is named from the ranks'
+progress. Any failure marks the group unhealthy; the coordinator fails its requests over, calls
+`close()` (which kills every rank actor, blocked or not) and builds a new group.
 
 `RankGroupExecutor` satisfies the coordinator's `ReplicaExecutor` protocol (tp_size, dcp_size,
 domain_verified, specialized_ready, execute, close); `make_rank_group_executor` builds one from
@@ -23,7 +29,9 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from raydecode.engine.plan_codec import decode_result, encode_plan, stop_frame
 from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.step_channel import ChannelClosed, ChannelServer, RankRaised, RankSilent
 from raydecode.engine.step_graph import bucket_for, setting as step_graphs_setting
 from raydecode.models.specialized import check_path
 
@@ -94,6 +102,11 @@ class RankGroupExecutor:
         self.replica_id = uuid.uuid4().hex[:12]
         self.healthy = False
         self.readiness = GroupReadiness()
+        self.channel = None
+        # control plane counters: steps, bytes of plan frames sent (each to every rank) and of
+        # result frames received (token ids, logprobs when asked: never logits)
+        self.cp = {"steps": 0, "plan_bytes": 0, "result_bytes": 0, "max_result_bytes": 0,
+                   "result_rows": 0}
         remote = ray.remote(RankWorker)
         self.workers = []
         try:
@@ -110,11 +123,44 @@ class RankGroupExecutor:
                                     "open the rendezvous", t)[0]
             infos = self._wait([w.init_group.remote(host, port, t, opts.step_timeout_s)
                                 for w in self.workers], "join the group and load the shard", t)
+            self._open_channel()
         except BaseException:
             self.close()
             raise
         self.readiness = GroupReadiness.from_infos(infos)
         self.healthy = True
+
+    def _open_channel(self, local: bool = True) -> None:
+        """Every rank's step loop connected to a fresh channel of this executor (local False:
+        over TCP even on this host, for benchmarks)."""
+        self._stop_loops()
+        t = self.opts.init_timeout_s
+        self.channel = ChannelServer(self.tp_size, ray.util.get_node_ip_address(), local)
+        refs = [w.start_loop.remote(self.channel.address, t) for w in self.workers]
+        try:
+            self.channel.accept(t)
+        except TimeoutError as e:
+            self._wait(refs, "connect to the step channel", 1.0)      # a rank's own error
+            raise RankFailure(f"replica {self.replica_id}: {e}", [], "connect") from None
+        self.transports = self._wait(refs, "connect to the step channel", t)
+
+    def reconnect(self, local: bool = True) -> list[str]:
+        """Stop the ranks' step loops and connect them to a new channel; local False puts every
+        rank on TCP (the path of ranks on other hosts). -> each rank's transport."""
+        if not self.healthy:
+            raise RankFailure(f"replica {self.replica_id} is unhealthy; cannot reconnect", [],
+                              "reconnect")
+        self._open_channel(local)
+        return list(self.transports)
+
+    def _stop_loops(self) -> None:
+        if self.channel is not None:
+            try:
+                self.channel.publish(stop_frame())
+            except ChannelClosed:
+                pass
+            self.channel.close()
+            self.channel = None
 
     @property
     def specialized_support(self) -> tuple[bool, str]:
@@ -126,9 +172,10 @@ class RankGroupExecutor:
         compiled at build), and with step graphs on every rank captured num_seqs' bucket."""
         return self.healthy and self.readiness.specialized_ready(num_seqs)
 
-    def execute(self, plan: StepPlan, timeout_s: float | None = None) -> torch.Tensor:
+    def execute(self, plan: StepPlan, timeout_s: float | None = None):
         """Run `plan` on every rank (on plan.path) within timeout_s (default: the group's
-        step_timeout_s); -> rank 0's (len(sample_rows), V) logits."""
+        step_timeout_s); -> rank 0's StepResult (token ids sampled on the device), or for a
+        SpecStepPlan its SpecStepResult."""
         if not self.healthy:
             raise RankFailure(f"replica {self.replica_id} is unhealthy; step {plan.step_id} "
                               "not run", [], f"run step {plan.step_id}")
@@ -136,14 +183,69 @@ class RankGroupExecutor:
         if plan.path == "specialized" and not self.specialized_support[0]:
             raise ValueError(f"step {plan.step_id}: {self.specialized_support[1]}; the "
                              "coordinator must choose 'stock' for this replica")
-        out = self._wait([w.step.remote(plan) for w in self.workers],
-                         f"finish step {plan.step_id} ({plan.path})",
-                         self.opts.step_timeout_s if timeout_s is None else timeout_s)
-        return out[0]
+        timeout = self.opts.step_timeout_s if timeout_s is None else timeout_s
+        frame = encode_plan(plan)                                      # prepare
+        t_wall = time.time()
+        try:
+            self.channel.publish(frame)                                # run
+            kind, payload = self.channel.wait_result(plan.step_id, timeout)
+        except (ChannelClosed, RankRaised, RankSilent) as e:
+            self._step_failed(plan, e, timeout, t_wall + timeout)
+        cp = self.cp
+        cp["steps"] += 1
+        cp["plan_bytes"] += len(frame) * self.tp_size
+        cp["result_bytes"] += len(payload)
+        cp["max_result_bytes"] = max(cp["max_result_bytes"], len(payload))
+        cp["result_rows"] += len(plan.sample_rows)
+        return decode_result(kind, payload)                            # post-process
+
+    def control_plane_stats(self) -> dict:
+        """Counters of the step channel: steps, plan bytes sent, result bytes received (their
+        max per step), sample rows answered; plus each rank's transport."""
+        return {**self.cp, "transports": list(getattr(self, "transports", []))}
+
+    def _step_failed(self, plan: StepPlan, e: Exception, timeout: float, deadline_wall: float):
+        """Name the ranks behind a failed step and raise RankFailure (the group is unhealthy).
+        A death is named first: peers blocked in a collective with the dead rank raise too."""
+        self.healthy = False
+        what = f"finish step {plan.step_id} ({plan.path})"
+        if isinstance(e, RankSilent):
+            late = self._late_ranks(plan.step_id, deadline_wall)
+            raise RankFailure(f"replica {self.replica_id}: rank(s) {late} did not {what} "
+                              f"within {timeout:g} s", late, what) from None
+        died = [e.rank] if isinstance(e, ChannelClosed) and e.rank is not None else []
+        errors = {e.rank: e.text} if isinstance(e, RankRaised) else {}
+        if errors:       # give a dead peer a moment to be seen, so the root cause comes first
+            more_dead, more_errors = self.channel.poll_failures(FAILURE_GRACE_S)
+            died += more_dead
+            errors.update({r: t for r, t in more_errors.items() if r not in errors})
+        ranks = sorted(set(died)) + sorted(r for r in errors if r not in died)
+        parts = [f"rank {r} died (its step channel closed: the process exited)" if r in died
+                 else f"rank {r} raised ({errors[r][:300]})" for r in ranks]
+        raise RankFailure(f"replica {self.replica_id}: could not {what}: " + "; ".join(parts),
+                          ranks, what) from None
+
+    def _late_ranks(self, step_id: int, deadline_wall: float) -> list[int]:
+        """Ranks that had not finished step_id by the deadline: by their progress report, or
+        every rank that does not answer it (stopped, hung in the kernel, dead)."""
+        refs = [w.progress.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROGRESS_TIMEOUT_S)
+        late = []
+        for r, ref in enumerate(refs):
+            try:
+                p = ray.get(ref) if ref in ready else None
+            except ray.exceptions.RayError:
+                p = None
+            if p is None or p["done"] < step_id or p["done_at"] > deadline_wall:
+                late.append(r)
+        return late
 
     def close(self) -> None:
         """Kill every rank actor (also those blocked in a collective); idempotent."""
         self.healthy = False
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+            self.channel = None
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
@@ -167,11 +269,13 @@ class RankGroupExecutor:
         if not self.healthy:
             raise RankFailure(f"replica {self.replica_id} is unhealthy; cannot re-lay it out",
                               [], "set_dcp")
+        self._stop_loops()
         infos = self._wait([w.set_dcp.remote(dcp_size) for w in self.workers],
                            f"re-lay out for decode_context_parallel_size {dcp_size}",
                            self.opts.init_timeout_s)
         self.readiness = GroupReadiness.from_infos(infos)     # graphs were recaptured
         self.dcp_size = dcp_size
+        self._open_channel()
 
     # ---- inspection ----------------------------------------------------------------------------
     def stats(self) -> list[dict]:
@@ -221,6 +325,7 @@ class RankGroupExecutor:
 
 
 FAILURE_GRACE_S = 5.0
+PROGRESS_TIMEOUT_S = 2.0      # a rank that cannot report its progress by then counts as late
 
 
 def _errors(refs: list, index: dict) -> dict[int, Exception]:

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from raydecode.engine.plan_codec import decode_plan, encode_result, error_frame
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.step_channel import ChannelAddress, ChannelClient, ChannelClosed
 from raydecode.engine.step_graph import (BUCKETS, GraphedRunner, bucket_for, graph_cache_sizes,
                                          resolve)
 from raydecode.models.parallel import Comm, Parallel, TorchComm
@@ -87,6 +92,33 @@ def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> Mode
     return runner
 
 
+def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
+    """Before the first step of a rank (or of a TP 1 replica in its coordinator): compile or
+    load the kernels from the node's $RAYDECODE_KERNEL_CACHE (docs/KERNEL_CACHE.md), then with a
+    GraphedRunner capture every bucket (collective at TP > 1: every rank's runner is graphed or
+    none is, one ShardSpec). -> (specialized support (ok, why), kernel cache counts or None,
+    captured buckets or None (graphs off), why some or all buckets are not, or None). A model
+    the graphs do not support captures nothing (the same check everywhere, before any
+    collective); any other error propagates and fails the build."""
+    support = getattr(runner.model, "specialized_support", (False, "model has no specialized "
+                                                             "step"))
+    kernels = None
+    if support[0] and str(device).startswith("cuda"):
+        from raydecode.kernels.aot import prepare_kernel_cache
+        # the shard's own layout (a solo-rank benchmark model plays rank 0 of a larger TP)
+        events = prepare_kernel_cache(runner.model.cfg, getattr(runner.model, "par", par))
+        kernels = None if events is None else {
+            "compiled": sum(e.get("action") == "compiled" for e in events),
+            "loaded": sum(e.get("action") == "loaded" for e in events)}
+    if not isinstance(runner, GraphedRunner):
+        return support, kernels, None, None
+    if not runner.support[0]:
+        return support, kernels, [], f"step graphs unsupported: {runner.support[1]}"
+    ready = sorted(runner.capture_all())
+    failed = "; ".join(f"bucket {b}: {why}" for b, why in sorted(runner.capture_failed.items()))
+    return support, kernels, ready, failed or None
+
+
 class RankWorker:
     """Plain class; wrapped with ray.remote by the executor (num_gpus=1 on GPU hosts)."""
 
@@ -100,6 +132,9 @@ class RankWorker:
         self.comm: Comm | None = None
         self.steps = {p: 0 for p in PATHS}
         self._store = None
+        self._loop: threading.Thread | None = None
+        # the step loop's progress: last step started, last finished and when (wall clock)
+        self._started, self._done, self._done_at = -1, -1, 0.0
         # one intra-op thread: ranks share the host's cores, and spinning OpenMP pools of
         # several processes on the same cores cost 10-20x on a loaded CPU
         torch.set_num_threads(max(1, int(os.environ.get("RAYDECODE_RANK_THREADS", "1"))))
@@ -134,10 +169,64 @@ class RankWorker:
                                 timeout=datetime.timedelta(seconds=op_timeout_s or timeout_s))
         return self._build()
 
+    # ---- the persistent step loop (engine/step_channel.py) ------------------------------------
+    def start_loop(self, address: ChannelAddress, timeout_s: float = 60.0) -> str:
+        """Connect to the coordinator's step channel and serve its steps on a thread until a
+        STOP frame or the channel closes. -> the transport ('uds' or 'tcp')."""
+        self._join_loop()
+        client = ChannelClient(address, self.par.tp_rank, timeout_s)
+        self._loop = threading.Thread(target=self._serve, args=(client,), daemon=True,
+                                      name=f"raydecode-step-loop-{self.par.tp_rank}")
+        self._loop.start()
+        return client.transport
+
+    def _serve(self, client: ChannelClient) -> None:
+        """recv plan → step → (rank 0) send result; a step that raises sends an error frame
+        and ends the loop (the coordinator then rebuilds the group)."""
+        if self.device == "cuda":
+            torch.cuda.set_device(0)          # per thread: the actor's one GPU
+        try:
+            while True:
+                kind, step_id, payload = client.recv_plan()
+                plan = decode_plan(kind, step_id, payload)
+                if plan is None:
+                    return
+                self._started = step_id
+                try:
+                    out = self.step(plan)
+                except Exception as e:  # noqa: BLE001 — reported to the coordinator, loop ends
+                    line = traceback.format_exception_only(type(e), e)[-1].strip()
+                    client.send(error_frame(step_id, line[:400]))
+                    return
+                self._done, self._done_at = step_id, time.time()
+                if out is not None:
+                    client.send(encode_result(step_id, out))
+        except (ChannelClosed, OSError):
+            return                            # the coordinator went away: nothing to serve
+        finally:
+            client.close()
+
+    def _join_loop(self, timeout_s: float = 60.0) -> None:
+        if self._loop is not None:
+            self._loop.join(timeout_s)
+            if self._loop.is_alive():
+                raise RuntimeError(f"rank {self.par.tp_rank}: the step loop did not stop "
+                                   f"within {timeout_s:g} s")
+            self._loop = None
+
+    def progress(self) -> dict:
+        """{"rank", "started", "done", "done_at"}: the loop's last started / finished step id
+        and the wall-clock time it finished (answered while a step runs)."""
+        return {"rank": self.par.tp_rank, "started": self._started, "done": self._done,
+                "done_at": self._done_at, "loop": self._loop is not None
+                and self._loop.is_alive()}
+
     def set_dcp(self, dcp_size: int) -> dict:
         """Re-lay this rank out for another DCP size inside the same TP group (collective:
         every rank of the group calls it): new DCP subgroups, the shard rebuilt with caches of
-        the new layout (step graphs recaptured). Cache contents are dropped. -> as init_group"""
+        the new layout (step graphs recaptured). Cache contents are dropped. The step loop
+        must have been stopped (a STOP frame). -> as init_group"""
+        self._join_loop()
         old = self.comm
         self.par = Parallel(self.par.tp_rank, self.par.tp_size, dcp_size)
         self.runner = None               # and its graphs (they hold the old comm's buffers)
@@ -158,35 +247,10 @@ class RankWorker:
         self.runner = self.factory(self.par, self.comm, self.device)
         if oneshot:
             self._connect_oneshot()
-        support = getattr(self.runner.model, "specialized_support", (False, "model has no "
-                                                                     "specialized step"))
-        kernels = None
-        if support[0] and str(self.device).startswith("cuda"):
-            # compile (or load from the node's $RAYDECODE_KERNEL_CACHE) before any capture, so
-            # the ranks of a node JIT each kernel once between them (docs/KERNEL_CACHE.md)
-            from raydecode.kernels.aot import prepare_kernel_cache
-            events = prepare_kernel_cache(self.runner.model.cfg, self.par)
-            kernels = None if events is None else {
-                "compiled": sum(e.get("action") == "compiled" for e in events),
-                "loaded": sum(e.get("action") == "loaded" for e in events)}
-        buckets, failed = self._capture_graphs()
+        support, kernels, buckets, failed = prepare_runner(self.runner, self.par, self.device)
         return {"rank": self.par.tp_rank, "dcp_rank": self.par.dcp_rank, "device": self.device,
                 "specialized": support, "kernel_cache": kernels,
                 "graph_buckets": buckets, "graph_failed": failed}
-
-    def _capture_graphs(self) -> tuple[list[int] | None, str | None]:
-        """Collective at TP > 1 (every rank's runner is graphed or none is: one ShardSpec).
-        -> (buckets ready on this rank, why some or all are not); (None, None): graphs off.
-        A model the graphs do not support captures nothing on any rank (the same check
-        everywhere, before any collective); any other error propagates and fails the build."""
-        r = self.runner
-        if not isinstance(r, GraphedRunner):
-            return None, None
-        if not r.support[0]:
-            return [], f"step graphs unsupported: {r.support[1]}"
-        ready = sorted(r.capture_all())
-        failed = "; ".join(f"bucket {b}: {why}" for b, why in sorted(r.capture_failed.items()))
-        return ready, failed or None
 
     def _connect_oneshot(self) -> None:
         """Collective over the TP group: the model's bf16 (T, hidden) all-reduces with
@@ -200,17 +264,14 @@ class RankWorker:
                           dtype=getattr(model, "dtype", torch.float32),
                           enable=os.environ.get("RAYDECODE_ONESHOT_ALLREDUCE", "1") != "0")
 
-    def step(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run the plan on this shard (on plan.path); rank 0 returns the (rows, V) logits on
-        the host, the others None."""
-        logits = self.runner.run(plan)
-        self.steps[plan.path] += 1
-        if self.par.tp_rank != 0:
-            return None
-        logits = logits.cpu()                  # the step's one host sync, then: did a one-shot
-        if hasattr(self.comm, "check_timeouts"):   # all-reduce wait give up (wrong sums)?
-            self.comm.check_timeouts()
-        return logits
+    def step(self, plan: StepPlan):
+        """Run the plan on this shard (on plan.path); rank 0 samples on the device and returns
+        the StepResult (token ids; logprobs where asked), the others None."""
+        self.steps[plan.path] += 1      # counted as it starts: rank 0's result implies every
+        out = self.runner.execute(plan, sample=self.par.tp_rank == 0)   # rank began the step
+        if out is not None and hasattr(self.comm, "check_timeouts"):
+            self.comm.check_timeouts()         # did a one-shot all-reduce wait give up?
+        return out
 
     def stats(self) -> dict:
         import ray
@@ -227,9 +288,11 @@ class RankWorker:
         return self.par.tp_rank
 
     def shutdown(self) -> None:
-        """Collective when the comm holds one-shot buffers (every rank calls it)."""
+        """Collective when the comm holds one-shot buffers (every rank calls it); after the
+        step loop stopped."""
         import torch.distributed as dist
 
+        self._join_loop()
         self.runner = None       # first: its CUDA graphs hold the one-shot kernel's buffers
         if hasattr(self.comm, "close"):
             self.comm.close()

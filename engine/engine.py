@@ -9,24 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from .request import Request, RequestError, SamplingParams, Status
 from .runner import ModelRunner
-from .sampling import Sampler
+from .sampling import NO_LOGPROBS, SamplingRows, StepResult
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 
 
 class Executor(Protocol):
-    def execute(self, plan: StepPlan) -> torch.Tensor: ...      # (len(sample_rows), V) logits
+    def execute(self, plan: StepPlan) -> StepResult: ...     # a token id per sample row
 
 
 class LocalExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        return self.runner.run(plan)
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)
 
 
 @dataclass(frozen=True)
@@ -65,6 +63,9 @@ class StepOutput:
     delta_text: str
     finished: bool
     finish_reason: str | None
+    # per new token, when the request asked for logprobs: (logprob, [(id, logprob) × top n])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    error: str | None = None            # this request failed alone (its sampling raised)
 
 
 class LLMEngine:
@@ -72,7 +73,6 @@ class LLMEngine:
         self.executor, self.tokenizer, self.cfg = executor, tokenizer, cfg
         self.eos_ids = set(eos_ids)
         self.scheduler = Scheduler(cfg.scheduler_config())
-        self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._emitted: dict[str, int] = {}          # chars of output_text already returned
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0}
@@ -109,23 +109,31 @@ class LLMEngine:
         plan = self.scheduler.schedule()                               # prepare
         if plan is None:
             return []
-        logits = self.executor.execute(plan)                           # run
         reqs = self.scheduler.requests_of(plan)
-        outputs = []                                                   # post-process
-        sampling = [(i, r) for i, (r, s) in enumerate(zip(reqs, plan.batch.seqs))
-                    if r.num_cached + s.length == r.num_tokens]
-        for r, s in zip(reqs, plan.batch.seqs):
+        emits = [r.num_cached + s.length == r.num_tokens for r, s in zip(reqs, plan.batch.seqs)]
+        plan.sampling = sampling_rows(reqs, emits)
+        result = self.executor.execute(plan)                           # run (device sampling)
+        for r, s in zip(reqs, plan.batch.seqs):                        # post-process
             r.num_cached += s.length
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(s.length for s in plan.batch.seqs if s.length > 1)
-        if sampling:
-            rows = logits[[i for i, _ in sampling]]
-            toks = self.sampler.sample(rows, [r.params for _, r in sampling],
-                                       [r.request_id for _, r in sampling])   # host sync
-            for (_, req), tok in zip(sampling, toks):
-                outputs.append(self.append_token(req, tok))
-        self.stats["tokens"] += len(sampling)
+        outputs = [self.take_row(r, result, i) for i, (r, e) in enumerate(zip(reqs, emits)) if e]
+        self.stats["tokens"] += len(outputs)
         return outputs
+
+    def take_row(self, req: Request, result: StepResult, i: int) -> StepOutput:
+        """Sample row i of `result` for `req`: its token appended, or the request failed alone
+        when its row could not be sampled."""
+        why = result.failed[i] if result.failed else None
+        if why is not None:
+            req.finish_reason = "error"
+            self.finish_request(req)
+            return StepOutput(req.request_id, [], "", True, "error", error=why)
+        out = self.append_token(req, result.token_ids[i])
+        if req.params.logprobs is not None and result.logprob is not None and out.new_token_ids:
+            tops = list(zip(result.top_ids[i], result.top_logprobs[i])) if result.top_ids else []
+            out.logprobs = [(result.logprob[i], tops[:req.params.logprobs])]
+        return out
 
     def append_token(self, req: Request, tok: int) -> StepOutput:
         """Add one sampled token to a request: stop token/string, max_tokens and context
@@ -168,7 +176,6 @@ class LLMEngine:
 
     def finish_request(self, req: Request) -> None:
         self.scheduler.finish(req)
-        self.sampler.release(req.request_id)
 
     def resume_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        output_ids: list[int], emitted_chars: int) -> Request:
@@ -191,3 +198,13 @@ class LLMEngine:
             self.step()
         return reqs
 
+
+def sampling_rows(reqs: list[Request], emits: list[bool]) -> SamplingRows:
+    """The plan's per-sample-row sampling: each emitting row draws token len(output_ids) of its
+    request with the request's seed; rows that emit nothing (a prompt chunk ending mid-prompt)
+    are greedy and unread."""
+    return SamplingRows.build(
+        [r.params if e else None for r, e in zip(reqs, emits)],
+        [r.sample_seed for r in reqs], [len(r.output_ids) for r in reqs],
+        [(NO_LOGPROBS if r.params.logprobs is None else r.params.logprobs) if e else NO_LOGPROBS
+         for r, e in zip(reqs, emits)])

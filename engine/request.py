@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import enum
 import itertools
+import random
 from dataclasses import dataclass, field
 
 
 class RequestError(ValueError):
     """A request that cannot be served as asked; the message names the value and the range."""
+
+
+MIN_TEMPERATURE = 0.01
+MIN_TOP_P = 1e-6
+MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -20,21 +27,35 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None     # None: none; n: the chosen token's logprob + the top n
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
                 or self.max_tokens < 1:
             raise RequestError(f"max_tokens = {self.max_tokens!r}; expected an integer >= 1")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            raise RequestError(f"temperature = {self.temperature!r}; expected 0 <= t <= 100")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise RequestError(f"top_p = {self.top_p!r}; expected 0 < top_p <= 1")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k = {self.top_k!r}; expected an integer >= 0 (0 = off)")
+        t = float(self.temperature)
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0):
+            # a tiny T overflows logits / T in fp32 (inf - inf = nan in the sampler)
+            raise RequestError(f"temperature = {self.temperature!r}; expected 0 (greedy) or "
+                               f"{MIN_TEMPERATURE} <= temperature <= 100")
+        if not MIN_TOP_P <= float(self.top_p) <= 1.0:
+            # below fp32's resolution of a cumulative probability the top-p cut is meaningless
+            # (2.2e-313 reads as 0.0 in fp32 and dropped every token)
+            raise RequestError(f"top_p = {self.top_p!r}; expected {MIN_TOP_P} <= top_p <= 1")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
+                or not 0 <= self.top_k <= MAX_TOP_K:
+            # int32 on the wire and on the device; any k past the vocabulary keeps every token
+            raise RequestError(f"top_k = {self.top_k!r}; expected an integer in [0, {MAX_TOP_K}]"
+                               " (0 = off)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**64):
             # torch.Generator.manual_seed raises past 64 bits, inside the step of every request
             raise RequestError(f"seed = {self.seed!r}; expected an integer in [-2**63, 2**64)")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs = {self.logprobs!r}; expected an integer in "
+                               f"[0, {MAX_LOGPROBS}] (the number of top alternatives) or null")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop = {self.stop!r}; expected non-empty strings")
 
@@ -50,6 +71,7 @@ class Status(enum.Enum):
 
 
 _ids = itertools.count()
+_seeds = random.SystemRandom()
 
 
 @dataclass
@@ -64,6 +86,13 @@ class Request:
     num_cached: int = 0                   # tokens whose KV/state is in the cache
     output_text: str = ""                 # detokenized output, stop strings cut off
     num_preemptions: int = 0
+    # the sampler's seed: params.seed, else drawn once here, so a request's noise never depends
+    # on its batch (engine/sampling.py); kept across preemption and resubmission
+    sample_seed: int = field(default_factory=lambda: _seeds.getrandbits(63))
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.sample_seed = self.params.seed
 
     @property
     def all_ids(self) -> list[int]:

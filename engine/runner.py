@@ -1,12 +1,14 @@
-"""Runs one StepPlan on one model shard: the body of `RankWorker.step()` and of the in-process
-stock engine. prepare (block tables, state resets, inputs) → run (model) → post-process (logits
-of the rows that sample)."""
+"""Runs one StepPlan on one model shard: the body of a rank's step and of the in-process engine.
+prepare (block tables, state resets, inputs) → run (model) → post-process (logits of the rows
+that sample) → on the sampling rank, sample on the device and bring only token ids (and asked-for
+logprobs) to the host."""
 from __future__ import annotations
 
 import torch
 
 from raydecode.models.cache import ModelCaches
 
+from .sampling import SamplingRows, StepResult, sample_isolated
 from .scheduler import StepPlan
 
 
@@ -27,12 +29,27 @@ class ModelRunner:
         return torch.tensor(plan.tokens, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """(len(plan.sample_rows), V) fp32 logits, on this runner's device."""
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """(len(plan.sample_rows), V) fp32 logits on this runner's device. May be a view of a
+        buffer the next step rewrites (graphed runners): read it before the next step."""
         tokens = self.prepare(plan)
         hidden = self.model(tokens, plan.batch, self.caches, path=plan.path)   # (T, H)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """(len(plan.sample_rows), V) fp32 logits, a tensor of the caller's."""
+        return self.logits(plan)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, sample: bool = True) -> StepResult | None:
+        """Run the step; sample=True (the sampling rank): its StepResult — the one host sync
+        of the step; False (the other ranks): None, nothing leaves the device."""
+        logits = self.logits(plan)
+        if not sample:
+            return None
+        rows = plan.sampling or SamplingRows.greedy(len(plan.sample_rows))
+        return sample_isolated(logits, rows)
 
     def release(self, slots: list[int]) -> None:
         if self.caches.mla is not None:

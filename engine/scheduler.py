@@ -17,6 +17,7 @@ from raydecode.models.cache import SeqSlice, StepBatch
 
 from .cache import BlockAllocator, CacheFullError, SlotAllocator
 from .request import Request, Status
+from .sampling import SamplingRows
 
 
 @dataclass
@@ -30,6 +31,9 @@ class StepPlan:
     reset_slots: list[int]                  # slots newly assigned: zero their KDA state
     path: str = "stock"                     # "stock" | "specialized", decided per step
     request_ids: list[str] = field(default_factory=list)   # per seq, for logging
+    # per sample row: how the sampling rank draws its token (engine.sampling); set by the
+    # engine after scheduling; None: greedy for every row
+    sampling: SamplingRows | None = None
 
     @property
     def num_seqs(self) -> int:

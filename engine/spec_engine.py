@@ -23,7 +23,7 @@ from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import ConfigError
 
 from .cache import CacheFullError
-from .engine import EngineConfig, LLMEngine, LocalExecutor, StepOutput
+from .engine import EngineConfig, LLMEngine, LocalExecutor, StepOutput, sampling_rows
 from .request import Request
 from .scheduler import StepPlan
 from .spec import AcceptanceStats
@@ -88,16 +88,12 @@ class SpecEngine(LLMEngine):
         reqs = self.scheduler.requests_of(plan)                        # post-process
         emitted = {s.request_id: e for s, e in zip(splan.spec, result.emitted)}
         plain = [(r, s) for r, s in zip(reqs, splan.batch.seqs) if r.request_id not in emitted]
-        sampling = [(i, r) for i, (r, s) in enumerate(plain)
-                    if r.num_cached + s.length == r.num_tokens]
+        emits = [r.num_cached + s.length == r.num_tokens for r, s in plain]
         for r, s in plain:
             r.num_cached += s.length
-        outputs = []
-        if sampling:
-            toks = self.sampler.sample(result.logits[[i for i, _ in sampling]],
-                                       [r.params for _, r in sampling],
-                                       [r.request_id for _, r in sampling])   # host sync
-            outputs += [self.append_token(r, t) for (_, r), t in zip(sampling, toks)]
+        outputs = [self.take_row(r, result.plain, i)
+                   for i, ((r, _), e) in enumerate(zip(plain, emits)) if e]
+        n_plain = len(outputs)
         n_spec = 0
         self.last_acceptance = {rid: len(e) for rid, e in emitted.items()}
         for r in reqs:
@@ -109,13 +105,13 @@ class SpecEngine(LLMEngine):
                 n_spec += len(outputs[-1].new_token_ids)
         self.stats["steps"] += 1
         self.stats["prefill_tokens"] += sum(s.length for _, s in plain if s.length > 1)
-        self.stats["tokens"] += len(sampling) + n_spec
+        self.stats["tokens"] += n_plain + n_spec
         return outputs
 
     def _speculate(self, plan: StepPlan) -> SpecStepPlan:
         """Decode sequences -> verify slices of k+1 tokens; everything else as scheduled."""
         k = self.spec.num_drafts
-        seqs, tokens, rows, spec = [], [], [], []
+        seqs, tokens, rows, spec, plain = [], [], [], [], []
         tables = dict(plan.block_tables)
         for r, s in zip(self.scheduler.requests_of(plan), plan.batch.seqs):
             start = len(tokens)
@@ -127,12 +123,14 @@ class SpecEngine(LLMEngine):
                 seqs.append(SeqSlice(s.slot, start, s.length, s.pos))
                 tokens += plan.tokens[s.start:s.end]
                 rows.append(start + s.length - 1)
+                plain.append((r, r.num_cached + s.length == r.num_tokens))
         released, self._released = self._released, []
         return SpecStepPlan(step_id=plan.step_id, batch=StepBatch(seqs), tokens=tokens,
                             sample_rows=rows, block_tables=tables, reset_slots=plan.reset_slots,
                             path=plan.path, request_ids=plan.request_ids, spec=spec,
                             num_drafts=k, synthetic_length=self.spec.synthetic_length,
-                            synthetic_seed=self.spec.seed, release_ids=released)
+                            synthetic_seed=self.spec.seed, release_ids=released,
+                            sampling=sampling_rows([r for r, _ in plain], [e for _, e in plain]))
 
     def _reserve(self, r: Request, k: int, tables: dict[int, list[int]]) -> bool:
         """Cache blocks for positions num_cached … num_cached + k; False if there is no room."""

@@ -34,7 +34,7 @@ from raydecode.models.kda import kda_recurrent
 
 from .request import SamplingParams
 from .runner import ModelRunner
-from .sampling import filter_logits
+from .sampling import SamplingRows, StepResult, filter_logits, sample_isolated
 from .scheduler import StepPlan
 from .spec import SyntheticAcceptance, verify_greedy, verify_rejection
 
@@ -78,11 +78,9 @@ class SpecStepPlan(StepPlan):
 
 @dataclass
 class SpecStepResult:
-    logits: torch.Tensor                 # (len(sample_rows), V) fp32, plain rows
+    logits: torch.Tensor | None          # (len(sample_rows), V) fp32, plain rows (run only)
     emitted: list[list[int]]             # per plan.spec: accepted drafts + correction/bonus
-
-    def cpu(self) -> "SpecStepResult":
-        return SpecStepResult(self.logits.cpu(), self.emitted)
+    plain: StepResult | None = None      # execute: the plain rows sampled (no logits)
 
 
 class KDARollback:
@@ -125,6 +123,19 @@ class SpecRunner:
 
     def release(self, slots: list[int]) -> None:
         self.runner.release(slots)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, sample: bool = True):
+        """As ModelRunner.execute: a plain StepPlan -> StepResult; a SpecStepPlan ->
+        SpecStepResult(None, emitted, plain rows sampled). sample=False: None."""
+        out = self.run(plan)
+        if not sample:
+            return None
+        logits = out.logits if isinstance(out, SpecStepResult) else out
+        rows = plan.sampling or SamplingRows.greedy(len(plan.sample_rows))
+        plain = sample_isolated(logits, rows)
+        return SpecStepResult(None, out.emitted, plain) if isinstance(out, SpecStepResult) \
+            else plain
 
     @torch.inference_mode()
     def run(self, plan: StepPlan):

@@ -340,11 +340,12 @@ class GraphedRunner(ModelRunner):
 
     # ---- the step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """(T, V) fp32 logits, a fresh tensor (the graph's output buffer is copied out)."""
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """(T, V) fp32 logits; for a replayed graph a view of its output buffer, which the next
+        replay of the bucket rewrites (the sampler reads it first, in stream order)."""
         if self.why_not(plan) is not None:
             self.counts["plain"] += 1
-            return super().run(plan)
+            return super().logits(plan)
         self.update_caches(plan)
         T, B = plan.num_seqs, bucket_for(plan.num_seqs, self.buckets)
         st = self._statics(B)
@@ -359,7 +360,11 @@ class GraphedRunner(ModelRunner):
         g = self.graphs[B]
         g.graph.replay()
         self.counts["graphed"] += 1
-        return g.logits[:T].clone()
+        return g.logits[:T]
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """(T, V) fp32 logits, a fresh tensor (the graph's output buffer is copied out)."""
+        return self.logits(plan).clone()
 
     @torch.inference_mode()
     def capture_all(self) -> list[int]:

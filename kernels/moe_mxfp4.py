@@ -449,12 +449,47 @@ def default_config(pairs: int, num_experts: int, intermediate: int, latent: int,
                      down_bk=_largest_block(intermediate, 128), decode="elementwise")
 
 
+RUNS_KERNEL_MAX = 1024      # pairs the one-program Triton sort takes; more: `moe_runs_torch`
+
+
 def _runs_block(pairs: int) -> int:
-    """Sort width of the runs kernel: a few buckets, so a batch sweep compiles it ≤ 3 times."""
-    for b in (RUNS_MIN_BLOCK, 256, 1024):
+    """Sort width of the runs kernel: three buckets, so it compiles at most 3 times. (Past 1024
+    pairs its one-program bitonic sort took 15 s to compile at 4096 pairs and minutes at 32768,
+    once per new power of two on the request path: those go to `moe_runs_torch`.)"""
+    for b in (RUNS_MIN_BLOCK, 256, RUNS_KERNEL_MAX):
         if pairs <= b:
             return b
-    return triton.next_power_of_2(pairs)
+    raise ValueError(f"{pairs} pairs: the runs kernel sorts at most {RUNS_KERNEL_MAX}; use "
+                     "moe_runs_torch")
+
+
+def moe_runs_torch(topk_ids: torch.Tensor, num_experts: int):
+    """`moe_runs` for any number of pairs with library ops only (a stable sort, scans and
+    scatters: nothing to compile per shape, no host sync, fixed output shapes): the same
+    pairs / sorted_e / run_start / num_runs / chunk_start / chunk_end / num_chunks, entries
+    past num_runs + 1 / num_chunks zero (the kernels never read them)."""
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    P, dev = ids.numel(), ids.device
+    R, C = min(P, num_experts), max_chunks(P, num_experts)
+    sorted_e, pairs = torch.sort(ids, stable=True)             # (expert, pair index) order
+    i = torch.arange(P, device=dev)
+    first = torch.ones(P, dtype=torch.bool, device=dev)
+    first[1:] = sorted_e[1:] != sorted_e[:-1]
+    rid = torch.cumsum(first, 0) - 1                            # run of pair i
+    n_runs = first.sum().reshape(1)
+    run_start = torch.full((R + 2,), P, dtype=torch.int64, device=dev)   # slot R + 1: discard
+    run_start.scatter_(0, torch.where(first, rid, R + 1), i)
+    run_start = run_start[:R + 1]
+    start_i, end_i = run_start[rid], run_start[rid + 1]
+    cs = (i - start_i) % BLOCK_M == 0                           # a chunk starts at i
+    cid = torch.where(cs, torch.cumsum(cs, 0) - 1, C)
+    c_start = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+    c_end = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+    c_start.scatter_(0, cid, i)
+    c_end.scatter_(0, cid, torch.minimum(i + BLOCK_M, end_i))
+    i32 = torch.int32
+    return (pairs.to(i32), sorted_e.to(i32), run_start.to(i32), n_runs.to(i32),
+            c_start[:C].to(i32), c_end[:C].to(i32), cs.sum().reshape(1).to(i32))
 
 
 def _use_triton(*ts: torch.Tensor) -> bool:
@@ -473,6 +508,8 @@ def moe_runs(topk_ids: torch.Tensor, num_experts: int):
     if not ids.is_contiguous():
         ids = ids.contiguous()
     P = ids.numel()
+    if P > RUNS_KERNEL_MAX:
+        return moe_runs_torch(ids, num_experts)
     dev = ids.device
     i32 = dict(dtype=torch.int32, device=dev)
     out = (torch.empty(P, **i32), torch.empty(P, **i32),

@@ -16,13 +16,14 @@ position of the first one). A decode token is a slice of length 1; a prefill chu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class SeqSlice:
+class SeqSlice(NamedTuple):
+    """Immutable; a NamedTuple (not a frozen dataclass) because every rank builds one per
+    sequence per step from the plan frame (≈ 0.3 µs against 1 µs)."""
     slot: int      # KDA state slot and MLA block-table key
     start: int     # offset of this sequence's first token in the flat step tensor
     length: int    # tokens of this sequence in this step

@@ -222,7 +222,7 @@ def fixed_cases(max_body: int) -> list[HttpCase]:
 def problems_of(case: HttpCase, status: int, headers: dict, raw: bytes) -> list[str]:
     out = []
     if status >= 500:
-        out.append(f"HTTP {status}")
+        out.append(f"HTTP {status}: {raw[:300]!r}")
     if case.expect is not None and status != case.expect:
         out.append(f"expected HTTP {case.expect}, got {status}: {raw[:160]!r}")
     gen = case.path in ("/v1/completions", "/v1/chat/completions") and case.method == "POST"

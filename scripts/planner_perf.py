@@ -1,6 +1,7 @@
 """Decode step-time model for the capacity planner (docs/PLANNER.md §Performance model).
 
     step = Σ_sublayers count · (Σ_kernels t_kernel + Σ_collectives t_coll) + head + overhead
+           + control plane(ranks, batch)
     t_kernel = max(bytes / (BW · eff(path, bytes/BW)), flops / (peak · eff_compute), floor)
     t_coll   = α(path) + link_bytes / NVLink_BW
 
@@ -43,6 +44,25 @@ class Efficiency:
     compute_eff: float        # fraction of dense tensor-core peak a decode GEMM reaches
     prefill_mfu: float        # fraction of BF16 peak a prefill reaches (TTFT estimate)
     sources: dict = field(default_factory=dict)   # what -> origin (doc string or file)
+    # per step: coordinator decision -> plan to every rank -> rank 0's token ids back, with no
+    # model work; (ranks, batch, µs) points, from control-plane-*.json when one is committed
+    control_plane: tuple = ((1, 1, 60.0), (4, 1, 80.0), (16, 1, 150.0), (16, 64, 300.0))
+
+    def control_plane_us(self, ranks: int, batch: int) -> float:
+        """µs of control plane per step: the points of the fewest measured ranks ≥ `ranks`
+        (else the most measured), linear in batch between them, clamped at the ends."""
+        pts = self.control_plane
+        if not pts:
+            return 0.0
+        have = sorted({r for r, _, _ in pts})
+        n = next((r for r in have if r >= ranks), have[-1])
+        row = sorted((b, us) for r, b, us in pts if r == n)
+        if batch <= row[0][0]:
+            return row[0][1]
+        for (b0, u0), (b1, u1) in zip(row, row[1:]):
+            if batch <= b1:
+                return u0 + (batch - b0) / (b1 - b0) * (u1 - u0)
+        return row[-1][1]
 
     @staticmethod
     def defaults() -> "Efficiency":
@@ -59,7 +79,9 @@ class Efficiency:
                 "alpha_us": "estimated: NCCL in-graph small all-reduce 8 µs; one-shot "
                             "all-reduce over peer buffers 3 µs (no measurement yet)",
                 "compute_eff": "estimated: 0.7 of dense tensor-core peak",
-                "prefill_mfu": "estimated: 0.4 of BF16 peak for a long prefill"})
+                "prefill_mfu": "estimated: 0.4 of BF16 peak for a long prefill",
+                "control_plane": "estimated (the prediction before the control-plane "
+                                 "bench ran): 60 µs at 1 rank to 150 µs at 16, batch 1"})
 
     def mem_eff(self, path: str, ideal_us: float) -> float:
         """Fraction of peak HBM bandwidth a kernel of this ideal duration reaches
@@ -166,7 +188,31 @@ def load_efficiency(bench_dir: str | Path | None, catalog: dict[str, GPU] | None
         if a:
             alpha[path] = min(a)
             sources["alpha_us"] = f"{d}/comm-*.json"
-    return replace(eff, curves=curves, alpha_us=alpha, sources=sources), notes
+    cp = eff.control_plane
+    points, name = _control_plane_points(d, notes)
+    if points:
+        cp = points
+        sources["control_plane"] = f"{d}/{name} (channel p50, {len(points)} points)"
+    return replace(eff, curves=curves, alpha_us=alpha, sources=sources,
+                   control_plane=cp), notes
+
+
+def _control_plane_points(d: Path, notes: list[str]) -> tuple[tuple, str | None]:
+    """(ranks, batch, µs) of the served channel from the newest control-plane-*.json
+    (scripts/bench/control_plane.py); ((), None) without one."""
+    for f in sorted(d.glob("control-plane-*.json"), reverse=True):
+        try:
+            doc = json.loads(f.read_text())
+            pts = tuple((int(g["ranks"]), int(r["batch"]), float(r["p50_ms"]) * 1e3)
+                        for g in doc["groups"] for r in g["rows"]
+                        if r.get("variant") == "channel" and "p50_ms" in r)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            notes.append(f"skipped {f.name}: {type(e).__name__}: {e}")
+            continue
+        if pts:
+            notes.append(f"read {f.name} ({len(pts)} points)")
+            return pts, f.name
+    return (), None
 
 
 # ---- kernels per sublayer and path ----------------------------------------------------------
@@ -328,6 +374,7 @@ class StepTime:
     counts: dict                           # kind -> occurrences per step
     overhead_us: float
     draft_us: float = 0.0
+    control_plane_us: float = 0.0          # included in us
 
     def layer_kinds_us(self, cfg: K3Config) -> dict[str, dict]:
         """Per layer kind ('kda+moe', 'mla+moe', 'kda+dense'): µs per layer, layers, kernels,
@@ -354,8 +401,10 @@ def step_time(cfg: K3Config, gpu: GPU, eff: Efficiency, path: str, tp: int, dcp:
     counts = {**P.layer_counts(cfg), "head": 1}
     subs = {kind: sublayer_time(cfg, kind, pieces, tokens, path, tp, dcp, gpu, eff)
             for kind, pieces in reads.items()}
-    total = sum(counts[k] * s.us for k, s in subs.items()) + eff.step_overhead_us
-    return StepTime(total, path, subs, {k: counts[k] for k in subs}, eff.step_overhead_us)
+    cp = eff.control_plane_us(tp, seqs)
+    total = sum(counts[k] * s.us for k, s in subs.items()) + eff.step_overhead_us + cp
+    return StepTime(total, path, subs, {k: counts[k] for k in subs}, eff.step_overhead_us,
+                    control_plane_us=cp)
 
 
 def draft_time(cfg: K3Config, gpu: GPU, eff: Efficiency, path: str, tp: int, dcp: int,

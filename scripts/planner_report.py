@@ -54,10 +54,13 @@ def render(r: dict) -> str:
                       f"{b['us']:.1f} ({b['kernels']}+{b['collectives']})"))
     L += [_row("head (embed, lm_head, sample) µs", f"{sp['sublayers']['head']['us']:.1f}",
                f"{st['sublayers']['head']['us']:.1f}"),
-          _row("step overhead µs", f"{sp['overhead_us']:.1f}", f"{st['overhead_us']:.1f}")]
+          _row("step overhead µs", f"{sp['overhead_us']:.1f}", f"{st['overhead_us']:.1f}"),
+          _row("control plane µs", f"{sp['control_plane_us']:.1f}",
+               f"{st['control_plane_us']:.1f}")]
     if d["dspark_k"]:
         L.append(_row("draft pass µs", f"{sp['draft_us']:.1f}", f"{st['draft_us']:.1f}"))
     L += [_row("step µs", f"{sp['step_us']:.1f}", f"{st['step_us']:.1f}"),
+          _row("served TPOT ms", f"{sp['served_tpot_ms']:.2f}", f"{st['served_tpot_ms']:.2f}"),
           _row("tok/s per user", f"{sp['tok_s_user']:.1f}", f"{st['tok_s_user']:.1f}"),
           _row("tok/s per replica", f"{sp['tok_s']:.1f}", f"{st['tok_s']:.1f}")]
     if r["cost"]:

@@ -98,3 +98,47 @@ def test_prompt_beyond_context_is_rejected_without_disturbing_others(shard, tok)
     while eng.has_unfinished():
         eng.step()
     assert ok.finished and len(ok.output_ids) >= 1
+
+
+def test_a_request_whose_sampling_raises_fails_alone(shard, tok, monkeypatch):
+    """If a request's row cannot be sampled on the device, only that request ends (with an
+    error); the others in the same steps get their undisturbed tokens."""
+    from raydecode.engine import sampling
+
+    prompts = ["alpha beta", "gamma delta", "epsilon"]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng = make_engine(shard, tok)
+    want = [r.output_ids for r in eng.generate(prompts, greedy)]
+    real, cursed = sampling.gumbel, 424242
+
+    def gumbel(seed, counter, V, device):
+        if bool((seed == cursed).any()):
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(seed, counter, V, device)
+
+    monkeypatch.setattr(sampling, "gumbel", gumbel)
+    eng = make_engine(shard, tok)
+    a = eng.add_request(prompts[0], greedy)
+    bad = eng.add_request(prompts[1], SamplingParams(max_tokens=8, temperature=0.9,
+                                                     seed=cursed, ignore_eos=True))
+    c = eng.add_request(prompts[2], greedy)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert a.output_ids == want[0] and c.output_ids == want[2]
+    assert bad.finish_reason == "error" and bad.output_ids == []
+    errs = [o for o in outs if o.error]
+    assert len(errs) == 1 and errs[0].request_id == bad.request_id
+    assert "probability tensor" in errs[0].error
+
+
+def test_seeded_requests_draw_the_same_tokens_alone_or_batched(shard, tok):
+    """Counter-based sampling: a seeded request's tokens do not depend on its batch."""
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
+    alone = make_engine(shard, tok).generate(["the same prompt"], p)[0].output_ids
+    eng = make_engine(shard, tok)
+    batched = eng.generate(["other words", "the same prompt", "third one here"],
+                           SamplingParams(max_tokens=12, temperature=1.0, seed=99,
+                                          ignore_eos=True))
+    assert batched[1].output_ids == alone
+    assert len(set(alone)) > 2

@@ -1,5 +1,6 @@
 """Capacity planner (scripts/planner*.py, `raydecode plan`): memory, errors, the step-time
 model's bookkeeping, benchmark-JSON and catalog inputs, workload sizing, CLI and JSON output."""
+import dataclasses
 import json
 import math
 import time
@@ -200,6 +201,32 @@ def test_bench_json_in_gemv_script_format(cat, tmp_path):
     # without a catalog match the measured read bandwidth is the reference
     eff2, _ = load_efficiency(tmp_path, {})
     assert eff2.mem_eff("stock", 1e-3) == pytest.approx(1.5 / 4.3)
+
+
+def test_measured_control_plane_enters_the_step_and_the_served_tpot(k3, cat, tmp_path):
+    """A control-plane-*.json (scripts/bench/control_plane.py) replaces the estimated control
+    plane: per step exactly its channel p50 for the fewest measured ranks >= TP, linear in
+    batch; the served TPOT a plan reports is the step with it, per token."""
+    rows = [{"variant": "channel", "batch": b, "p50_ms": ms} for b, ms in ((1, 0.2), (64, 0.6))]
+    rows.append({"variant": "ray_call", "batch": 1, "p50_ms": 9.0})       # not the served one
+    (tmp_path / "control-plane-h200-x.json").write_text(json.dumps({"groups": [
+        {"ranks": 4, "rows": rows[:2]}, {"ranks": 16, "rows": [dict(r, p50_ms=r["p50_ms"] * 2)
+                                                               for r in rows]}]}))
+    eff, notes = load_efficiency(tmp_path, cat)
+    assert "read control-plane-h200-x.json (4 points)" in notes
+    assert eff.control_plane_us(4, 1) == pytest.approx(200.0)
+    assert eff.control_plane_us(8, 1) == pytest.approx(400.0)       # 16 ranks' points
+    assert eff.control_plane_us(16, 64) == pytest.approx(1200.0)
+    assert eff.control_plane_us(16, 32) == pytest.approx(400 + 31 / 63 * 800)
+    g = gb300(cat)
+    base = dataclasses.replace(eff, control_plane=())
+    a = step_time(k3, g, eff, "specialized", 16, 1, 1, 2048)
+    b = step_time(k3, g, base, "specialized", 16, 1, 1, 2048)
+    assert a.us - b.us == pytest.approx(400.0) and a.control_plane_us == pytest.approx(400.0)
+    dep = PL.Deployment(tp=16, batch=1, context=2048)
+    s = PL.speed(k3, g, eff, dep, "specialized", 1)
+    assert s["served_tpot_ms"] == pytest.approx(s["step_us"] / 1e3)
+    assert s["control_plane_us"] == pytest.approx(400.0)
 
 
 def test_missing_bench_dir_gives_defaults(tmp_path):

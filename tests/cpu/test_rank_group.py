@@ -16,6 +16,7 @@ from raydecode.engine.engine import EngineConfig, LLMEngine, LocalExecutor
 from raydecode.engine.loader import load_shard, load_tokenizer
 from raydecode.engine.request import SamplingParams
 from raydecode.engine.runner import ModelRunner
+from raydecode.engine.sampling import SamplingRows
 from raydecode.engine.scheduler import StepPlan
 from raydecode.models.cache import SeqSlice, StepBatch
 
@@ -91,6 +92,12 @@ def tp1_tokens(tok):
     return out
 
 
+def TOP20(n: int) -> SamplingRows:
+    """n greedy rows that also return their top-20 logprobs."""
+    g = SamplingRows.greedy(n)
+    return SamplingRows(g.temperature, g.top_p, g.top_k, g.seed, g.counter, (20,) * n)
+
+
 class ForceSpecialized:
     """Runs every decode-only step of the engine on the specialized path."""
 
@@ -109,7 +116,8 @@ def specialized_counts(ex) -> list[int]:
 
 def check_specialized_step_equals_stock(ex, tok, dcp: int, n_steps: int = 3) -> None:
     """Two slots prefilled with the same prompt; each decode position runs stock on slot 0
-    and specialized on slot 1 with the same token: the logits must agree (fp32 < 1e-4)."""
+    and specialized on slot 1 with the same token: the greedy tokens and the top-20 logprobs
+    rank 0 returns (no logits leave the ranks) must agree (fp32 < 1e-4)."""
     prompt = tok.encode(PROMPTS[0])
     P = len(prompt)
     blocks = BlockAllocator(1, BLOCK, dcp).blocks_for(P + n_steps)
@@ -118,17 +126,22 @@ def check_specialized_step_equals_stock(ex, tok, dcp: int, n_steps: int = 3) -> 
     pre = ex.execute(StepPlan(step_id=1000, batch=StepBatch([SeqSlice(0, 0, P, 0),
                                                              SeqSlice(1, P, P, 0)]),
                               tokens=prompt * 2, sample_rows=[P - 1, 2 * P - 1],
-                              block_tables=tables, reset_slots=[0, 1]))
-    torch.testing.assert_close(pre[0], pre[1])
-    nxt = int(pre[0].argmax())
+                              block_tables=tables, reset_slots=[0, 1], sampling=TOP20(2)))
+    assert pre.token_ids[0] == pre.token_ids[1] and pre.top_ids[0] == pre.top_ids[1]
+    torch.testing.assert_close(torch.tensor(pre.top_logprobs[0]),
+                               torch.tensor(pre.top_logprobs[1]))
+    nxt = pre.token_ids[0]
     for i in range(n_steps):
         plans = [StepPlan(step_id=1001 + 2 * i + j, batch=StepBatch.decode([j], [P + i]),
                           tokens=[nxt], sample_rows=[0], block_tables={}, reset_slots=[],
-                          path=path) for j, path in enumerate(("stock", "specialized"))]
+                          path=path, sampling=TOP20(1))
+                 for j, path in enumerate(("stock", "specialized"))]
         stock, spec = (ex.execute(p) for p in plans)
-        rel = float((spec - stock).abs().max() / stock.abs().max())
+        assert spec.token_ids == stock.token_ids and spec.top_ids == stock.top_ids, i
+        a, b = torch.tensor(spec.top_logprobs), torch.tensor(stock.top_logprobs)
+        rel = float((a - b).abs().max() / b.abs().max())
         assert rel < 1e-4, (i, rel)
-        nxt = int(stock.argmax())
+        nxt = stock.token_ids[0]
     assert [a - b for a, b in zip(specialized_counts(ex), before)] == [n_steps] * ex.tp_size
 
 

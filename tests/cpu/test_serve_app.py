@@ -172,6 +172,10 @@ BAD = [  # (raw body or kwargs, expected status, expected param)
     ({"model": NAME, "prompt": 42}, 400, "prompt"),
     ({"model": NAME, "prompt": "hi", "n": 2}, 400, "n"),
     ({"model": NAME, "prompt": "x " * MML, "max_tokens": 1}, 400, "prompt"),
+    # hostile sampling values that underflow in fp32: once they failed the whole batch's step
+    ({"model": NAME, "prompt": "hi", "temperature": 1.0, "top_p": 1e-300}, 400, "top_p"),
+    ({"model": NAME, "prompt": "hi", "temperature": 1.0, "top_p": 2.2e-313}, 400, "top_p"),
+    ({"model": NAME, "prompt": "hi", "temperature": 1e-300}, 400, "temperature"),
 ]
 
 

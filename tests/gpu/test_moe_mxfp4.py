@@ -164,3 +164,32 @@ def test_graph_capture_replays_new_routing():
         torch.cuda.synchronize()
         ref = M.moe_mxfp4_reference(z, w, ids, ex)
         assert _rel(out, ref) < REL_TOL, f"seed {seed}"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the runs kernel on CUDA")
+@pytest.mark.parametrize("T,k,skew", [(1, 16, False), (37, 8, True), (64, 16, False)])
+def test_library_runs_equal_the_runs_kernel(T, k, skew):
+    """moe_runs_torch (any pair count, nothing compiled) writes what the one-program kernel
+    writes, wherever the GEMM kernels read."""
+    seed = _seed()
+    E = 896
+    _, ids = _routing(T, E, k, torch.Generator(device=DEV).manual_seed(seed), skew)
+    a, b = M.moe_runs(ids, E), M.moe_runs_torch(ids, E)
+    n, nc = int(a[3]), int(a[6])
+    assert int(b[3]) == n and int(b[6]) == nc, f"seed {seed}"
+    for x, y in zip(a[:2], b[:2]):
+        assert torch.equal(x, y), f"seed {seed}"
+    assert torch.equal(a[2][:n + 1], b[2][:n + 1]), f"seed {seed}"
+    assert torch.equal(a[4][:nc], b[4][:nc]) and torch.equal(a[5][:nc], b[5][:nc])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="K3 shapes on CUDA")
+def test_fused_past_the_runs_kernel_matches_reference():
+    """1,500 tokens at top-16 (24,000 pairs: the one-program sort compiled for minutes there)
+    go through moe_runs_torch and match the reference."""
+    seed = _seed()
+    ex, z, w, ids = _case(896, 3584, 192, 16, 1500, seed)
+    _poison_allocator()
+    out = M.fused_moe_mxfp4(z, w, ids, ex)
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    assert torch.isfinite(out).all() and _rel(out, ref) < REL_TOL, f"seed {seed}"

@@ -78,6 +78,28 @@ def script(seed: int, vocab: int):
     return plans, 15
 
 
+def _steps_with_logits(w, plans) -> list:
+    """w.step of each plan (each rank its own copy) -> rank 0: the logits its runner handed
+    the device sampler (whose greedy ids must be their argmax); other ranks: None."""
+    seen, real = [], w.runner.logits
+
+    def spy(plan):
+        out = real(plan)
+        seen.append(out.detach().clone())
+        return out
+
+    w.runner.logits = spy
+    try:
+        res = [w.step(copy.deepcopy(p)) for p in plans]
+    finally:
+        del w.runner.logits
+    if w.par.tp_rank != 0:
+        return [None] * len(plans)
+    for r, x in zip(res, seen):
+        assert r.token_ids == x.argmax(-1).tolist()
+    return seen
+
+
 def _rank(rank: int, port: int, ckpt, seed: int, out) -> None:
     """Graphs on, then off (the factory swapped, set_dcp(1) rebuilds); rank 0 compares."""
     from raydecode.actors.rank_worker import RankWorker, ShardSpec, load_runner
@@ -95,7 +117,7 @@ def _rank(rank: int, port: int, ckpt, seed: int, out) -> None:
         plans, k = script(seed, w.runner.model.cfg.vocab_size)
         peers_on = getattr(w.comm, "peers", None) is not None
         t0 = time.perf_counter()
-        on = [w.step(copy.deepcopy(p)) for p in plans]
+        on = _steps_with_logits(w, plans)
         torch.cuda.synchronize()
         t_on = time.perf_counter() - t0
         counts = dict(w.runner.counts)
@@ -105,7 +127,7 @@ def _rank(rank: int, port: int, ckpt, seed: int, out) -> None:
         info = w.set_dcp(1)
         assert type(w.runner).__name__ == "ModelRunner" and info["graph_buckets"] is None, msg
         t0 = time.perf_counter()
-        off = [w.step(copy.deepcopy(p)) for p in plans]
+        off = _steps_with_logits(w, plans)
         torch.cuda.synchronize()
         t_off = time.perf_counter() - t0
         w.comm.check_timeouts()

@@ -1,0 +1,69 @@
+#!/bin/bash
+# The served-path round on an offline GPU host (the device machine): install the staged wheels
+# (scripts/offline_wheels.py: Ray + Serve + openai + CuTe DSL), then the GPU tests and the
+# benchmarks named in STEPS, each under its own time limit, logs and JSON under $OUT.
+#
+#   PART=.stage/1 bash scripts/bench/run_served_round.sh          # parts 1..N-1: stash only
+#   PART=.stage/4 STEPS="tests cp serve" bash scripts/bench/run_served_round.sh COMMIT
+#   STEPS="step" STEP_REF=.ref bash scripts/bench/run_served_round.sh COMMIT   # warm machine
+#
+# STEPS: tests (tests/gpu files in TESTS), cp (control-plane bench, CPU ranks, 1-16),
+# serve (the whole served stack vs the graphed step), step (the graphed step bench; with
+# STEP_REF=DIR, a checkout of another commit, both interleaved in this lease: A/B).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+COMMIT=${1:-unknown}; T0=$(date +%s); FINAL=${OUT:-/tmp/out}
+OUT=$FINAL/w; mkdir -p "$OUT"      # at the end: JSON/PNG up to $FINAL, every log in logs.tgz
+finish() { mv "$OUT"/*.json "$OUT"/*.png "$FINAL"/ 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$OUT" . ; rm -rf "$OUT"; }
+trap finish EXIT
+if [ -n "${PART:-}" ]; then
+  python3 scripts/offline_wheels.py install "$PART" 2>&1 | tail -2
+  [ -f /root/site/env.sh ] || exit 0          # not the last part yet
+fi
+[ -f /root/site/env.sh ] && source /root/site/env.sh
+for d in kernels models scripts engine cluster actors; do ln -sfn ../$d raydecode/$d; done
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export RAYDECODE_KERNEL_CACHE=${RAYDECODE_KERNEL_CACHE:-/tmp/raydecode-kcache}
+left() { echo $(( ${TOTAL_S:-570} - ($(date +%s) - T0) )); }
+lim() { local want=$1 l; l=$(left); echo $(( want < l - 5 ? want : l - 5 )); }
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import cutlass; print('cutlass-dsl', cutlass.__version__)" 2>&1 | tail -1
+  python3 -c "import ray, fastapi, openai, pydantic; print('ray', ray.__version__, 'openai', openai.__version__, 'pydantic', pydantic.__version__)" 2>&1 | tail -1
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+for s in ${STEPS:-}; do
+  case $s in
+  tests)
+    for f in ${TESTS:-test_served_path_gpu test_step_graph_gpu}; do
+      timeout "$(lim ${TEST_S:-150})" python3 -m pytest "tests/gpu/$f.py" -q -x -p no:cacheprovider \
+        > "$OUT/pytest-$f.log" 2>&1
+      echo "pytest $f rc=$? t=$(( $(date +%s) - T0 ))"; tail -2 "$OUT/pytest-$f.log"
+      grep -E "^E  |^FAILED|Error:" "$OUT/pytest-$f.log" | cut -c1-300 | head -12
+    done ;;
+  cp)
+    timeout "$(lim ${CP_S:-200})" python3 -m raydecode.scripts.bench.control_plane \
+      --ranks "${CP_RANKS:-1,4,8,16}" --steps "${CP_STEPS:-2000}" --commit "$COMMIT" \
+      --out "$OUT/control-plane.json" > "$OUT/control-plane.log" 2>&1
+    echo "control-plane rc=$? t=$(( $(date +%s) - T0 ))"; grep "control-plane\]" "$OUT/control-plane.log" | tail -40 ;;
+  serve)
+    timeout "$(lim ${SERVE_S:-420})" python3 -m raydecode.scripts.bench.serve --commit "$COMMIT" \
+      --levels "${LEVELS:-1,4,16,64}" --output-tokens "${NTOK:-96}" \
+      --control-plane "$OUT/control-plane.json" --out "$OUT/serve.json" --png "$OUT/serve.png" \
+      > "$OUT/serve.log" 2>&1
+    echo "serve rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[serve\]" "$OUT/serve.log" | cut -c1-600
+    grep -E "Error|error" "$OUT/serve.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
+  step)
+    B=${BATCHES:-1,4,16,64}
+    for round in 1 2; do
+      for side in new ${STEP_REF:+ref}; do
+        dir=$PWD; [ "$side" = ref ] && dir=$STEP_REF
+        ( cd "$dir" && for d in kernels models scripts engine cluster actors; do ln -sfn ../$d raydecode/$d; done
+          PYTHONPATH=$dir:${PYTHONPATH#$PWD:} timeout "$(lim ${STEP_S:-150})" python3 -m raydecode.scripts.bench.step \
+            --tp 16 --batches "$B" --steps 20 --variants graphed --commit "$side-$COMMIT" \
+            --out "$OUT/step-$side-$round.json" ) > "$OUT/step-$side-$round.log" 2>&1
+        echo "step $side round $round rc=$? t=$(( $(date +%s) - T0 ))"; grep "^\[step\]" "$OUT/step-$side-$round.log"
+      done
+    done ;;
+  esac
+done
+echo "done t=$(( $(date +%s) - T0 ))"

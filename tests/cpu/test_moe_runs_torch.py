@@ -1,0 +1,54 @@
+"""`moe_runs_torch` (kernels/moe_mxfp4.py): the runs and chunks of the stock grouped MoE for any
+number of pairs with library ops only (past 1024 pairs the one-program Triton sort compiled for
+seconds to minutes per new power of two, on the request path). Against a plain-Python model of
+the runs kernel's contract, exact, on uniform and skewed routings of 1 to 20,000 pairs."""
+import random
+
+import pytest
+import torch
+
+from raydecode.kernels import moe_mxfp4 as M
+
+
+def reference(ids: list[int], E: int):
+    """(pairs, sorted_e, run starts + [P], chunks [(start, end)]) of the runs kernel."""
+    P = len(ids)
+    pairs = sorted(range(P), key=lambda p: (ids[p], p))
+    se = [ids[p] for p in pairs]
+    starts = [i for i in range(P) if i == 0 or se[i] != se[i - 1]]
+    bounds = starts + [P]
+    chunks = []
+    for a, b in zip(bounds, bounds[1:]):
+        chunks += [(s, min(s + M.BLOCK_M, b)) for s in range(a, b, M.BLOCK_M)]
+    return pairs, se, bounds, chunks
+
+
+@pytest.mark.parametrize("T,k,E,skew", [(1, 1, 8, False), (3, 2, 896, False), (64, 16, 896, False),
+                                        (300, 16, 896, True), (1250, 16, 896, False),
+                                        (97, 8, 4, True)])
+def test_runs_match_the_kernel_contract(T, k, E, skew):
+    rng = random.Random(T * 1000 + k)
+    hot = rng.sample(range(E), min(E, 5))
+    ids = [[rng.choice(hot) if skew and rng.random() < 0.7 else rng.randrange(E)
+            for _ in range(k)] for _ in range(T)]
+    flat = [e for row in ids for e in row]
+    pairs, se, bounds, chunks = reference(flat, E)
+    out = M.moe_runs_torch(torch.tensor(ids, dtype=torch.int32), E)
+    p, s, rs, nr, cs, ce, nc = (t.tolist() for t in out)
+    P = len(flat)
+    assert all(t.dtype == torch.int32 for t in out)
+    assert p == pairs and s == se
+    assert len(rs) == min(P, E) + 1 and nr == [len(bounds) - 1] and rs[:len(bounds)] == bounds
+    assert len(cs) == len(ce) == M.max_chunks(P, E) and nc == [len(chunks)]
+    assert list(zip(cs, ce))[:len(chunks)] == chunks
+
+
+def test_moe_runs_sends_large_batches_to_the_library_path(monkeypatch):
+    seen = []
+    monkeypatch.setattr(M, "moe_runs_torch", lambda ids, E: seen.append(ids.numel()) or "torch")
+    ids = torch.zeros(65, 16, dtype=torch.int32)          # 1040 pairs > RUNS_KERNEL_MAX
+    assert M.moe_runs(ids, 896) == "torch" and seen == [1040]
+    with pytest.raises(ValueError, match="sorts at most 1024"):
+        M._runs_block(1025)
+    assert [M._runs_block(n) for n in (1, 64, 65, 256, 257, 1024)] == [64, 64, 256, 256, 1024,
+                                                                        1024]
