@@ -106,12 +106,16 @@ def check_resources(cfg, available_cpus: float, gpus: bool = False) -> str | Non
 
 
 def local_cpus() -> float:
-    """The CPUs a local `ray.init()` gets on this machine (Ray's count: cgroup quota, affinity)."""
+    """The CPUs a local `ray.init()` counts on this machine: the CPUs this process may run on,
+    capped by a cgroup v2 CPU quota (a container's limit), as Ray counts them."""
+    n = float(len(os.sched_getaffinity(0)))
     try:
-        from ray._private.utils import get_num_cpus
-        return float(get_num_cpus())
-    except Exception:  # noqa: BLE001 — a Ray without the helper: the process's CPUs
-        return float(len(os.sched_getaffinity(0)))
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1.0, float(-(-int(quota) // int(period)))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 def start_serving(cfg, executor_factory=None, app_name: str = "raydecode",
