@@ -223,7 +223,8 @@ def max_body_bytes(max_model_len: int) -> int:
 async def _read_body(request: Request, max_model_len: int) -> bytes:
     """The body, or a 413 as soon as it is known to exceed max_body_bytes: from Content-Length
     before reading anything, else while a chunked body arrives; or a 408 (connection closed)
-    when no byte came for idle_s or the whole body took longer than total_s."""
+    when no byte came for BODY_IDLE_TIMEOUT_S or the whole body took longer than
+    BODY_TIMEOUT_S (actors/http_timeouts.py)."""
     limit = max_body_bytes(max_model_len)
     err = oa.APIError(413, f"The request body exceeds {limit} bytes, the most this server "
                            f"reads for a context of {max_model_len} tokens; send a shorter "
