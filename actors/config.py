@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator,
+                      model_validator)
 
 from raydecode.engine.engine import EngineConfig
 from raydecode.engine.spec_engine import SpecConfig
@@ -133,6 +134,30 @@ class ServeOptions(_Model):
         default=600.0, gt=0, description="A non-streaming request not finished this many seconds "
                                          "after it arrived is aborted and answered 503 + "
                                          "Retry-After.")
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Bearer keys every /v1 route requires (any one of them); with none from "
+                    "here, api_key_file or $RAYDECODE_API_KEY the routes are open. Prefer the "
+                    "file or the environment variable to keys written in this file.")
+    api_key_file: str | None = Field(
+        default=None, description="File of API keys, one per line ('#' comments), read by "
+                                  "each ingress replica (e.g. a mounted secret).")
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="Serve /metrics and /health on this port (of metrics_host) instead of the "
+                    "public one; with several ingress replicas on a node, the replica of "
+                    "local rank r binds metrics_port + r. 0: an OS-chosen port. null: on the "
+                    "public port.")
+    metrics_host: str = Field(default="127.0.0.1",
+                              description="Listen address of metrics_port (local by default).")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: list[SecretStr]) -> list[SecretStr]:
+        from .auth import check_key
+        for i, k in enumerate(v):
+            check_key(k.get_secret_value(), f"key {i}")
+        return v
 
     @field_validator("route_prefix")
     @classmethod
@@ -177,6 +202,21 @@ class DeployConfig(_Model):
     placement: PlacementOptions = Field(default_factory=PlacementOptions,
                                         description="Where ranks may run and under which profile.")
     serve: ServeOptions = Field(default_factory=ServeOptions, description="Ray Serve options.")
+    default_chat_template_kwargs: dict | None = Field(
+        default=None, description="Chat template options for requests that do not set them "
+                                  "(vLLM's --default-chat-template-kwargs): 'thinking' (or "
+                                  "'enable_thinking', default true) and 'thinking_effort' "
+                                  "(low, high, max; default max).")
+
+    @field_validator("default_chat_template_kwargs")
+    @classmethod
+    def _chat_kwargs(cls, v: dict | None) -> dict | None:
+        from .openai_api import APIError, chat_options
+        try:
+            chat_options(None, v)
+        except APIError as e:
+            raise ValueError(e.message) from None
+        return v
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -299,9 +339,10 @@ def _format_errors(err: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+        secret = "api_keys" in e["loc"]           # a key never shows in a message
         got = f" (got {e['input']!r})" if e["type"] not in ("missing", "extra_forbidden",
                                                            "value_error") and \
-            not isinstance(e.get("input"), dict) else ""
+            not isinstance(e.get("input"), dict) and not secret else ""
         lines.append(f"  {loc}: {msg}{got}")
     return "\n".join(lines)
 

@@ -4,16 +4,25 @@ response and stream-chunk bodies, SSE framing and the error body
 
 vLLM's extensions that the stock pool protocol needs are accepted too: `top_k`, `ignore_eos`,
 `stop_token_ids`, `return_token_ids` (choices then carry the generated `token_ids`; in a stream
-each chunk carries its delta ids).
+each chunk carries its delta ids); and vLLM's `chat_template_kwargs` (K3: `thinking` /
+`enable_thinking`, `thinking_effort`) and `reasoning_content` on assistant messages and deltas.
+
+Chat requests carry `tools` (function tools whose `parameters` must be a valid JSON Schema of an
+object), `tool_choice` and assistant `tool_calls` / `tool` results; both endpoints take
+`logprobs` (completions: the number of alternatives; chat: `logprobs` + `top_logprobs`).
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from raydecode.engine.k3_chat import THINKING_EFFORTS, ChatOptions
+from raydecode.engine.request import MAX_LOGPROBS
 
 
 class APIError(Exception):
@@ -92,12 +101,16 @@ class _Common(_Body):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     def unsupported(self) -> list[str]:
-        return super().unsupported() + [k for k in ("echo", "logprobs", "suffix")
-                                        if getattr(self, k)]
+        return super().unsupported() + [k for k in ("echo", "suffix") if getattr(self, k)]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None = off, n = the sampled token + the top n."""
+        return self.logprobs
 
 
 class TextPart(_Body):
@@ -105,10 +118,28 @@ class TextPart(_Body):
     text: str
 
 
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict = ""          # a JSON string (OpenAI); an object is taken too
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None       # assistant
+    tool_call_id: str | None = None                # tool
+    reasoning_content: str | None = None           # assistant (vLLM; `reasoning` as alias)
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -117,15 +148,150 @@ class ChatMessage(_Body):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def to_template(self) -> dict:
+        """The message as engine/k3_chat.py reads it (developer is system)."""
+        m = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name:
+            m["name"] = self.name
+        if self.role == "assistant":
+            m["reasoning_content"] = self.reasoning_content or self.reasoning or ""
+            if self.tool_calls:
+                m["tool_calls"] = [tc.model_dump() for tc in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not FUNCTION_NAME.match(v):
+            raise ValueError(f"function name {v[:80]!r} must be 1-64 characters of a-z, A-Z, "
+                             "0-9, '_', '.', ':' and '-'")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v: dict | None) -> dict | None:
+        if v is not None:
+            check_parameters_schema(v)
+        return v
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def check_parameters_schema(schema: dict) -> None:
+    """A function's `parameters`: a valid JSON Schema (its draft's meta-schema; 2020-12 when
+    it names none) describing a JSON object, as the arguments of a call are."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator) \
+            .check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+        raise ValueError(f"not a valid JSON Schema: at 'parameters{where}': "
+                         f"{e.message[:200]}") from None
+    t = schema.get("type")
+    if t is not None and t != "object" and not (isinstance(t, list) and "object" in t):
+        raise ValueError(f"type = {json.dumps(t)[:40]}; the parameters of a function describe "
+                         "its arguments, a JSON object: expected type 'object'")
+
+
+CHAT_TEMPLATE_KWARGS = ("thinking", "enable_thinking", "thinking_effort")
+
+
+def chat_options(kwargs: dict | None, defaults: dict | None = None,
+                 reasoning_effort: str | None = None) -> tuple[bool, str]:
+    """(thinking, thinking_effort) from `chat_template_kwargs` over the deployment's defaults
+    (request values win); `reasoning_effort` 'none' turns thinking off, else sets the effort."""
+    merged = {**(defaults or {}), **(kwargs or {})}
+    for k, v in merged.items():
+        where = "chat_template_kwargs" if k in (kwargs or {}) else "default_chat_template_kwargs"
+        if k not in CHAT_TEMPLATE_KWARGS:
+            raise bad_request(f"'{where}.{k}' is not supported; accepted keys: "
+                              f"{', '.join(CHAT_TEMPLATE_KWARGS)}", f"{where}.{k}")
+        if k in ("thinking", "enable_thinking") and not isinstance(v, bool):
+            raise bad_request(f"'{where}.{k}' = {json.dumps(v)[:40]}; expected true or false",
+                              f"{where}.{k}")
+        if k == "thinking_effort" and v not in THINKING_EFFORTS:
+            raise bad_request(f"'{where}.{k}' = {json.dumps(v)[:40]}; accepted: "
+                              f"{', '.join(THINKING_EFFORTS)}", f"{where}.{k}")
+    thinking = merged.get("thinking", merged.get("enable_thinking", True))
+    effort = merged.get("thinking_effort", ChatOptions.thinking_effort)
+    if reasoning_effort is not None:
+        if reasoning_effort == "none":
+            thinking = False
+        elif reasoning_effort in THINKING_EFFORTS:
+            effort = reasoning_effort
+        else:
+            raise bad_request(f"reasoning_effort = {json.dumps(reasoning_effort)[:40]}; "
+                              f"accepted: none, {', '.join(THINKING_EFFORTS)}",
+                              "reasoning_effort")
+    return thinking, effort
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    tools: list[dict] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict | None = None
+    reasoning_effort: str | None = None
 
-    def unsupported(self) -> list[str]:
-        return super().unsupported() + [k for k in ("logprobs", "tools") if getattr(self, k)]
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_options(self, defaults: dict | None = None) -> ChatOptions:
+        """K3's rendering options; tool_choice checked against the declared tools."""
+        thinking, effort = chat_options(self.chat_template_kwargs, defaults,
+                                        self.reasoning_effort)
+        tools, tc = self.tools or [], self.tool_choice
+        names = [t.function.name for t in tools]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise bad_request(f"tools declares the function {dup[0]!r} more than once", "tools")
+        if isinstance(tc, NamedToolChoice):
+            if tc.function.name not in names:
+                raise bad_request(f"tool_choice names the function {tc.function.name!r}, which "
+                                  f"is not among the tools ({', '.join(names) or 'none'})",
+                                  "tool_choice")
+            return ChatOptions(thinking, effort, "function", tc.function.name)
+        if tc == "required" and not tools:
+            raise bad_request("tool_choice = 'required' needs at least one tool in 'tools'",
+                              "tool_choice")
+        return ChatOptions(thinking, effort, tc or "auto")
+
+    @property
+    def tools_enabled(self) -> bool:
+        """Whether the model's tools channel is read as tool calls (else it is content)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def missing_content(self) -> tuple[int, str] | None:
         """(index, role) of the first message that needs content and has none: only an
@@ -134,6 +300,19 @@ class ChatCompletionRequest(_Common):
             if m.content is None and m.role != "assistant":
                 return i, m.role
         return None
+
+
+def _field_path(loc: tuple) -> str:
+    """A pydantic error location as a request path, e.g. 'tools[0].function.parameters'
+    (union-member tags such as 'str' or 'list[TextPart]' left out)."""
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", p) and p not in ("str", "int", "float", "bool",
+                                                                 "dict", "list", "none"):
+            out += f".{p}" if out else p
+    return out
 
 
 def parse_request(cls: type[_Common], raw: bytes) -> _Common:
@@ -147,12 +326,14 @@ def parse_request(cls: type[_Common], raw: bytes) -> _Common:
                               "expected a JSON object.", code="invalid_json") from None
         if not err["loc"]:
             raise bad_request(f"The request body must be a JSON object ({err['msg']}).") from None
-        param = str(err["loc"][0])
-        where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("list[", "str")))
-        got = "" if err["type"] == "missing" else f"; got {json.dumps(err.get('input'))[:80]}"
-        raise bad_request(f"Invalid value for '{where}': {err['msg']}{got}.", param=param,
+        where = _field_path(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        got = "" if err["type"] in ("missing", "value_error") else \
+            f"; got {json.dumps(err.get('input'))[:80]}"
+        raise bad_request(f"Invalid value for '{where}': {msg}{got}.", param=where,
                           code="missing_required_parameter" if err["type"] == "missing"
-                          else "invalid_type") from None
+                          else "invalid_type" if err["type"] != "value_error"
+                          else "invalid_value") from None
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -169,37 +350,28 @@ def _base(rid: str, obj: str, model: str, created: int | None) -> dict:
     return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict,
-                    token_ids: list[int] | None = None, created: int | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def response_body(rid: str, obj: str, model: str, created: int | None, choice: dict,
+                  use: dict, token_ids: list[int] | None = None) -> dict:
+    """A whole response: `choice` is {"text" | "message", "logprobs", "finish_reason"}."""
+    c = {"index": 0, **choice}
     if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {**_base(rid, "text_completion", model, created), "choices": [choice], "usage": use}
+        c["token_ids"] = token_ids
+    return {**_base(rid, obj, model, created), "choices": [c], "usage": use}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
-                     token_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def chunk_body(rid: str, obj: str, model: str, created: int, choice: dict,
+               token_ids: list[int] | None = None) -> dict:
+    """One stream chunk: `choice` is {"text" | "delta", "logprobs", "finish_reason"}."""
+    c = {"index": 0, "logprobs": None, "finish_reason": None, **choice}
     if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {**_base(rid, "text_completion", model, created), "choices": [choice]}
-
-
-def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict,
-              token_ids: list[int] | None = None, created: int | None = None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": None, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {**_base(rid, "chat.completion", model, created), "choices": [choice], "usage": use}
+        c["token_ids"] = token_ids
+    return {**_base(rid, obj, model, created), "choices": [c]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None,
                token_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {**_base(rid, "chat.completion.chunk", model, created), "choices": [choice]}
+    return chunk_body(rid, "chat.completion.chunk", model, created,
+                      {"delta": delta, "finish_reason": finish}, token_ids)
 
 
 def usage_chunk(rid: str, obj: str, model: str, created: int, use: dict) -> dict:

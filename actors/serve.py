@@ -16,20 +16,23 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from raydecode.engine.engine import StepOutput
+from raydecode.engine.k3_chat import ChatFormatError, ChatPrompt
 from raydecode.engine.request import RequestError, SamplingParams
 
 from . import http_timeouts
 from . import openai_api as oa
+from .auth import APIKeys, resolve_api_keys
 from .config import DeployConfig, check_speculative, load_deploy_config, parse_deploy_config
 from .coordinator import CoordinatorCore, Overloaded, ReplicaExecutor, _model_config
 from .metrics import CONTENT_TYPE, RequestMetrics
+from .outputs import ChoiceOutput
 from .stock_pool import StockPoolError
 
 RETRY_AFTER_S = 5
@@ -93,6 +96,10 @@ class ServingContext:
     tokenizer: object
     created: int
     warning: str | None = None      # synthetic acceptance: outputs are meaningless
+    default_chat_template_kwargs: dict | None = None
+    api_keys: APIKeys = APIKeys()   # none: the /v1 routes are open
+    ops_separate: bool = False      # /health and /metrics on their own app (serve.metrics_port)
+    speculative: bool = False       # DSpark replica: its verification steps report no logprobs
     request_timeout_s: float = 600.0   # a non-streaming request unfinished by then: 503
 
     @staticmethod
@@ -101,28 +108,39 @@ class ServingContext:
         mcfg = _model_config(cfg.model)
         return ServingContext(cfg.model_name, cfg.resolved_max_model_len(
             mcfg.max_position_embeddings), mcfg.vocab_size, load_tokenizer(cfg.model),
-            int(time.time()), cfg.synthetic_warning, cfg.serve.request_timeout_s)
+            int(time.time()), cfg.synthetic_warning, cfg.default_chat_template_kwargs,
+            resolve_api_keys(cfg.serve), cfg.serve.metrics_port is not None,
+            cfg.speculative_config is not None, cfg.serve.request_timeout_s)
 
 
 # ---- request → (prompt ids, sampling params) -----------------------------------------------
-def _prompt_ids(req: oa._Common, ctx: ServingContext) -> tuple[list[int], str]:
-    """Token ids of the request's prompt, and the parameter name to blame for its length."""
+def _chat_prompt(req: oa.ChatCompletionRequest, ctx: ServingContext) -> ChatPrompt:
+    """The chat request in K3's format (engine/k3_chat.py): tools, tool_choice, thinking."""
+    if not req.messages:
+        raise oa.bad_request("'messages' is empty; expected at least one message", "messages")
+    missing = req.missing_content()
+    if missing is not None:
+        i, role = missing
+        raise oa.bad_request(f"messages[{i}] (role '{role}') has no 'content'; a {role} "
+                             "message needs its text", f"messages[{i}].content")
+    options = req.chat_options(ctx.default_chat_template_kwargs)
+    try:
+        return ctx.tokenizer.render_chat([m.to_template() for m in req.messages],
+                                         req.template_tools(), options)
+    except ChatFormatError as e:
+        raise oa.bad_request(f"'{e.param}': {e}", e.param) from None
+    except ValueError as e:                           # the tokenizer's TokenizerError
+        raise oa.bad_request(f"'messages': {e}", "messages") from None
+
+
+def _prompt_ids(req: oa._Common, ctx: ServingContext) -> tuple[list[int], str,
+                                                               ChatPrompt | None]:
+    """Token ids of the request's prompt, the parameter name to blame for its length and,
+    for chat, the rendered prompt (where generation starts)."""
     tok = ctx.tokenizer
     if isinstance(req, oa.ChatCompletionRequest):
-        if not req.messages:
-            raise oa.bad_request("'messages' is empty; expected at least one message",
-                                 "messages")
-        missing = req.missing_content()
-        if missing is not None:
-            i, role = missing
-            raise oa.bad_request(f"messages[{i}] (role '{role}') has no 'content'; a {role} "
-                                 "message needs its text", f"messages[{i}].content")
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                 **({"name": m.name} if m.name else {})} for m in req.messages]
-        try:
-            return list(tok.apply_chat_template(msgs)), "messages"
-        except ValueError as e:                       # the tokenizer's TokenizerError
-            raise oa.bad_request(f"'messages': {e}", "messages") from None
+        prompt = _chat_prompt(req, ctx)
+        return list(prompt.ids), "messages", prompt
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
@@ -139,7 +157,7 @@ def _prompt_ids(req: oa._Common, ctx: ServingContext) -> tuple[list[int], str]:
                              f"[0, {ctx.vocab_size})", "prompt")
     if not ids:
         raise oa.bad_request("'prompt' is empty; expected at least one token", "prompt")
-    return ids, "prompt"
+    return ids, "prompt", None
 
 
 def _sampling(req: oa._Common, n_prompt: int, blame: str, ctx: ServingContext) -> SamplingParams:
@@ -148,6 +166,10 @@ def _sampling(req: oa._Common, n_prompt: int, blame: str, ctx: ServingContext) -
         raise oa.bad_request(f"'{name}' is not supported by this server", name)
     if req.n != 1:
         raise oa.bad_request(f"n = {req.n}; this server returns one choice (n = 1)", "n")
+    if req.num_logprobs is not None and ctx.speculative:
+        raise oa.bad_request("logprobs are not reported by this deployment's speculative "
+                             "decoding (speculative_config); send the request without them",
+                             "logprobs")
     mml = ctx.max_model_len
     if n_prompt >= mml:
         raise oa.bad_request(f"This model's maximum context length is {mml} tokens; your "
@@ -172,7 +194,8 @@ def _sampling(req: oa._Common, n_prompt: int, blame: str, ctx: ServingContext) -
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
             stop=req.stop_list, stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos)
+            ignore_eos=req.ignore_eos, logprobs=req.num_logprobs,
+            channel_markers=isinstance(req, oa.ChatCompletionRequest))
     except RequestError as e:
         raise oa.bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
@@ -257,8 +280,95 @@ def _error_response(e: oa.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+# ---- API keys and the operations routes ---------------------------------------------------
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+              "/v1/models": "models"}
+
+
+def _authorizer(keys: APIKeys, metrics: RequestMetrics):
+    """The /v1 routes' dependency: 401 in the OpenAI error shape without an accepted bearer
+    key (actors/auth.py); the message never repeats what was sent."""
+    async def authorize(request: Request) -> None:
+        why = keys.check(request.headers.get("authorization"))
+        if why is None:
+            return
+        endpoint = next((e for p, e in _ENDPOINTS.items()
+                         if request.url.path.endswith(p)), "other")
+        metrics.requests.labels(endpoint, "401").inc()
+        msg = ("You didn't provide an API key. Send it in the Authorization header as "
+               "'Authorization: Bearer YOUR_KEY'." if why == "missing" else
+               "Incorrect API key provided.")
+        raise oa.APIError(401, msg, "invalid_request_error", None, "invalid_api_key",
+                          {"WWW-Authenticate": "Bearer"})
+    return authorize
+
+
+def _add_ops_routes(app: FastAPI, backend: Backend, ctx: ServingContext,
+                    metrics: RequestMetrics) -> None:
+    @app.get("/health")
+    async def health(wait_s: float = 0.0):
+        """Replica health; `?wait_s=N` first waits up to N s (≤ 300) for it to be healthy."""
+        try:
+            if wait_s > 0:
+                await backend.wait_healthy(min(wait_s, 300.0))
+            s = await backend.stats()
+        except Exception as e:  # noqa: BLE001 — the coordinator is gone: not healthy
+            return _error_response(_map_error(e))
+        loop_ok = s.get("step_loop", "ok") == "ok"
+        body = {"status": "ok" if s["healthy"] else "degraded" if loop_ok else "failed",
+                "profile": s["profile"], "note": s["profile_note"],
+                "last_failure": s["last_failure"]}
+        if ctx.warning:
+            body["warning"] = ctx.warning
+        # a dead or stalled step loop never recovers by itself (the watchdog says so): fail
+        if not loop_ok or not s["healthy"] and s.get("stock_pool") is False:
+            return JSONResponse(body, 503, {"Retry-After": str(RETRY_AFTER_S)})
+        return body
+
+    @app.get("/metrics")
+    async def prometheus():
+        try:
+            stats = await backend.stats()
+        except Exception:  # noqa: BLE001 — request metrics still render without the coordinator
+            stats = None
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+class OpsServer:
+    """/health and /metrics served by uvicorn on a thread, on their own (local) port."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as e:
+            self.sock.close()
+            raise RuntimeError(f"serve.metrics_port: cannot bind {host}:{port} for /health and "
+                               f"/metrics ({e.strerror}); choose a free port (replica r of a "
+                               "node binds metrics_port + r)") from None
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True, name="raydecode-ops-server")
+
+    def start(self) -> str:
+        self.sock.listen(64)
+        self.thread.start()
+        return self.url
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        self.sock.close()
+
+
 # ---- the app ----------------------------------------------------------------------------------
 def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
+    """The OpenAI app. With `ctx.ops_separate`, /health and /metrics live on a second app,
+    `app.state.ops_app`, for a local port (`OpsServer`)."""
     app = FastAPI(title="raydecode", lifespan=lifespan)
     metrics = RequestMetrics()
     app.state.metrics = metrics
@@ -290,43 +400,21 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
         return _error_response(oa.bad_request(f"Invalid value for '{param}': "
                                               f"{first.get('msg', 'invalid')}", param))
 
-    @app.get("/v1/models")
+    authorized = [Depends(_authorizer(ctx.api_keys, metrics))]
+
+    @app.get("/v1/models", dependencies=authorized)
     async def models():
         return oa.models_body(ctx.model_name, ctx.max_model_len, ctx.created)
 
-    @app.get("/health")
-    async def health(wait_s: float = 0.0):
-        """Replica health; `?wait_s=N` first waits up to N s (≤ 300) for it to be healthy."""
-        try:
-            if wait_s > 0:
-                await backend.wait_healthy(min(wait_s, 300.0))
-            s = await backend.stats()
-        except Exception as e:  # noqa: BLE001 — the coordinator is gone: not healthy
-            return _error_response(_map_error(e))
-        loop_ok = s.get("step_loop", "ok") == "ok"
-        body = {"status": "ok" if s["healthy"] else "degraded" if loop_ok else "failed",
-                "profile": s["profile"], "note": s["profile_note"],
-                "last_failure": s["last_failure"]}
-        if ctx.warning:
-            body["warning"] = ctx.warning
-        # a dead or stalled step loop never recovers by itself (the watchdog says so): fail
-        if not loop_ok or not s["healthy"] and s.get("stock_pool") is False:
-            return JSONResponse(body, 503, {"Retry-After": str(RETRY_AFTER_S)})
-        return body
+    ops = FastAPI(title="raydecode-ops") if ctx.ops_separate else app
+    _add_ops_routes(ops, backend, ctx, metrics)
+    app.state.ops_app = ops if ctx.ops_separate else None
 
-    @app.get("/metrics")
-    async def prometheus():
-        try:
-            stats = await backend.stats()
-        except Exception:  # noqa: BLE001 — request metrics still render without the coordinator
-            stats = None
-        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
-
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request):
         return await _serve(request, oa.CompletionRequest, "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat(request: Request):
         return await _serve(request, oa.ChatCompletionRequest, "chat")
 
@@ -340,9 +428,11 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
                                        f"serves `{ctx.model_name}`.", "invalid_request_error",
                                   "model", "model_not_found")
             # a long prompt is tokenized off the event loop: other streams keep flowing
-            ids, blame = await asyncio.to_thread(_prompt_ids, req, ctx) \
+            ids, blame, chat_prompt = await asyncio.to_thread(_prompt_ids, req, ctx) \
                 if len(raw) > 2**16 else _prompt_ids(req, ctx)
             params = _sampling(req, len(ids), blame, ctx)
+            output = ChoiceOutput(endpoint == "chat", ctx.tokenizer, params.logprobs,
+                                  chat_prompt, endpoint == "chat" and req.tools_enabled)
             rid = oa.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
             gen = backend.generate(rid, ids, params)
             await gen.__anext__()                 # admission: errors here are HTTP errors
@@ -353,7 +443,7 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
             err = _map_error(e)
             metrics.requests.labels(endpoint, str(err.status)).inc()
             return _error_response(err)
-        run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name,
+        run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name, output,
                    ctx.warning, ctx.request_timeout_s)
         headers = {WARNING_HEADER: ctx.warning} if ctx.warning else None
         if req.stream:
@@ -376,11 +466,12 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
 class _Run:
     """One admitted request: its stream of deltas → SSE chunks or one response body."""
 
-    def __init__(self, endpoint, rid, req, ids, gen, backend, metrics, t0, model, warning=None,
-                 timeout_s: float = 600.0):
+    def __init__(self, endpoint, rid, req, ids, gen, backend, metrics, t0, model,
+                 output: ChoiceOutput, warning=None, timeout_s: float = 600.0):
         self.endpoint, self.rid, self.req, self.n_prompt = endpoint, rid, req, len(ids)
         self.gen, self.backend, self.metrics, self.t0, self.model = gen, backend, metrics, t0, model
         self.warning, self.timeout_s = warning, timeout_s
+        self.output = output
         self.created = int(time.time())
         self.t_first = self.t_last = None
         self.ids: list[int] = []
@@ -430,11 +521,9 @@ class _Run:
         """The whole answer, within the request deadline (timeout_s from arrival): a request
         still unfinished then is aborted and answered 503 + Retry-After, so a stuck replica
         never holds a non-streaming client forever."""
-        text = []
-
         async def gather():
             async for out in self._deltas():
-                text.append(out.delta_text)
+                self.output.step(out)
 
         left = self.timeout_s - (time.perf_counter() - self.t0)
         try:
@@ -457,8 +546,9 @@ class _Run:
         self._done(200)
         use = oa.usage(self.n_prompt, len(self.ids))
         tids = self.ids if self.req.return_token_ids else None
-        body = oa.chat_body if self.endpoint == "chat" else oa.completion_body
-        out = body(self.rid, self.model, "".join(text), self.finish, use, tids, self.created)
+        obj = "chat.completion" if self.endpoint == "chat" else "text_completion"
+        out = oa.response_body(self.rid, obj, self.model, self.created,
+                               self.output.choice(self.finish), use, tids)
         return {**out, "warning": self.warning} if self.warning else out
 
     async def sse(self):
@@ -468,20 +558,16 @@ class _Run:
             if chat:
                 yield oa.sse(oa.chat_chunk(self.rid, self.model, self.created,
                                            {"role": "assistant", "content": ""}, None))
+            obj = "chat.completion.chunk" if chat else "text_completion"
             async for out in self._replay():
-                if not (out.delta_text or out.finished or (tids and out.new_token_ids)):
+                choice = self.output.step(out)
+                if choice is None and not (tids and out.new_token_ids):
                     continue
+                if choice is None:
+                    choice = {"delta": {}} if chat else {"text": ""}
                 ids = out.new_token_ids if tids else None
-                fin = out.finish_reason if out.finished else None
-                if chat:
-                    delta = {"content": out.delta_text} if out.delta_text else {}
-                    yield oa.sse(oa.chat_chunk(self.rid, self.model, self.created, delta, fin,
-                                               ids))
-                else:
-                    yield oa.sse(oa.completion_chunk(self.rid, self.model, self.created,
-                                                     out.delta_text, fin, ids))
+                yield oa.sse(oa.chunk_body(self.rid, obj, self.model, self.created, choice, ids))
             if self.req.include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
                 yield oa.sse(oa.usage_chunk(self.rid, obj, self.model, self.created,
                                             oa.usage(self.n_prompt, len(self.ids))))
             status = 200
@@ -515,6 +601,15 @@ def _ingress_class():
                 cfg.model_dump(), executor_factory)
             await self.actor.start.remote()
             self._http = make_app(RayBackend(self.actor), ServingContext.from_config(cfg))
+            self._ops = None
+            if self._http.state.ops_app is not None:
+                port = cfg.serve.metrics_port
+                # the replica's rank among this deployment's replicas on its node
+                rank = getattr(getattr(serve.get_replica_context(), "rank", None),
+                               "local_rank", 0) or 0
+                self._ops = OpsServer(self._http.state.ops_app, cfg.serve.metrics_host,
+                                      port + rank if port else 0)
+                self._ops.start()
 
         def __serve_build_asgi_app__(self):
             return self._http
@@ -581,6 +676,8 @@ class LocalServer:
 
         self.core = CoordinatorCore(cfg, executor_factory)
         app = make_app(LocalBackend(self.core), ServingContext.from_config(cfg), lifespan)
+        self.ops = None if app.state.ops_app is None else OpsServer(
+            app.state.ops_app, cfg.serve.metrics_host, cfg.serve.metrics_port)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                                     http=http_timeouts.default_protocol()))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -589,9 +686,13 @@ class LocalServer:
     def start(self) -> str:
         self.sock.listen(128)
         self.thread.start()
+        if self.ops is not None:
+            self.ops.start()
         return self.url
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        if self.ops is not None:
+            self.ops.stop()
         self.server.should_exit = True
         self.thread.join(timeout_s)
         self.sock.close()

@@ -142,7 +142,8 @@ class LLMEngine:
         stop_tok = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
         if not stop_tok:
             req.output_ids.append(tok)
-        text = self.tokenizer.decode(req.output_ids, skip_special=True)
+        text = self.tokenizer.decode(req.output_ids, skip_special=True,
+                                     markers=p.channel_markers)
         reason = None
         for s in p.stop:
             cut = text.find(s)

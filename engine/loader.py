@@ -39,9 +39,11 @@ def resolve_checkpoint(spec: str | Path) -> Path:
 
     s = str(spec)
     if s == "tiny":
-        # v2: the tiny config names its MXFP4 modules by regex (models/config.py); a folder
+        from raydecode.models.bpe import TINY_TOKENIZER_LAYOUT
+
+        # q2: the tiny config names its MXFP4 modules by regex (models/config.py); a folder
         # written before holds the old config.json, read under the new quantization rules
-        out = cache_root() / f"tiny-seed{TINY_SEED}-v2"
+        out = cache_root() / f"tiny-seed{TINY_SEED}-{TINY_TOKENIZER_LAYOUT}-q2"
         if not (out / "model.safetensors.index.json").is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             # write into a temp folder and rename, so concurrent first uses never see half a

@@ -28,6 +28,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None     # None: none; n: the chosen token's logprob + the top n
+    # output text keeps K3's structural tokens as marker characters (engine/k3_chat.py MARKS)
+    # for the chat endpoint's channel parser, instead of dropping them with the other specials
+    channel_markers: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \

@@ -118,7 +118,8 @@ class SpecEngine(LLMEngine):
             if s.length == 1 and s.pos == r.num_tokens - 1 and self._reserve(r, k, tables):
                 seqs.append(SeqSlice(s.slot, start, k + 1, s.pos))
                 tokens += [plan.tokens[s.start]] + [0] * k           # drafts: filled on ranks
-                spec.append(SpecSeq(r.request_id, s.slot, start, s.pos, r.params, self._seed(r)))
+                spec.append(SpecSeq(r.request_id, s.slot, start, s.pos, r.params, self._seed(r),
+                                    len(r.output_ids)))
             else:
                 seqs.append(SeqSlice(s.slot, start, s.length, s.pos))
                 tokens += plan.tokens[s.start:s.end]

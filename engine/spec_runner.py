@@ -4,23 +4,22 @@ A `SpecStepPlan` (a StepPlan plus the speculating sequences) is identical on eve
 speculating sequence (`SpecSeq`; its anchor = newest token, at position p = tokens cached):
   1. draft   the drafter runs [anchor, mask × (k-1)] at p … p+k-1 over its context rows (< p)
              and samples d_1 … d_k left to right with the Markov bias, under the request's
-             sampling params (greedy: argmax); q_j is the distribution d_j was drawn from;
+             sampling params (greedy: argmax) on the device, counter-based
+             (engine/spec_sampling.py); q_j is the distribution d_j was drawn from;
   2. verify  ONE target step runs [anchor, d_1 … d_k] at p … p+k (a slice of length k+1)
              together with the step's other sequences (prefill chunks, plain decodes). The
              step's hidden taps write the drafter's context rows of every token; KDA layers
              hand their inputs to `KDARollback`;
-  3. accept  greedy (verify_greedy), probabilistic (verify_rejection) or synthetic (benchmarks)
+  3. accept  greedy, probabilistic (speculative sampling) or synthetic (benchmarks) for every
+             verifying sequence at once on the device (engine/spec_sampling.py)
              -> emitted e_1 … e_{a+1}: a accepted drafts + the correction or bonus token;
   4. commit  positions p … p+a (anchor + accepted drafts) are now validly cached: each KDA
              slot is recomputed from its pre-step state over exactly those a+1 tokens (nothing
              to do when all k+1 were accepted). MLA rows and draft context rows at p+a+1 … p+k
              are stale and are overwritten by later steps; the engine counts num_cached = p+a+1.
-All ranks see the same all-gathered logits and seed the same generators, so they agree on
-drafts and emitted tokens; with TP > 1 rank 0's values are broadcast anyway (two small
-all-reduces), so a divergence could never desynchronise the rollback.
-
-The reference path samples on the host (per row); a GPU path would keep rejection sampling on
-the device — it is the same math.
+All ranks see the same all-gathered logits and hash the same seeds, so they agree on drafts
+and emitted tokens; with TP > 1 rank 0's values are broadcast anyway (two small all-reduces),
+so a divergence could never desynchronise the rollback.
 """
 from __future__ import annotations
 
@@ -34,9 +33,10 @@ from raydecode.models.kda import kda_recurrent
 
 from .request import SamplingParams
 from .runner import ModelRunner
-from .sampling import SamplingRows, StepResult, filter_logits, sample_isolated
+from . import spec_sampling
+from .sampling import SamplingRows, StepResult, sample_isolated
 from .scheduler import StepPlan
-from .spec import SyntheticAcceptance, verify_greedy, verify_rejection
+from .spec import SyntheticAcceptance
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class SpecSeq:
     start: int                 # flat offset of its k+1 verify tokens [anchor, d_1 … d_k]
     pos: int                   # anchor position = tokens already cached
     params: SamplingParams
-    seed: int                  # seeds its drafting/acceptance generator (same on every rank)
+    seed: int                  # its sampling seed (engine/spec_sampling.py streams)
+    counter: int = 0           # output index of its first draft (= tokens generated so far)
 
 
 @dataclass
@@ -118,7 +119,6 @@ class SpecRunner:
     def __init__(self, runner: ModelRunner, drafter):
         self.runner, self.drafter = runner, drafter
         self.model, self.caches, self.device = runner.model, runner.caches, runner.device
-        self._gens: dict[str, torch.Generator] = {}
         self._synthetic: tuple[tuple, SyntheticAcceptance] | None = None
 
     def release(self, slots: list[int]) -> None:
@@ -141,8 +141,6 @@ class SpecRunner:
     def run(self, plan: StepPlan):
         tokens = self.runner.prepare(plan)
         spec = plan.spec if isinstance(plan, SpecStepPlan) else []
-        for rid in getattr(plan, "release_ids", ()):
-            self._gens.pop(rid, None)
         rollback = None
         if spec:
             k = plan.num_drafts
@@ -162,9 +160,7 @@ class SpecRunner:
                              device=hidden.device)
         vlogits = self.model.compute_logits(hidden.index_select(0, vrows)).float()
         vlogits = vlogits.view(len(spec), k + 1, -1)
-        dl = drafts.tolist()
-        emitted = [self._accept(plan, s, dl[i], q[i], vlogits[i]) for i, s in enumerate(spec)]
-        emitted = self._agree(emitted, k)
+        emitted = self._agree(self._accept(plan, drafts, q, vlogits), k)
         if self.caches.kda is not None:
             for s, e in zip(spec, emitted):
                 rollback.rollback(self.caches.kda, s.slot, len(e))
@@ -182,9 +178,9 @@ class SpecRunner:
         self.drafter.write_context(tapped, plan.batch, self.caches)
         return hidden
 
-    def _draft(self, plan: SpecStepPlan, k: int) -> tuple[torch.Tensor, list[list]]:
-        """One non-causal drafter pass, then left-to-right Markov sampling.
-        -> drafts (B, k) long, q[i][j] (V,) draft distribution (None where greedy)."""
+    def _draft(self, plan: SpecStepPlan, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One non-causal drafter pass, then left-to-right Markov sampling on the device.
+        -> drafts (B, k) long, q (B, k, V) the distributions they were drawn from."""
         spec, dev = plan.spec, self.device
         B = len(spec)
         anchors = torch.tensor([plan.tokens[s.start] for s in spec], dtype=torch.long, device=dev)
@@ -193,39 +189,36 @@ class SpecRunner:
         batch = StepBatch([SeqSlice(s.slot, i * k, k, s.pos) for i, s in enumerate(spec)])
         base = self.drafter.base_logits(self.drafter(toks.flatten(), batch, self.caches))
         base = base.view(B, k, -1)
-        greedy = [plan.synthetic_length is not None or s.params.greedy for s in spec]
-        drafts = torch.empty(B, k, dtype=torch.long, device=dev)
-        q: list[list] = [[None] * k for _ in spec]
-        prev = anchors
+        rows = self._rows(plan)
+        drafts, qs, prev = [], [], anchors
         for j in range(k):
-            logits = base[:, j] + self.drafter.markov_bias(prev)                 # (B, V)
-            tok = logits.argmax(-1)
-            if not all(greedy):
-                host = logits.cpu()
-                for i, s in enumerate(spec):
-                    if not greedy[i]:
-                        p = torch.softmax(filter_logits(host[i], s.params), -1)
-                        q[i][j] = p
-                        tok[i] = int(torch.multinomial(p, 1, generator=self._gen(s)))
-            drafts[:, j] = tok
+            tok, q = spec_sampling.draft_sample(base[:, j] + self.drafter.markov_bias(prev),
+                                                rows, j)
+            drafts.append(tok)
+            qs.append(q)
             prev = tok
-        return self._from_rank0(drafts), q
+        return self._from_rank0(torch.stack(drafts, 1)), torch.stack(qs, 1)
 
-    def _accept(self, plan: SpecStepPlan, s: SpecSeq, drafts: list[int], q: list,
-                logits: torch.Tensor) -> list[int]:
+    def _accept(self, plan: SpecStepPlan, drafts: torch.Tensor, q: torch.Tensor,
+                logits: torch.Tensor) -> list[list[int]]:
+        """Every verifying sequence at once on the device (engine/spec_sampling.py); the
+        emitted ids are the step's one host sync of the speculative part."""
         if plan.synthetic_length is not None:
-            return self._synthetic_for(plan).emit(drafts, logits)
-        if s.params.greedy:
-            return verify_greedy(drafts, logits)
-        p = torch.softmax(torch.stack([filter_logits(r, s.params) for r in logits.cpu()]), -1)
-        return verify_rejection(drafts, torch.stack(q), p, self._gen(s))
+            syn = self._synthetic_for(plan)
+            a = torch.tensor([min(syn.accepted_drafts(), drafts.shape[1]) for _ in plan.spec],
+                             device=drafts.device)
+            emitted, lengths = spec_sampling.synthetic(drafts, logits, a)
+        else:
+            emitted, lengths = spec_sampling.verify(drafts, q, logits, self._rows(plan))
+        return [e[:n] for e, n in zip(emitted.tolist(), lengths.tolist())]
 
-    # ---- helpers ----------------------------------------------------------------------------
-    def _gen(self, s: SpecSeq) -> torch.Generator:
-        g = self._gens.get(s.request_id)
-        if g is None:
-            g = self._gens[s.request_id] = torch.Generator().manual_seed(s.seed)
-        return g
+    @staticmethod
+    def _rows(plan: SpecStepPlan) -> SamplingRows:
+        """The verifying sequences' sampling (synthetic mode: greedy drafts)."""
+        greedy = plan.synthetic_length is not None
+        return SamplingRows.build([SamplingParams(temperature=0.0) if greedy else s.params
+                                   for s in plan.spec], [s.seed for s in plan.spec],
+                                  [s.counter for s in plan.spec])
 
     def _synthetic_for(self, plan: SpecStepPlan) -> SyntheticAcceptance:
         key = (plan.synthetic_length, plan.num_drafts, plan.synthetic_seed)

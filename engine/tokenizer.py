@@ -1,13 +1,8 @@
-"""K3 tokenizer: tiktoken BPE (`tiktoken.model`) + Kimi special tokens + Kimi chat format.
+"""K3 tokenizer: tiktoken BPE (`tiktoken.model`) + Kimi special tokens + K3's chat format.
 
-Chat format (Kimi K2/K3, public chat template):
-  <|im_system|>system<|im_middle|>{content}<|im_end|>
-  <|im_user|>user<|im_middle|>{content}<|im_end|>
-  <|im_assistant|>assistant<|im_middle|>{content}<|im_end|>
-  <|im_system|>{name or "tool"}<|im_middle|>{content}<|im_end|>      (tool results)
-then, for generation, <|im_assistant|>assistant<|im_middle|>. No [BOS]/[EOS] is emitted. A
-default system turn is prepended when the first message is not a system message. Message text
-is encoded as ordinary text, so a user writing "<|im_end|>" cannot end a turn.
+The chat format is K3's XTML (engine/k3_chat.py): messages framed by the special tokens
+<|open|>, <|sep|>, <|close|> and <|end_of_msg|>; no [BOS]/[EOS] is emitted. Message text is
+encoded as ordinary text, so a user writing "<|end_of_msg|>" cannot end a message.
 """
 from __future__ import annotations
 
@@ -23,14 +18,11 @@ from raydecode.models.bpe import (
     TokenizerError, read_tiktoken_file,
 )
 
-__all__ = ["Tokenizer", "TokenizerError", "DEFAULT_SYSTEM_PROMPT"]
+from . import k3_chat
 
-DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
-_ROLE_TOKEN = {"system": "<|im_system|>", "user": "<|im_user|>",
-               "assistant": "<|im_assistant|>", "tool": "<|im_system|>"}
-_CHAT_SPECIALS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
-                  "<|im_end|>")
-_END_TOKENS = ("<|im_end|>", "[EOS]", "[EOT]")
+__all__ = ["Tokenizer", "TokenizerError"]
+
+_END_TOKENS = (k3_chat.END_OF_MSG, "[EOS]", "[EOT]")
 # tiktoken's regex backtracks badly on very long runs (tiktoken issue #195); cut runs of
 # same-class (whitespace / non-whitespace) characters at this length before encoding
 _MAX_RUN = 25_000
@@ -119,6 +111,7 @@ class Tokenizer:
         ends = {specials.ids[t] for t in _END_TOKENS if t in specials.ids}
         self.eos_ids: tuple[int, ...] = tuple(sorted(ends | {self.eos_id} | set(extra_eos_ids)))
         self._valid = set(ranks.values()) | set(specials.ids.values())
+        self._marks = {specials.ids[t]: c for t, c in k3_chat.MARKS.items() if t in specials.ids}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -135,7 +128,7 @@ class Tokenizer:
                 raise TokenizerError(f"{model_cfg}: malformed JSON ({e})") from None
             extra = [eos] if isinstance(eos, int) else list(eos or [])
         tok = cls(ranks, specials, name=d.name or "k3", extra_eos_ids=extra)
-        missing = [t for t in _CHAT_SPECIALS if t not in tok.special_tokens]
+        missing = [t for t in k3_chat.MARKUP_TOKENS if t not in tok.special_tokens]
         if missing:
             raise TokenizerError(f"{d}: special tokens {missing} are missing; the K3 chat "
                                  "format needs them")
@@ -161,8 +154,21 @@ class Tokenizer:
                                  f"(0..{self.vocab_size - 1})")
         return self._enc.decode_bytes(list(ids))
 
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        """Ids -> text; invalid UTF-8 (a split multi-byte character) decodes as U+FFFD."""
+    def decode(self, ids: Sequence[int], skip_special: bool = False,
+               markers: bool = False) -> str:
+        """Ids -> text; invalid UTF-8 (a split multi-byte character) decodes as U+FFFD. With
+        `markers`, K3's structural tokens <|open|> <|close|> <|sep|> decode as the characters
+        of `k3_chat.MARKS` (the chat output parser reads them) and the text between them is
+        decoded run by run."""
+        if markers and self._marks:
+            parts, run = [], []
+            for i in ids:
+                if i in self._marks:
+                    parts += [self.decode(run, skip_special), self._marks[i]]
+                    run = []
+                else:
+                    run.append(i)
+            return "".join(parts) + self.decode(run, skip_special)
         if skip_special:
             specials = set(self.special_tokens.values())
             ids = [i for i in ids if i not in specials]
@@ -170,44 +176,13 @@ class Tokenizer:
 
     # ---- chat ------------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            default_system: str | None = DEFAULT_SYSTEM_PROMPT) -> list[int]:
-        """OpenAI-style messages -> prompt ids in the Kimi chat format (module docstring)."""
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise TokenizerError("messages must be a non-empty list of {'role', 'content'}")
-        sp = self.special_tokens
-        ids: list[int] = []
-        if default_system is not None and messages[0].get("role") != "system":
-            ids += self._turn("system", "system", default_system)
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in _ROLE_TOKEN:
-                raise TokenizerError(f"messages[{i}] = {m!r}; role must be one of "
-                                     f"{sorted(_ROLE_TOKEN)}")
-            role = m["role"]
-            header = (m.get("name") or "tool") if role == "tool" else role
-            ids += self._turn(role, header, self._content_text(m.get("content"), i))
-        if add_generation_prompt:
-            ids += [sp["<|im_assistant|>"], *self.encode("assistant", False), sp["<|im_middle|>"]]
-        return ids
+                            tools: Sequence[dict] | None = None,
+                            options: k3_chat.ChatOptions = k3_chat.ChatOptions()) -> list[int]:
+        """OpenAI-style messages -> prompt ids in K3's chat format (engine/k3_chat.py)."""
+        return self.render_chat(messages, tools, options, add_generation_prompt).ids
 
-    def _turn(self, role: str, header: str, text: str) -> list[int]:
-        sp = self.special_tokens
-        return [sp[_ROLE_TOKEN[role]], *self.encode(header, False), sp["<|im_middle|>"],
-                *self.encode(text, False), sp["<|im_end|>"]]
-
-    @staticmethod
-    def _content_text(content, i: int) -> str:
-        if content is None:
-            return ""
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if not (isinstance(p, dict) and p.get("type") == "text"
-                        and isinstance(p.get("text"), str)):
-                    raise TokenizerError(f"messages[{i}].content part {p!r}: only "
-                                         "{'type': 'text', 'text': str} parts are supported")
-                parts.append(p["text"])
-            return "".join(parts)
-        raise TokenizerError(f"messages[{i}].content = {content!r}; expected a string or a "
-                             "list of text parts")
+    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    options: k3_chat.ChatOptions = k3_chat.ChatOptions(),
+                    add_generation_prompt: bool = True) -> k3_chat.ChatPrompt:
+        """The prompt ids and where generation starts (for the output parser)."""
+        return k3_chat.render(self, messages, tools, options, add_generation_prompt)

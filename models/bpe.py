@@ -3,13 +3,16 @@
 K3 (like Kimi K2) ships `tiktoken.model`: one line per mergeable token, "<base64 bytes> <rank>",
 ranks 0..n-1, plus special tokens at ids n, n+1, ... named in `tokenizer_config.json`
 (`added_tokens_decoder`). The pre-tokenizer regex is `KIMI_PAT_STR` (from Kimi's public
-`tokenization_kimi.py`, `TikTokenTokenizer.pat_str`). Without a `tokenizer_config.json`, Kimi's
+`tokenization_kimi.py`, `TikTokenTokenizer.pat_str`). Without a `tokenizer_config.json`, K3's
 layout is assumed: 256 reserved + 2 specials after the base tokens, the named ones at the offsets
-in `KIMI_SPECIAL_OFFSETS` (K3: [BOS] = 163584, <|im_end|> = 163586, [PAD] = 163839).
+in `KIMI_SPECIAL_OFFSETS` (K3: [BOS] = 163584, <|end_of_msg|> = 163586, the XTML markers
+<|open|> <|close|> <|sep|> = 163587..163589, [PAD] = 163839; the others are
+`<|reserved_token_ID|>`).
 
 Test checkpoints get a tokenizer trained here on an embedded corpus, sized to fill
 `vocab_size` exactly: 256 byte tokens + merges, then `TINY_SPECIAL_TOKENS` at the top ids
-(so every id a random model can sample decodes).
+(so every id a random model can sample decodes): K3's named specials in K3's order, reserved
+ones between, [UNK] and [PAD] last.
 """
 from __future__ import annotations
 
@@ -34,20 +37,20 @@ KIMI_PAT_STR = "|".join([
 ])
 
 KIMI_NUM_SPECIAL = 256 + 2
-# Kimi K2/K3 special ids as offsets from the first special id (= number of base tokens)
+# K3 special ids as offsets from the first special id (= number of base tokens)
 KIMI_SPECIAL_OFFSETS = {
-    "[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3, "<|im_assistant|>": 4,
-    "<|start_header_id|>": 6, "<|end_header_id|>": 7, "[EOT]": 9, "<|im_system|>": 10,
-    "<|im_middle|>": 17, "[UNK]": 254, "[PAD]": 255,
+    "[BOS]": 0, "[EOS]": 1, "<|end_of_msg|>": 2, "<|open|>": 3, "<|close|>": 4, "<|sep|>": 5,
+    "[start_header_id]": 6, "[end_header_id]": 7, "[EOT]": 9, "[UNK]": 254, "[PAD]": 255,
 }
 
-# Test tokenizers: the same names, packed; [BOS] first and [PAD] at vocab_size - 1 as in K3.
+# Test tokenizers: K3's named specials at K3's offsets 0..9 (reserved where K3 has none), six
+# more reserved, then [UNK] and [PAD] ([PAD] at vocab_size - 1 as in K3).
+_TINY_NAMED = {off: name for name, off in KIMI_SPECIAL_OFFSETS.items() if off < 10}
 TINY_SPECIAL_TOKENS = (
-    "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
-    "<|im_middle|>", "[EOT]", "<|start_header_id|>", "<|end_header_id|>",
-    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "[UNK]", "[PAD]",
+    *(_TINY_NAMED.get(i, f"<|reserved_token_{i}|>") for i in range(15)), "[UNK]", "[PAD]",
 )
+# bump when TINY_SPECIAL_TOKENS changes: the tiny preset's cached checkpoint folder carries it
+TINY_TOKENIZER_LAYOUT = "xtml"
 
 
 class TokenizerError(ValueError):
@@ -189,11 +192,11 @@ def _test_num_base(vocab_size: int) -> int:
 
 
 def tokenizer_ids_for_vocab(vocab_size: int) -> dict[str, int]:
-    """bos/eos/pad ids of the test tokenizer for `vocab_size`: [BOS], <|im_end|>, [PAD]
-    (generation ends at <|im_end|>, as K3's config.json eos_token_id does)."""
+    """bos/eos/pad ids of the test tokenizer for `vocab_size`: [BOS], <|end_of_msg|>, [PAD]
+    (generation ends at <|end_of_msg|>, as K3's config.json eos_token_id does)."""
     n_base = _test_num_base(vocab_size)
     at = {name: n_base + i for i, name in enumerate(TINY_SPECIAL_TOKENS)}
-    return {"bos_token_id": at["[BOS]"], "eos_token_id": at["<|im_end|>"],
+    return {"bos_token_id": at["[BOS]"], "eos_token_id": at["<|end_of_msg|>"],
             "pad_token_id": at["[PAD]"]}
 
 

@@ -67,7 +67,7 @@ def from_schema(schema: dict, defs: dict, hints: dict | None = None, name: str =
                         max_size=6)
     if t == "string":
         return st.one_of(st.text(max_size=24), st.sampled_from(["", " ", "\x00", "\ud7ff",
-                                                                "<|im_end|>", "a" * 300]))
+                                                                "<|end_of_msg|>", "a" * 300]))
     if t == "integer":
         lo, hi = schema.get("minimum"), schema.get("maximum")
         near = st.integers(-3 if lo is None else lo - 2, 70 if hi is None else hi + 2)
@@ -248,7 +248,7 @@ def problems_of(case: HttpCase, status: int, headers: dict, raw: bytes) -> list[
         else:
             try:
                 fin = json.loads(raw)["choices"][0]["finish_reason"]
-                if fin not in ("stop", "length"):
+                if fin not in ("stop", "length", "tool_calls"):
                     out.append(f"finish_reason {fin!r}")
             except (ValueError, KeyError, IndexError, TypeError):
                 out.append(f"200 body is not a completion: {raw[:200]!r}")
@@ -469,8 +469,10 @@ def start_local_server(max_model_len: int = MAX_MODEL_LEN):
     from raydecode.actors.config import parse_deploy_config
     from raydecode.actors.serve import LocalServer
 
+    # without K3's thinking preamble (~180 tokens) chat prompts fit the small context
     srv = LocalServer(parse_deploy_config({"model": "tiny", "max_model_len": max_model_len,
-                                           "max_num_seqs": 8, "max_waiting_requests": 64}))
+                                           "max_num_seqs": 8, "max_waiting_requests": 64,
+                                           "default_chat_template_kwargs": {"thinking": False}}))
     srv.start()
     return srv
 

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         return parse_deploy_config({
             "model": "tiny", "tensor_parallel_size": tp, "decode_context_parallel_size": dcp,
             "max_model_len": 256, "max_num_seqs": 8, "placement": {"profile": "development"},
+            # K3's thinking preamble alone fills most of 256 tokens; the demo answers directly
+            "default_chat_template_kwargs": {"thinking": False},
             "serve": {"host": "127.0.0.1", "port": _free_port(), "num_cpus": 0}})
 
     if (args.tp, args.dcp) not in TP_DCP:

@@ -1,8 +1,11 @@
-"""`raydecode serve CONFIG.yaml [--host H] [--port N]`: deploy the OpenAI-compatible endpoint on
-Ray Serve (a local Ray instance, or the cluster at $RAY_ADDRESS), print its URL, block until
-Ctrl-C. The endpoint listens on 127.0.0.1 unless --host (or the config's serve.host) says
-otherwise.
+"""`raydecode serve CONFIG.yaml [--host H] [--port N] [--api-key KEY ...] [--api-key-file F]
+[--metrics-port N]`: deploy the OpenAI-compatible endpoint on Ray Serve (a local Ray instance,
+or the cluster at $RAY_ADDRESS), print its URL, block until Ctrl-C.
 
+API keys (actors/auth.py): --api-key and $RAYDECODE_API_KEY here join serve.api_keys and travel
+with the deployment to every replica (never printed); --api-key-file is read by each replica.
+
+The endpoint listens on 127.0.0.1 unless --host (or the config's serve.host) says otherwise.
 Before a local Ray starts, the model is looked up (a preset, or a folder with config.json and its
 weights) and the CPUs the deployment reserves are counted against this machine's, so a
 deployment that cannot start says why at once instead of waiting on ranks Ray cannot place."""
@@ -20,17 +23,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="HTTP listen address (overrides serve.host, "
                    "default 127.0.0.1); 0.0.0.0 serves other machines")
     p.add_argument("--port", type=int, default=None, help="HTTP port (overrides serve.port)")
+    p.add_argument("--api-key", nargs="+", action="extend", default=[], metavar="KEY",
+                   help="require one of these bearer keys on every /v1 route (adds to "
+                        "serve.api_keys; $RAYDECODE_API_KEY, comma separated, adds too). A key "
+                        "on the command line is visible to other local users: prefer the "
+                        "variable or --api-key-file")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="file of API keys, one per line (overrides serve.api_key_file)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve /metrics and /health on this port of 127.0.0.1 instead of the "
+                        "public one (overrides serve.metrics_port)")
 
 
-def with_overrides(cfg, host: str | None = None, port: int | None = None):
+def with_overrides(cfg, host: str | None = None, port: int | None = None,
+                   api_keys: list[str] = (), api_key_file: str | None = None,
+                   metrics_port: int | None = None):
     """The config with CLI overrides applied (validated like the file)."""
     from raydecode.actors.config import parse_deploy_config
 
     data = cfg.model_dump()
-    if host is not None:
-        data["serve"]["host"] = host
-    if port is not None:
-        data["serve"]["port"] = port
+    for key, value in (("host", host), ("port", port), ("api_key_file", api_key_file),
+                       ("metrics_port", metrics_port)):
+        if value is not None:
+            data["serve"][key] = value
+    data["serve"]["api_keys"] = [*data["serve"]["api_keys"], *api_keys]
     return parse_deploy_config(data, "command line")
 
 
@@ -141,10 +157,13 @@ def start_serving(cfg, executor_factory=None, app_name: str = "raydecode",
 
 
 def run(args: argparse.Namespace) -> int:
+    from raydecode.actors.auth import env_api_keys
     from raydecode.actors.config import DeployConfigError, load_deploy_config
 
     try:
-        cfg = with_overrides(load_deploy_config(args.config), args.host, args.port)
+        cfg = with_overrides(load_deploy_config(args.config), args.host, args.port,
+                             [*args.api_key, *env_api_keys()], args.api_key_file,
+                             args.metrics_port)
     except DeployConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -172,6 +191,12 @@ def run(args: argparse.Namespace) -> int:
         url = start_serving(cfg)
         signal.signal(signal.SIGTERM, _stop)    # after ray.init, which installs its own
         print(f"raydecode: serving {cfg.model_name!r} at {url} (Ctrl-C stops)", flush=True)
+        if cfg.serve.api_keys or cfg.serve.api_key_file:
+            print("raydecode: /v1 routes require an API key (Authorization: Bearer …)",
+                  flush=True)
+        if cfg.serve.metrics_port is not None:
+            print(f"raydecode: /health and /metrics on {cfg.serve.metrics_host}:"
+                  f"{cfg.serve.metrics_port}", flush=True)
         if cfg.profile == "development":
             from raydecode.actors.envelope import DEVELOPMENT_NOTE
             print(f"raydecode: {DEVELOPMENT_NOTE}", flush=True)

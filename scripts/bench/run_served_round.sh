@@ -34,9 +34,10 @@ cat "$OUT/env.txt"
 for s in ${STEPS:-}; do
   case $s in
   tests)
-    for f in ${TESTS:-test_served_path_gpu test_step_graph_gpu}; do
-      timeout "$(lim ${TEST_S:-150})" python3 -m pytest "tests/gpu/$f.py" -q -x -p no:cacheprovider \
-        > "$OUT/pytest-$f.log" 2>&1
+    for t in ${TESTS:-test_served_path_gpu test_step_graph_gpu}; do   # FILE or FILE:K_EXPR
+      f=${t%%:*}; k=""; [ "$f" != "$t" ] && k=${t#*:}
+      timeout "$(lim ${TEST_S:-150})" python3 -m pytest "tests/gpu/$f.py" -q -p no:cacheprovider \
+        --maxfail=4 ${k:+-k "$k"} > "$OUT/pytest-$f.log" 2>&1
       echo "pytest $f rc=$? t=$(( $(date +%s) - T0 ))"; tail -2 "$OUT/pytest-$f.log"
       grep -E "^E  |^FAILED|Error:" "$OUT/pytest-$f.log" | cut -c1-300 | head -12
     done ;;

@@ -301,7 +301,7 @@ def greedy_reference(model, prompt: list[int], n: int, device: str) -> list[int]
     class Tok:       # ids only: the engine needs decode() for stop strings
         eos_ids = ()
 
-        def decode(self, ids, skip_special=False):
+        def decode(self, ids, skip_special=False, markers=False):
             return ""
 
     eng = LLMEngine(Specialized(LocalExecutor(runner)), Tok(), ecfg, eos_ids=())

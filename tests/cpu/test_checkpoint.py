@@ -64,7 +64,7 @@ def test_layout_index_config_and_tokenizer(ckpt):
     assert tok.vocab_size == cfg.vocab_size
     assert (tok.bos_id, tok.pad_id) == (cfg.bos_token_id, cfg.pad_token_id)
     assert cfg.eos_token_id in tok.eos_ids
-    assert tok.special_tokens["<|im_end|>"] == cfg.eos_token_id
+    assert tok.special_tokens["<|end_of_msg|>"] == cfg.eos_token_id
 
 
 def test_real_checkpoint_dtypes_and_a_log_padding(ckpt):

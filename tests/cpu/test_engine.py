@@ -65,6 +65,25 @@ def test_chunked_prefill_and_preemption_do_not_change_tokens(shard, tok):
     assert [r.output_ids for r in tight] == [r.output_ids for r in roomy]
 
 
+def test_seeded_sampling_survives_chunking_and_preemption(shard, tok):
+    """A seeded sampled request draws token n from (seed, n): recomputed after a preemption,
+    chunked differently, batched with others, it produces the same tokens."""
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=s,
+                             ignore_eos=True) for s in (1, 2, 3, 4)]
+    prompts = ["a fairly long prompt that will be cut into several prefill chunks " * 2,
+               "second prompt", "third prompt here", "fourth"]
+
+    def run(eng):
+        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while eng.has_unfinished():
+            eng.step()
+        return [r.output_ids for r in reqs]
+
+    roomy = run(make_engine(shard, tok))
+    tight_eng = make_engine(shard, tok, max_num_batched_tokens=8, num_blocks=24)
+    assert run(tight_eng) == roomy and tight_eng.scheduler.num_preemptions > 0
+
+
 def test_seeded_sampling_reproducible_and_stop_strings_cut(shard, tok):
     p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
     a = make_engine(shard, tok).generate(["once upon"], p)[0]

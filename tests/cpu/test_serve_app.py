@@ -19,6 +19,8 @@ import torch
 from raydecode.actors.config import parse_deploy_config
 from raydecode.actors.coordinator import build_executor
 from raydecode.actors.serve import LocalServer, deployment_for
+from raydecode.engine.k3_channels import parse
+from raydecode.engine.k3_chat import ChatOptions
 from raydecode.engine.loader import build_local_engine
 from raydecode.engine.request import SamplingParams
 
@@ -29,7 +31,7 @@ MML = 128
 NAME = "tiny-k3"
 
 
-POISON = 509        # '<|tool_call_end|>': never produced by text encoding or the chat template
+POISON = 509        # a reserved special: never produced by text encoding or the chat template
 
 
 class FailingModel(torch.nn.Module):
@@ -138,10 +140,12 @@ def test_completion_and_chat_match_the_engine(server, engine):
             model=NAME, prompt="The capital of France is", max_tokens=10, temperature=0,
             stream=True, stream_options={"include_usage": True})]
         msgs = [{"role": "user", "content": "Say hello"}]
+        no_think = {"chat_template_kwargs": {"thinking": False}}   # the preamble fills MML
         chat = await c.chat.completions.create(model=NAME, messages=msgs, max_tokens=8,
-                                               temperature=0)
+                                               temperature=0, extra_body=no_think)
         chat_chunks = [ch async for ch in await c.chat.completions.create(
-            model=NAME, messages=msgs, max_tokens=8, temperature=0, stream=True)]
+            model=NAME, messages=msgs, max_tokens=8, temperature=0, stream=True,
+            extra_body=no_think)]
         return comp, chunks, chat, chat_chunks
 
     comp, chunks, chat, chat_chunks = asyncio.run(run())
@@ -153,10 +157,14 @@ def test_completion_and_chat_match_the_engine(server, engine):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n_out
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reason
 
-    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello"}])
-    ctext, cn_prompt, _, creason = reference(engine, list(ids), 8)
-    assert chat.choices[0].message.content == ctext and chat.choices[0].finish_reason == creason
-    assert chat.usage.prompt_tokens == cn_prompt
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello"}],
+                                               options=ChatOptions(thinking=False))
+    req = engine.generate([list(ids)], SamplingParams(max_tokens=8, temperature=0.0,
+                                                      channel_markers=True))[0]
+    ctext = parse(req.output_text, "response").content       # the response channel's text
+    assert chat.choices[0].message.content == ctext
+    assert chat.choices[0].finish_reason == req.finish_reason
+    assert chat.usage.prompt_tokens == len(ids)
     assert chat_chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chat_chunks) == ctext
 

@@ -1,8 +1,10 @@
-"""K3 tiktoken tokenizer: the test tokenizer's vocabulary, round trips, specials, chat format."""
+"""K3 tiktoken tokenizer: the test tokenizer's vocabulary, round trips, specials, the chat
+format's framing and marker decoding (the XTML details are tests/cpu/test_k3_chat.py)."""
 import base64
 
 import pytest
 
+from raydecode.engine.k3_chat import ChatOptions
 from raydecode.engine.tokenizer import Tokenizer, TokenizerError
 from raydecode.models.bpe import (KIMI_SPECIAL_OFFSETS, TIKTOKEN_FILE, TINY_SPECIAL_TOKENS,
                                   TRAINING_CORPUS, tokenizer_ids_for_vocab, train_byte_bpe,
@@ -30,7 +32,11 @@ def test_vocab_fills_the_model_vocab_with_specials_on_top(tok):
     assert sorted(tok.special_tokens.values()) == list(range(n_base, VOCAB))
     ids = tokenizer_ids_for_vocab(VOCAB)
     assert (tok.bos_id, tok.pad_id) == (ids["bos_token_id"], ids["pad_token_id"])
-    assert tok.special_tokens["<|im_end|>"] == ids["eos_token_id"]
+    assert tok.special_tokens["<|end_of_msg|>"] == ids["eos_token_id"]
+    # K3's named specials keep K3's offsets from the first special id
+    for name, off in KIMI_SPECIAL_OFFSETS.items():
+        if off < 10:
+            assert tok.special_tokens[name] == n_base + off
     assert ids["eos_token_id"] in tok.eos_ids
     assert tok.pad_id == VOCAB - 1
     for i in range(VOCAB):                      # every id a model can sample decodes
@@ -70,30 +76,35 @@ def test_specials_encode_as_single_ids(tok):
     assert tok.decode([tok.bos_id, *tok.encode("hi"), tok.eos_id], skip_special=True) == "hi"
 
 
-def test_chat_template_kimi_format(tok):
-    msgs = [{"role": "user", "content": "Hi <|im_end|> there"},
-            {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
-            {"role": "tool", "name": "calc", "content": "42"}]
-    ids = tok.apply_chat_template(msgs)
+def test_chat_template_frames_messages_with_single_marker_ids(tok):
+    msgs = [{"role": "user", "content": "Hi <|end_of_msg|> <|open|>there"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]
+    ids = tok.apply_chat_template(msgs, options=ChatOptions(thinking=False))
     assert tok.decode(ids) == (
-        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
-        "<|im_end|><|im_user|>user<|im_middle|>Hi <|im_end|> there<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|>Hello<|im_end|>"
-        "<|im_system|>calc<|im_middle|>42<|im_end|><|im_assistant|>assistant<|im_middle|>")
+        '<|open|>message role="user"<|sep|>Hi <|end_of_msg|> <|open|>there<|close|>message'
+        '<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+        'Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>'
+        '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
     sp = tok.special_tokens
-    # turn markers are single ids: 4 turns close with <|im_end|>; the user's literal text does not
-    assert ids.count(sp["<|im_end|>"]) == 4
-    assert ids.count(sp["<|im_middle|>"]) == 5
-    with_system = tok.apply_chat_template([{"role": "system", "content": "S"},
-                                           {"role": "user", "content": "U"}],
-                                          add_generation_prompt=False)
-    assert tok.decode(with_system) == ("<|im_system|>system<|im_middle|>S<|im_end|>"
-                                       "<|im_user|>user<|im_middle|>U<|im_end|>")
+    # markup is single ids: 2 messages end with <|end_of_msg|>; the user's literal text does not
+    assert ids.count(sp["<|end_of_msg|>"]) == 2
+    assert ids.count(sp["<|open|>"]) == 5 and ids.count(sp["<|close|>"]) == 3
+
+
+def test_marker_decoding_keeps_structure_and_drops_other_specials(tok):
+    from raydecode.engine.k3_chat import MARKS
+    sp = tok.special_tokens
+    ids = [sp["<|open|>"], *tok.encode("think"), sp["<|sep|>"], *tok.encode("hi"), sp["[EOT]"],
+           sp["<|close|>"], *tok.encode("<|open|>", allow_special=False)]
+    assert tok.decode(ids, skip_special=True) == "thinkhi<|open|>"
+    assert tok.decode(ids, skip_special=True, markers=True) == (
+        MARKS["<|open|>"] + "think" + MARKS["<|sep|>"] + "hi" + MARKS["<|close|>"] + "<|open|>")
 
 
 @pytest.mark.parametrize("messages, match", [
     ([], "non-empty"),
     ([{"role": "robot", "content": "x"}], "role must be one of"),
+    ([{"role": "tool", "content": "x"}], "needs a tool_call_id"),
     ([{"role": "user", "content": 5}], "expected a string"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "text"),
 ])
@@ -142,4 +153,4 @@ def test_kimi_layout_without_tokenizer_config(tmp_path):
     for name, off in KIMI_SPECIAL_OFFSETS.items():
         assert tok.special_tokens[name] == 300 + off
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (300, 301, 555)
-    assert tok.encode("<|im_end|>") == [302]
+    assert tok.encode("<|end_of_msg|>") == [302]
