@@ -26,7 +26,7 @@ from raydecode.actors.serve import LocalServer, _map_error
 from raydecode.engine.request import SamplingParams
 
 torch.set_num_threads(1)
-MML = 96
+MML = 512          # room for K3's chat template (~300 tokens) and an answer
 
 
 def cfg(**kw):
