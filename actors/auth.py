@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from pathlib import Path
 from typing import Iterable
+
+from raydecode.kernels import settings
 
 ENV_API_KEY = "RAYDECODE_API_KEY"
 
@@ -28,7 +29,7 @@ class APIKeyError(ValueError):
 
 def env_api_keys() -> list[str]:
     """The keys in $RAYDECODE_API_KEY (comma separated); [] when unset."""
-    return [k.strip() for k in os.environ.get(ENV_API_KEY, "").split(",") if k.strip()]
+    return [k.strip() for k in settings.api_keys().split(",") if k.strip()]
 
 
 def read_key_file(path: str | Path) -> list[str]:

@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
 
 from raydecode.engine.engine import EngineConfig
 from raydecode.engine.spec_engine import SpecConfig
+from raydecode.kernels.settings import DEFAULT_OPTIONS, OPTION_DOCS, DecodeOptions
 
 from .envelope import EnvelopePolicy
 
@@ -86,6 +87,46 @@ class EnvelopeOptions(_Model):
     max_batch: int = Field(
         default=64, ge=1, le=64,
         description="Largest non-speculative decode batch run on the specialized path (≤ 64).")
+
+
+def _opt(name: str):
+    """A deployment field for DecodeOptions.<name>: its default and its one-line meaning."""
+    return Field(default=getattr(DEFAULT_OPTIONS, name), description=OPTION_DOCS[name] + ".")
+
+
+class DecodeOptionsConfig(_Model):
+    """What the specialized decode step runs on every rank of the replica (kernels/settings.py
+    DecodeOptions; the defaults are the served kernels). Carried to the ranks with the shard
+    spec; no rank reads these from its environment."""
+    moe_fused: bool = _opt("moe_fused")
+    ffn_out_fused: bool = _opt("ffn_out_fused")
+    mla_absorbed_q: bool = _opt("mla_absorbed_q")
+    attnres_bank: bool = _opt("attnres_bank")
+    attnres_cute: bool = _opt("attnres_cute")
+    skinny_max_m: int = _opt("skinny_max_m")
+    moe_max_pairs: int = _opt("moe_max_pairs")
+    moe_kernel: Literal["auto", "cuda_core", "resident"] = _opt("moe_kernel")
+    moe_resident_predecode: int = _opt("moe_resident_predecode")
+    kda_splits: int | None = _opt("kda_splits")
+    router_gather: bool = _opt("router_gather")
+    mla_pre_tile: bool = _opt("mla_pre_tile")
+    step_graphs: bool | None = Field(
+        default=None, description="Whole-step CUDA graphs per batch bucket: null (auto: on for "
+                                  "CUDA ranks whose model the graphs support), true (forced), "
+                                  "false (eager Python launches).")
+    oneshot_allreduce: bool = Field(
+        default=True, description="The one-shot all-reduce over CUDA-IPC peer buffers for the "
+                                  "model's bf16 hidden-width all-reduces of CUDA ranks (false: "
+                                  "every all-reduce on NCCL).")
+
+    @model_validator(mode="after")
+    def _valid(self) -> "DecodeOptionsConfig":
+        self.options()          # ValueError naming the field and what is accepted
+        return self
+
+    def options(self) -> DecodeOptions:
+        """The frozen options the ranks build their model with."""
+        return DecodeOptions(**self.model_dump(exclude={"step_graphs", "oneshot_allreduce"}))
 
 
 class StockPoolOptions(_Model):
@@ -202,6 +243,10 @@ class DeployConfig(_Model):
     placement: PlacementOptions = Field(default_factory=PlacementOptions,
                                         description="Where ranks may run and under which profile.")
     serve: ServeOptions = Field(default_factory=ServeOptions, description="Ray Serve options.")
+    decode: DecodeOptionsConfig = Field(
+        default_factory=DecodeOptionsConfig,
+        description="What the specialized decode step runs (kernels and fused blocks); the "
+                    "defaults are the served ones.")
     default_chat_template_kwargs: dict | None = Field(
         default=None, description="Chat template options for requests that do not set them "
                                   "(vLLM's --default-chat-template-kwargs): 'thinking' (or "
@@ -263,6 +308,10 @@ class DeployConfig(_Model):
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             block_size=self.block_size,
                             dcp_size=self.decode_context_parallel_size)
+
+    def decode_options(self) -> DecodeOptions:
+        """The replica's DecodeOptions (the `decode` section), for every rank's shard spec."""
+        return self.decode.options()
 
     def envelope_policy(self) -> EnvelopePolicy:
         return EnvelopePolicy(enabled=self.envelope.enabled, max_batch=self.envelope.max_batch,

@@ -124,7 +124,6 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
             from raydecode.models.parallel import LocalComm, Parallel
 
             return LocalReplicaExecutor(load_spec_runner(spec, Parallel(), LocalComm(), device))
-        from raydecode.engine.step_graph import setting as step_graphs_setting
         from raydecode.models.parallel import LocalComm, Parallel
 
         from .rank_worker import ShardSpec, load_runner, prepare_runner
@@ -132,7 +131,7 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
         shard = ShardSpec(model=str(config.model), dtype=config.resolved_dtype(),
                           num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
                           block_size=ecfg.block_size, max_model_len=ecfg.max_model_len,
-                          step_graphs=step_graphs_setting())
+                          step_graphs=_step_graphs(config), decode=config.decode_options())
         runner = load_runner(shard, Parallel(), LocalComm(), device)
         prepare_runner(runner, Parallel(), device)       # kernels, then the step graphs
         return LocalReplicaExecutor(runner)
@@ -153,8 +152,19 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
         num_blocks=ecfg.blocks, block_size=ecfg.block_size,
         step_timeout_s=config.rank_step_timeout_s, placement=placement,
         domain_verified=verified, num_cpus_per_rank=rank_cpus, max_model_len=ecfg.max_model_len,
+        step_graphs=_step_graphs(config), decode=config.decode_options(),
+        oneshot_allreduce=config.decode.oneshot_allreduce,
         # a speculating replica's SpecRunner stays eager: no step graphs (rank_group.py)
         runner_factory=None if spec is None else spec_runner_factory(spec))
+
+
+def _step_graphs(config: DeployConfig) -> bool | None:
+    """decode.step_graphs of the deployment, else RAYDECODE_STEP_GRAPHS of this process (None:
+    auto, on for CUDA ranks whose model the graphs support)."""
+    from raydecode.engine.step_graph import setting
+
+    s = config.decode.step_graphs
+    return setting() if s is None else s
 
 
 def _spec_shard(config: DeployConfig, ecfg):
@@ -165,7 +175,8 @@ def _spec_shard(config: DeployConfig, ecfg):
 
     return SpecShardSpec(model=config.model, draft=config.drafter,
                          dtype=config.resolved_dtype(), num_slots=ecfg.max_num_seqs,
-                         num_blocks=ecfg.blocks, block_size=ecfg.block_size)
+                         num_blocks=ecfg.blocks, block_size=ecfg.block_size,
+                         decode=config.decode_options())
 
 
 def _model_config(spec: str):

@@ -33,6 +33,7 @@ from raydecode.engine.plan_codec import decode_result, encode_plan, stop_frame
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_channel import ChannelClosed, ChannelServer, RankRaised, RankSilent
 from raydecode.engine.step_graph import bucket_for, setting as step_graphs_setting
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from raydecode.models.specialized import check_path
 
 from .rank_worker import RankWorker, RunnerFactory, ShardSpec, load_runner
@@ -57,6 +58,7 @@ class GroupOptions:
     num_cpus_per_rank: float = 1.0
     placement: object | None = None    # cluster.placement.ReplicaPlacement: rank_strategy(r)
     domain_verified: bool = False      # the group lies in one verified NVLink domain
+    oneshot_allreduce: bool = True     # decode.oneshot_allreduce of the deployment
 
     def __post_init__(self) -> None:
         for name in ("step_timeout_s", "init_timeout_s"):
@@ -117,7 +119,8 @@ class RankGroupExecutor:
                 if opts.placement is not None:
                     o["scheduling_strategy"] = _rank_strategy(opts.placement, rank)
                 self.workers.append(remote.options(**o).remote(
-                    rank, opts.tp_size, opts.dcp_size, factory, self.replica_id))
+                    rank, opts.tp_size, opts.dcp_size, factory, self.replica_id,
+                    oneshot_allreduce=opts.oneshot_allreduce))
             t = opts.init_timeout_s
             host, port = self._wait([self.workers[0].open_store.remote(t)],
                                     "open the rendezvous", t)[0]
@@ -240,8 +243,10 @@ class RankGroupExecutor:
                 late.append(r)
         return late
 
-    def close(self) -> None:
-        """Kill every rank actor (also those blocked in a collective); idempotent."""
+    def close(self, wait_s: float | None = None) -> None:
+        """Kill every rank actor (also those blocked in a collective); idempotent. Returns once
+        every actor answers as dead, or after wait_s (ray.kill is asynchronous, and a rank's
+        main thread stays free to answer calls while its step loop runs); None: CLOSE_WAIT_S."""
         self.healthy = False
         if getattr(self, "channel", None) is not None:
             self.channel.close()
@@ -251,6 +256,14 @@ class RankGroupExecutor:
                 ray.kill(w, no_restart=True)
             except Exception:     # already dead
                 pass
+        deadline = time.monotonic() + (CLOSE_WAIT_S if wait_s is None else wait_s)
+        for w in self.workers:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(w.ping.remote(), timeout=max(0.01, deadline - time.monotonic()))
+                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                    break           # dead (or too slow to matter)
+                time.sleep(0.02)
         if hasattr(self.opts.placement, "remove"):        # a ReplicaPlacement we own
             try:
                 self.opts.placement.remove()
@@ -325,6 +338,7 @@ class RankGroupExecutor:
 
 
 FAILURE_GRACE_S = 5.0
+CLOSE_WAIT_S = 10.0           # close() waits at most this long for the killed actors to be gone
 PROGRESS_TIMEOUT_S = 2.0      # a rank that cannot report its progress by then counts as late
 
 
@@ -367,7 +381,9 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
                              num_gpus_per_rank: float | None = None,
                              runner_factory: RunnerFactory | None = None,
                              max_model_len: int | None = None,
-                             step_graphs: bool | None = None) -> RankGroupExecutor:
+                             step_graphs: bool | None = None,
+                             decode: DecodeOptions = DEFAULT_OPTIONS,
+                             oneshot_allreduce: bool = True) -> RankGroupExecutor:
     """A started TP group of `tp` rank actors for `model` (preset or checkpoint folder).
 
     Each rank loads only its shard and owns caches for num_slots sequences and num_blocks
@@ -379,7 +395,9 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
     spec_runner_factory(...)). step_graphs (None: RAYDECODE_STEP_GRAPHS on this driver, and
     unset there: auto, `step_graph.resolve`): the default factory builds GraphedRunners, each
     capturing every bucket at build; max_model_len
-    bounds their block-table width. A runner_factory ignores both (SpecRunner stays eager)."""
+    bounds their block-table width. A runner_factory ignores both (SpecRunner stays eager).
+    decode / oneshot_allreduce: the deployment's `decode:` section (every rank's model is built
+    with these options; the one-shot all-reduce on or off)."""
     from raydecode.models.parallel import Parallel
 
     Parallel(0, tp, dcp)          # validates tp >= 1 and dcp | tp with a clear message
@@ -387,11 +405,12 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
         num_gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     spec = ShardSpec(model=str(model), dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
                      block_size=block_size, max_model_len=max_model_len,
-                     step_graphs=step_graphs_setting() if step_graphs is None else step_graphs)
+                     step_graphs=step_graphs_setting() if step_graphs is None else step_graphs,
+                     decode=decode)
     opts = GroupOptions(tp_size=tp, dcp_size=dcp, step_timeout_s=step_timeout_s,
                         init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
                         num_cpus_per_rank=num_cpus_per_rank, placement=placement,
-                        domain_verified=domain_verified)
+                        domain_verified=domain_verified, oneshot_allreduce=oneshot_allreduce)
     return RankGroupExecutor(runner_factory or functools.partial(load_runner, spec), opts)
 
 

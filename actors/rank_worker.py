@@ -26,10 +26,12 @@ import torch
 
 from raydecode.engine.plan_codec import decode_plan, encode_result, error_frame
 from raydecode.engine.runner import ModelRunner
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_channel import ChannelAddress, ChannelClient, ChannelClosed
 from raydecode.engine.step_graph import (BUCKETS, GraphedRunner, bucket_for, graph_cache_sizes,
                                          resolve)
+from raydecode.kernels import settings
 from raydecode.models.parallel import Comm, Parallel, TorchComm
 from raydecode.models.specialized import PATHS
 
@@ -51,6 +53,7 @@ class ShardSpec:
     block_size: int = 16
     max_model_len: int | None = None   # bounds a graph's block-table width; None: num_blocks
     step_graphs: bool | None = None    # GraphedRunner + capture at build; None: auto (resolve)
+    decode: DecodeOptions = DEFAULT_OPTIONS   # the deployment's `decode:` section
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -79,7 +82,8 @@ def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> Mode
     if graphs:
         ns, nb = graph_cache_sizes(spec.num_slots, spec.num_blocks, spec.graph_buckets)
     shard = load_shard(spec.model, par, comm, dtype=spec.dtype, device=device,
-                       num_slots=ns, num_blocks=nb, block_size=spec.block_size)
+                       num_slots=ns, num_blocks=nb, block_size=spec.block_size,
+                       options=spec.decode)
     if not graphs:
         return ModelRunner(shard.model, shard.caches, device)
     runner = GraphedRunner(shard.model, shard.caches, device, num_slots=spec.num_slots,
@@ -106,7 +110,8 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
     if support[0] and str(device).startswith("cuda"):
         from raydecode.kernels.aot import prepare_kernel_cache
         # the shard's own layout (a solo-rank benchmark model plays rank 0 of a larger TP)
-        events = prepare_kernel_cache(runner.model.cfg, getattr(runner.model, "par", par))
+        events = prepare_kernel_cache(runner.model.cfg, getattr(runner.model, "par", par),
+                                      plan=getattr(runner.model, "decode_plan", None))
         kernels = None if events is None else {
             "compiled": sum(e.get("action") == "compiled" for e in events),
             "loaded": sum(e.get("action") == "loaded" for e in events)}
@@ -123,9 +128,10 @@ class RankWorker:
     """Plain class; wrapped with ray.remote by the executor (num_gpus=1 on GPU hosts)."""
 
     def __init__(self, rank: int, tp_size: int, dcp_size: int, factory: RunnerFactory,
-                 replica_id: str, backend: str | None = None):
+                 replica_id: str, backend: str | None = None, oneshot_allreduce: bool = True):
         self.par = Parallel(tp_rank=rank, tp_size=tp_size, dcp_size=dcp_size)
         self.factory, self.replica_id = factory, replica_id
+        self.oneshot_allreduce = oneshot_allreduce       # the deployment's decode section
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.backend = backend or ("nccl" if self.device == "cuda" else "gloo")
         self.runner: ModelRunner | None = None
@@ -137,7 +143,7 @@ class RankWorker:
         self._started, self._done, self._done_at = -1, -1, 0.0
         # one intra-op thread: ranks share the host's cores, and spinning OpenMP pools of
         # several processes on the same cores cost 10-20x on a loaded CPU
-        torch.set_num_threads(max(1, int(os.environ.get("RAYDECODE_RANK_THREADS", "1"))))
+        torch.set_num_threads(settings.rank_threads())
 
     def open_store(self, timeout_s: float = 120.0) -> tuple[str, int]:
         """Rank 0 only: a TCPStore on an OS-chosen port; returns (host, port) for the others."""
@@ -262,7 +268,7 @@ class RankWorker:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.comm.connect(min(ONESHOT_MAX_TOKENS, sms), model.cfg.hidden_size, dev,
                           dtype=getattr(model, "dtype", torch.float32),
-                          enable=os.environ.get("RAYDECODE_ONESHOT_ALLREDUCE", "1") != "0")
+                          enable=self.oneshot_allreduce and settings.oneshot_allreduce())
 
     def step(self, plan: StepPlan):
         """Run the plan on this shard (on plan.path); rank 0 samples on the device and returns
@@ -276,7 +282,10 @@ class RankWorker:
     def stats(self) -> dict:
         import ray
 
+        options = getattr(getattr(self.runner, "model", None), "options", None)
         return {"rank": self.par.tp_rank, "pid": os.getpid(), "steps": dict(self.steps),
+                "decode_options": None if options is None else repr(options),
+                "oneshot_allreduce": self.oneshot_allreduce,
                 "placement_group": ray.get_runtime_context().get_placement_group_id()}
 
     def gpu_ids(self) -> list:

@@ -6,13 +6,15 @@ once to the cache folder ($RAYDECODE_CACHE or ~/.cache/raydecode) and loaded lik
 """
 from __future__ import annotations
 
-import os
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from raydecode.kernels import settings
+from raydecode.kernels.settings import DecodeOptions
 from raydecode.models.cache import ModelCaches
 from raydecode.models.config import PRESETS, ConfigError, K3Config, load_config
 from raydecode.models.parallel import Comm, LocalComm, Parallel
@@ -21,6 +23,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16}
 
 TINY_SEED = 0
+log = logging.getLogger(__name__)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -30,7 +33,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RAYDECODE_CACHE", Path.home() / ".cache" / "raydecode"))
+    return settings.model_cache_dir()
 
 
 def resolve_checkpoint(spec: str | Path) -> Path:
@@ -76,13 +79,21 @@ class LoadedShard:
 
 def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None = None,
                dtype: str = "float32", device: str = "cpu", num_slots: int = 16,
-               num_blocks: int = 256, block_size: int = 16) -> LoadedShard:
+               num_blocks: int = 256, block_size: int = 16,
+               options: DecodeOptions | None = None) -> LoadedShard:
+    """This rank's model shard (built with the replica's DecodeOptions; None: the served
+    defaults), its decode plan resolved for this device (`model.decode_plan`, logged) and its
+    caches."""
     from raydecode.models.k3 import make_caches
     from raydecode.models.weights import load_model
 
     path = resolve_checkpoint(spec)
     dt = parse_dtype(dtype)
-    cfg, model = load_model(path, par, comm or LocalComm(), dt, device)
+    cfg, model = load_model(path, par, comm or LocalComm(), dt, device, options=options)
+    plan = model.decode_plan                         # resolved once, at the rank's build
+    log.info("rank %d/%d decode plan: %s", par.tp_rank, par.tp_size,
+             "; ".join(f"M={s.tokens} moe={s.moe.kernel if s.moe else '-'} "
+                       f"fused_block={s.fusions.moe_block}" for s in plan.steps))
     caches = make_caches(cfg, par, num_slots=num_slots, num_blocks=num_blocks,
                          block_size=block_size, dtype=dt, device=device)
     return LoadedShard(cfg, model, caches, path)

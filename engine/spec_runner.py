@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from raydecode.kernels.settings import DecodeOptions
 from raydecode.models.cache import KDAStateCache, SeqSlice, StepBatch
 from raydecode.models.kda import kda_recurrent
 
@@ -255,6 +256,7 @@ class SpecShardSpec:
     num_blocks: int = 256
     block_size: int = 16
     seed: int = 0                        # random weights of a preset drafter
+    decode: DecodeOptions | None = None  # the target's decode options; None: served defaults
 
 
 def resolve_drafter(draft: str | None, model: str) -> str:
@@ -282,7 +284,8 @@ def load_spec_runner(spec: SpecShardSpec, par, comm, device: str = "cpu") -> Spe
     from .loader import parse_dtype, resolve_checkpoint
 
     dt = parse_dtype(spec.dtype)
-    cfg, model = load_model(resolve_checkpoint(spec.model), par, comm, dt, device)
+    cfg, model = load_model(resolve_checkpoint(spec.model), par, comm, dt, device,
+                            options=spec.decode)
     drafter = load_drafter(resolve_drafter(spec.draft, spec.model), model, par, comm, dt, device,
                            seed=spec.seed)
     caches = make_caches(cfg, par, spec.num_slots, spec.num_blocks, spec.block_size, dt, device,

@@ -1,6 +1,6 @@
 """One CUDA graph per batch bucket for the whole specialized decode step (DESIGN §4, lever 5).
 On by default for CUDA ranks (`setting`, `resolve`: RAYDECODE_STEP_GRAPHS unset; '0' turns them
-off, '1' forces them); verified on H200 (docs/PERF.md rounds 12-13).
+off, '1' forces them); measured on H200 in docs/PERF.md.
 
 A graph replays fixed kernels on fixed addresses, so everything the decode-only specialized
 forward reads per step lives in preallocated device tensors of one bucket B (`StepStatics`):
@@ -30,30 +30,26 @@ lm_head GEMV reads the same weights at B = 1..64) and the first T returned.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from raydecode.kernels import kda_decode as kda_decode_op
+from raydecode.kernels import settings
 from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
+from raydecode.models.decode_plan import BUCKETS     # the plan's batch buckets (DESIGN §3)
 
 from .runner import ModelRunner
 from .scheduler import StepPlan
 
 ENV = "RAYDECODE_STEP_GRAPHS"
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # DESIGN §3: non-speculative specialized batch ≤ 64
 PAD_POS = 1          # scratch rows' position: > 0 as the fused KDA path needs
 _PAD = object()      # a table row holding the scratch block only
 
 
 def setting() -> bool | None:
     """RAYDECODE_STEP_GRAPHS: '1' on, '0' off, unset or '' -> None: auto (`resolve`)."""
-    v = os.environ.get(ENV, "")
-    if v not in ("0", "1", ""):
-        raise ValueError(f"{ENV}={v!r}; accepted: '1' (graphs on), '0' (off) or unset (auto: "
-                         "on for CUDA ranks whose model the graphs support)")
-    return None if v == "" else v == "1"
+    return settings.step_graphs()
 
 
 def resolve(step_graphs: bool | None, device) -> bool:

@@ -1,4 +1,4 @@
-"""Inline-PTX device helpers shared by the resident CuTe kernels (kernels/resident_chain_cute.py,
+"""Inline-PTX device helpers shared by the resident CuTe kernels (kernels/experimental/resident_chain_cute.py,
 kernels/moe_resident_cute.py): gpu-scope counters for grid-wide dependencies and L2 loads.
 
 Only defined where cutlass imports (the kernels that call them are only traced there). The

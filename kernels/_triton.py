@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from raydecode.kernels import settings
+
 try:  # CPU-only installs have no Triton: the references serve them
     import triton
     import triton.language as tl
@@ -29,7 +31,7 @@ except Exception:  # ImportError, or a broken install
     triton = tl = None
 
 # RAYDECODE_TRITON_PDL=0 turns it off (A/B timing; a profile without the overlap)
-PDL_DEFAULT = os.environ.get("RAYDECODE_TRITON_PDL", "1") != "0"
+PDL_DEFAULT = settings.triton_pdl()
 pdl_enter = tanh_f32 = None    # the @triton.jit helpers below, when Triton imports
 
 

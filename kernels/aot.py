@@ -1,17 +1,18 @@
-"""Ahead-of-time kernel plan for one replica, and the start-up hook that fills the node cache.
+"""The node kernel cache's compile list for one replica, and the start-up hook that fills it.
 
-    plan_kernels(cfg, tp, buckets, arch)  -> KernelPlan: every CuTe GEMV `linear` sends to CuTe
-        for this (model, TP, M bucket) — `decode_gemv_shapes` × M ∈ buckets with
-        `linear_uses_cute(M, N, K)` and `config_for(M, N, K)`, each with its output dtype
-        (`params.gemv_out_dtype`: an fp32-out GEMV is a kernel of its own) — the fused ffn_out
-        kernel and the resident MoE kernel where the specialized block launches them, plus the
-        Triton launches whose signature the config fixes (`aot_triton.triton_specs`); shapes
-        that go to cuBLAS or have no GEMV mapping are listed in `skipped` with the reason.
+    kernel_plan(decode_plan, arch) -> KernelPlan: exactly the CuTe kernels the replica's decode
+        plan (models/decode_plan.py) lists — its CuTe GEMVs, each with its output dtype (an
+        fp32-out GEMV is a kernel of its own), the fused ffn_out kernels and the resident MoE
+        launches — with every other GEMV (cuBLAS, the skinny GEMM's Triton JIT, no mapping) in
+        `skipped` with the reason.
+    plan_kernels(cfg, tp, buckets, arch, options) -> the same for a plan resolved from the
+        config, plus the Triton launches whose signature the config fixes
+        (`aot_triton.triton_specs`).
     warm(plan, root)  -> compiles what the cache dir lacks (one process per kernel per node, the
         others wait on the kernel's flock and load), returns per-kernel events.
-    prepare_kernel_cache(cfg, par, buckets) -> the rank-worker hook: run before CUDA-graph capture
-        so capture never meets a compile; a no-op returning None when RAYDECODE_KERNEL_CACHE is
-        unset.
+    prepare_kernel_cache(cfg, par, buckets, plan=...) -> the rank-worker hook: run before
+        CUDA-graph capture so capture never meets a compile; a no-op returning None when
+        RAYDECODE_KERNEL_CACHE is unset.
 
 The store (objects, locks, manifest) is kernels/aot_store.py; the CuTe GEMV loads from it via
 `kernels.gemv._compiled`, so a rank that warmed the cache (or found it warm) never JITs a GEMV.
@@ -31,6 +32,7 @@ from raydecode.kernels.aot_store import (
     file_lock, load_or_compile_gemv, use_triton_cache, versions,
 )
 from raydecode.kernels.aot_triton import TritonSpec, compile_spec, triton_specs
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 DEFAULT_BUCKETS = (1, 2)
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}   # params.gemv_out_dtype -> torch
@@ -71,7 +73,7 @@ class NormSituItem:
 @dataclass(frozen=True)
 class ResidentMoEItem:
     """The resident MoE kernel (kernels/moe_resident_cute.py) where `moe_decode` serves the
-    model's experts with it (moe_mxfp4_decode_mma.RESIDENT): its whole launch plan, which
+    model's experts with it (moe_decode.RESIDENT): its whole launch plan, which
     includes the GPU's SM count."""
     plan: object                      # kernels.moe_resident_cute.ResidentMoEPlan
     name: str = "moe_resident"
@@ -109,97 +111,60 @@ def check_buckets(buckets) -> tuple[int, ...]:
     return tuple(sorted(set(b)))
 
 
-def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
-                 path: str = "specialized", sm_count: int | None = None) -> KernelPlan:
-    """What one rank of a (cfg, TP) replica compiles for decode at these M buckets on `arch`.
-    sm_count: the GPU's SMs, which the resident MoE kernel's grid is (None: this process's GPU;
-    without one that kernel is listed in `skipped`)."""
-    from raydecode.kernels.gemv import config_for, linear_uses_cute
-    from raydecode.models.params import ShardError, decode_gemv_shapes, gemv_out_dtype
+def kernel_plan(plan, arch: str = "sm_90a", triton: tuple = ()) -> KernelPlan:
+    """The kernels a decode plan (models/decode_plan.py `DecodePlan`) needs compiled on
+    `arch`: its CuTe GEMVs (one kernel per (dtype, M, N, K, config, out dtype)), the fused
+    ffn_out kernels and the resident MoE launches it lists; every other GEMV in `skipped`
+    with the reason (cuBLAS, the skinny GEMM's Triton JIT, no mapping), and a resident MoE
+    the plan could not size (no SM count) too. `triton`: the TritonSpecs to compile offline."""
+    from raydecode.kernels import gemv as G
 
-    buckets, arch = check_buckets(buckets), check_arch(arch)
-    try:
-        shapes = decode_gemv_shapes(cfg, tp, path)
-    except ShardError as e:
-        raise KernelCacheError(f"TP = {tp} does not shard model {cfg.name!r}: {e}") from e
-    gemvs, skipped, seen = [], [], set()
-    for name, (N, K) in shapes.items():
-        for M in buckets:
-            if not linear_uses_cute(M, N, K):
-                skipped.append((name, M, N, K, "cuBLAS (linear_uses_cute is False)"))
+    arch = check_arch(arch)
+    gemvs, skipped, fused, moe, seen = [], [], [], [], set()
+    for step in plan.steps:
+        for g in step.gemvs:
+            if g.kernel != "cute":
+                skipped.append((g.name, g.M, g.N, g.K, g.why))
                 continue
-            try:
-                cfg_m = config_for(M, N, K)
-            except ValueError as e:
-                skipped.append((name, M, N, K, f"no GEMV mapping: {e}"))
-                continue
-            out = OUT_DTYPES[gemv_out_dtype(name, path)]
-            item = GemvItem(name, M, N, K, cfg_m, out_dtype=out)
+            item = GemvItem(g.name, g.M, g.N, g.K, g.config, out_dtype=OUT_DTYPES[g.out_dtype])
             if item.kernel_key not in seen:     # two weights of one shape share a kernel
                 seen.add(item.kernel_key)
                 gemvs.append(item)
-    moe_items = _moe_items(cfg, tp, buckets, path, sm_count, skipped)
-    return KernelPlan(cfg.name, tp, buckets, arch, tuple(gemvs), tuple(triton_specs(cfg, tp)),
-                      tuple(skipped), _fused_items(cfg, tp, buckets, shapes, path), moe_items)
+        if step.ffn_out is not None:
+            M, N, K, D, n, I, ys, lin = step.ffn_out
+            fused.append(NormSituItem(M, N, K, D, n, I, ys, lin, G.config_for(
+                M, N, K, plan.options.gemv_l2_prefetch_mib, plan.options.gemv_configs)))
+        m = step.moe
+        if m is not None and m.kernel == "resident":
+            moe.append(ResidentMoEItem(m.config))
+        elif m is not None and m.wanted == "resident":
+            E, I, L = m.experts
+            skipped.append(("moe_resident", m.tokens, L, I, m.why))
+    return KernelPlan(plan.model, plan.tp, plan.buckets, arch, tuple(gemvs), tuple(triton),
+                      tuple(skipped), tuple(fused), tuple(moe))
 
 
-def _moe_items(cfg, tp, buckets, path, sm_count, skipped) -> tuple[ResidentMoEItem, ...]:
-    """The resident MoE kernel at each bucket `moe_decode` sends to it: the (E, I/TP, L, M) in
-    moe_mxfp4_decode_mma.RESIDENT, MXFP4 experts, the plan `_resident_plan` builds (fp32 z in
-    the fused block of a bf16 model, as `_forward_fused` passes it)."""
-    from raydecode.kernels import moe_mxfp4_decode_mma as DM
-    from raydecode.kernels import moe_resident_cute as R
-    from raydecode.models.moe import routed_experts_mxfp4
-    from raydecode.models.params import moe_block_fused
+def plan_kernels(cfg, tp: int, buckets=DEFAULT_BUCKETS, arch: str = "sm_90a",
+                 path: str = "specialized", sm_count: int | None = None,
+                 options: DecodeOptions = DEFAULT_OPTIONS, plan=None) -> KernelPlan:
+    """What one rank of a (cfg, TP) replica compiles for decode at these M buckets on `arch`:
+    `kernel_plan` of the replica's decode plan (`plan`, or resolved here from cfg, TP and
+    options) plus the Triton launches whose signature the config fixes. sm_count: the GPU's
+    SMs, which the resident MoE kernel's grid is (None: this process's GPU; without one that
+    kernel is listed in `skipped`)."""
+    from raydecode.models.decode_plan import ShardError, resolve_plan
 
-    m = cfg.moe
-    if path != "specialized" or m is None or m.num_experts == 0 or tp < 1 \
-            or m.expert_intermediate % tp:
-        return ()
-    I = m.expert_intermediate // tp
-    wanted = [M for M in buckets if (m.num_experts, I, m.latent_size, M) in DM.RESIDENT]
-    if not wanted or not routed_experts_mxfp4(cfg):
-        return ()
-    if sm_count is None:
-        if not torch.cuda.is_available():
-            skipped += [("moe_resident", M, m.latent_size, I,
-                         "needs the GPU's SM count (pass sm_count)") for M in wanted]
-            return ()
-        dev = torch.cuda.current_device()
-        sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
-    z_fp32 = cfg.dtype == "bfloat16" and moe_block_fused(cfg)
-    kw = {} if DM.RESIDENT_PREDECODE is None else {"predecode": DM.RESIDENT_PREDECODE}
-    items = []
-    for M in wanted:
+    buckets, arch = check_buckets(buckets), check_arch(arch)
+    if plan is None:
+        if sm_count is None and torch.cuda.is_available():
+            sm_count = torch.cuda.get_device_properties(
+                torch.cuda.current_device()).multi_processor_count
         try:
-            items.append(ResidentMoEItem(R.ResidentMoEPlan(
-                tokens=M, top_k=m.top_k, num_experts=m.num_experts, intermediate=I,
-                latent=m.latent_size, ctas=sm_count, beta=float(cfg.situ_beta),
-                linear_beta=None if cfg.situ_linear_beta is None else float(cfg.situ_linear_beta),
-                z_fp32=z_fp32, **kw)))
-        except ValueError as e:
-            skipped.append(("moe_resident", M, m.latent_size, I, str(e)))
-    return tuple(items)
-
-
-def _fused_items(cfg, tp, buckets, shapes, path) -> tuple[NormSituItem, ...]:
-    """The fused ffn_out kernel at each bucket the fused MoE block launches it (models/moe.py
-    `_forward_fused` with FUSED_FFN_OUT, a bf16 model)."""
-    from raydecode.kernels import gemv_norm_situ as NS
-    from raydecode.kernels.gemv import config_for
-    from raydecode.models.params import moe_block_fused
-
-    if path != "specialized" or "ffn_out" not in shapes or cfg.dtype != "bfloat16" \
-            or not moe_block_fused(cfg):
-        return ()
-    N, K = shapes["ffn_out"]
-    D, n, I = cfg.moe.latent_size, shapes["latent_down"][0], shapes["shared_gate"][0]
-    ys, gu0 = shapes["h2_proj"][0], shapes["router"][0] + n    # gate ‖ up = y[:, gu0:]
-    if ys % 4 or gu0 % 4:       # fp32 rows / the slice start off 16 bytes: `supports` declines
-        return ()
-    return tuple(NormSituItem(M, N, K, D, n, I, ys, cfg.situ_linear_beta is not None,
-                              config_for(M, N, K))
-                 for M in buckets if NS.shape_ok(M, N, K, D, n, I))
+            plan = resolve_plan(cfg, tp, options, buckets, sm_count=sm_count, path=path)
+        except ShardError as e:
+            raise KernelCacheError(f"TP = {tp} does not shard model {cfg.name!r}: {e}") from e
+    specs = triton_specs(cfg, tp, plan.options) if plan.path == "specialized" else ()
+    return kernel_plan(plan, arch, tuple(specs))
 
 
 def _arch_or_none() -> str | None:
@@ -304,17 +269,20 @@ def warm(plan: KernelPlan, root: Path, triton: bool = True, log=None) -> list[di
     return events
 
 
-def prepare_kernel_cache(cfg, par, buckets=DEFAULT_BUCKETS, root=None) -> list[dict] | None:
+def prepare_kernel_cache(cfg, par, buckets=DEFAULT_BUCKETS, root=None,
+                         plan=None) -> list[dict] | None:
     """Rank start-up hook (compile before capture): warm the node cache for this replica's
-    kernels, so the GEMVs load from it and Triton's JIT hits its shared disk cache. None when no
-    cache is configured ($RAYDECODE_KERNEL_CACHE unset) — the kernels then JIT as before."""
+    kernels, so the GEMVs load from it and Triton's JIT hits its shared disk cache. plan: the
+    model's decode plan (K3ForCausalLM.decode_plan, resolved at build with the replica's
+    options; None: resolved here with the served defaults). None when no cache is configured
+    ($RAYDECODE_KERNEL_CACHE unset) — the kernels then JIT as before."""
     root = cache_dir(root)
     if root is None:
         return None
     use_triton_cache(root)
-    plan = plan_kernels(cfg, par.tp_size, buckets, current_arch())
-    return warm(plan, root)
+    kp = plan_kernels(cfg, par.tp_size, buckets, current_arch(), plan=plan)
+    return warm(kp, root)
 
 
 __all__ = ["DEFAULT_BUCKETS", "ENV", "GemvItem", "KernelPlan", "NormSituItem", "ResidentMoEItem",
-           "check_buckets", "plan_kernels", "prepare_kernel_cache", "warm"]
+           "check_buckets", "kernel_plan", "plan_kernels", "prepare_kernel_cache", "warm"]

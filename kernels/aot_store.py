@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from raydecode.kernels import settings
+
 log = logging.getLogger(__name__)
 
 ENV = "RAYDECODE_KERNEL_CACHE"
@@ -50,7 +52,7 @@ class KernelCacheError(ValueError):
 
 def cache_dir(explicit: str | os.PathLike | None = None) -> Path | None:
     """The cache directory: `explicit`, else $RAYDECODE_KERNEL_CACHE, else None (no persistence)."""
-    raw = os.fspath(explicit) if explicit is not None else os.environ.get(ENV, "")
+    raw = os.fspath(explicit) if explicit is not None else settings.kernel_cache_dir()
     if not raw:
         return None
     p = Path(raw).expanduser().resolve()

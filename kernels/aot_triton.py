@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from raydecode.kernels.router_triton import GATHER_DEFAULT, SORT_DEFAULT
+from raydecode.kernels.router_triton import SORT_DEFAULT
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
@@ -51,7 +52,7 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def triton_specs(cfg, tp: int = 1) -> list[TritonSpec]:
+def triton_specs(cfg, tp: int = 1, options: DecodeOptions = DEFAULT_OPTIONS) -> list[TritonSpec]:
     """The decode-path Triton launches whose signature follows from the model config and TP:
     the fused router top-k, and the fused MoE block's latent norm + SiTU (models/moe.py
     `_forward_fused` → `latent_norm_situ`; its widths are 1/TP, from `decode_gemv_shapes`).
@@ -72,9 +73,9 @@ def triton_specs(cfg, tp: int = 1) -> list[TritonSpec]:
             (("ptr", "float32"), ("int", E), ("ptr", "float32"), ("ptr", "float32"),
              ("ptr", "int64"), ("int", E), ("float", 1.0)),
             (("K", k), ("KP", _next_pow2(k)), ("BLOCK_E", be), ("HAS_BIAS", True),
-             ("RENORM", True), ("SORT", SORT_DEFAULT), ("GATHER", GATHER_DEFAULT),
+             ("RENORM", True), ("SORT", SORT_DEFAULT), ("GATHER", options.router_gather),
              ("num_warps", max(1, min(8, be // 256)))) + PDL_KW))
-        if moe_block_fused(cfg) and cfg.dtype == "bfloat16":
+        if options.moe_fused and moe_block_fused(cfg) and cfg.dtype == "bfloat16":
             sh = decode_gemv_shapes(cfg, tp, "specialized")
             D, n_cols, I = cfg.moe.latent_size, sh["latent_down"][0], sh["shared_gate"][0]
             y_cols, k_out = sh["h2_proj"][0], sh["ffn_out"][1]

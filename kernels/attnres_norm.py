@@ -19,14 +19,13 @@ two small matmuls.
 Layers (STYLE §6): `*_reference` are the PyTorch references and round where the stock path
 rounds (so in fp32 the specialized step reproduces stock to the last bits of the reduction
 order); `attnres_mix_norm` / `attnres_add_mix_norm` are the public ops and the dispatch point:
-a registered CuTe DSL hook, else the CuTe DSL kernel of kernels/attnres_norm_cute.py where it
-supports the layout (`USE_CUTE`), else the Triton kernel of kernels/attnres_norm_triton.py on
-CUDA tensors (`USE_TRITON`), else the reference (CPU, or no Triton). USE_CUTE = False forces
-Triton; both False force the reference.
+the CuTe DSL kernel of kernels/attnres_norm_cute.py where it supports the layout (`cute`:
+DecodeOptions.attnres_cute; False skips it), else the Triton kernel of
+kernels/attnres_norm_triton.py on CUDA tensors, else the reference (CPU, or no Triton).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -34,15 +33,9 @@ from raydecode.kernels import attnres_norm_cute as _cu
 from raydecode.kernels import attnres_norm_triton as _tri
 from raydecode.kernels._cute import cute_available
 
-# Set by the CuTe kernel when it lands (same signatures as the public ops). None: reference.
-CUTE_MIX_NORM: Callable | None = None
-CUTE_ADD_MIX_NORM: Callable | None = None
-USE_CUTE = True          # the CuTe DSL kernel where `_cu.problem` finds nothing unsupported
-USE_TRITON = True        # the Triton kernel on CUDA tensors (False: the reference everywhere)
-
 
 def _use_triton(prefix: torch.Tensor) -> bool:
-    return USE_TRITON and prefix.is_cuda and _tri.available(prefix)
+    return prefix.is_cuda and _tri.available(prefix)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,12 +79,11 @@ def _check(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, res_proj_w: tor
                          f"(1, {prefix.shape[1]})")
 
 
-def attnres_mix_norm(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps, out_eps):
+def attnres_mix_norm(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps, out_eps,
+                     cute: bool = True):
     """The fused op (see module docstring) -> h (T, H)."""
     _check(blocks, prefix, res_proj_w)
-    if CUTE_MIX_NORM is not None and cute_available() and prefix.is_cuda:
-        return CUTE_MIX_NORM(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps, out_eps)
-    if USE_CUTE and prefix.is_cuda and cute_available():
+    if cute and prefix.is_cuda and cute_available():
         h = _cu.mix_norm_cute(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,
                               out_eps)
         if h is not None:
@@ -104,7 +96,7 @@ def attnres_mix_norm(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps
 
 
 def attnres_add_mix_norm(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w, res_eps,
-                         out_eps, new_prefix: torch.Tensor | None = None):
+                         out_eps, new_prefix: torch.Tensor | None = None, cute: bool = True):
     """The fused residual-add form -> (new prefix, h). new_prefix: where bf16(p + out) goes
     (T, H) like prefix, e.g. the next slot of the caller's block bank; allocated when None. It
     must not overlap the blocks, prefix or out."""
@@ -118,11 +110,7 @@ def attnres_add_mix_norm(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w
         raise ValueError(f"new_prefix {tuple(new_prefix.shape)} {new_prefix.dtype} on "
                          f"{new_prefix.device}; expected {tuple(prefix.shape)} {prefix.dtype} on "
                          f"{prefix.device} like the prefix")
-    if CUTE_ADD_MIX_NORM is not None and cute_available() and prefix.is_cuda:
-        p, h = CUTE_ADD_MIX_NORM(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w,
-                                 res_eps, out_eps)
-        return _into(p, new_prefix), h
-    if USE_CUTE and prefix.is_cuda and cute_available():
+    if cute and prefix.is_cuda and cute_available():
         np_ = new_prefix if new_prefix is not None else torch.empty(
             prefix.shape, dtype=prefix.dtype, device=prefix.device)
         h = _cu.mix_norm_cute(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,

@@ -10,8 +10,8 @@ One program per token t, the whole hidden row in registers (BLOCK_H = next pow2 
             RMSNorm(mix; w_out) from the fp32 mix, rounded once (the optional mix output rounded)
 Reads the bank once from HBM (n+1 rows of H per token), writes mix (optional), h and p.
 
-This is the Triton version for round 2 of issue 6 (the CuTe DSL kernel is the follow-up);
-`attnres_norm.attnres_*_mix_norm` dispatch here on CUDA when Triton imports.
+The Triton form; `attnres_norm.attnres_*_mix_norm` dispatch here on CUDA when the CuTe DSL
+kernel (kernels/attnres_norm_cute.py) does not serve the layout or is switched off.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""Two small fused elementwise ops of the specialized decode step's FFN half (Triton, round 2 of
-issue 6), each replacing a chain of PyTorch kernels:
+"""Two small fused elementwise ops of the specialized decode step's FFN half (Triton), each
+replacing a chain of PyTorch kernels:
 
     situ_mul      gu (T, 2I) [gate ‖ up] -> a (T, I) = SiTU(gate, up) rounded to gu's dtype
                   (models/layers.py `situ`: β·tanh(g/β)·sigmoid(g) · β_l·tanh(u/β_l) in fp32)
     rms_norm_cast x (T, D) fp32 -> RMSNorm(bf16(x); w) rounded to bf16 (the routed latent's
-                  norm after the latent all-reduce: layer_step `rms(lat.to(bf16), w, eps)`)
+                  norm after the latent all-reduce, models/moe.py: RMSNorm(bf16(lat)))
     latent_norm_situ  both of the above in ONE kernel, written side by side into the input of
-                  the fused [latent up ‖ shared down] GEMV (round 3):
+                  the fused [latent up ‖ shared down] GEMV:
                   out (T, Kc) = [RMSNorm(bf16(lat))[:, c0:c0+n] ‖ SiTU(bf16(gu)) ‖ 0 pad]
 
 tanh(x) is computed as 2·sigmoid(2x) − 1 (as the MoE kernels do). `*_reference` are the

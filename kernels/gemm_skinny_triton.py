@@ -1,11 +1,11 @@
 """Skinny GEMM  y (M, N) = x (M, K) · Wᵀ  for decode batches 2 < M ≤ 64, on tensor cores (Triton).
 
 W (N, K) bf16 row-major (nn.Linear layout), x (M, K) bf16, y (M, N) bf16 or fp32 (the fp32
-accumulator unrounded, for `gemv.linear(..., out_dtype=torch.float32)`). The CuTe GEMV
+accumulator unrounded, for `linear(..., out_dtype=torch.float32)`). The CuTe GEMV
 (kernels/gemv.py) serves M ≤ 2; past that it is FMA-bound on CUDA cores (M FMAs per weight
-element), and `linear` sent every M > 2 to cuBLAS, which reads these per-rank matrices at
-0.2–0.6 of HBM (docs/PERF.md round 30). Here the math is a tensor-core dot, so M up to 64
-costs about the issue of M = 1, and the kernel is a weight stream:
+element), and cuBLAS reads these per-rank matrices at 0.2–0.6 of HBM. Here the math is a
+tensor-core dot, so M up to 64 costs about the issue of M = 1, and the kernel is a weight
+stream:
 
     program (nb, ks): W rows [nb·BN, nb·BN + BN), K slice [ks·K/KS, (ks+1)·K/KS) in BK steps;
         acc (BN, MB) += dot(W tile (BN, BK), x tile (MB, BK)ᵀ)     MB = M padded to 16/32/64
@@ -16,25 +16,25 @@ costs about the issue of M = 1, and the kernel is a weight stream:
         the next call or graph replay.
 
 W takes the dot's M side in its natural row-major layout; x is loaded row-major (whole rows
-masked past M) and transposed in registers. The default tile is BN 32 (mma.sync): round 30's
-first form (BN 64 on wgmma, x loaded transposed, KS up to K/BK) streamed slower than cuBLAS.
+masked past M) and transposed in registers. The default tile is BN 32 (mma.sync; a BN 64
+wgmma form with x loaded transposed streamed slower than cuBLAS: docs/PERF.md §5).
 Split-K is for the shapes with few row blocks: `default_config` picks the smallest KS ≤ 8
 dividing K/BK that gives ≥ 1.5 programs per SM (K3 TP16: in_proj 3216 × 7168 → KS 2,
 qkv_a_g 900 × 7168 → KS 7, o_proj 7168 × 768 → KS 1). The partials cost M·4 bytes per row and
 slice, mostly in L2. PDL: `pdl_enter` first, like every Triton decode kernel
 (kernels/_triton.py); the software pipeline (num_stages) keeps several W tiles in flight per
-program. Measured on the H200 (round 30): 1.1–1.8× cuBLAS at M = 4–16 on the TP16 GEMVs,
-still 1.3–1.9× the CuTe GEMV's M = 1 time; at M = 64 it loses on most of them, so
-`gemv.SKINNY_MAX_M` is 16.
+program. Measured on the H200: 1.1–1.8× cuBLAS at M = 4–16 on the TP16 GEMVs, still
+1.3–1.9× the CuTe GEMV's M = 1 time; at M = 64 it loses on most of them, so
+`DecodeOptions.skinny_max_m` is 16 (docs/PERF.md §1.3).
 
 Workspace and counters (split-K only) are per (device, N, BN, KS, MB), allocated and zeroed
 eagerly on the first call (the step graph's eager warm-up precedes its capture) and reused;
-`supports` says no to a first split-K call under capture, so `gemv.linear` takes cuBLAS there.
+`supports` says no to a first split-K call under capture, so `linear` takes cuBLAS there.
 
 Layers: `_skinny_kernel` → `SkinnyConfig` / `default_config` (pure Python, validated) →
 `skinny_gemm` (validation, the kernel on CUDA or on CPU tensors under TRITON_INTERPRET=1) →
-`supports` (the dispatch predicate `gemv.linear` asks). Reference: `gemv.gemv_reference` /
-`gemv.linear_f32_reference`.
+`supports` (the dispatch predicate kernels/linear.py asks). Reference: `gemv.gemv_reference`
+/ `linear.linear_f32_reference`.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def m_block(M: int) -> int:
 @functools.lru_cache(maxsize=1024)      # `supports` asks on every dispatched call
 def default_config(M: int, N: int, K: int, sms: int = 132, bn: int = 32,
                    bk: int | None = None) -> SkinnyConfig:
-    """BN 32 (mma.sync tiles: BN 64's wgmma form streamed slower in round 30's first run), BK
+    """BN 32 (mma.sync tiles: a BN 64 wgmma form streamed slower), BK
     (default: the widest ≤ 128 dividing K), and the smallest KS ≤ 8 dividing K/BK that gives
     ≥ 1.5 programs per SM (the last program of a block sums KS partials: long sums were the slow
     tail at M = 64); 3 stages at MB = 64 (its x tile doubles the stage), else 4."""
@@ -167,8 +167,8 @@ def _capturing(device: torch.device) -> bool:
 def _scratch(device: torch.device, N: int, cfg: SkinnyConfig, MB: int):
     """(workspace (KS, N, MB) fp32, counters (⌈N/BN⌉,) int32 zeros), one pair per (device,
     N, BN, KS, MB). Allocated and zeroed EAGERLY: inside a graph capture the zeroing would be
-    a node of that graph only (round 30's first step-graph run read stale counters from such
-    a buffer: NaN rows), so a first call under capture is refused. Calls that share a pair
+    a node of that graph only (a later replay would read stale counters: NaN rows), so a first
+    call under capture is refused. Calls that share a pair
     must not overlap: the decode step issues its GEMVs on one stream, in order."""
     key = _scratch_key(device, N, cfg, MB)
     if key not in _SCRATCH:
@@ -178,6 +178,11 @@ def _scratch(device: torch.device, N: int, cfg: SkinnyConfig, MB: int):
         _SCRATCH[key] = (torch.empty(cfg.ks, N, MB, dtype=torch.float32, device=device),
                          torch.zeros(-(-N // cfg.bn), dtype=torch.int32, device=device))
     return _SCRATCH[key]
+
+
+def shape_ok(M: int, N: int, K: int) -> bool:
+    """The (M, N, K) the kernel tiles (the shape part of `supports`)."""
+    return MIN_M <= M <= MAX_M and K % 32 == 0 and N >= 1
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -190,7 +195,7 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     M, K = x.shape
     N = w.shape[0]
-    if not (MIN_M <= M <= MAX_M and K % 32 == 0 and N >= 1):
+    if not shape_ok(M, N, K):
         return False
     cfg = config_for(M, N, K, sm_count(str(x.device)))     # split-K needs its scratch first
     return cfg.ks == 1 or not _capturing(x.device) or \
@@ -233,4 +238,4 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None 
 
 
 __all__ = ["MAX_M", "MIN_M", "SkinnyConfig", "TUNED", "config_for", "default_config", "m_block",
-           "skinny_gemm", "supports"]
+           "shape_ok", "skinny_gemm", "supports"]

@@ -18,29 +18,25 @@ Small-M decode projections are memory-bound: every weight byte is read once, the
 
 Layers (STYLE §6): `GemvKernel` (@cute.jit host + @cute.kernel device) → `_compiled` cache keyed
 by (dtype, M-bucket, N, K, config) → `gemv_into` (writes a caller-allocated `out`) → `gemv`
-(allocates) → `linear` (dispatch: the CuTe kernel when CUDA + CuTe DSL are there, the shape is
-supported and `linear_uses_cute` says it beats cuBLAS, else `torch.nn.functional.linear`).
-`gemv_reference` is the PyTorch reference.
+(allocates); the dispatch that chooses it over the skinny GEMM and cuBLAS is
+kernels/linear.py. `gemv_reference` is the PyTorch reference.
 
 M-bucket: M ≤ 8 compiles for that exact M (the decode engine pads batches to a few buckets).
 8 < M ≤ 64 is supported by `gemv` (MT = 8-row blocks, W re-read per block) for testing, but
-`linear` sends no M > 2 to it: the FMA rate, not HBM, bounds this kernel from M ≈ 4 (M FMAs per
-weight element; measured 0.33 of HBM bandwidth at M = 8, docs/PERF.md). 2 < M ≤ SKINNY_MAX_M
-goes to the tensor-core skinny GEMM (kernels/gemm_skinny_triton.py, PERF round 30), larger M
-to cuBLAS.
+the dispatch sends no M > 2 to it: the FMA rate, not HBM, bounds this kernel from M ≈ 4 (M FMAs
+per weight element; measured 0.33 of HBM bandwidth at M = 8).
 The structure is generic SIMT code (no wgmma, no TMA), so it builds unchanged for sm_100/103.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from raydecode.kernels import gemm_skinny_triton as _skinny
+from raydecode.kernels import settings
 from raydecode.kernels._cute import CompileCache, cute_available
 from raydecode.kernels._cute_dsl import (Float32, _dsl, _Stream, _Tensor, const_expr, cp_async_bulk_prefetch,
                                          cute, cutlass)
@@ -183,8 +179,8 @@ def default_config(M: int, N: int, K: int, sm_count: int = 132) -> GemvConfig:
 
 # Per-shape M = 1 mappings. First the fastest PDL launch of an 8-config sweep in
 # bench/results/gemv-h200-2026-11-29-run2.json; then (marked *) the winners of
-# scripts/bench/gemv_tune.py over 25 mappings per shape, adopted where ≥ 3% faster and confirmed
-# inside the layer (bench/results/gemv-tune-h200-2026-11-30-tp{16,8}.json, docs/PERF.md round 14;
+# scripts/explore/gemv_tune.py over 25 mappings per shape, adopted where ≥ 3% faster and confirmed
+# inside the layer (bench/results/gemv-tune-h200-2026-11-30-tp{16,8}.json;
 # the packed shapes of the served step had no entry before). H200, CUDA graph, rotating weights.
 # Key (M, N, K) -> (lanes_per_row, k_warps, rows_per_group, row_warps); others use default_config.
 TUNED: dict[tuple[int, int, int], GemvConfig] = {
@@ -205,24 +201,13 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
         #   models/mla.py _qkv_a_g): TP16, then TP8
         (1048, 7168): (16, 7, 1, 1), (7168, 640): (8, 5, 4, 2), (900, 7168): (16, 8, 1, 2),
         (2096, 7168): (16, 7, 2, 1), (1800, 7168): (32, 7, 4, 1),
-        # * W_q'' (models/mla.py _q_b_absorbed) TP16, round 16's sweep (3.46 -> 3.30 µs;
+        # * W_q'' (models/mla.py _q_b_absorbed) TP16, its own sweep (3.46 -> 3.30 µs;
         #   bench/results/gemv-tune-h200-2026-11-30-r16-wq.json); TP8's 6912 × 1536 kept
         (3456, 1536): (32, 2, 4, 1),
     }.items()
 }
 # Launch with programmatic dependent launch (PDL): W loads overlap the previous kernel's tail.
 PDL_DEFAULT = True
-# Entry L2 prefetch budget per launch in MiB (GemvConfig.l2_prefetch_mib; 0 = off):
-# RAYDECODE_GEMV_L2_PREFETCH_MIB overrides it for A/B runs.
-L2_PREFETCH_MIB = int(os.environ.get("RAYDECODE_GEMV_L2_PREFETCH_MIB", "0"))
-# `linear` takes the CuTe kernel where it measured faster than cuBLAS (run2): every M = 1 shape,
-# M = 2 below this many weight bytes; M > 2 is FMA-bound on CUDA cores (docs/PERF.md).
-LINEAR_M2_MAX_BYTES = 16 * 2**20
-# 2 < M ≤ this goes to the tensor-core skinny GEMM (kernels/gemm_skinny_triton.py) instead of
-# cuBLAS, on CUDA (PERF round 30, H200: 1.1–1.8× cuBLAS on the TP16 GEMVs at M = 4–16, TP16
-# step −0.2 to −0.65 ms at batches 4–16; at M = 32–64 it loses on the widest matrices);
-# 0 = off. RAYDECODE_SKINNY_MAX_M overrides it for A/B runs.
-SKINNY_MAX_M = int(os.environ.get("RAYDECODE_SKINNY_MAX_M", "16"))
 
 
 def _m_tile(M: int) -> int:
@@ -231,24 +216,27 @@ def _m_tile(M: int) -> int:
     return max(d for d in range(1, MAX_M_TILE + 1) if M % d == 0)
 
 
-def config_for(M: int, N: int, K: int) -> GemvConfig:
-    return _config_for(M, N, K, PDL_DEFAULT, L2_PREFETCH_MIB)
+def config_for(M: int, N: int, K: int, l2_prefetch_mib: int = 0,
+               overrides: tuple = ()) -> GemvConfig:
+    """The launch config of an (M, N, K) GEMV: `overrides` ((N, K), GemvConfig) pairs for
+    M = 1 (DecodeOptions.gemv_configs, A/B runs), else the TUNED entry, else `default_config`;
+    with PDL and the entry L2 prefetch budget (an experiment, 0 = off:
+    DecodeOptions.gemv_l2_prefetch_mib). Raises ValueError when no mapping tiles the shape."""
+    return _config_for(M, N, K, PDL_DEFAULT, l2_prefetch_mib, overrides)
 
 
 @functools.lru_cache(maxsize=4096)
-def _config_for(M: int, N: int, K: int, pdl: bool, l2_prefetch_mib: int) -> GemvConfig:
+def _config_for(M: int, N: int, K: int, pdl: bool, l2_prefetch_mib: int,
+                overrides: tuple) -> GemvConfig:
     # memoized: default_config's search cost ≈ 35 µs of host time per GEMV call (an eager
     # K3 TP16 step made 3126 calls: 108 ms of its 213; bench/results/step-*.json host profile)
-    cfg = TUNED.get((M, N, K)) or default_config(M, N, K)
+    mine = next((c for nk, c in overrides if tuple(nk) == (N, K)), None) if M == 1 else None
+    cfg = mine or TUNED.get((M, N, K)) or default_config(M, N, K)
     return replace(cfg, pdl=pdl, l2_prefetch_mib=l2_prefetch_mib)
 
 
-def linear_uses_cute(M: int, N: int, K: int) -> bool:
-    """Shapes where `linear` prefers the CuTe GEMV over cuBLAS (measured, docs/PERF.md)."""
-    return M == 1 or (M == 2 and weight_bytes(N, K) < LINEAR_M2_MAX_BYTES)
-
-
-def supports(x: torch.Tensor, w: torch.Tensor, max_m: int = MAX_M) -> bool:
+def supports(x: torch.Tensor, w: torch.Tensor, max_m: int = MAX_M, l2_prefetch_mib: int = 0,
+             overrides: tuple = ()) -> bool:
     """Shapes/dtypes/layouts the CuTe kernel handles (no exception: used by dispatch)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         return False
@@ -265,7 +253,7 @@ def supports(x: torch.Tensor, w: torch.Tensor, max_m: int = MAX_M) -> bool:
     if x.data_ptr() % 16 or w.data_ptr() % 16:
         return False
     try:
-        config_for(M, N, K)
+        config_for(M, N, K, l2_prefetch_mib, overrides)
     except ValueError:
         return False
     return True
@@ -455,7 +443,7 @@ def compile_gemv(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig, ff
 
 
 # TVM-FFI launch path; RAYDECODE_CUTE_TVM_FFI=0 selects DLPack + explicit stream (hosts without tvm-ffi)
-FFI_DEFAULT = os.environ.get("RAYDECODE_CUTE_TVM_FFI", "1") != "0"
+FFI_DEFAULT = settings.cute_tvm_ffi()
 
 
 def _compiled(dtype: torch.dtype, M: int, N: int, K: int, cfg: GemvConfig,
@@ -504,41 +492,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     return gemv_into(x, w, out, config)
 
 
-def linear_f32_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x · Wᵀ with bf16 products accumulated in fp32 and returned unrounded (fp32).
-
-    Off CUDA the sums run in fp64, then round to fp32 once: the CPU BLAS blocks an fp32 GEMM
-    by its row count, so row t of an M-row call could differ by an ulp from the same row in
-    an M+1-row call (a padded graph bucket, tests/cpu/test_step_graph.py); fp64 sums round to
-    the same fp32 whatever M is."""
-    if x.is_cuda:
-        try:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError):  # torch without out_dtype for bf16 mm
-            pass
-        return F.linear(x.float(), w.float())
-    return F.linear(x.double(), w.double()).float()
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x (..., K) · Wᵀ: the CuTe GEMV where it beats cuBLAS (`linear_uses_cute`), the skinny
-    tensor-core GEMM for 2 < M ≤ SKINNY_MAX_M on CUDA, else F.linear.
-
-    out_dtype=torch.float32 returns the fp32 accumulator unrounded (router logits: a GEMV whose
-    rows also feed bf16 consumers rounds per consumer, which equals F.linear's single rounding)."""
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    f32 = out_dtype == torch.float32
-    if out_dtype not in (None, x.dtype, torch.float32):
-        raise ValueError(f"linear: out_dtype={out_dtype}; accepted: None, {x.dtype}, torch.float32")
-    if cute_available() and supports(x2, w, max_m=2) and linear_uses_cute(x2.shape[0], w.shape[0], w.shape[1]):
-        return gemv(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
-    if 2 < x2.shape[0] <= SKINNY_MAX_M and x2.is_cuda and _skinny.supports(x2, w):
-        return _skinny.skinny_gemm(x2, w, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
-    if f32:
-        return linear_f32_reference(x2, w).reshape(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w)
-
-
 def weight_bytes(N: int, K: int, dtype: torch.dtype = torch.bfloat16) -> int:
     return N * K * torch.empty((), dtype=dtype).element_size()
 
@@ -558,9 +511,6 @@ __all__ = [
     "gemv",
     "gemv_into",
     "gemv_reference",
-    "linear",
-    "linear_f32_reference",
-    "linear_uses_cute",
     "predicted_us",
     "row_index",
     "supports",

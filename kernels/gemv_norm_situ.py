@@ -1,7 +1,7 @@
 """The FFN-out GEMV of the specialized decode step with the latent norm + SiTU as its prologue,
 on the CuTe DSL GEMV (kernels/gemv.py): ONE launch where the step runs `latent_norm_situ` and
-then the GEMV. Same contract as the Triton form (kernels/ffn_gemv_triton.py `norm_situ_gemv`,
-docs/PERF.md round 10: one kernel fewer but ≈ 1 µs slower, its tensor-core tile streamed W at
+then the GEMV. Same contract as the unserved Triton form (kernels/experimental/
+ffn_gemv_triton.py: one kernel fewer but ≈ 1 µs slower, its tensor-core tile streamed W at
 0.33 of HBM); this one keeps the CuTe GEMV's W stream (0.71 of HBM at TP16, 0.82 at TP8).
 
     a (M, K)   = [RMSNorm(bf16(lat); w)[:, c0:c0+n] ‖ SiTU(bf16 g, bf16 u) ‖ 0]   bf16, in smem
@@ -27,7 +27,7 @@ profile) + the ffn_out GEMV 2.95 µs (7168 × 640, `gemv-h200-2026-11-30-r14.jso
 graph boundary; the prologue adds ≈ 1 µs (L2 round trip + reduction + barrier) to the GEMV
 after its PDL wait. Fused ≈ 4 µs vs ≈ 5.2 µs: ≈ −1 µs per layer at TP16 batch 1, one kernel
 fewer (KDA 11 → 10, MLA 14 → 13).
-Outcome (H200, docs/PERF.md round 15): TP16 T = 1 4.61 vs 5.10 µs for the pair (−0.5); the
+Measured (H200, docs/PERF.md §2.2): TP16 T = 1 4.61 vs 5.10 µs for the pair (−0.5); the
 layer fell 11 → 10 / 14 → 13 kernels; T = 2 and TP8 lose (PROLOGUE_MAX_COLS above).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ from raydecode.kernels._cute_dsl import Float32, _dsl, _Stream, _Tensor, const_e
 WARP = 32
 LAT_VEC = 4          # fp32 lat values per 16-byte load
 # Where the fused form serves (`supports`): one token and at most this many a columns (n + I).
-# Measured against the pair on the H200 (scripts/bench/ffn_gemv.py, docs/PERF.md round 15):
+# Measured against the pair on the H200 (scripts/explore/ffn_gemv.py):
 # TP16 T = 1 (608 columns) 4.61 vs 5.10 µs; TP16 T = 2 10.48 vs 5.53; TP8 T = 1 (1216) 8.73
 # vs 6.89: every CTA redoes the prologue, and its SiTU work grows with the columns and tokens.
 PROLOGUE_MAX_COLS = 640
@@ -200,6 +200,14 @@ def compiled(M: int, N: int, K: int, D: int, n_cols: int, I: int, gu_stride: int
     return _CACHE.get((M, N, K, D, n_cols, I, gu_stride, has_lin, cfg, w_norm_dtype), build)
 
 
+def norm_situ_gemv_reference(lat, w_norm, eps, c0, n_cols, gu, beta, linear_beta, weight):
+    """The composition the fused kernel replaces: latent_norm_situ_reference, then F.linear."""
+    from raydecode.kernels.decode_elementwise_triton import latent_norm_situ_reference
+    x = latent_norm_situ_reference(lat, w_norm, eps, c0, n_cols, gu, beta, linear_beta,
+                                   weight.shape[1])
+    return torch.nn.functional.linear(x, weight)
+
+
 def shape_ok(M: int, N: int, K: int, D: int, n_cols: int, I: int) -> bool:
     """The shapes the fused form serves (where it measured faster than the pair: one token,
     ≤ PROLOGUE_MAX_COLS columns of a) and a GEMV mapping tiles; `supports` and the kernel plan
@@ -250,4 +258,4 @@ def norm_situ_gemv_cute(lat: torch.Tensor, w_norm: torch.Tensor, eps: float, c0:
 
 
 __all__ = ["NormSituGemvKernel", "cache_key", "compile_norm_situ_gemv", "compiled",
-           "norm_situ_gemv_cute", "shape_ok", "supports"]
+           "norm_situ_gemv_cute", "norm_situ_gemv_reference", "shape_ok", "supports"]

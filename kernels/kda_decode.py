@@ -15,10 +15,9 @@ Per sequence t and head (h heads, d = head_dim, C = h·d, W conv taps):
     out   = bf16(RMSNorm(o; o_norm_w, eps) · sigmoid(g_out))                (T, C)
 
 Layers (STYLE §6): `kda_decode_reference` is the PyTorch reference with the stock step's op
-chain and rounding points (bit for bit equal to DecodeStep.kda between its two GEMVs, on the
-same device); `kda_decode` is the public op and the dispatch point: the Triton kernel of
-kernels/kda_decode_triton.py on CUDA tensors in bf16 (`USE_TRITON`), else the reference (CPU,
-no Triton, or another model dtype). Any strides are accepted (proj is typically a column slice
+chain and rounding points (models/kda.py's stock step between its two GEMVs); `kda_decode` is
+the public op and the dispatch point: the Triton kernel of kernels/kda_decode_triton.py on CUDA
+tensors in bf16, else the reference (CPU, no Triton, or another model dtype). Any strides are accepted (proj is typically a column slice
 of a wider GEMV output); `out` is allocated only when not given.
 
 Slots: without `slots`, sequence t owns conv_state[t] and rec_state[t] (T rows each). With
@@ -34,14 +33,12 @@ import torch.nn.functional as F
 
 from raydecode.kernels import kda_decode_triton as _tri
 
-USE_TRITON = True        # the Triton kernel on CUDA tensors (False: the reference everywhere)
-SPLITS: int | None = None    # programs per head (kda_decode_triton `splits`; None: automatic)
 L2_EPS = 1e-6            # models/kda.py `l2_normalize`
 HEAD_DIMS = (16, 32, 64, 128)   # head_dim values the op accepts (the kernel's D)
 
 
 def _use_triton(proj: torch.Tensor) -> bool:
-    return (USE_TRITON and proj.is_cuda and proj.dtype == torch.bfloat16
+    return (proj.is_cuda and proj.dtype == torch.bfloat16
             and _tri.available(proj))
 
 
@@ -170,13 +167,15 @@ def _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, 
 def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, *,
                heads: int, head_dim: int, lower_bound: float, eps: float,
                out: torch.Tensor | None = None,
-               slots: torch.Tensor | None = None) -> torch.Tensor:
+               slots: torch.Tensor | None = None,
+               splits: int | None = None) -> torch.Tensor:
     """The fused op (module docstring) -> out (T, heads·head_dim) in proj's dtype; conv_state
     and rec_state updated in place (rows slots[t] when `slots` is given, else row t). On CUDA
     bf16: one kernel, no host sync, no allocation when `out` is given after a shape's first
     call (CUDA-graph capturable after an eager warm-up). The kernel launched just before this
     one must not write the state, slots or weights (the split form reads them before its PDL
-    wait, kernels/kda_decode_triton.py)."""
+    wait, kernels/kda_decode_triton.py). splits: programs per head of the kernel
+    (DecodeOptions.kda_splits; None: automatic, kda_decode_triton `split_count`)."""
     _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, heads,
            head_dim, out, slots)
     kw = dict(heads=heads, head_dim=head_dim, lower_bound=lower_bound, eps=eps, slots=slots)
@@ -184,10 +183,9 @@ def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_sta
         if out is None:
             out = proj.new_empty(proj.shape[0], heads * head_dim)
         return _tri.kda_decode_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias,
-                                      o_norm_w, rec_state, out, splits=SPLITS, **kw)
+                                      o_norm_w, rec_state, out, splits=splits, **kw)
     return kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w,
                                 rec_state, out=out, **kw)
 
 
-__all__ = ["kda_decode", "kda_decode_reference", "delta_rule_step", "kda_gate_exp", "USE_TRITON",
-           "SPLITS", "HEAD_DIMS"]
+__all__ = ["kda_decode", "kda_decode_reference", "delta_rule_step", "kda_gate_exp", "HEAD_DIMS"]

@@ -29,7 +29,7 @@ those (the model's in_proj GEMV writes only proj). After the delta rule on its b
 its o columns (fp32) to a scratch row and adds 1 to the head's counter (one atom.acq_rel.gpu
 after a CTA barrier); the head's last program reads the D columns back (.cg), writes the gated
 RMSNorm output and the q/k conv taps (every other program read them before its release) and
-resets the counter to 0 (graph replays need no memset). Round 20 of docs/PERF.md.
+resets the counter to 0 (graph replays need no memset). Measured: docs/PERF.md §1.3.
 
 `launch_config` picks, for the one-program form, BV = D (one step, D/16 warps) for small
 grids and BV = 32 with 4 warps once batch·heads ≥ 128 (more programs resident per SM). H200,
@@ -275,7 +275,7 @@ def split_count(head_dim: int, programs: int, sms: int = H200_SMS) -> int:
     ≥ MIN_SPLIT_COLUMNS value columns each) that keep the grid within one wave of `sms` SMs,
     when that is at least MIN_SPLITS; else 1 (the one-program form). Two programs per head
     won in the KDA microbench but lost in the whole step (K3 TP16 batch 8: +0.10 ms in 6 of 6
-    pairs, docs/PERF.md round 20), so the split starts at 4."""
+    pairs), so the split starts at 4."""
     ns = 1
     while (head_dim % (2 * ns) == 0 and head_dim // (2 * ns) >= MIN_SPLIT_COLUMNS
            and programs * 2 * ns <= sms):

@@ -19,7 +19,7 @@ Ops (kernels in kernels/mla_decode_triton.py; counts are kernel launches):
   mla_decode     2   mla_attention's split kernel + mla_output's kernel on its partials
   mla_decode_absorbed  2   the served DCP-1 form: q from a q_b GEMV with W_uk and the q_a norm
                      weight folded in; the split kernel scales q and stores the new row
-  mla_decode_fused     3   the round-9 form: rms scale + absorb + row store; split; output
+  mla_decode_fused     3   rms scale + absorb + row store; split; output (mla_absorbed_q off)
 
 Paged cache (models/cache.py MLALatentCache, one layer's pool): cache (num_blocks, block_size,
 c + rope) bf16; row p of token t's sequence at cache[block_table[t, p // bs], p % bs];
@@ -32,7 +32,7 @@ Numerics: the kernel rounds p to bf16 before p·V relative to the running max (s
 normalising); everything else at the stock rounding points. The references compute p·V in fp32
 (models/mla.py `mla_absorbed_attention` semantics).
 
-Dispatch: the Triton kernels on CUDA tensors (`USE_TRITON`), the references elsewhere.
+Dispatch: the Triton kernels on CUDA tensors, the references elsewhere.
 """
 from __future__ import annotations
 
@@ -43,11 +43,10 @@ from raydecode.kernels import mla_decode_triton as _tri
 from raydecode.kernels._triton import H200_SMS, sm_count
 
 BF16 = torch.bfloat16
-USE_TRITON = True          # the Triton kernels on CUDA tensors (False: references everywhere)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return USE_TRITON and x.is_cuda and _tri.available(x)
+    return x.is_cuda and _tri.available(x)
 
 
 def default_num_splits(batch: int, max_rows: int, sms: int = H200_SMS) -> int:
@@ -103,7 +102,7 @@ def _check_partials(o, lse) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- references (PyTorch; the stock rounding points) -----------------------------------------
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """layer_step `rms`: F.rms_norm in fp32 with an fp32 weight, rounded to bf16."""
+    """RMSNorm in fp32 (F.rms_norm) with an fp32 weight, rounded to bf16."""
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(BF16)
 
 
@@ -400,7 +399,7 @@ def mla_decode(q_abs, cache, block_table, seq_lens, w_uv_t, gate, *, kv_lora: in
 
 # batches up to which mla_decode_fused is ONE launch (phases A, B, C of `_fused_kernel`);
 # above it phase A alone + the split + output kernels. 0: never one launch. Measured on the
-# H200 (docs/PERF.md round 9, probe_kernels --mla-fused): the one-launch form is slower at
+# H200 (scripts/explore/probe_kernels.py --mla-fused): the one-launch form is slower at
 # every batch (TP16 batch 1: 18.7 µs vs 13.8 for the three kernels): one num_warps for all
 # phases (the output phase runs 1.5 µs slower at 8 warps, the split 0.9 µs slower at 4) and
 # the phases' latencies add up where separate PDL launches overlap. Re-measure on sm_100.
@@ -477,17 +476,19 @@ def mla_decode_fused(qkv, q, kv_norm_w, w_uk, cache, block_table, positions, seq
 
 def mla_decode_absorbed(qkv, q, kv_norm_w, cache, block_table, positions, seq_lens, w_uv_t,
                         gate, *, q_lora: int, kv_lora: int, eps: float, scale: float, out=None,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, pre_tile: bool = True) -> torch.Tensor:
     """mla_prep's row store and q norm + attention + output (DCP = 1) in TWO kernels: the
     split kernel scales q and the split holding the new row stores it first
     (`split_rows_triton`), then the output kernel. Replaces `mla_decode_fused`'s phase A:
     W_uk is folded into the q_b GEMV's weight instead (`absorbed_q_weight` with the q norm
-    weight: h·(c + rope) rows instead of h·(nope + rope), docs/PERF.md round 16).
+    weight: h·(c + rope) rows instead of h·(nope + rope)).
 
     qkv (T, q_lora + kv_lora + rope) bf16: the gathered q_a ‖ kv_a latents; q (T, h, kv_lora +
     rope) = x · W_q''ᵀ with x = qkv[:, :q_lora], best fp32 (rounded once, after the scale).
     Every token must be its own sequence (a decode step, no two tokens sharing a block written
-    in this call): a stored row is read by its own token's split only. -> (T, h·v) bf16."""
+    in this call): a stored row is read by its own token's split only. -> (T, h·v) bf16.
+    pre_tile: each split requests its first KV tile before its PDL wait
+    (DecodeOptions.mla_pre_tile; False: the wait first)."""
     T, rope = _check_qkv(qkv, q_lora, kv_lora)
     _need(q.dim() == 3 and q.dtype in (BF16, torch.float32) and q.shape[0] == T
           and q.shape[2] == kv_lora + rope and q.stride(2) == 1,
@@ -505,13 +506,13 @@ def mla_decode_absorbed(qkv, q, kv_norm_w, cache, block_table, positions, seq_le
     o_part = q.new_empty(T, S, h, kv_lora, dtype=torch.float32)
     lse_part = q.new_empty(T, S, h, dtype=torch.float32)
     _tri.split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens, q_lora,
-                           kv_lora, eps, scale, o_part, lse_part)
+                           kv_lora, eps, scale, o_part, lse_part, pre_tile=pre_tile)
     return _tri.output_triton(o_part, lse_part, w_uv_t, gate, out)
 
 
 __all__ = ["mla_prep", "mla_absorb", "mla_attention", "mla_output", "mla_decode",
            "attention_partials", "absorbed_q_weight", "default_num_splits", "paged_rows",
            "mla_prep_reference", "mla_absorb_reference", "mla_attention_reference",
-           "mla_output_reference", "USE_TRITON", "mla_decode_fused", "mla_decode_fused_reference",
+           "mla_output_reference", "mla_decode_fused", "mla_decode_fused_reference",
            "folded_q_b_weight", "fused_sync", "check_fused_sync", "FUSED_ONE_LAUNCH_MAX_T",
            "mla_decode_absorbed", "mla_decode_absorbed_reference"]

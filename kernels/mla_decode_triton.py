@@ -42,7 +42,7 @@ strided views as they come (last dim contiguous) and never synchronise with the 
                   data written in the kernel go through L2 (.cg)); each wait is on smaller
                   tickets, whose programs have started, so no co-residency is assumed; the
                   last program out zeroes the counters. Measured slower than the separate
-                  launches on the H200 (docs/PERF.md round 9), hence off by default.
+                  launches on the H200 (docs/PERF.md §5), hence off by default.
 The kernels are thin wrappers of @triton.jit parts (_absorb_part, _split_part, _merge_part,
 _output_token_part, _row_store_part) that the fused kernel calls by ticket.
 p is rounded to bf16 before p·V, as the stock path does (there after normalisation, here
@@ -237,7 +237,7 @@ if triton is not None:
                 kr0 = tl.where(new, rowr[None, :], kr0)
             tl.debug_barrier()      # the row's stores before this CTA's later tile loads; the
             # tile loop stays the plain split's (masking the row out of the tiles and attending
-            # it from registers cost +22 µs at batch 64: docs/PERF.md round 16)
+            # it from registers cost +22 µs at batch 64)
         if not PRE:
             rows0, mn0, kc0, kr0 = _tile_rows(c_ptr, c_sb, c_sr, bt_ptr, bt_st, t, start, end,
                                               BS, KL, R, oc, orr, BN)
@@ -579,18 +579,16 @@ def split_triton(q_abs, cache, block_table, seq_lens, kv_lora: int, scale: float
                           num_stages=2, **pdl_launch(o_part))
 
 
-# `_split_rows_kernel` requests each split's first KV tile before its PDL wait (the new row
-# patched in from registers). False: the wait first, as before round 24 (A/B runs).
-PRE_TILE = True
-
-
 def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens,
                       q_lora: int, kv_lora: int, eps: float, scale: float,
-                      o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+                      o_part: torch.Tensor, lse_part: torch.Tensor,
+                      pre_tile: bool = True) -> None:
     """`split_triton` on the raw absorbed q (T, h, c + R) fp32 or bf16, x·W_q''ᵀ with x =
     qkv[:, :q_lora]: scaled by rms_scale(x) and rounded to the cache dtype per program; the
     split holding positions[t] stores token t's row (qkv's kv part) before reading its tiles.
-    Every token its own sequence: no other token reads that row here."""
+    Every token its own sequence: no other token reads that row here. pre_tile: each split
+    requests its first KV tile before its PDL wait (the new row patched in from registers);
+    False: the wait first."""
     T, h, d = q.shape
     S = o_part.shape[1]
     R = d - kv_lora
@@ -602,7 +600,7 @@ def split_rows_triton(q, qkv, kv_norm_w, cache, block_table, positions, seq_lens
         q_lora, kv_norm_w, positions, float(eps), HP=_p2(h), BC=_p2(kv_lora), BR=_p2(R),
         BN=32 if kv_lora >= 256 else 64, BX=_p2(q_lora), DOT_F32=not q.is_cuda,
         num_warps=4 if kv_lora <= 256 else 8, num_stages=2,
-        PRE_TILE=PRE_TILE, **pdl_launch(o_part))
+        PRE_TILE=bool(pre_tile), **pdl_launch(o_part))
 
 
 def merge_triton(o_part, lse_part, o_lat: torch.Tensor, lse: torch.Tensor) -> None:

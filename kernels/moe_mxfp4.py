@@ -412,7 +412,7 @@ class MoEConfig:
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
-# scripts/bench/layer_moe_sweep.py run in bench/results/layer-h200-2026-11-29.json (H200, Triton
+# scripts/explore/layer_moe_sweep.py run in bench/results/layer-h200-2026-11-29.json (H200, Triton
 # 3.6; batch 1 for the small key, 64 for the large one). K3 per-rank experts at TP8 (I = 384)
 # and TP16 (I = 192). Missing keys: the `default_config` rule.
 SMALL_PAIRS = 64

@@ -18,12 +18,12 @@ P only) and the math runs on CUDA cores as a GEMV:
     ((c & 7) << 9 | (c & 8) << 12 = e2m1 · 2**-14 exactly); Σ over the 16 bytes of
     lo·x[2i] + hi·x[2i+1] in fp32, × 2**(s − 113) per group, Σ over groups.
 
-`DecodeConfig.words` (round 7, the TUNED default at K3 shapes): the codes are read as int32 words
+`DecodeConfig.words` (the TUNED default at K3 shapes): the codes are read as int32 words
 and one int32 op chain decodes the nibble pair (j, j + 4) of a word into two fp16 patterns; the
 products accumulate elementwise (FMAs) before one 4-wide sum (`_group_dot_words`). ≈ 16 instead
 of ≈ 21.5 thread-instructions per weight byte; measured TP16 batch 1 17.8 vs 20.9 µs for the pair.
 
-`DecodeConfig.f16x2` (round 11; TUNED at TP16): the int32 words are decoded and multiplied in
+`DecodeConfig.f16x2` (TUNED at TP16): the int32 words are decoded and multiplied in
 packed fp16 by one inline-PTX block per word (`_F16X2_WORD_DOT`), each group's activations
 scaled by a power of two into fp16's range (`_x_f16x2`). It pays only on tiles that give a
 thread several rows of one group (the packed activations reused): TP16 pair 15.3 µs in the
@@ -31,8 +31,8 @@ sweep (words 17.5), −0.7 to −1.0 µs inside the layer; rel err 2.2e-3 (fp16 
 
 No runs kernel and no Σ_k kernel: gate_up zeroes `out` (each program a slice; the down kernel
 starts after it) and the down programs add their pair's rows with fp32 atomics. 2 launches
-per call, no host sync, capturable. Triton (round 2 of issue 6); a CuTe DSL version is the
-follow-up.
+per call, no host sync, capturable. Triton; a CuTe DSL form is the follow-up (the resident
+kernel, kernels/moe_resident_cute.py, serves K3 TP16 batch 1).
 
 Split-K gate_up (`DecodeConfig.gate_up_ks` = KS > 1; the K3 default, KS = 7 at L = 3584):
 the looped gate_up program walks L/32/GB = 7 steps with one step's loads in flight, so at
@@ -67,12 +67,13 @@ import torch
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tanh_f32, tl, triton
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
 
-# T·k up to which the specialized step uses the few-token kernels (the stock grouped kernel past
-# it). 256 = batch 16 at k = 16 (docs/PERF.md rounds 25–27): there the per-pair kernels beat the
-# grouped one with routing spread over ≈ 120–230 experts (layer bench: 1.57× at batch 8, 1.48×
-# at 16) and with every token on the same 16 experts (step 1.50× at 8, 1.16× at 16). A pair
-# decodes its expert by itself, at a cost that does not fall when experts repeat, so at batch 64
-# the whole step ran 0.74× of the grouped kernel's speed (layer bench, uniform routing: 1.05×).
+# T·k up to which the specialized step uses the few-token kernels by default (the stock grouped
+# kernel past it; DecodeOptions.moe_max_pairs). 256 = batch 16 at k = 16: there the per-pair
+# kernels beat the grouped one with routing spread over ≈ 120–230 experts (layer bench: 1.57×
+# at batch 8, 1.48× at 16) and with every token on the same 16 experts (step 1.50× at 8, 1.16×
+# at 16). A pair decodes its expert by itself, at a cost that does not fall when experts
+# repeat, so at batch 64 the whole step ran 0.74× of the grouped kernel's speed (layer bench,
+# uniform routing: 1.05×). docs/PERF.md, MoE.
 MAX_PAIRS = 256
 
 
@@ -241,7 +242,7 @@ if triton is not None:
         """`_group_dot_words` on packed fp16 math: per int32 word of 8 codes, 4 fp16x2 decodes
         and 4 fp16x2 multiply-adds (`_F16X2_WORD_DOT`: 28 PTX instructions per 4-byte word;
         whole kernels 7.7–8.6 SASS instructions per weight byte on row-reuse tiles against
-        ≈ 11 for words, scripts/bench/moe_decode_sass.py), the two fp16 lanes summed in fp32
+        ≈ 11 for words, scripts/explore/moe_decode_sass.py), the two fp16 lanes summed in fp32
         per word. xp_j, inv from
         `_x_f16x2`; the group scale 2**(s − 113) × inv -> (BN,) fp32."""
         w = _load_words(w_ptr, rows, grp, KB)                                  # (BN, GB, 4)
@@ -255,7 +256,7 @@ if triton is not None:
         else:
             d = _word_dot_f16x2_emulated(w, x0, x1, x2, x3)
         # `_scaled_sum`'s scale, with inv folded in, written out: calling a helper for it
-        # reorders the compiled kernel (SASS differs from the one measured in round 11)
+        # reorders the compiled kernel (SASS differs from the one measured)
         s = tl.load(s_ptr + rows[:, None] * KG + grp[None, :]).to(tl.int32)
         sc = ((s + 14) << 23).to(tl.float32, bitcast=True)
         return tl.sum(tl.sum(d, 2) * (sc * inv[None, :]), 1)
@@ -470,17 +471,15 @@ class DecodeConfig:
         return self
 
 
-# Best of the `layer.py --moe-decode-sweep` candidates per (E, I, L), batch 1, H200, 12 calls per
-# graph over > 2 × L2 of experts. Round 4 (Triton 3.6, 26 candidates) picked the split-K gate_up
-# (KS = 7) with a 2-warp unrolled down kernel at TP16 (I = 192) and 4 down warps at TP8; round 7
-# (bench/results/layer-h200-2026-11-29-r7.json, focused set) added the int32-word decode:
-# TP16 17.8 µs (bytes 20.9), TP8 28.2 µs (bytes 35.7). Round 11 (bench/results/
-# moe-decode-sweep-h200-2026-11-29-r11.json): the packed-fp16 decode on tiles that give a thread
-# several rows of one group; in the sweep TP16 15.3 µs (words 17.5 in the same run), TP8 21.8
-# (28.2), but inside the layer (profiled kernel times, layer-h200-2026-11-29-r11.json against
-# r9) the pair went 17.3 → 16.6 µs at TP16 and 27.6 → 30.1 µs at TP8: f16x2 at TP16 only.
-# rel err vs the fp64 reference 2.2e-3 (words 3.1e-4: fp16 partial sums).
-# The sweep overwrites these in-process; missing keys: the default rule.
+# Best of the MoE decode sweep's candidates (scripts/explore/layer_moe_decode_sweep.py) per
+# (E, I, L), batch 1, H200, 12 calls per graph over > 2 × L2 of experts: the split-K gate_up
+# (KS = 7 or 14) with an unrolled down kernel; the int32-word decode (TP16 17.8 µs against 20.9
+# for the byte decode, TP8 28.2 against 35.7, bench/results/layer-h200-2026-11-29-r7.json); the
+# packed-fp16 decode where it won inside the layer, TP16 only (17.3 → 16.6 µs; at TP8 27.6 →
+# 30.1, bench/results/moe-decode-sweep-h200-2026-11-29-r11.json and
+# layer-h200-2026-11-29-r11.json). rel err vs the fp64 reference 2.2e-3 (words 3.1e-4: fp16
+# partial sums). Missing keys: the default rule; DecodeOptions.moe_decode_configs overrides an
+# entry for one replica (A/B runs).
 TUNED: dict[tuple[int, int, int], DecodeConfig] = {
     (896, 192, 3584): DecodeConfig(16, 8, 1, 128, 2, 2, gate_up_ks=14, down_unroll=True,
                                    words=True, f16x2=True),
@@ -566,9 +565,11 @@ def moe_mxfp4_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     return out
 
 
-def use_decode_kernel(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Experts) -> bool:
-    """Whether `moe_mxfp4_decode` serves this call (few pairs, Triton on these tensors)."""
-    return topk_ids.numel() <= MAX_PAIRS and available(z, experts.w13)
+def use_decode_kernel(z: torch.Tensor, topk_ids: torch.Tensor, experts: MXFP4Experts,
+                      max_pairs: int = MAX_PAIRS) -> bool:
+    """Whether the few-token kernels serve this call (≤ max_pairs pairs, Triton on these
+    tensors; max_pairs: DecodeOptions.moe_max_pairs)."""
+    return topk_ids.numel() <= max_pairs and available(z, experts.w13)
 
 
 __all__ = ["DecodeConfig", "MAX_PAIRS", "TUNED", "default_decode_config", "moe_mxfp4_decode",

@@ -1,5 +1,5 @@
 """The few-token MXFP4 MoE (gate_up, SiTU, down) as ONE resident CuTe kernel whose whole expert
-stream is in flight at once (issue #6, PERF round 19).
+stream is in flight at once.
 
 Same contract, math and rounding points as kernels/moe_mxfp4_decode.py (pair p = t·k + j,
 e = ids[p]):
@@ -8,7 +8,7 @@ e = ids[p]):
     out[t] = Σ_j w[t·k + j] · bf16(W2_e a[t·k + j])                          (T, L) fp32
 
 Why: the Triton pair (gate_up, then down) takes 16.6 µs at K3 TP16 batch 1 for 17.5 MB of
-experts, 3.9 µs of HBM time (PERF round 11). Its programs each hold a few KB in flight, the
+experts, 3.9 µs of HBM time. Its programs each hold a few KB in flight, the
 down kernel starts only when gate_up has ended, and the down weights are requested only then.
 Here every byte the call needs is requested at once, right after the router's ids are visible:
 
@@ -43,10 +43,10 @@ Shared memory at K3 TP16 batch 1 (G = 132): 24 row pairs × 3.8 KB + 16 pairs ×
 token at TP16), which the Triton pair keeps serving. Bytes read per call: every touched expert
 once (a duplicate expert of two pairs twice) + G · (T·L·2 + P·I·4) of z and a from L2.
 
-Measured (H200, PERF round 19): 13.2 µs per call against the Triton pair's 15.1 in the MoE
+Measured (H200, docs/PERF.md §1.3): 13.2 µs per call against the Triton pair's 15.1 in the MoE
 bench (0.30 of the roofline); in the TP16 batch-1 layer, medians over 3 leases (6 processes
 with the pair, 7 resident), KDA 68.4 → 64.0 µs and MLA 77.5 → 73.2 µs, one kernel fewer.
-Served for that shape only (kernels/moe_mxfp4_decode_mma.py `RESIDENT`, predecode 3: 64
+Served for that shape only (kernels/moe_decode.py `RESIDENT`, predecode 3: 64
 registers a thread leave the SM room for the next kernel's PDL prologue; all 7 rows take 128).
 """
 from __future__ import annotations

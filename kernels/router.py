@@ -8,26 +8,17 @@ logits it consumes.
 
 Layers (STYLE §6): `route_topk_reference` / `router_logits_reference` are the PyTorch references
 (the spec every kernel is tested against); `route_topk` / `router_logits` are the public ops and
-the dispatch point. `route_topk` runs a registered CuTe DSL kernel first (future work), else
-the Triton kernel of kernels/router_triton.py on CUDA tensors (`USE_TRITON`; one program per
-token, a k-round arg-max), else the reference (CPU, or no Triton). The fp32-output logits GEMV
-has no kernel yet: `router_logits` runs the reference.
+the dispatch point. `route_topk` runs the Triton kernel of kernels/router_triton.py on CUDA
+tensors (one program per token), else the reference (CPU, or no Triton). The fp32-output
+logits GEMV has no kernel of its own: `router_logits` runs the reference (the served fused MoE
+block computes the logits inside its packed GEMV, models/moe.py).
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import router_triton as _tri
-from raydecode.kernels._cute import cute_available
-
-# Set by the CuTe kernels when they land: callables with the public ops' signatures, and the
-# shape/dtype predicates they accept. None = no kernel: the reference runs on every device.
-CUTE_ROUTE_TOPK: Callable | None = None
-CUTE_ROUTER_LOGITS: Callable | None = None
-USE_TRITON = True        # the Triton top-k kernel on CUDA tensors (False: the reference)
 
 
 def router_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -60,20 +51,18 @@ def _check(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int) -> None:
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp32 router logits x·wᵀ (T, E_r); the rank's expert rows on the specialized path."""
-    if CUTE_ROUTER_LOGITS is not None and cute_available() and x.is_cuda:
-        return CUTE_ROUTER_LOGITS(x, w)
     return router_logits_reference(x, w)
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-               renormalize: bool = True, scaling: float = 1.0
+               renormalize: bool = True, scaling: float = 1.0, gather: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused router op (see module docstring); one expert group only."""
+    """The fused router op (see module docstring); one expert group only. gather: the
+    Triton kernel takes the k weights from registers (DecodeOptions.router_gather; False:
+    re-loaded)."""
     _check(logits, bias, top_k)
-    if CUTE_ROUTE_TOPK is not None and cute_available() and logits.is_cuda:
-        return CUTE_ROUTE_TOPK(logits, bias, top_k, renormalize, scaling)
-    if USE_TRITON and logits.is_cuda and _tri.available(logits):
-        return _tri.route_topk_triton(logits, bias, top_k, renormalize, scaling)
+    if logits.is_cuda and _tri.available(logits):
+        return _tri.route_topk_triton(logits, bias, top_k, renormalize, scaling, gather=gather)
     return route_topk_reference(logits, bias, top_k, renormalize, scaling)
 
 

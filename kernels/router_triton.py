@@ -12,14 +12,11 @@ One program per token, the E scores in registers (BLOCK_E = next pow2 ≥ E):
                                                logits after the selection, a dependent L2
                                                round trip); (T, k) fp32, ids (T, k) int64
 The bias (a weight) is loaded before the PDL wait.
-One block reduction per selected expert (k = 16 of E = 896 for K3, 4 warps). Round 2 also
-loaded each winner's logit inside its round (5.9 µs at batch 1); round 4 tried one warp for
-the whole row (in-warp rounds, no barriers) and measured 16.6 µs — the 32-deep per-lane
-compare chains cost more than the barriers — so 4 warps stay. Round 5 (`SORT`, the default):
-the k rounds are replaced by Triton's bitonic `tl.topk` over the same int64 keys (same ids,
-same tie order): 4.53 vs 5.16 µs at batch 1 and 4.57 vs 5.23 at batch 4 (H200, CUDA graph of
-16 calls, scripts/bench/probe_kernels.py). Triton version for round 2 of issue 6 (the CuTe DSL
-kernel is the follow-up).
+One block reduction per selected expert (k = 16 of E = 896 for K3, 4 warps: one warp for the
+whole row measured 16.6 µs, its 32-deep per-lane compare chains cost more than the barriers).
+`SORT` (the default): Triton's bitonic `tl.topk` over the same int64 keys instead of k
+arg-max rounds (same ids, same tie order): 4.53 vs 5.16 µs at batch 1 and 4.57 vs 5.23 at
+batch 4 (H200, CUDA graph of 16 calls, scripts/explore/probe_kernels.py).
 """
 from __future__ import annotations
 
@@ -27,8 +24,8 @@ import torch
 
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
 
-SORT_DEFAULT = True       # bitonic top-k: 4.53 vs 5.16 µs (k rounds) at batch 1, H200 round 5
-GATHER_DEFAULT = True     # the weights gathered from registers, not re-loaded (round 22)
+SORT_DEFAULT = True       # bitonic top-k: 4.53 vs 5.16 µs (k arg-max rounds) at batch 1, H200
+GATHER_DEFAULT = True     # the weights gathered from registers, not re-loaded
 
 if triton is not None:
 
@@ -86,7 +83,7 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
     both give the same ids (ties to the lower expert index). gather: the k weights from the
     scores in registers (`tl.gather`) instead of a second load of the logits (None:
     `GATHER_DEFAULT`); both give the same weights within 1e-6 relative (not bit-equal: the
-    sigmoid is compiled in different code, H200 round 22)."""
+    sigmoid is compiled in different code, H200)."""
     T, E = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()

@@ -21,13 +21,6 @@ import torch
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 
 from .layers import RMSNorm, rms_norm_fp32
-from .specialized import env_switch
-
-# The specialized step keeps its block snapshots as slots of one (T, n_max, H) tensor, so the
-# fused mix + norm reads them as one strided view: the CuTe kernel serves every call and no
-# stack copy precedes it (a list of separate snapshots fell back to a torch.stack + the Triton
-# kernel: docs/PERF.md round 23). Off ('0') for A/B runs.
-BANK = env_switch("RAYDECODE_ATTNRES_BANK", "block snapshots as slots of one bank tensor")
 
 
 def attn_res_mix(values: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
@@ -49,17 +42,32 @@ class AttnResStream:
     output in `pending` and the next `mix_norm` adds it to the prefix, mixes and normalises in
     the one fused op of kernels/attnres_norm.py."""
 
-    def __init__(self, embedding: torch.Tensor, capacity: int = 0):
+    def __init__(self, embedding: torch.Tensor, capacity: int = 0, cute: bool = True):
         """capacity > 0: room for that many snapshots in one (T, capacity, H) tensor; each
-        snapshot is slot j of it (`blocks[j]` a view), so the blocks form one strided view.
-        Past the capacity, or with 0, snapshots are the prefix tensors themselves."""
+        snapshot is slot j of it (`blocks[j]` a view), so the blocks form one strided view
+        the fused mix + norm reads without a stack copy (the specialized step:
+        DecodeOptions.attnres_bank). Past the capacity, or with 0, snapshots are the prefix
+        tensors themselves. cute: `mix_norm` may use the CuTe kernel (DecodeOptions
+        .attnres_cute; False: Triton)."""
         if capacity < 0:
             raise ValueError(f"AttnRes bank capacity {capacity}; expected ≥ 0 snapshots")
+        self.cute = cute
         self.blocks: list[torch.Tensor] = []
         self.prefix = embedding                                  # (T, H)
         self.pending: torch.Tensor | None = None                 # output not yet in prefix
         self.bank = (embedding.new_empty(embedding.shape[0], capacity, embedding.shape[-1])
                      if capacity else None)
+
+    @classmethod
+    def resume(cls, blocks: list[torch.Tensor], prefix: torch.Tensor,
+               pending: torch.Tensor | None = None, cute: bool = True) -> "AttnResStream":
+        """The stream as it stands inside a forward: these snapshots (views of one bank
+        tensor, or separate tensors), the running prefix and a deferred sublayer output (a
+        layer benchmark's state before one layer). No capacity: the layer must not start a
+        block."""
+        s = cls(prefix, capacity=0, cute=cute)
+        s.blocks, s.pending = list(blocks), pending
+        return s
 
     def _next_slot(self) -> torch.Tensor | None:
         """The bank slot the next snapshot goes to (None: no bank, or full)."""
@@ -114,9 +122,9 @@ class AttnResStream:
         op writes it straight into the bank's next slot and `add` copies nothing."""
         args = (res_norm.weight, proj_weight, out_norm.weight, res_norm.eps, out_norm.eps)
         if self.pending is None:
-            return attnres_mix_norm(self.blocks, self.prefix, *args)
+            return attnres_mix_norm(self.blocks, self.prefix, *args, cute=self.cute)
         slot = self._next_slot() if snapshot else None
         self.prefix, h = attnres_add_mix_norm(self.blocks, self.prefix, self.pending, *args,
-                                              new_prefix=slot)
+                                              new_prefix=slot, cute=self.cute)
         self.pending = None
         return h

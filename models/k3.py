@@ -23,10 +23,12 @@ import math
 import torch
 from torch import nn
 
-from . import attnres
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
+
 from .attnres import AttnResStream
 from .cache import KDAStateCache, MLALatentCache, ModelCaches, SeqSlice, StepBatch
 from .config import K3Config
+from .decode_plan import BUCKETS, DecodePlan, resolve_plan
 from .kda import KDAAttention
 from .layers import (GatedMLP, RMSNorm, VocabParallelEmbedding, column_linear,
                      replicated_linear, shard_tensor)
@@ -38,20 +40,20 @@ from .specialized import check_path, specialized_supported
 
 class K3DecoderLayer(nn.Module):
     def __init__(self, cfg: K3Config, layer_idx: int, par: Parallel, comm: Comm,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, options: DecodeOptions = DEFAULT_OPTIONS):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_idx = layer_idx
         self.starts_block = layer_idx % cfg.attn_res_block_size == 0
         self.kind = cfg.layer_kinds[layer_idx]
         attn_cls = KDAAttention if self.kind == "kda" else MLAAttention
-        self.self_attn = attn_cls(cfg, layer_idx, par, comm, dtype)
+        self.self_attn = attn_cls(cfg, layer_idx, par, comm, dtype, options=options)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(cfg, par, comm, dtype, layer_idx)
+            self.block_sparse_moe = LatentMoE(cfg, par, comm, dtype, layer_idx, options)
         else:
             self.mlp = GatedMLP(H, cfg.intermediate_size, cfg.situ_beta, cfg.situ_linear_beta,
-                                par, comm, dtype)
+                                par, comm, dtype, options)
         self.input_layernorm = RMSNorm(H, eps, dtype)
         self.post_attention_layernorm = RMSNorm(H, eps, dtype)
         self.self_attention_res_norm = RMSNorm(H, eps, dtype)
@@ -79,11 +81,13 @@ class K3DecoderLayer(nn.Module):
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg: K3Config, par: Parallel, comm: Comm, dtype: torch.dtype):
+    def __init__(self, cfg: K3Config, par: Parallel, comm: Comm, dtype: torch.dtype,
+                 options: DecodeOptions = DEFAULT_OPTIONS):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.options = options
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, H, par, comm, dtype)
-        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, par, comm, dtype)
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, par, comm, dtype, options)
                                     for i in range(cfg.num_layers))
         self.num_blocks = cfg.num_attn_res_blocks
         self.norm = RMSNorm(H, eps, dtype, op_rounding=True)   # vLLM's RMSNorm op (logits)
@@ -92,9 +96,10 @@ class K3Model(nn.Module):
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock", taps: tuple[int, ...] = ()):
-        # specialized: the snapshots in one bank tensor (models/attnres.py BANK)
-        cap = self.num_blocks if path == "specialized" and attnres.BANK else 0
-        bank = AttnResStream(self.embed_tokens(tokens), capacity=cap)
+        # specialized: the snapshots in one bank tensor (DecodeOptions.attnres_bank)
+        cap = self.num_blocks if path == "specialized" and self.options.attnres_bank else 0
+        bank = AttnResStream(self.embed_tokens(tokens), capacity=cap,
+                             cute=self.options.attnres_cute)
         tapped = []
         for i, layer in enumerate(self.layers):
             layer(bank, batch, caches, path)
@@ -123,6 +128,9 @@ class K3ForCausalLM(nn.Module):
     path "stock" (default) or "specialized" (models/specialized.py): the same weights, caches,
     inputs and outputs; specialized shards the replicated projections 1/TP + all-gather and runs
     the fused kernels/ ops. `specialized_support` = specialized_supported(cfg, par).
+    options: the replica's DecodeOptions (what the specialized step runs; default: served).
+    `decode_plan`: the kernels every batch bucket's specialized step runs under those options
+    on this shard's device (models/decode_plan.py), resolved on first use (the rank build).
 
     caches=None: every sequence of `batch` must be a prefill from position 0 (naive MLA, zero
     KDA state; nothing is stored). With caches, each sequence reads and writes its slot: KDA conv
@@ -133,12 +141,27 @@ class K3ForCausalLM(nn.Module):
     """
 
     def __init__(self, cfg: K3Config, par: Parallel = Parallel(), comm: Comm = LocalComm(),
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, options: DecodeOptions | None = None):
         super().__init__()
         self.cfg, self.par, self.comm, self.dtype = cfg, par, comm, dtype
+        self.options = DEFAULT_OPTIONS if options is None else options
         self.specialized_support = specialized_supported(cfg, par)   # (ok, reason)
-        self.model = K3Model(cfg, par, comm, dtype)
+        self.model = K3Model(cfg, par, comm, dtype, self.options)
         self.lm_head = column_linear(cfg.hidden_size, cfg.vocab_size, par, dtype, "vocab_size")
+        self._plan: DecodePlan | None = None
+
+    @property
+    def decode_plan(self) -> DecodePlan:
+        """This shard's decode plan for every bucket (memoized: a pure function of the config,
+        the layout, the options, the dtype and the device's SM count)."""
+        if self._plan is None:
+            dev = self.lm_head.weight.device
+            sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+                   if dev.type == "cuda" else None)
+            self._plan = resolve_plan(self.cfg, self.par.tp_size, self.options, BUCKETS,
+                                      self.par.dcp_size, str(self.dtype).removeprefix("torch."),
+                                      sms)
+        return self._plan
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch | None = None,
                 caches: ModelCaches | None = None, path: str = "stock",

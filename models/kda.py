@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raydecode.kernels import kda_decode as kda_decode_op
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .cache import ModelCaches, StepBatch
 from .config import K3Config
@@ -157,10 +158,11 @@ class ShortConv(nn.Module):
 class KDAAttention(nn.Module):
     def __init__(self, cfg: K3Config, layer_idx: int, par: Parallel = Parallel(),
                  comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32,
-                 chunk_size: int = 64):
+                 chunk_size: int = 64, options: DecodeOptions = DEFAULT_OPTIONS):
         super().__init__()
         c, H = cfg.kda, cfg.hidden_size
         self.layer_idx, self.par, self.comm, self.chunk_size = layer_idx, par, comm, chunk_size
+        self.options = options
         self.heads = par.shard(c.num_heads, "KDA num_heads")
         self.dim, self.width, self.lower_bound = c.head_dim, c.conv_size, c.gate_lower_bound
         self.scale = c.head_dim ** -0.5
@@ -245,12 +247,13 @@ class KDAAttention(nn.Module):
         return kda_decode_op.kda_decode(
             proj, self.f_b_proj.weight, cache.conv[row], conv_w, exp_a,
             self.dt_bias, self.o_norm.weight, cache.rec[row], heads=self.heads,
-            head_dim=self.dim, lower_bound=self.lower_bound, eps=self.o_norm.eps, slots=slots)
+            head_dim=self.dim, lower_bound=self.lower_bound, eps=self.o_norm.eps, slots=slots,
+            splits=self.options.kda_splits)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock") -> torch.Tensor:
         T, h, d, W = x.shape[0], self.heads, self.dim, self.width
-        lin = linear_for(path)    # specialized: the same math on the kernels/ GEMVs
+        lin = linear_for(path, self.options)   # specialized: the same math on kernels/ GEMVs
         if self._fused_decode_ok(x, batch, caches, path):
             o = self._fused_decode(x, batch, caches, lin)                          # (T, h·d)
             return self.comm.all_reduce(lin(o, self.o_proj.weight))

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
+
 from .parallel import Comm, LocalComm, Parallel
 from .specialized import linear_for
 
@@ -123,6 +125,15 @@ class DerivedWeights:
     def _key(sources) -> tuple:
         return tuple((t.data_ptr(), 0 if t.is_inference() else t._version, t.device, t.dtype)
                      for t in sources)
+
+    def built(self) -> dict[str, torch.Tensor]:
+        """Every derived tensor built so far, by name."""
+        return {k: v[1] for k, v in self._memo.items()}
+
+    def source_ptrs(self) -> set[int]:
+        """data_ptr of every source the current derived tensors were built from (after the
+        build: a source `pack_rows_` moved points into its buffer)."""
+        return {k[0] for key, _ in self._memo.values() for k in key}
 
     def peek(self, name: str) -> torch.Tensor | None:
         """The last tensor built under `name` (whether or not it is still current)."""
@@ -230,9 +241,11 @@ class GatedMLP(nn.Module):
     The dense FFN of the first layers and the MoE shared experts."""
 
     def __init__(self, hidden: int, intermediate: int, beta: float, linear_beta: float | None,
-                 par: Parallel, comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32):
+                 par: Parallel, comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32,
+                 options: DecodeOptions = DEFAULT_OPTIONS):
         super().__init__()
         self.comm, self.beta, self.linear_beta = comm, beta, linear_beta
+        self.options = options
         self.gate_proj = column_linear(hidden, intermediate, par, dtype, "MLP intermediate size")
         self.up_proj = column_linear(hidden, intermediate, par, dtype, "MLP intermediate size")
         self.down_proj = row_linear(intermediate, hidden, par, dtype, "MLP intermediate size")
@@ -244,7 +257,7 @@ class GatedMLP(nn.Module):
     def partial(self, x: torch.Tensor, path: str = "stock") -> torch.Tensor:
         """(T, H) -> this rank's partial sum (T, H) of the output, before the all-reduce (for a
         caller that reduces it together with other partials)."""
-        lin = linear_for(path)
+        lin = linear_for(path, self.options)
         a = situ(lin(x, self.gate_proj.weight), lin(x, self.up_proj.weight), self.beta,
                  self.linear_beta)
         return lin(a, self.down_proj.weight)

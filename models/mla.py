@@ -27,7 +27,7 @@ pool, output gate present): the fused ops of kernels/mla_decode.py replace the p
 PyTorch code — at D = 1 the q_b GEMV with W_uk and the q_a norm weight folded in
 (`_q_b_absorbed`: the absorbed q straight out of the GEMV) then mla_decode_absorbed (attention
 with the q norm scale and the row store in the split kernel; W_uv + gate: 2 kernels; with
-RAYDECODE_MLA_ABSORBED_Q=0 round 9's `_q_b_folded` GEMV + mla_decode_fused, 3 kernels); at D > 1
+DecodeOptions.mla_absorbed_q off, the `_q_b_folded` GEMV + mla_decode_fused, 3 kernels); at D > 1
 mla_prep (norms + row store), q_b, mla_absorb, the q exchange, mla_attention over this rank's
 rows + the DCP exchange + mla_output. Per-token paging (`decode_meta`): block table rows (T, max_blocks) int32, store index
 (T,) = p // D on the rank owning p (else −1: not stored), seq_lens (T,) = rows of positions
@@ -43,20 +43,16 @@ from torch import nn
 from raydecode.kernels.mla_decode import (absorbed_q_weight, folded_q_b_weight, mla_absorb,
                                           mla_attention, mla_decode_absorbed,
                                           mla_decode_fused, mla_output, mla_prep)
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .cache import MLALatentCache, ModelCaches, StepBatch
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
                      row_linear)
 from .parallel import Comm, LocalComm, Parallel
-from .specialized import env_switch, linear_for, row_pieces, sharded_gemv
+from .specialized import linear_for, row_pieces, sharded_gemv
 
 BF16 = torch.bfloat16
-# Specialized decode at DCP 1: W_uk (and the q_a norm weight) folded into the q_b GEMV's weight,
-# then mla_decode_absorbed's two kernels (docs/PERF.md round 16), instead of the q_b' GEMV and
-# mla_decode_fused's three (rms scale + absorb + row store as a kernel of their own). Off for
-# A/B runs.
-ABSORBED_Q = env_switch("RAYDECODE_MLA_ABSORBED_Q", "W_uk folded into the q_b GEMV")
 
 
 # ---- attention math (fp32) -----------------------------------------------------------------
@@ -147,10 +143,11 @@ def decode_meta(batch: StepBatch, cache: MLALatentCache, device
 
 class MLAAttention(nn.Module):
     def __init__(self, cfg: K3Config, layer_idx: int, par: Parallel = Parallel(),
-                 comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32):
+                 comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32,
+                 options: DecodeOptions = DEFAULT_OPTIONS):
         super().__init__()
         m, H, eps = cfg.mla, cfg.hidden_size, cfg.rms_norm_eps
-        self.layer_idx, self.par, self.comm = layer_idx, par, comm
+        self.layer_idx, self.par, self.comm, self.options = layer_idx, par, comm, options
         self.heads = par.shard(m.num_heads, "num_attention_heads")       # local heads
         self.nope, self.rope, self.vdim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.q_lora, self.kv_lora = m.q_lora_rank, m.kv_lora_rank
@@ -176,7 +173,7 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock") -> torch.Tensor:
         T = x.shape[0]
-        lin = linear_for(path)
+        lin = linear_for(path, self.options)
         if path == "specialized":   # fused qkv_a: 1/TP of [q_a; kv_a] rows per rank + gather
             gate = None
             if self.g_proj is not None:     # and the gate rows in the same GEMV
@@ -187,7 +184,7 @@ class MLAAttention(nn.Module):
                     qkv = qkv.contiguous()
             else:
                 qkv = sharded_gemv(x, [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight],
-                                   self.par, self.comm)
+                                   self.par, self.comm, self.options)
             if self._fused_decode_ok(qkv, batch, caches):
                 o = self._fused_decode(x, qkv, batch, caches, lin, gate)   # (T, h·v) gated
                 return self.comm.all_reduce(lin(o, self.o_proj.weight))
@@ -250,13 +247,13 @@ class MLAAttention(nn.Module):
         if gate is None:
             gate = lin(x, self.g_proj.weight)                               # (T, h·v)
         D = self.par.dcp_size
-        if D == 1 and ABSORBED_Q:   # q_abs from one GEMV; split (+ q scale, row), output
+        if D == 1 and self.options.mla_absorbed_q:   # q_abs from one GEMV; split, output
             q = lin(qkv[:, :self.q_lora], self._q_b_absorbed(), torch.float32)  # rounded once,
             q = q.view(T, h, c + self.rope)                                    # after the scale
             return mla_decode_absorbed(qkv, q, self.kv_a_layernorm.weight, pool, table, store,
                                        seq_lens, self._w_uv_t(), gate, q_lora=self.q_lora,
                                        kv_lora=c, eps=self.q_a_layernorm.eps,
-                                       scale=self.scale)
+                                       scale=self.scale, pre_tile=self.options.mla_pre_tile)
         if D == 1:      # after the q_b GEMV: q norm scale + absorb + row, attention, output
             q = lin(qkv[:, :self.q_lora], self._q_b_folded(), torch.float32)    # rounded once,
             q = q.view(T, h, self.nope + self.rope)                            # after the scale

@@ -17,8 +17,8 @@ shared SiTU, one GEMV for this rank's latent up columns ‖ shared down whose pa
 all-reduced (bf16, like every row-parallel output). Its packed weights: the shared gate/up
 params live inside the first (`pack_rows_`: no second copy); the 1/TP router / latent-down
 rows and the second weight are copies, (E + L)/TP·H + H·(L/TP + I_sh, padded) values per
-layer (K3 TP16: 4.0 + 9.2 MB, 1.2 GB per rank). RAYDECODE_MOE_FUSED=0 runs the unfused
-block (A/B runs).
+layer (K3 TP16: 4.0 + 9.2 MB, 1.2 GB per rank). DecodeOptions.moe_fused off runs the unfused
+block.
 
 TP: the router, latent down/up projections and latent norm are replicated; each expert's
 intermediate I is split (w1/w3 rows, w2 columns), so y_lat is a partial sum per rank that is
@@ -33,9 +33,10 @@ Routed experts, two storages (`RoutedExperts`; which one: `routed_experts_mxfp4(
       experts.w2_packed  (E, L, I_local/2)     experts.w2_scale  (E, L, I_local/32)     [down]
   shard_dim 2 of each full shape (I, or I/2 bytes, or I/32 groups: I_local % 32 == 0). The
   (E, 2, I_local, ·) tensors are the kernels' (E, 2I_local, ·) w13 / s13 as free views.
-  Forward: CUDA + Triton -> `moe_decode` (specialized path, T·k ≤ MAX_PAIRS: decode up to
-  batch 16) or the stock grouped `fused_moe_mxfp4`, device-side ids, no host sync
-  (capturable); elsewhere `moe_mxfp4_reference` (host sync on the unique ids).
+  Forward: kernels/moe_decode.py `routed_moe` picks the kernel (on CUDA the few-token kernels
+  on the specialized path up to DecodeOptions.moe_max_pairs pairs, else the stock grouped
+  kernel; device-side ids, no host sync, capturable; elsewhere `moe_mxfp4_reference`, a host
+  sync on the unique ids).
 - bf16 (no quantization_config): stacked parameters in the model dtype,
   experts.w1, experts.w3 (E, I_local, L) [gate, up] and experts.w2 (E, L, I_local) [down];
   shard_dim 1 for w1/w3 and 2 for w2 in the full shapes (E, I, L) / (E, L, I); a Python loop
@@ -49,15 +50,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raydecode.kernels._triton import triton as _triton
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
 from raydecode.kernels.gemv_norm_situ import norm_situ_gemv_cute
 from raydecode.kernels.gemv_norm_situ import supports as norm_situ_gemv_supports
-from raydecode.kernels.moe_mxfp4 import (MAX_SCALE, MXFP4Experts, fused_moe_mxfp4,
-                                         moe_mxfp4_reference)
-from raydecode.kernels.moe_mxfp4_decode import use_decode_kernel
-from raydecode.kernels.moe_mxfp4_decode_mma import moe_decode
+from raydecode.kernels.moe_decode import routed_moe
+from raydecode.kernels.moe_mxfp4 import MAX_SCALE, MXFP4Experts
 from raydecode.kernels.router import route_topk, router_logits
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .checkpoint import PREFIX, expert_is_mxfp4
 from .config import K3Config
@@ -66,17 +65,7 @@ from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_,
 from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
 from .params import ffn_out_k, moe_block_fused
-from .specialized import env_switch, linear_for, row_slice, sharded_gemv
-
-
-# The specialized MoE block: fused (`LatentMoE._forward_fused`) where the layer has its parts,
-# else the unfused one. Off for A/B runs, and in tests of other layers that compare whole
-# models stock vs specialized closer than the fused block's re-association allows.
-FUSED_SPECIALIZED = env_switch("RAYDECODE_MOE_FUSED", "the fused specialized MoE block")
-# Inside the fused block on CUDA where it serves (T = 1 at K3 TP16: `gemv_norm_situ.supports`):
-# the latent norm + SiTU as the prologue of the ffn_out CuTe GEMV (kernels/gemv_norm_situ.py),
-# one launch instead of two.
-FUSED_FFN_OUT = env_switch("RAYDECODE_FFN_OUT_FUSED", "norm + SiTU in the ffn_out GEMV")
+from .specialized import linear_for, row_slice, sharded_gemv
 
 
 def route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
@@ -123,7 +112,6 @@ class MoEGate(nn.Module):
 # ---- routed experts ------------------------------------------------------------------------
 
 MXFP4_PARAMS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
-MAX_FUSED_PAIRS = 1 << 16        # the stock kernel's runs program sorts ≤ 65536 pairs per call
 
 
 def routed_experts_mxfp4(cfg: K3Config, layer_idx: int | None = None) -> bool:
@@ -163,9 +151,10 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, num_experts: int, latent: int, intermediate: int, beta: float,
                  linear_beta: float | None, par: Parallel, dtype: torch.dtype,
-                 mxfp4: bool = False):
+                 mxfp4: bool = False, options: DecodeOptions = DEFAULT_OPTIONS):
         super().__init__()
         self.beta, self.linear_beta, self.mxfp4 = beta, linear_beta, mxfp4
+        self.options = options
         E, L, I, what = num_experts, latent, intermediate, "moe_intermediate_size"
         if not mxfp4:
             self.w1 = new_param((E, I, L), par, 1, dtype, what=what)
@@ -216,25 +205,15 @@ class RoutedExperts(nn.Module):
     def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 path: str = "stock") -> torch.Tensor:
         """z (T, L), weights (T, k) fp32, ids (T, k) -> Σ_k w·expert(z) (T, L) fp32 (partial
-        over I shards). MXFP4 on CUDA: ids stay on the device (no host sync)."""
+        over I shards). MXFP4: the kernel kernels/moe_decode.py `routed_moe` picks (on CUDA
+        the ids stay on the device: no host sync)."""
         if not self.mxfp4:
             return self._forward_dense(z, weights, ids, path)
-        ex, weights = self.packed(), weights.float()
-        if not (z.is_cuda and _triton is not None):
-            return moe_mxfp4_reference(z, weights, ids, ex)            # host sync (CPU)
-        if path == "specialized" and use_decode_kernel(z, ids, ex):
-            return moe_decode(z, weights, ids, ex)                      # bf16 or fp32 z
-        zb = z.to(torch.bfloat16)                                       # the stock kernel's input
-        step = max(1, MAX_FUSED_PAIRS // ids.shape[1])                 # tokens per launch group
-        if z.shape[0] <= step:
-            return fused_moe_mxfp4(zb, weights, ids, ex)
-        return torch.cat([fused_moe_mxfp4(zb[i:i + step], weights[i:i + step],
-                                          ids[i:i + step], ex)
-                          for i in range(0, z.shape[0], step)])
+        return routed_moe(z, weights, ids, self.packed(), path, self.options)
 
     def _forward_dense(self, z, weights, ids, path: str) -> torch.Tensor:
         """Loops over the selected experts (host sync on the unique ids), never over tokens."""
-        lin = linear_for(path)
+        lin = linear_for(path, self.options)
         out = z.new_zeros(z.shape, dtype=torch.float32)
         for e in torch.unique(ids).tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -249,20 +228,22 @@ class LatentMoE(nn.Module):
     """`block_sparse_moe` of a K3 layer."""
 
     def __init__(self, cfg: K3Config, par: Parallel = Parallel(), comm: Comm = LocalComm(),
-                 dtype: torch.dtype = torch.float32, layer_idx: int | None = None):
+                 dtype: torch.dtype = torch.float32, layer_idx: int | None = None,
+                 options: DecodeOptions = DEFAULT_OPTIONS):
         super().__init__()
         m, H = cfg.moe, cfg.hidden_size
-        self.cfg, self.par, self.comm = cfg, par, comm
+        self.cfg, self.par, self.comm, self.options = cfg, par, comm, options
         self.gate = MoEGate(H, m.num_experts, dtype)
         self.routed_expert_down_proj = replicated_linear(H, m.latent_size, dtype)
         self.experts = RoutedExperts(m.num_experts, m.latent_size, m.expert_intermediate,
                                      cfg.situ_beta, cfg.situ_linear_beta, par, dtype,
-                                     mxfp4=routed_experts_mxfp4(cfg, layer_idx))
+                                     mxfp4=routed_experts_mxfp4(cfg, layer_idx),
+                                     options=options)
         self.routed_expert_norm = (RMSNorm(m.latent_size, cfg.rms_norm_eps, dtype)
                                    if m.latent_norm else None)
         self.routed_expert_up_proj = replicated_linear(m.latent_size, H, dtype)
         self.shared_experts = (GatedMLP(H, m.shared_intermediate, cfg.situ_beta,
-                                        cfg.situ_linear_beta, par, comm, dtype)
+                                        cfg.situ_linear_beta, par, comm, dtype, options)
                                if m.num_shared_experts > 0 else None)
         self._derived = DerivedWeights()    # the fused specialized block's packed weights
 
@@ -294,9 +275,11 @@ class LatentMoE(nn.Module):
 
     def _fused_ok(self, x: torch.Tensor) -> bool:
         """The fused specialized block (`_forward_fused`): shared experts and the latent norm
-        present, a bf16 model (the norm + SiTU op writes the bf16 GEMV input)."""
-        # the parts: params.moe_block_fused(cfg), which the kernel plan (kernels/aot.py) reads
-        return (FUSED_SPECIALIZED and moe_block_fused(self.cfg) and x.dtype == torch.bfloat16)
+        present, a bf16 model (the norm + SiTU op writes the bf16 GEMV input), and
+        DecodeOptions.moe_fused on."""
+        # the parts: params.moe_block_fused(cfg), which the decode plan reads as well
+        return (self.options.moe_fused and moe_block_fused(self.cfg)
+                and x.dtype == torch.bfloat16)
 
     def _h2_proj(self) -> torch.Tensor:
         """(E/TP + L/TP + 2·I_sh, H): this rank's router rows and latent-down rows (copies of
@@ -337,17 +320,18 @@ class LatentMoE(nn.Module):
             lat = all-reduce(Σ_k w · expert(z))                               fp32 (T, L)
             a   = [RMSNorm(bf16(lat))[rank's L/TP cols] ‖ SiTU(bf16(gate, up)) ‖ 0]  one op
             out = all-reduce(a · [latent up cols ‖ shared down ‖ 0]ᵀ)         (T, H)
-        (a and the GEMV in one CuTe kernel where it serves: FUSED_FFN_OUT)
+        (a and the GEMV in one CuTe kernel where it serves: DecodeOptions.ffn_out_fused)
 
         Rounding points are the stock block's (fp32 GEMV outputs round where they are read);
         the latent up and shared down partials add in one fp32 accumulator and the ranks'
         bf16 partials in the all-reduce, where stock all-gathers the up rows and adds."""
         m, sh, par = self.cfg.moe, self.shared_experts, self.par
         ne, nz = par.shard(m.num_experts, "num_experts"), par.shard(m.latent_size, "latent")
-        y = linear_for("specialized")(x, self._h2_proj(), torch.float32)
+        lin, opt = linear_for("specialized", self.options), self.options
+        y = lin(x, self._h2_proj(), torch.float32)
         logits = self.comm.all_gather(y[:, :ne], dim=-1)                   # (T, E) fp32
         w, ids = route_topk(logits.contiguous(), self.gate.e_score_correction_bias, m.top_k,
-                            m.renormalize, m.routed_scaling_factor)
+                            m.renormalize, m.routed_scaling_factor, gather=opt.router_gather)
         z = self.comm.all_gather(y[:, ne:ne + nz], dim=-1)                 # (T, L) fp32
         if not (z.is_cuda and self.experts.mxfp4):   # moe_decode rounds fp32 z as it loads
             z = z.to(x.dtype)
@@ -355,11 +339,11 @@ class LatentMoE(nn.Module):
         w_out, nw, gu = self._ffn_out(), self.routed_expert_norm.weight, y[:, ne + nz:]
         args = (nw, self.routed_expert_norm.eps, par.tp_rank * nz, nz, gu, sh.beta,
                 sh.linear_beta)
-        if FUSED_FFN_OUT and norm_situ_gemv_supports(lat, nw, nz, gu, w_out):
+        if opt.ffn_out_fused and norm_situ_gemv_supports(lat, nw, nz, gu, w_out):
             out = norm_situ_gemv_cute(lat, *args, w_out, x.new_empty(x.shape[0], w_out.shape[0]))
         else:
             a = latent_norm_situ(lat, *args, x.new_empty(x.shape[0], w_out.shape[1]))
-            out = linear_for("specialized")(a, w_out)
+            out = lin(a, w_out)
         return self.comm.all_reduce(out)
 
     def _forward_specialized(self, x: torch.Tensor) -> torch.Tensor:
@@ -372,10 +356,13 @@ class LatentMoE(nn.Module):
         logits = self.comm.all_gather(router_logits(x, row_slice(self.gate.weight, self.par)),
                                       dim=-1)                          # (T, E) fp32
         w, ids = route_topk(logits, self.gate.e_score_correction_bias, m.top_k,
-                            m.renormalize, m.routed_scaling_factor)
-        z = sharded_gemv(x, [self.routed_expert_down_proj.weight], self.par, self.comm)
+                            m.renormalize, m.routed_scaling_factor,
+                            gather=self.options.router_gather)
+        z = sharded_gemv(x, [self.routed_expert_down_proj.weight], self.par, self.comm,
+                         self.options)
         lat, shared = self._reduce(self.experts(z, w, ids, "specialized"), x, "specialized")
         if self.routed_expert_norm is not None:
             lat = self.routed_expert_norm(lat)
-        out = sharded_gemv(lat, [self.routed_expert_up_proj.weight], self.par, self.comm)
+        out = sharded_gemv(lat, [self.routed_expert_up_proj.weight], self.par, self.comm,
+                           self.options)
         return out if shared is None else out + shared

@@ -42,7 +42,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 # alignment is inferred from that shape.
 FUSED_ROW_ALIGN = 16
 # K alignment of the fused [latent up ‖ shared down] GEMV of the specialized MoE block: 16 lanes
-# × 16-byte chunks tile each row (the layer benchmark's measured layout, docs/PERF.md round 3)
+# × 16-byte chunks tile each row
 FFN_K_ALIGN = 128
 
 
@@ -249,7 +249,7 @@ def _pad(n: int, a: int = FUSED_ROW_ALIGN) -> int:
 # - router: fp32 logits (the routing top-k reads them unrounded);
 # - q_b_absorbed: MLA W_q'' at DCP 1 (kernels/mla_decode.py `absorbed_q_weight` with the q norm
 #   weight: the q norm scale is applied to the fp32 output, which is rounded once after it);
-# - q_b_folded: the same for round 9's q_b' (`folded_q_b_weight`, RAYDECODE_MLA_ABSORBED_Q=0);
+# - q_b_folded: the same for the folded q_b' (`folded_q_b_weight`, mla_absorbed_q off);
 # - h2_proj: the fused MoE block's [router ‖ latent down ‖ shared gate ‖ up] (each consumer
 #   rounds its columns itself).
 FP32_OUT_GEMVS: dict[DecodePath, frozenset[str]] = {
@@ -271,7 +271,7 @@ def ffn_out_k(latent_cols: int, shared_cols: int) -> int:
 
 def moe_block_fused(cfg: K3Config) -> bool:
     """Whether the specialized MoE block has the fused form's parts (models/moe.py
-    `LatentMoE._fused_ok`, besides its bf16 / RAYDECODE_MOE_FUSED run-time conditions): shared
+    `LatentMoE._fused_ok`, besides its bf16 / DecodeOptions.moe_fused conditions): shared
     experts and the latent norm."""
     return cfg.moe.num_shared_experts > 0 and cfg.moe.latent_norm
 
@@ -294,10 +294,10 @@ def decode_gemv_shapes(cfg: K3Config, tp: int,
       `_q_b_absorbed`, `_q_b_folded`; models/moe.py `_h2_proj`, `_ffn_out`):
         `qkv_a_g`    (ΣN/TP of [q_a; kv_a] + h·v/TP of g_proj, H)   with the output gate
         `q_b_absorbed` (h/TP·(kv_lora + rope), q_lora), fp32 out    with the output gate
-        `q_b_folded` q_b's shape, fp32 out (RAYDECODE_MLA_ABSORBED_Q=0)   "
+        `q_b_folded` q_b's shape, fp32 out (mla_absorbed_q off)   "
         `h2_proj`    (E/TP + L/TP + 2·I_sh/TP, H), fp32 out         `moe_block_fused(cfg)`
         `ffn_out`    (H, L/TP + I_sh/TP padded to FFN_K_ALIGN)       `moe_block_fused(cfg)`
-      and the unfused MoE block's (RAYDECODE_MOE_FUSED=0) latent up, computed as H/TP rows:
+      and the unfused MoE block's (moe_fused off) latent up, computed as H/TP rows:
         `latent_up_rows` (H/TP, L).
     At TP 1 the packers move the replicated weights into the buffer instead of copying rows
     of them; the row counts are the same formulas at tp = 1."""

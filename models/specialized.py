@@ -8,8 +8,9 @@ differs in how it computes, never in what:
   copy packed with other rows into one GEMV weight: models/moe.py), and the TP ranks exchange
   the slices with one all-gather; the fused MoE block computes the latent up as 1/TP columns
   whose partial sums are all-reduced instead;
-- GEMVs go through `kernels.gemv.linear`; the router and the AttnRes mix + norm through their
-  fused ops in kernels/ (CuTe DSL on supported GPUs, the PyTorch references elsewhere).
+- GEMVs go through `kernels.linear.linear` (the GEMV dispatch, with the replica's
+  DecodeOptions); the router and the AttnRes mix + norm through their fused ops in kernels/
+  (CuTe DSL or Triton on supported GPUs, the PyTorch references elsewhere).
 
 Row sharding of a concatenation [W_0; W_1; …] of N rows: rank r owns rows [r·N/TP, (r+1)·N/TP),
 which may straddle two of the W_i (K3 TP16 qkv_a: 1536 + 576 = 2112 rows, 132 per rank; rank 11
@@ -19,12 +20,12 @@ in rank order, which is the row order of the concatenation.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from raydecode.kernels.gemv import linear as _gemv_linear
+from raydecode.kernels.linear import linear as _gemv_linear
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .config import K3Config
 from .parallel import Comm, Parallel
@@ -32,33 +33,20 @@ from .parallel import Comm, Parallel
 PATHS = ("stock", "specialized")
 
 
-def env_switch(env: str, on: str) -> bool:
-    """An on/off switch of the specialized step read from the environment at import: '1'
-    (default, `on` describes it) or '0' (off: A/B runs); anything else raises, naming both."""
-    v = os.environ.get(env, "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"{env}={v!r}; accepted: '1' ({on}, default) or '0' (off: A/B runs)")
-    return v == "1"
-
-
-def env_choice(env: str, choices: tuple[str, ...], default: str) -> str:
-    """One of `choices` read from the environment (default when unset): an A/B selector of the
-    specialized step or its benchmark; anything else raises, naming the accepted values."""
-    v = os.environ.get(env, default)
-    if v not in choices:
-        raise ValueError(f"{env}={v!r}; accepted: {', '.join(choices)}")
-    return v
-
-
 def check_path(path: str) -> None:
     if path not in PATHS:
         raise ValueError(f"path = {path!r}; accepted: {', '.join(PATHS)}")
 
 
-def linear_for(path: str):
-    """y = x·Wᵀ for a path: the kernels/ GEMV dispatch on the specialized path, F.linear on
-    stock (cuBLAS / the CPU BLAS)."""
-    return _gemv_linear if path == "specialized" else F.linear
+def linear_for(path: str, options: DecodeOptions = DEFAULT_OPTIONS):
+    """y = x·Wᵀ for a path: the kernels/ GEMV dispatch under `options` on the specialized
+    path (`lin(x, w, out_dtype=None)`), F.linear on stock (cuBLAS / the CPU BLAS)."""
+    if path != "specialized":
+        return F.linear
+
+    def lin(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None):
+        return _gemv_linear(x, w, out_dtype, options=options)
+    return lin
 
 
 def sharded_row_sizes(cfg: K3Config) -> dict[str, int]:
@@ -112,14 +100,15 @@ def row_pieces(sizes: tuple[int, ...], tp_rank: int, tp_size: int
     return tuple(pieces)
 
 
-def sharded_gemv(x: torch.Tensor, weights: list[torch.Tensor], par: Parallel, comm: Comm
-                 ) -> torch.Tensor:
+def sharded_gemv(x: torch.Tensor, weights: list[torch.Tensor], par: Parallel, comm: Comm,
+                 options: DecodeOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """y = x·[W_0; W_1; …]ᵀ (T, ΣN_i), each rank computing its 1/TP rows, then all-gathered.
 
     x (T, K) replicated on every rank; W_i (N_i, K) replicated. Each piece is a GEMV on a row
     view of W_i; the pieces of one rank are contiguous rows, concatenated before the exchange."""
     pieces = row_pieces(tuple(w.shape[0] for w in weights), par.tp_rank, par.tp_size)
-    parts = [_gemv_linear(x, weights[i].narrow(0, start, n)) for i, start, n in pieces]
+    parts = [_gemv_linear(x, weights[i].narrow(0, start, n), options=options)
+             for i, start, n in pieces]
     local = parts[0] if len(parts) == 1 else torch.cat(parts, -1)      # (T, ΣN_i / TP)
     return comm.all_gather(local, dim=-1)
 

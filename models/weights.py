@@ -408,9 +408,11 @@ def load_weights(model: nn.Module, ckpt_dir: str | Path, par: Parallel) -> None:
 
 def load_model(ckpt_dir_or_preset: str | Path, par: Parallel = Parallel(),
                comm: Comm = LocalComm(), dtype: torch.dtype = torch.bfloat16,
-               device: str | torch.device = "cpu", seed: int = 0) -> tuple[K3Config, nn.Module]:
+               device: str | torch.device = "cpu", seed: int = 0,
+               options=None) -> tuple[K3Config, nn.Module]:
     """(cfg, K3ForCausalLM) for a checkpoint folder, or for a preset name with the random
-    weights `write_checkpoint(preset, seed=seed)` would write (made in memory, no files)."""
+    weights `write_checkpoint(preset, seed=seed)` would write (made in memory, no files).
+    options: the replica's kernels.settings.DecodeOptions (None: the served defaults)."""
     from .k3 import K3ForCausalLM
 
     spec = str(ckpt_dir_or_preset)
@@ -424,6 +426,6 @@ def load_model(ckpt_dir_or_preset: str | Path, par: Parallel = Parallel(),
         raise CheckpointError(f"model {spec!r}: not a checkpoint folder and not a preset "
                               f"({', '.join(PRESETS)})")
     with torch.device(device):
-        model = K3ForCausalLM(cfg, par=par, comm=comm, dtype=dtype)
+        model = K3ForCausalLM(cfg, par=par, comm=comm, dtype=dtype, options=options)
     _load(model, cfg, src, par)
     return cfg, model.eval()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
 import sys
+
+from raydecode.kernels import settings
 
 DESCRIPTION = ("Serve Kimi K3 decode on Ray clusters of NVLink GPUs: the OpenAI endpoint, the "
                "capacity planner, NVLink-domain checks and the node kernel cache. "
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         # user input errors (ConfigError, RequestError, CheckpointError, ... are ValueErrors):
         # one clear line, no traceback, unless RAYDECODE_DEBUG asks for it
-        if os.environ.get("RAYDECODE_DEBUG"):
+        if settings.debug():
             raise
         print(f"raydecode {args.command}: error: {e}", file=sys.stderr)
         return 2

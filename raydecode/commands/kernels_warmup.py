@@ -23,7 +23,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="cache directory (default: "
                    "$RAYDECODE_KERNEL_CACHE)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton offline compiles")
-    p.add_argument("--dry-run", action="store_true", help="print the plan, compile nothing")
+    p.add_argument("--decode", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a decode option of the replica (deployment config decode.FIELD), "
+                        "repeatable; default: the served options")
+    p.add_argument("--sm-count", type=int, default=None, help="the GPU's SM count (the "
+                   "resident MoE kernel's grid; default: this host's GPU, else it is left "
+                   "unplanned)")
+    p.add_argument("--dry-run", action="store_true", help="print the decode plan (the kernel "
+                   "of every GEMV, the MoE kernel, the fusions, per bucket) and the compile "
+                   "list; compile nothing")
 
 
 # the GPU families the decode kernels are built for (Hopper and Blackwell: PDL, TMA); an arch
@@ -57,15 +65,26 @@ def _buckets(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from raydecode.kernels.aot import ENV, cache_dir, plan_kernels, warm
+    from raydecode.kernels.settings import parse_option_pairs
     from raydecode.models.config import load_config
+    from raydecode.models.decode_plan import ShardError, resolve_plan
 
     arch = check_target_arch(args.arch)
-    plan = plan_kernels(load_config(args.config), args.tp, _buckets(args.batch_buckets), arch)
+    cfg, buckets = load_config(args.config), _buckets(args.batch_buckets)
+    options = parse_option_pairs(args.decode)
+    try:
+        decode = resolve_plan(cfg, args.tp, options, buckets, sm_count=args.sm_count)
+    except ShardError:
+        decode = None                # plan_kernels names the TP that does not shard
+    plan = plan_kernels(cfg, args.tp, buckets, arch, sm_count=args.sm_count, options=options,
+                        plan=decode)
     print(f"# {plan.model} TP{plan.tp} buckets {list(plan.buckets)} {arch}: {len(plan.gemvs)} "
-          f"CuTe GEMVs, {len(plan.fused)} fused CuTe kernels, "
+          f"CuTe GEMVs, {len(plan.fused)} fused CuTe kernels, {len(plan.moe)} resident MoE, "
           f"{len(plan.triton) * (not args.no_triton)} Triton kernels, "
-          f"{len(plan.skipped)} shapes left to cuBLAS / unsupported")
+          f"{len(plan.skipped)} shapes left to cuBLAS / the skinny GEMM / unsupported")
     if args.dry_run:
+        print("\n".join(decode.describe()))
+        print("# compile list")
         print("\n".join(plan.describe()))
         return 0
     root = cache_dir(args.cache_dir)

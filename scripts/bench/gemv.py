@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import gemv as G
+from raydecode.kernels import linear as LN
 
 from .report_io import report_header, write_report
 
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
                 configs = []
             r = bench_shape(N, K, M, configs)
             r.update(name=name, tp=tp)
-            r["linear_uses_cute"] = G.linear_uses_cute(M, N, K)
+            r["linear_uses_cute"] = LN.linear_uses_cute(M, N, K)
             r["cublas_bytes_per_s"] = r["weight_bytes"] / (r["cublas_us"] * 1e-6)
             r["cublas_frac_hbm"] = r["cublas_bytes_per_s"] / hbm
             for tag, pdl, pf in (("", False, False), ("_pdl", True, False), ("_pf", True, True)):

@@ -1,33 +1,29 @@
-"""The benchmark's decode step against the model's own `K3DecoderLayer` (TP = 1 semantics).
+"""The layer benchmark's steps (scripts/bench/layer_step.py: the model's K3DecoderLayer driven
+as the benchmark times it) against the same layer's plain stock forward, TP = 1.
 
-On a small config of the K3 architecture (`small_config`), on one device: build the model
-layer in bf16 with random weights and MXFP4-representable experts, fill its caches and an
-AttnRes bank with random values, run ONE decode step of B sequences through
-`K3DecoderLayer.forward` (the Python reference, host syncs and all) and through the
-benchmark's steps (`make_step`: stock and specialized) over the same parameters and the same state,
-and compare:
+On a small config of the K3 architecture (`small_config`), on one device: random bf16 weights
+and MXFP4 experts, random caches and AttnRes bank; ONE decode step of B sequences through the
+layer's stock forward (the Python reference, host syncs and all) and through the benchmark's
+two variants on their own copies of the state: stock (the same path, through the benchmark's
+driver) and specialized (graph-shaped: the paging and slots from device tensors, the fused
+kernels of the decode plan). Compared:
   h        the attention input (AttnRes mix + input RMSNorm)
   attn     the attention sublayer output
-  moe      the FFN half on the SAME input (the model's `block_sparse_moe(h2)` vs `moe(h2)`)
-  layer    the layer's prefix update (prefix_out − prefix_in), tokens whose top-k routing
+  moe      the FFN half on the SAME input (the reference's h2) on the variant's path
+  layer    the layer's prefix update (output − prefix in), tokens whose top-k routing
            differs between the two runs (bf16-level input differences near a score tie) left
            out and counted
-  state    KDA recurrent state and conv tail, or the MLA row written to the cache
+  state    KDA recurrent state and conv tail, or the MLA row the step stored
 Errors are ‖a − b‖ / ‖b‖ (fp64). `check_layer` returns them with the tolerances it applied.
 """
 from __future__ import annotations
 
 import torch
 
-from raydecode.models.attnres import AttnResStream
-from raydecode.models.cache import KDAStateCache, MLALatentCache, ModelCaches, StepBatch
 from raydecode.models.config import K3Config, load_config, parse_hf_config
-from raydecode.models.k3 import K3DecoderLayer
 from raydecode.models.moe import route
-from raydecode.models.parallel import LocalComm, Parallel
 
-from .layer_step_spec import make_step
-from .layer_weights import BF16, LayerState, LayerWeights, ParamSpec, init_value, random_experts
+from .layer_step import LayerCopy
 
 TOL = {"h": 1e-2, "attn": 2e-2, "moe": 2e-2, "layer": 3e-2, "state": 1e-2,
        "specialized_vs_stock": 2e-2}
@@ -52,103 +48,81 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _model_layer(cfg: K3Config, idx: int, seed: int, device):
-    with torch.device(device):
-        layer = K3DecoderLayer(cfg, idx, Parallel(), LocalComm(), BF16)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    params = {}
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if ".experts." in name:
-                continue
-            p.copy_(init_value(name, ParamSpec(tuple(p.shape), p.full_shape, p.dtype), cfg,
-                               gen, device))
-            params[name] = p.detach()
-        experts = random_experts(cfg, Parallel(), seed + 1, device).validate()
-        layer.block_sparse_moe.experts.copy_experts_(experts)
-    return layer, params, experts
+def _clone(c: LayerCopy) -> LayerCopy:
+    """The same layer (weights shared) on a fresh copy of c's caches and state."""
+    import copy
+    d = copy.copy(c)
+    d.bank, d.pending = c.bank.clone(), c.pending.clone()
+    d.separate = None if c.separate is None else [b.clone() for b in c.separate]
+    kda, mla = c.caches.kda, c.caches.mla
+    caches = copy.copy(c.caches)
+    if kda is not None:
+        caches.kda = copy.copy(kda)
+        caches.kda.conv, caches.kda.rec = kda.conv.clone(), kda.rec.clone()
+    if mla is not None:
+        caches.mla = copy.copy(mla)
+        caches.mla.pool = mla.pool.clone()
+    d.caches = caches
+    return d
 
 
-def _model_caches(cfg: K3Config, idx: int, S: LayerState, T: int, context: int, block: int):
-    kind = cfg.layer_kinds[idx]
-    if kind == "kda":
-        hl, d = S.kda_rec.shape[1], S.kda_rec.shape[2]
-        kda = KDAStateCache(1, T, hl, d, cfg.kda.conv_size, BF16, S.kda_rec.device)
-        kda.conv[0].copy_(S.kda_conv[:T])
-        kda.rec[0].copy_(S.kda_rec[:T])
-        return ModelCaches(mla=None, kda=kda, kda_index={idx: 0})
-    nb = context // block
-    mla = MLALatentCache(1, T * nb, block, cfg.mla.latent_dim, BF16, S.mla_cache.device)
-    mla.pool[0].view(T, context, -1).copy_(S.mla_cache[:T])
-    for s in range(T):
-        mla.block_tables[s] = list(range(s * nb, (s + 1) * nb))
-    return ModelCaches(mla=mla, kda=None, mla_index={idx: 0})
+def _state(c: LayerCopy, T: int) -> list[torch.Tensor]:
+    if c.kind == "kda":
+        return [c.caches.kda.rec[0, :T], c.caches.kda.conv[0, :T]]
+    pool = c.caches.mla.pool[0].view(c.B, c.pages * c.block, -1)
+    return [pool[:T, c.context]]
 
 
-def _clone_state(S: LayerState) -> LayerState:
-    return LayerState(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                         for k, v in S.__dict__.items()})
+def _traced_step(c: LayerCopy, T: int, path: str) -> dict:
+    """c.step with the attention input / output and the FFN input recorded."""
+    seen, layer = {}, c.layer
+    ffn = layer.block_sparse_moe if layer.is_moe else layer.mlp
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a: seen.__setitem__("h", a[0])),
+             layer.self_attn.register_forward_hook(lambda m, a, o: seen.__setitem__("attn", o)),
+             ffn.register_forward_pre_hook(lambda m, a: seen.__setitem__("h2", a[0]))]
+    try:
+        c.step(T, path, fold=False)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return seen
 
 
 @torch.no_grad()
 def check_layer(kind: str, batch: int = 4, context: int = 32, seed: int = 0, device="cuda",
-                linear=None, cfg: K3Config | None = None) -> dict:
-    """Compare the benchmark step (stock and specialized, `linear` for the latter) with the
-    model's layer on one decode step. -> {'errors': {...}, 'tol': TOL, 'flips': n, 'ok': bool}"""
+                cfg: K3Config | None = None) -> dict:
+    """Compare the benchmark's stock and specialized steps with the layer's plain stock forward
+    on one decode step. -> {'errors': {...}, 'tol': TOL, 'routing_flips': n, 'ok': bool}"""
     cfg = cfg or small_config()
     idx = next(i for i in range(cfg.num_layers) if cfg.layer_kinds[i] == kind
                and cfg.is_moe_layer(i) and i % cfg.attn_res_block_size)
     T = batch
-    layer, params, experts = _model_layer(cfg, idx, seed, device)
-    W = LayerWeights.build(cfg, idx, Parallel(), params, experts)
-    S0 = LayerState.random(W, idx, T, context, seed + 2, device)
+    base = LayerCopy(cfg, idx, 1, T, context, seed, device)
+    n = base.bank.shape[1] - 1
+    prefix_in = base.bank[:T, n].float()
+    moe, mc = base.layer.block_sparse_moe, cfg.moe
 
-    # ---- the model -------------------------------------------------------------------------
-    caches = _model_caches(cfg, idx, S0, T, context, block=16 if context % 16 == 0 else 1)
-    n = S0.bank_in.shape[1] - 1
-    bank = AttnResStream(S0.bank_in[:, n].clone())
-    bank.blocks = [S0.bank_in[:, j].clone() for j in range(n)]
-    seen = {}
-    hooks = [layer.self_attn.register_forward_pre_hook(
-                 lambda m, a: seen.__setitem__("h", a[0])),
-             layer.self_attn.register_forward_hook(
-                 lambda m, a, o: seen.__setitem__("attn", o)),
-             layer.block_sparse_moe.register_forward_pre_hook(
-                 lambda m, a: seen.__setitem__("h2", a[0]))]
-    layer(bank, StepBatch.decode(list(range(T)), [context - 1] * T), caches)
-    for hk in hooks:
-        hk.remove()
-    moe = layer.block_sparse_moe
-    mc = cfg.moe
-    _, ids_model = route(moe.gate(seen["h2"]), moe.gate.e_score_correction_bias, mc.top_k,
-                         mc.num_expert_group, mc.topk_group, mc.renormalize,
-                         mc.routed_scaling_factor)
-    delta_model = bank.prefix.float() - S0.bank_in[:, n].float()
+    def routing(h2):
+        return route(moe.gate(h2), moe.gate.e_score_correction_bias, mc.top_k,
+                     mc.num_expert_group, mc.topk_group, mc.renormalize,
+                     mc.routed_scaling_factor)[1]
 
-    # ---- the benchmark step -----------------------------------------------------------------
+    ref = _clone(base)
+    seen_ref = _traced_step(ref, T, "stock")
+    ids_ref = routing(seen_ref["h2"]).sort(-1).values
+    delta_ref = ref.output().float() - prefix_in
     err, flips, deltas = {}, {}, {}
     for variant in ("stock", "specialized"):
-        S = _clone_state(S0)
-        S.ffn_prev.zero_()      # the folded residual of a previous layer: none here
-        step = make_step(W, S, variant, T, linear if variant == "specialized" else None)
-        step.trace = {}
-        step.step()
-        if hasattr(step, "finish"):
-            step.finish()
-        tr = step.trace
-        same = (S.last_ids.sort(-1).values == ids_model.sort(-1).values).all(-1)    # (T,)
+        c = _clone(base)
+        seen = _traced_step(c, T, variant)
+        same = (routing(seen["h2"]).sort(-1).values == ids_ref).all(-1)           # (T,)
         flips[variant] = int((~same).sum())
-        delta = S.prefix_out[:T].float() - S0.bank_in[:, n].float()
+        delta = c.output().float() - prefix_in
         deltas[variant] = (delta, same)
-        e = {"h": _rel(tr["h"], seen["h"]), "attn": _rel(tr["attn"], seen["attn"]),
-             "moe": _rel(step.moe(tr["h2"]), moe(tr["h2"])),
-             "layer": _rel(delta[same], delta_model[same]) if same.any() else float("inf")}
-        if kind == "kda":
-            e["state"] = max(_rel(S.kda_rec[:T], caches.kda.rec[0]),
-                             _rel(S.kda_conv[:T], caches.kda.conv[0]))
-        else:
-            e["state"] = _rel(S.mla_cache[:T, -1],
-                              caches.mla.pool[0].view(T, context, -1)[:, -1])
+        e = {"h": _rel(seen["h"], seen_ref["h"]), "attn": _rel(seen["attn"], seen_ref["attn"]),
+             "moe": _rel(moe(seen_ref["h2"], variant), moe(seen_ref["h2"], "stock")),
+             "layer": _rel(delta[same], delta_ref[same]) if same.any() else float("inf"),
+             "state": max(_rel(a, b) for a, b in zip(_state(c, T), _state(ref, T)))}
         err[variant] = e
     (ds, ss), (dp, sp) = deltas["stock"], deltas["specialized"]
     both = ss & sp

@@ -1,207 +1,211 @@
-"""One K3 decoder layer's decode step (B sequences, one token each) for CUDA-graph capture.
+"""One K3 decoder layer, the model's own `K3DecoderLayer`, as the layer benchmark runs it: B
+sequences of one token each at rank 0's per-rank shapes, its weights, caches and AttnRes state
+held by a `LayerCopy`.
 
-No host sync, fixed shapes, state in preallocated buffers (scripts/bench/layer_weights.py):
+    state   bank (B, n + 1, H): n block snapshots before the layer (one bank tensor, as the
+            served step keeps them) and the running prefix; pending (B, H): the previous
+            layer's FFN output, folded into this layer's first AttnRes mix (the served
+            residual-add form); KDA conv + fp32 recurrent state or the MLA latent rows of
+            `context` cached positions, the step's row stored at position `context`
+    step    AttnResStream.resume(blocks, prefix, pending) → layer.forward(stream, batch,
+            caches, path) — the served code, the options' kernels (models/decode_plan.py)
 
-    mix   = AttnRes(bank_in)                          h = RMSNorm(mix)
-    attn  = KDA | MLA decode(h)                        [all-reduce]
-    bank_mid[prefix] = bank_in[prefix] + attn
-    mix2  = AttnRes(bank_mid)                          h2 = RMSNorm(mix2)
-    ffn   = latent MoE(h2) + shared experts(h2)        [all-reduce(s)]
-    prefix_out = bank_mid[prefix] + ffn
-
-Numerics follow models/ (same rounding points; the AttnRes mix, SiTU, routing and the KDA gate
-are the models/ functions themselves; the layer RMSNorms are torch's fused F.rms_norm in fp32
-with fp32 weights instead of the reference's op chain; MLA q_lat/o use bf16 bmm with fp32
-accumulation, the scores and the softmax fp32). Collectives are no-ops on one GPU, recorded by
-`collectives()`; an all-gather of the specialized path is stood in for by one copy of rank 0's
-slice into a receive buffer whose other slices hold fixed random values (`LayerState.gather_*`).
-
-`DecodeStep` is the stock step: F.linear (cuBLAS) everywhere; replicated fused_qkv_a / router /
-latent down+up read whole; the Triton fused grouped MoE over MXFP4; separate PyTorch ops for
-norms, AttnRes, gates, KDA recurrence and MLA attention. The specialized step subclasses it
-(layer_step_spec.py `SpecializedStep`; `make_step(W, S, variant, B)` picks one), keeping its
-rounding points and `collectives()`.
+The specialized step is graph-shaped: the paging (block table, store index, sequence lengths)
+and the KDA slots live in fixed device tensors (`LayerStatics`, the caches' `statics`, as
+engine/step_graph.py's StepStatics), so it captures into a CUDA graph with no host value read.
+The stock step is the model's stock path (Python loops, host syncs): the layer benchmark times
+it eagerly. One device plays rank 0 (`SoloRankComm`: all-reduces skipped and counted,
+all-gathers tile this rank's slice, the shapes and copies of the real ones).
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from raydecode.kernels.kda_decode import delta_rule_step, kda_gate_exp
-from raydecode.kernels.moe_mxfp4 import fused_moe_mxfp4
-from raydecode.models.attnres import attn_res_mix
-from raydecode.models.kda import l2_normalize
-from raydecode.models.layers import situ
-from raydecode.models.moe import route
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
+from raydecode.models.attnres import AttnResStream
+from raydecode.models.cache import KDAStateCache, MLALatentCache, ModelCaches, StepBatch
+from raydecode.models.config import K3Config
+from raydecode.models.k3 import K3DecoderLayer
+from raydecode.models.moe import MXFP4_PARAMS, random_mxfp4
+from raydecode.models.parallel import Comm, Parallel
 
-from .layer_weights import BF16, LayerState, LayerWeights
+from .random_init import ParamSpec, SoloRankComm, init_value
 
-Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@functools.lru_cache(maxsize=None)
-def _has_out_dtype(device: str) -> bool:
-    """Whether torch.mm/bmm take out_dtype=float32 for bf16 inputs here (CUDA, torch ≥ 2.8)."""
-    try:
-        a = torch.ones(2, 16, 16, dtype=BF16, device=device)
-        torch.bmm(a, a, out_dtype=torch.float32)
-        torch.mm(a[0], a[0], out_dtype=torch.float32)
-        return True
-    except Exception:
-        return False
+BF16 = torch.bfloat16
+# replicated weights the specialized path reads 1/TP of (models/specialized.py)
+ROW_SHARDED = ("q_a_proj", "kv_a_proj_with_mqa", "gate", "routed_expert_down_proj",
+               "routed_expert_up_proj")
 
 
-def mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (M, K) · w (N, K)ᵀ -> fp32 (M, N), bf16 products accumulated in fp32."""
-    if _has_out_dtype(str(x.device)):
-        return torch.mm(x, w.t(), out_dtype=torch.float32)
-    return F.linear(x.float(), w.float())
+@dataclass
+class LayerStatics:
+    """The graph-shaped step's per-step inputs in device tensors (the fields the fused MLA and
+    KDA decode read from `caches.statics`), for the first T of B sequences."""
+    table: torch.Tensor        # (T, pages) int32
+    store: torch.Tensor        # (T,) int32: the row index this step stores
+    seq_lens: torch.Tensor     # (T,) int32
+    slots: torch.Tensor        # (T,) int64
 
 
-def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if _has_out_dtype(str(a.device)):
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.float(), b.float())
+@torch.no_grad()
+def random_layer(cfg: K3Config, idx: int, par: Parallel, comm: Comm, seed: int, device,
+                 options: DecodeOptions = DEFAULT_OPTIONS) -> K3DecoderLayer:
+    """Layer `idx` at this rank's shapes, random weights drawn on the device (models/k3.py
+    `_random_full` scales), balanced routing (a zero correction bias, as a trained noaux_tc
+    bias aims for: the random init would favour a few experts and under-count expert bytes)."""
+    with torch.device(device):
+        layer = K3DecoderLayer(cfg, idx, par, comm, BF16, options)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in layer.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in MXFP4_PARAMS and leaf.endswith("_scale"):
+            full = random_mxfp4(tuple(p.shape[:-1]) + (p.full_shape[-1],), True, gen)
+            p.copy_(full[..., :p.shape[-1]])
+        elif leaf in MXFP4_PARAMS:
+            p.copy_(random_mxfp4(tuple(p.shape), False, gen))
+        elif leaf == "e_score_correction_bias":
+            p.zero_()
+        else:
+            p.copy_(init_value(name, ParamSpec(tuple(p.shape), tuple(p.full_shape), p.dtype),
+                               cfg, gen, device))
+    return layer
 
 
-def rms(x: torch.Tensor, w32: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in fp32, returned in x's dtype (models/layers.py rms_norm)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), w32, eps).to(x.dtype)
+class LayerCopy:
+    """One layer copy (weights, caches, state) for up to `max_batch` sequences."""
+
+    def __init__(self, cfg: K3Config, idx: int, tp: int, max_batch: int, context: int,
+                 seed: int, device, options: DecodeOptions = DEFAULT_OPTIONS,
+                 layer: K3DecoderLayer | None = None):
+        if idx % cfg.attn_res_block_size == 0:
+            raise ValueError(f"layer {idx} starts an AttnRes block; the benchmark times layers "
+                             "inside a block")
+        self.cfg, self.idx, self.kind = cfg, idx, cfg.layer_kinds[idx]
+        self.par = Parallel(0, tp)
+        self.comm = SoloRankComm(self.par)
+        self.B, self.context, self.device = max_batch, context, torch.device(device)
+        self.options = options
+        self.layer = layer or random_layer(cfg, idx, self.par, self.comm, seed, device, options)
+        gen = torch.Generator(device=device).manual_seed(seed + 2)
+
+        def rnd(*shape, dt=BF16, sc=1.0):
+            return (sc * torch.randn(shape, generator=gen, device=device)).to(dt)
+
+        H, B = cfg.hidden_size, max_batch
+        n = -(-idx // cfg.attn_res_block_size)                   # snapshots before layer idx
+        self.bank = rnd(B, n + 1, H)                             # [snapshots…, prefix]
+        # attnres_bank off: the snapshots as separate tensors, as the served step keeps them
+        self.separate = None if options.attnres_bank else [self.bank[:, j].clone()
+                                                           for j in range(n)]
+        self.pending = rnd(B, H, sc=0.1)                         # previous layer's FFN output
+        self.block = next(b for b in (64, 32, 16, 8, 4, 2, 1) if context % b == 0)
+        if self.kind == "kda":
+            c = cfg.kda
+            hl = self.par.shard(c.num_heads, "KDA num_heads")
+            kda = KDAStateCache(1, B, hl, c.head_dim, c.conv_size, BF16, device)
+            kda.conv.copy_(rnd(*kda.conv.shape))
+            kda.rec.copy_(rnd(*kda.rec.shape, dt=torch.float32, sc=0.05))
+            self.caches = ModelCaches(mla=None, kda=kda, kda_index={idx: 0})
+            self.pages = 0
+        else:
+            self.pages = -(-(context + 1) // self.block)        # room for the step's row
+            mla = MLALatentCache(1, B * self.pages, self.block, cfg.mla.latent_dim, BF16, device)
+            mla.pool.copy_(rnd(*mla.pool.shape))
+            mla.block_tables.update({t: list(range(t * self.pages, (t + 1) * self.pages))
+                                     for t in range(B)})
+            self.caches = ModelCaches(mla=mla, kda=None, mla_index={idx: 0})
+        pages = max(1, self.pages)
+        self._statics = LayerStatics(
+            table=torch.arange(B * pages, dtype=torch.int32, device=device).view(B, pages),
+            store=torch.full((B,), context, dtype=torch.int32, device=device),
+            seq_lens=torch.full((B,), context + 1, dtype=torch.int32, device=device),
+            slots=torch.arange(B, dtype=torch.int64, device=device))
+        self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def statics(self, T: int) -> LayerStatics:
+        s = self._statics
+        return LayerStatics(s.table[:T], s.store[:T], s.seq_lens[:T], s.slots[:T])
+
+    def batch(self, T: int) -> StepBatch:
+        return StepBatch.decode(list(range(T)), [self.context] * T)
+
+    def step(self, T: int, path: str, fold: bool = True) -> None:
+        """One decode step of the first T sequences on `path`; self.out = (prefix, deferred
+        output) of the stream after the layer. fold: the previous layer's FFN output joins the
+        prefix in the first mix (the served form); False: the bank's prefix as it is."""
+        n = self.bank.shape[1] - 1
+        bank = self.bank[:T]
+        blocks = ([bank[:, j] for j in range(n)] if self.separate is None or path == "stock"
+                  else [b[:T] for b in self.separate])   # bank: one strided view
+        stream = AttnResStream.resume(blocks, bank[:, n], self.pending[:T] if fold else None,
+                                      cute=self.options.attnres_cute)
+        if path == "stock" and stream.pending is not None:   # stock adds outputs at once
+            stream.add(stream.pending, new_block=False)
+            stream.pending = None
+        self.caches.statics = self.statics(T) if path == "specialized" else None
+        try:
+            self.layer(stream, self.batch(T), self.caches, path)
+        finally:
+            self.caches.statics = None
+        self.out = (stream.prefix, stream.pending)
+
+    def output(self) -> torch.Tensor:
+        """The layer's output prefix (prefix + the deferred FFN output) of the last step."""
+        p, d = self.out
+        return p if d is None else (p.float() + d.float()).to(p.dtype)
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def state_bytes(self, T: int) -> int:
+        """Cache/activation bytes an ideal step moves: the bank read by both mixes, KDA state
+        and conv read + written once, or the MLA latent rows read once + the new row written."""
+        H, n1 = self.cfg.hidden_size, self.bank.shape[1]
+        b = 2 * T * n1 * H * 2
+        if self.kind == "kda":
+            k = self.caches.kda
+            b += 2 * k.rec[0, :T].numel() * 4 + 2 * k.conv[0, :T].numel() * 2
+        else:
+            lat = self.cfg.mla.latent_dim
+            b += T * self.context * lat * 2 + T * lat * 2
+        return b
+
+    def weight_bytes(self, path: str) -> int:
+        """Bytes of the dense weights one step on `path` reads (routed experts excluded: they
+        count by touched expert). Stock: every parameter, the replicated ones whole.
+        Specialized (after a step built the derived weights): each derived weight (the packed
+        GEMV buffers, W_q'', W_uv, ...) and every parameter that is no source of one, the
+        replicated ones 1/TP; storage shared between them counts once."""
+        params = [(n, p) for n, p in self.layer.named_parameters()
+                  if n.rsplit(".", 1)[-1] not in MXFP4_PARAMS and ".experts." not in n]
+        if path == "stock":
+            return sum(p.numel() * p.element_size() for _, p in params)
+        derived, sources = [], set()
+        for m in self.layer.modules():
+            d = getattr(m, "_derived", None)
+            if d is not None:
+                derived += list(d.built().values())
+                sources |= d.source_ptrs()
+        seen, total = set(), 0
+        for t in derived:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        owned = {t.untyped_storage().data_ptr() for t in derived}
+        for name, p in params:
+            if p.data_ptr() in sources or p.untyped_storage().data_ptr() in owned:
+                continue
+            nbytes = p.numel() * p.element_size()
+            owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+            total += nbytes // self.par.tp_size if owner in ROW_SHARDED else nbytes
+        return total
+
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert on this rank (gate_up + down codes and scales)."""
+        ex = self.layer.block_sparse_moe.experts
+        return sum(getattr(ex, n)[0].numel() for n in MXFP4_PARAMS)
 
 
-def gemv_linear() -> Linear:
-    """kernels.gemv.linear (the CuTe GEMV with its own F.linear fallback), contiguous inputs."""
-    from raydecode.kernels import gemv
-
-    def lin(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None
-            ) -> torch.Tensor:
-        return gemv.linear(x if x.is_contiguous() else x.contiguous(), w, out_dtype)
-    return lin
-
-
-class DecodeStep:
-    """`step()` runs one decode step of `batch` sequences on (W, S); `moe(h2)` the FFN half."""
-
-    def __init__(self, W: LayerWeights, S: LayerState, variant: str, batch: int,
-                 linear: Linear | None = None):
-        if variant not in ("stock", "specialized"):
-            raise ValueError(f"variant {variant!r}: expected 'stock' or 'specialized'")
-        self.W, self.S, self.variant, self.T = W, S, variant, batch
-        self.spec = variant == "specialized"
-        self.lin: Linear = linear or F.linear
-        self.eps = W.cfg.rms_norm_eps
-        self.n = S.bank_in.shape[1] - 1                 # prefix slot of the bank
-        self.trace: dict | None = None                  # set to a dict to keep intermediates
-
-    # ---- the step -----------------------------------------------------------------------
-    def step(self) -> None:
-        W, S, T, n, eps = self.W, self.S, self.T, self.n, self.eps
-        t = W.t
-        mix = attn_res_mix(S.bank_in[:T], t["self_attention_res_norm"],
-                           t["self_attention_res_proj"][None], eps)
-        h = rms(mix, t["input_layernorm"], eps)
-        attn = self.kda(h) if W.kind == "kda" else self.mla(h)
-        mid = S.bank_mid[:T]
-        torch.add(S.bank_in[:T, n], attn, out=mid[:, n])
-        mix2 = attn_res_mix(mid, t["mlp_res_norm"], t["mlp_res_proj"][None], eps)
-        h2 = rms(mix2, t["post_attention_layernorm"], eps)
-        ffn = self.moe(h2)
-        torch.add(mid[:, n], ffn, out=S.prefix_out[:T])
-        if self.trace is not None:
-            self.trace.update(h=h, attn=attn, h2=h2, ffn=ffn)
-
-    __call__ = step
-
-    # ---- KDA -----------------------------------------------------------------------------
-    def kda(self, h: torch.Tensor) -> torch.Tensor:
-        W, S, T = self.W, self.S, self.T
-        t, w, c = W.t, W.widths, W.cfg.kda
-        hl, d, C = w["heads"], w["head_dim"], w["inner"]
-        proj = self.lin(h, t["kda_in_proj"])                    # (T, [q k v g b f_a pad])
-        qkv_in, g_out = proj[:, :3 * C], proj[:, 3 * C:4 * C]
-        b = proj[:, 4 * C:4 * C + hl]
-        fa = proj[:, 4 * C + hl:4 * C + hl + w["f_a"]]
-        fb = self.lin(fa, t["kda_f_b"]).view(T, hl, d)
-        g = kda_gate_exp(fb, t["kda_exp_A"], t["kda_dt_bias"], c.gate_lower_bound)
-        beta = torch.sigmoid(b.float())                          # (T, h)
-        conv = S.kda_conv[:T]                                    # (T, 3C, W−1) oldest first
-        xs = torch.cat([conv, qkv_in.unsqueeze(-1)], -1)         # (T, 3C, W)
-        y = F.silu((xs.float() * t["kda_conv"]).sum(-1)).to(h.dtype).float()
-        conv.copy_(xs[..., 1:])
-        q, k, v = y.view(T, 3, hl, d).unbind(1)
-        q, k = l2_normalize(q), l2_normalize(k)
-        o = delta_rule_step(q, k, v, g, beta, S.kda_rec[:T], d ** -0.5)   # (T, h, d) fp32
-        gate = torch.sigmoid(g_out.float()).view(T, hl, d)
-        o = (F.rms_norm(o, (d,), t["kda_o_norm"], self.eps) * gate).to(h.dtype)
-        return self.lin(o.view(T, C), t["kda_o_proj"])          # [all-reduce]
-
-    # ---- MLA (absorbed, over this batch's dense latent cache) -----------------------------
-    def mla(self, h: torch.Tensor) -> torch.Tensor:
-        W, S, T = self.W, self.S, self.T
-        t, m, w = W.t, W.cfg.mla, W.widths
-        hl, ql, c = w["heads"], m.q_lora_rank, m.kv_lora_rank
-        qkv = self.lin(h, W.stock["fused_qkv_a"])              # (T, q_lora + latent)
-        q = self.lin(rms(qkv[:, :ql], t["q_a_norm"], self.eps), t["q_b"])
-        q = q.view(T, hl, m.qk_head_dim)
-        row = torch.cat([rms(qkv[:, ql:ql + c], t["kv_a_norm"], self.eps), qkv[:, ql + c:]], -1)
-        cache = S.mla_cache[:T]                                  # (T, ctx, c + rope)
-        cache[:, -1].copy_(row)
-        q_lat = torch.bmm(q[..., :m.qk_nope_head_dim].transpose(0, 1), t["w_uk"])   # (h, T, c)
-        q_abs = torch.cat([q_lat.transpose(0, 1), q[..., m.qk_nope_head_dim:]], -1)  # (T, h, ·)
-        s = bmm_f32(q_abs, cache.transpose(1, 2)) * m.qk_head_dim ** -0.5          # (T, h, ctx)
-        p = s.softmax(-1).to(BF16)
-        o_lat = bmm_f32(p, cache[:, :, :c]).to(BF16)                               # (T, h, c)
-        o = torch.bmm(o_lat.transpose(0, 1), t["w_uv_t"]).transpose(0, 1)         # (T, h, v)
-        o = o.reshape(T, hl * m.v_head_dim)
-        o = (o.float() * torch.sigmoid(self.lin(h, t["g_proj"]).float())).to(h.dtype)
-        return self.lin(o, t["o_proj"])                          # [all-reduce]
-
-    # ---- latent MoE + shared experts --------------------------------------------------------
-    def moe(self, h2: torch.Tensor) -> torch.Tensor:
-        W, S, mc = self.W, self.S, self.W.cfg.moe
-        t, w = W.t, W.widths
-        logits = mm_f32(h2, W.stock["router"])
-        z = self.lin(h2, W.stock["latent_down"])
-        weights, ids = route(logits, t["router_bias"], mc.top_k, mc.num_expert_group,
-                             mc.topk_group, mc.renormalize, mc.routed_scaling_factor)
-        S.last_ids = ids
-        lat = fused_moe_mxfp4(z, weights, ids, W.experts)       # (T, L) fp32 [all-reduce]
-        sh = self.lin(h2, t["shared_gate_up"])
-        si = w["shared"]
-        lat = rms(lat.to(h2.dtype), t["latent_norm"], self.eps)
-        a = situ(sh[:, :si], sh[:, si:], W.cfg.situ_beta, W.cfg.situ_linear_beta)
-        sd = self.lin(a, t["shared_down"])
-        up = self.lin(lat, W.stock["latent_up"])
-        return up + sd                                           # sd [all-reduce]
-
-    # ---- accounting -------------------------------------------------------------------------
-    def collectives(self) -> list[dict]:
-        """The collectives one step of this variant issues on a TP > 1 group (none run here):
-        op, what, message shape/dtype and bytes (the full reduced / gathered tensor)."""
-        W, T, cfg = self.W, self.T, self.W.cfg
-        H, L, E = cfg.hidden_size, cfg.moe.latent_size, cfg.moe.num_experts
-        out = []
-
-        def add(op, what, shape, dt_bytes):
-            size = 1
-            for s in shape:
-                size *= s
-            out.append({"op": op, "what": what, "shape": list(shape),
-                        "bytes": size * dt_bytes})
-
-        if W.kind == "mla" and self.spec:
-            add("all_gather", "fused_qkv_a rows", (T, W.widths["qkv_a"]), 2)
-        add("all_reduce", "attention o_proj", (T, H), 2)
-        if self.spec:
-            add("all_gather", "router logits (fp32)", (T, E), 4)
-            add("all_gather", "latent down (z, fp32 from the fused GEMV)", (T, L), 4)
-        add("all_reduce", "routed latent sum (fp32, before the latent norm)", (T, L), 4)
-        add("all_reduce", "latent up partial + shared experts" if self.spec else
-            "shared experts down", (T, H), 2)
-        return out
-
-
-__all__ = ["DecodeStep", "mm_f32", "bmm_f32", "rms", "gemv_linear"]
+__all__ = ["BF16", "LayerCopy", "LayerStatics", "ROW_SHARDED", "random_layer"]

@@ -54,7 +54,7 @@ def solo_model(config: str, tp: int, layers: int, seed: int, device: str = "cuda
     from raydecode.models.k3 import K3ForCausalLM
     from raydecode.models.parallel import Parallel
 
-    from .step import SoloRankComm, init_on_device_
+    from .random_init import SoloRankComm, init_on_device_
 
     cfg = load_config(config)
     if layers:

@@ -1,5 +1,5 @@
 """Skinny tensor-core GEMM (kernels/gemm_skinny_triton.py) vs cuBLAS at decode batches 3–64 on
-K3 per-rank matrices (GPU only; PERF round 30).
+K3 per-rank matrices (GPU only; docs/PERF.md §1.3).
 
     python -m raydecode.scripts.bench.skinny --out OUT.json --commit SHA [--ms 4,8,16,32,64]
 

@@ -25,7 +25,7 @@ Bytes: weights one step must read at batch T (every bf16 / fp32 parameter; of ea
 routed experts the expected distinct ones under uniform routing, E·(1 − (1 − k/E)^T)) plus the
 MLA latent cache read, against the HBM read bandwidth measured in the same run. The random
 model routes less evenly than that (`--routing-probe` measures it; K3 TP16, 4 layers, batch 8
-on the CPU: 88–106 distinct experts against 120; docs/PERF.md rounds 25 and 27), so at T > 1
+on the CPU: 88–106 distinct experts against 120), so at T > 1
 the expert bytes, and the HBM fraction, are upper bounds on what a step reads. Off CUDA
 (`--device cpu`, the tiny config; tests/cpu/test_bench_step.py) it runs eagerly, no graphs.
 """
@@ -48,58 +48,18 @@ from raydecode.engine.cache import BlockAllocator, SlotAllocator
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
+from raydecode.kernels import settings
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
-from raydecode.models import mla, moe
-from raydecode.models.moe import MXFP4_PARAMS, random_mxfp4
-from raydecode.models.parallel import Comm, Parallel
+from raydecode.models.moe import MXFP4_PARAMS
+from raydecode.models.parallel import Parallel
 
-from .layer_weights import ParamSpec, init_value
+from .options import add_decode_args, options_from_args
+from .random_init import SoloRankComm, init_on_device_
 
 VARIANTS = ("stock", "specialized", "graphed")
 BLOCK = 16
-
-
-class SoloRankComm(Comm):
-    """One device playing rank 0 of TP `par.tp_size`: all-reduce is the identity (counted),
-    the gathers concatenate this rank's slice TP (DCP) times: the shapes and copies of the real
-    gather, the values of rank 0 everywhere."""
-
-    def __init__(self, par: Parallel):
-        self.par, self.counts = par, Counter()
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.counts["all_reduce"] += 1
-        return x
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        self.counts["all_gather"] += 1
-        return torch.cat([x] * self.par.tp_size, dim=dim) if self.par.tp_size > 1 else x
-
-    def dcp_all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        self.counts["dcp_all_gather"] += 1
-        return torch.cat([x] * self.par.dcp_size, dim=dim) if self.par.dcp_size > 1 else x
-
-
-@torch.no_grad()
-def init_on_device_(model: K3ForCausalLM, seed: int) -> K3ForCausalLM:
-    """Random local parameters drawn where they live (no full host tensors: K3 has 2.8T
-    parameters). Scales follow models/k3.py `_random_full` with the full fan-in; MXFP4 codes
-    are uniform bytes, scales drawn for the full group count and sliced."""
-    dev = next(model.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in MXFP4_PARAMS and leaf.endswith("_scale"):
-            full = random_mxfp4(tuple(p.shape[:-1]) + (p.full_shape[-1],), True, gen)
-            p.copy_(full[..., :p.shape[-1]])
-        elif leaf in MXFP4_PARAMS:
-            p.copy_(random_mxfp4(tuple(p.shape), False, gen))
-        else:
-            spec = ParamSpec(tuple(p.shape), tuple(p.full_shape), p.dtype)
-            p.copy_(init_value(name, spec, model.cfg, gen, dev))
-    return model
 
 
 # replicated weights the specialized path reads 1/TP of (models/specialized.py sharded_gemv,
@@ -174,7 +134,7 @@ class Bench:
                 changed[s] = list(self.blocks.tables[s])
         # SoloRankComm's all-reduce is the identity, so a token outside this rank's vocab rows
         # would embed as zeros (the rank owning it never adds its row) and every hidden state
-        # of the step would be token-independent (routing included: docs/PERF.md round 27).
+        # of the step would be token-independent (routing included).
         # Draw from this rank's rows, whose embedding is the real one.
         n = self.model.model.embed_tokens.weight.shape[0]
         lo = self.model.par.tp_rank * n
@@ -348,36 +308,28 @@ def main(argv=None) -> int:
     ap.add_argument("--routing-probe", action="store_true",
                     help="per batch, one more step recording the distinct routed experts per "
                          "MoE call of the eager specialized variant (needs it in --variants)")
-    ap.add_argument("--gemv-config", action="append", default=[],
-                    help="M=1 GEMV mapping override, repeatable (layer.py --gemv-config syntax)")
     ap.add_argument("--kda-splits", type=int, default=None,
-                    help="programs per head of the fused KDA decode (layer.py --kda-splits)")
+                    help="programs per head of the fused KDA decode (DecodeOptions.kda_splits; "
+                         "default: automatic)")
     ap.add_argument("--router-gather", type=int, choices=(0, 1), default=1,
-                    help="router top-k weights from registers (1, router_triton.GATHER_DEFAULT) "
+                    help="router top-k weights from registers (1: DecodeOptions.router_gather) "
                          "or re-loaded (0: A/B runs)")
     ap.add_argument("--attnres-bank", type=int, choices=(0, 1), default=1,
-                    help="AttnRes snapshots as slots of one bank tensor (1, models/attnres.py "
-                         "BANK) or separate tensors (0: A/B runs)")
+                    help="AttnRes snapshots as slots of one bank tensor (1: DecodeOptions"
+                         ".attnres_bank) or separate tensors (0: A/B runs)")
     ap.add_argument("--mla-pre-tile", type=int, choices=(0, 1), default=1,
-                    help="MLA split kernel's first KV tile before its PDL wait (1, "
-                         "mla_decode_triton.PRE_TILE) or after it (0: A/B runs)")
-    from .layer import add_moe_limit_args
-    add_moe_limit_args(ap)
+                    help="MLA split kernel's first KV tile before its PDL wait (1: "
+                         "DecodeOptions.mla_pre_tile) or after it (0: A/B runs)")
+    add_decode_args(ap)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
-    ap.add_argument("--commit", default=os.environ.get("RAYDECODE_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=settings.commit())
     args = ap.parse_args(argv)
-    from raydecode.kernels import kda_decode, router_triton
-    kda_decode.SPLITS = args.kda_splits
-    router_triton.GATHER_DEFAULT = bool(args.router_gather)
-    from raydecode.models import attnres
-    attnres.BANK = bool(args.attnres_bank)
-    from raydecode.kernels import mla_decode_triton
-    mla_decode_triton.PRE_TILE = bool(args.mla_pre_tile)
-    from raydecode.kernels import moe_mxfp4_decode
-    from .layer import set_gemv_mappings, set_moe_limits
-    set_moe_limits(args.moe_max_pairs)
     try:
-        set_gemv_mappings(args.gemv_config)
+        settings.check_no_retired()
+        options = options_from_args(args, kda_splits=args.kda_splits,
+                                    router_gather=bool(args.router_gather),
+                                    attnres_bank=bool(args.attnres_bank),
+                                    mla_pre_tile=bool(args.mla_pre_tile))
     except ValueError as e:
         raise SystemExit(str(e))
     batches = [int(b) for b in args.batches.split(",")]
@@ -399,7 +351,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     t0 = time.perf_counter()
     with torch.device(args.device):
-        model = init_on_device_(K3ForCausalLM(cfg, par, comm, dtype), args.seed)
+        model = init_on_device_(K3ForCausalLM(cfg, par, comm, dtype, options), args.seed)
     build_s = time.perf_counter() - t0
     env = {"device": str(args.device)}
     hbm = None
@@ -439,12 +391,14 @@ def main(argv=None) -> int:
               "config": cfg.name, "tp": args.tp, "layers": cfg.num_layers,
               "layer_kinds": Counter(cfg.layer_kinds), "context": args.context,
               "hbm_read_bytes_per_s": hbm, "build_s": round(build_s, 1),
-              "kda_splits": args.kda_splits, "router_gather": args.router_gather,
-              "attnres_bank": args.attnres_bank, "mla_pre_tile": args.mla_pre_tile,
-              "moe_max_pairs": moe_mxfp4_decode.MAX_PAIRS,
-              "moe_fused": moe.FUSED_SPECIALIZED,
-              "ffn_out_fused": moe.FUSED_FFN_OUT,
-              "mla_absorbed_q": mla.ABSORBED_Q, "gemv_config": args.gemv_config,
+              "kda_splits": options.kda_splits, "router_gather": int(options.router_gather),
+              "attnres_bank": int(options.attnres_bank),
+              "mla_pre_tile": int(options.mla_pre_tile),
+              "moe_max_pairs": options.moe_max_pairs,
+              "moe_fused": options.moe_fused,
+              "ffn_out_fused": options.ffn_out_fused,
+              "mla_absorbed_q": options.mla_absorbed_q, "gemv_config": args.gemv_config,
+              "decode_options": options.as_dict(),
               "method": __doc__.split("\n\n", 2)[2], "rows": rows}
     if args.out:
         with open(args.out, "w") as f:

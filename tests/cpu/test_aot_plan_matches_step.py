@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from raydecode.kernels import aot
-from raydecode.kernels.gemv import config_for, linear_uses_cute
-from raydecode.models import mla, moe
+from raydecode.kernels.gemv import config_for
+from raydecode.kernels.linear import linear_uses_cute
+from raydecode.kernels.settings import DecodeOptions
+from raydecode.models import moe
 from raydecode.models import specialized as spec
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -32,9 +34,9 @@ BF = torch.bfloat16
 def _record(monkeypatch) -> list[tuple[int, int, int, torch.dtype]]:
     calls, real = [], spec._gemv_linear
 
-    def recording_linear(x, w, out_dtype=None):
+    def recording_linear(x, w, out_dtype=None, **kw):
         calls.append((x.numel() // x.shape[-1], w.shape[0], w.shape[1], out_dtype or x.dtype))
-        return real(x, w, out_dtype)
+        return real(x, w, out_dtype, **kw)
 
     monkeypatch.setattr(spec, "_gemv_linear", recording_linear)
     return calls
@@ -45,9 +47,9 @@ def _record(monkeypatch) -> list[tuple[int, int, int, torch.dtype]]:
 def test_plan_covers_every_cute_gemv_of_a_specialized_step(monkeypatch, fused, first_token):
     """decode: a sequence at position 3 (the fused MLA / KDA decode, as graph capture runs it);
     first_token: a one-token sequence at position 0 (KDA outside its fused decode)."""
-    monkeypatch.setattr(moe, "FUSED_SPECIALIZED", fused)
     cfg = load_config("tiny")
-    model = init_random_(K3ForCausalLM(cfg, dtype=BF), seed=5)
+    model = init_random_(K3ForCausalLM(cfg, dtype=BF, options=DecodeOptions(moe_fused=fused)),
+                         seed=5)
     caches = make_caches(cfg, model.par, 2, 8, 4, BF)
     caches.mla.block_tables[0] = [3, 1]
     toks = torch.randint(0, cfg.vocab_size, (4,), generator=torch.Generator().manual_seed(5))
@@ -74,13 +76,14 @@ def test_plan_covers_every_cute_gemv_of_a_specialized_step(monkeypatch, fused, f
             missing.append(f"M={M} N={N} K={K} out={out}")
     assert not missing, f"CuTe GEMVs the step launches and the plan lacks: {missing}"
     # the fused MoE block's fp32-out GEMV ran (and is what the fp32 entries cover), and the
-    # MLA layers ran their fused decode: W_q'' (round 9's q_b' with the A/B switch off) with
+    # MLA layers ran their fused decode: W_q'' (the folded q_b' with mla_absorbed_q off) with
     # fp32 out
     blocks = [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
     assert all(("h2_proj" in b._derived._memo) == fused for b in blocks)
     sh = decode_gemv_shapes(cfg, 1, "specialized")
     assert ((1, *sh["h2_proj"], torch.float32) in cute) == fused
-    assert (1, *sh["q_b_absorbed" if mla.ABSORBED_Q else "q_b_folded"], torch.float32) in cute
+    assert (1, *sh["q_b_absorbed" if model.options.mla_absorbed_q else "q_b_folded"],
+            torch.float32) in cute
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -1,6 +1,6 @@
 """The CuTe norm + SiTU + ffn_out GEMV (kernels/gemv_norm_situ.py) without a GPU: its dispatch
 declines what it cannot serve, bad shapes are named, and (where nvidia-cutlass-dsl imports:
-/work/venv-cute, `CUTE_DSL_ARCH=sm_90a`) the K3 kernels compile to the intended code. The
+a venv with nvidia-cutlass-dsl, `CUTE_DSL_ARCH=sm_90a`) the K3 kernels compile to the intended code. The
 numerics run on the GPU host: tests/gpu/test_ffn_gemv.py (every case once per form) and
 tests/cpu/test_moe_fused.py on CUDA (the fused MoE block)."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_bad_shapes_are_named(D, n, I, K, what):
 
 def _sass(M, w_dtype, tmp_path):
     if G.cute is None:
-        pytest.skip("nvidia-cutlass-dsl not importable (CI venv): compile checks need /work/venv-cute")
+        pytest.skip("nvidia-cutlass-dsl not importable (CI venv): compile checks need nvidia-cutlass-dsl")
     s = dict(K3_TP16, M=M)
     cfg = G.config_for(M, s["N"], s["K"])
     c = NS.compile_norm_situ_gemv(s["M"], s["N"], s["K"], s["D"], s["n_cols"], s["I"],

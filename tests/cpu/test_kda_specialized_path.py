@@ -17,20 +17,19 @@ import torch
 
 from raydecode.engine.spec_runner import KDARollback
 from raydecode.kernels import kda_decode as kda_decode_op
-from raydecode.models import moe
+from raydecode.kernels.settings import DecodeOptions
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 
+from _numerics import TOL as NUM_TOL
+from _numerics import max_rel_err
+
 torch.set_num_threads(1)
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}     # test_specialized.py, max-abs relative
+TOL = {torch.float32: NUM_TOL["fp32_path"], torch.bfloat16: NUM_TOL["bf16_path"]}     # test_specialized.py, max-abs relative
 NUM_SLOTS, SENTINEL = 8, 7.0
 PATHS = ("stock", "specialized")
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 def _cfg(name: str):
@@ -43,11 +42,9 @@ def _cfg(name: str):
     return dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, **kda))
 
 
-@pytest.fixture(autouse=True)
-def unfused_moe(monkeypatch):
-    """Whole models are compared at bf16 tolerance here; the fused specialized MoE block's
-    re-association (tests/cpu/test_moe_fused.py) is not this file's subject."""
-    monkeypatch.setattr(moe, "FUSED_SPECIALIZED", False)
+# Whole models are compared at bf16 tolerance here; the fused specialized MoE block's
+# re-association (tests/cpu/test_moe_fused.py) is not this file's subject: the unfused block.
+UNFUSED_MOE = DecodeOptions(moe_fused=False)
 
 
 @pytest.fixture
@@ -71,7 +68,8 @@ class Pair:
 
     def __init__(self, cfg, dtype, seed=11, layer=False):
         self.cfg, self.dtype = cfg, dtype
-        self.model = init_random_(K3ForCausalLM(cfg, dtype=dtype), seed=seed)
+        self.model = init_random_(K3ForCausalLM(cfg, dtype=dtype, options=UNFUSED_MOE),
+                                  seed=seed)
         self.layer = self.model.model.layers[cfg.kda_layer_ids[0]].self_attn if layer else None
         self.caches = {p: make_caches(cfg, self.model.par, NUM_SLOTS, 32, 4, dtype) for p in PATHS}
         for c in self.caches.values():
@@ -106,11 +104,11 @@ class Pair:
 
     def check(self, out, used: set[int]):
         tol = TOL[self.dtype]
-        assert _rel(out["specialized"], out["stock"]) < tol
+        assert max_rel_err(out["specialized"], out["stock"]) < tol
         s, p = self.caches["stock"].kda, self.caches["specialized"].kda
         u = sorted(used)
-        assert _rel(p.rec[:, u], s.rec[:, u]) < tol
-        assert _rel(p.conv[:, u].float(), s.conv[:, u].float()) < tol
+        assert max_rel_err(p.rec[:, u], s.rec[:, u]) < tol
+        assert max_rel_err(p.conv[:, u].float(), s.conv[:, u].float()) < tol
         rest = [i for i in range(NUM_SLOTS) if i not in used]
         assert (p.rec[:, rest] == SENTINEL).all() and (p.conv[:, rest] == SENTINEL).all()
 
@@ -205,9 +203,9 @@ def test_unsupported_head_dim_takes_the_loop(spy):
 
 def test_cacheless_specialized_forward_takes_the_loop(spy):
     cfg = _cfg("tiny")
-    model = init_random_(K3ForCausalLM(cfg, dtype=torch.bfloat16), seed=3)
+    model = init_random_(K3ForCausalLM(cfg, dtype=torch.bfloat16, options=UNFUSED_MOE), seed=3)
     toks = torch.randint(0, cfg.vocab_size, (1,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         a = model(toks, path="specialized")
         b = model(toks, path="stock")
-    assert spy == [] and _rel(a, b) < TOL[torch.bfloat16]
+    assert spy == [] and max_rel_err(a, b) < TOL[torch.bfloat16]

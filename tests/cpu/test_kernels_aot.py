@@ -1,7 +1,7 @@
 """Kernel cache (kernels/aot*.py): plan, per-kernel lock, manifest, keys, corruption, and — where
 nvidia-cutlass-dsl / Triton are installed — real CuTe GEMV export/load across processes and real
 offline Triton compiles. Planning/lock/manifest tests need neither (CI venv); the others skip
-cleanly: run them with /work/venv-cute/bin/python and /work/venv-triton/bin/python."""
+cleanly: run them in a venv with nvidia-cutlass-dsl and in one with triton."""
 from __future__ import annotations
 
 import importlib.util
@@ -385,20 +385,20 @@ def test_offline_compile_sets_the_knobs_this_tritons_launch_sets():
 
 def test_plan_k3_tp16_lists_the_resident_moe_the_dispatch_builds():
     """The resident MoE kernel where `moe_decode` serves the experts with it (K3 TP16, M = 1):
-    the same plan `moe_mxfp4_decode_mma._resident_plan` builds on a 132-SM GPU (fp32 z from
+    the same plan `moe_decode.resident_plan` builds on a 132-SM GPU (fp32 z from
     the fused block, the config's SiTU betas, the served predecode), so the launch hits the
     warmed entry; nothing at TP8, on the stock path, or without an SM count and a GPU."""
     from types import SimpleNamespace
 
-    from raydecode.kernels import moe_mxfp4_decode_mma as DM
     from raydecode.kernels import moe_resident_cute as R
+    from raydecode.kernels.settings import DEFAULT_OPTIONS
 
     cfg = load_config("k3")
     (item,) = aot.plan_kernels(cfg, 16, (1, 2), "sm_90a", sm_count=132).moe
     experts = SimpleNamespace(num_experts=896, intermediate=192, latent=3584,
                               beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta)
     assert item.plan == R.plan_for(torch.zeros(1, 3584), torch.zeros(1, 16), experts, ctas=132,
-                                   predecode=DM.RESIDENT_PREDECODE)
+                                   predecode=DEFAULT_OPTIONS.moe_resident_predecode)
     assert aot.plan_kernels(cfg, 8, (1, 2), "sm_90a", sm_count=132).moe == ()
     assert aot.plan_kernels(cfg, 16, (1,), "sm_90a", path="stock", sm_count=132).moe == ()
     if not torch.cuda.is_available():

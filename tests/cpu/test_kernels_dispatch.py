@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import gemv as G
+from raydecode.kernels import linear as LN
 from raydecode.kernels._cute import CompileCache, cute_available
 
 torch.set_num_threads(1)
@@ -28,7 +29,7 @@ def test_cute_unavailable_without_cuda():
 def test_linear_falls_back_to_torch(shape):
     x = torch.randn(*shape, dtype=torch.bfloat16)
     w = torch.randn(24, shape[-1], dtype=torch.bfloat16)
-    assert torch.equal(G.linear(x, w), F.linear(x, w))
+    assert torch.equal(LN.linear(x, w), F.linear(x, w))
     assert G.supports(x.reshape(-1, shape[-1]), w) is False  # CPU tensors never take the kernel
 
 
@@ -153,27 +154,27 @@ def test_tuned_mappings_tile_their_shapes():
 
 
 def test_linear_dispatch_rule():
-    assert G.linear_uses_cute(1, 20480, 7168)  # M = 1: always the GEMV
-    assert G.linear_uses_cute(2, 1152, 1536)  # M = 2, 3.5 MB: GEMV
-    assert not G.linear_uses_cute(2, 2112, 7168)  # M = 2, 30 MB: cuBLAS measured faster
-    assert not G.linear_uses_cute(8, 1152, 1536)  # M > 2: FMA-bound on CUDA cores
+    assert LN.linear_uses_cute(1, 20480, 7168)  # M = 1: always the GEMV
+    assert LN.linear_uses_cute(2, 1152, 1536)  # M = 2, 3.5 MB: GEMV
+    assert not LN.linear_uses_cute(2, 2112, 7168)  # M = 2, 30 MB: cuBLAS measured faster
+    assert not LN.linear_uses_cute(8, 1152, 1536)  # M > 2: FMA-bound on CUDA cores
 
 
 def test_linear_fp32_out_is_the_unrounded_product():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
     w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
-    y = G.linear(x, w, torch.float32)
+    y = LN.linear(x, w, torch.float32)
     assert y.dtype == torch.float32
     # off CUDA: the sums in fp64, rounded once to fp32 (no fp32 summation-order noise) ...
     assert torch.equal(y, F.linear(x.double(), w.double()).float())
     torch.testing.assert_close(y, F.linear(x.float(), w.float()), rtol=1e-6, atol=1e-6)
     # ... so a row does not depend on how many rows share the call (padded graph buckets)
-    assert torch.equal(G.linear(x[:1], w, torch.float32), y[:1])
+    assert torch.equal(LN.linear(x[:1], w, torch.float32), y[:1])
     assert torch.equal(y.to(torch.bfloat16), F.linear(x, w))      # one rounding = F.linear's
-    assert torch.equal(G.linear(x, w, torch.bfloat16), F.linear(x, w))
+    assert torch.equal(LN.linear(x, w, torch.bfloat16), F.linear(x, w))
     with pytest.raises(ValueError, match="out_dtype"):
-        G.linear(x, w, torch.float16)
+        LN.linear(x, w, torch.float16)
 
 
 @pytest.mark.parametrize("N,K", [(1048, 7168), (2096, 7168), (7168, 640), (7168, 1280)])

@@ -1,4 +1,4 @@
-"""Round-2 fused kernels on a CPU-only machine: every public op falls back to its PyTorch
+"""The fused decode kernels on a CPU-only machine: every public op falls back to its PyTorch
 reference (bit for bit), the bank-view detection the AttnRes kernel relies on, and the MoE
 decode kernel's tile validation. The kernels themselves are tested in
 tests/gpu/test_fused_triton.py."""
@@ -133,7 +133,8 @@ def test_skinny_default_configs_fill_the_gpu_and_cpu_linear_stays_on_torch(monke
     padded to 16/32/64 rows; M ≤ 2 and bad tiles are refused by name. `gemv.linear` with the
     skinny path on still runs torch on CPU tensors (the kernel is CUDA-only in dispatch)."""
     from raydecode.kernels import gemm_skinny_triton as S
-    from raydecode.kernels import gemv as G
+    from raydecode.kernels import linear as G
+    from raydecode.kernels.settings import DecodeOptions
     shapes = [(3216, 7168), (7168, 768), (1048, 7168), (900, 7168), (1152, 1536), (7168, 640),
               (7168, 384), (10240, 7168)]
     for N, K in shapes:
@@ -152,6 +153,6 @@ def test_skinny_default_configs_fill_the_gpu_and_cpu_linear_stays_on_torch(monke
         S.SkinnyConfig().validate(2, 64, 256)
     with pytest.raises(ValueError, match="bn 48: need one of 16, 32, 64, 128"):
         S.SkinnyConfig(bn=48).validate(8, 64, 256)
-    monkeypatch.setattr(G, "SKINNY_MAX_M", 64)
+    on = DecodeOptions(skinny_max_m=64)
     x, w = torch.randn(8, 256).to(BF), torch.randn(64, 256).to(BF)
-    assert torch.equal(G.linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(G.linear(x, w, options=on), torch.nn.functional.linear(x, w))

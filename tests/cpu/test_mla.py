@@ -9,13 +9,11 @@ from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 from raydecode.models.mla import merge_attn_partials, mla_absorbed_attention, naive_attention
 from raydecode.models.parallel import Parallel
 
+from _numerics import max_rel_err
+
 torch.set_num_threads(1)
 
 C, R, NOPE, V, H = 32, 8, 16, 12, 3     # kv_lora, rope, nope, v, heads
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def _problem(m, T, seed):
@@ -45,7 +43,7 @@ def test_absorbed_equals_naive_for_decode_and_causal_chunks():
     ref = _naive(rows, w, q, q_pos, scale)
     o_lat, lse = mla_absorbed_attention(_absorbed_q(q, w), rows, torch.arange(m), q_pos, C, scale)
     out = torch.einsum("thc,hvc->thv", o_lat, w[:, NOPE:])
-    assert rel_err(out, ref) < 1e-5
+    assert max_rel_err(out, ref) < 1e-5
     # lse is the log-normaliser of the scores it attended over
     s = torch.einsum("thd,md->thm", _absorbed_q(q, w), rows) * scale
     s = s.masked_fill(torch.arange(m)[None, None, :] > q_pos[:, None, None], float("-inf"))
@@ -68,12 +66,12 @@ def test_dcp_partials_merge_to_the_full_attention():
     assert torch.isinf(parts[1][1][0]).all()          # position 0: nothing on the odd rank
     o, lse = merge_attn_partials(torch.stack([p[0] for p in parts]),
                                  torch.stack([p[1] for p in parts]))
-    assert rel_err(o, full_o) < 1e-5
+    assert max_rel_err(o, full_o) < 1e-5
     torch.testing.assert_close(lse, full_lse, rtol=1e-5, atol=1e-5)
     # merging with the weights swapped must not pass (the check can fail)
     bad, _ = merge_attn_partials(torch.stack([parts[1][0], parts[0][0]]),
                                  torch.stack([p[1] for p in parts]))
-    assert rel_err(bad, full_o) > 1e-2
+    assert max_rel_err(bad, full_o) > 1e-2
 
 
 def _layer(seed=0):
@@ -92,11 +90,11 @@ def test_layer_cached_decode_and_chunks_match_naive_prefill():
     caches = make_caches(cfg, Parallel(), num_slots=2, num_blocks=8, block_size=4)
     caches.mla.block_tables[1] = [5, 2, 7]                              # non-contiguous blocks
     dec = torch.cat([attn(x[t:t + 1], StepBatch.decode([1], [t]), caches) for t in range(T)])
-    assert rel_err(dec, ref) < 1e-5
+    assert max_rel_err(dec, ref) < 1e-5
     caches.mla.block_tables[0] = [0, 1, 3]
     a = attn(x[:6], StepBatch([SeqSlice(0, 0, 6, 0)]), caches)
     b = attn(x[6:], StepBatch([SeqSlice(0, 0, 4, 6)]), caches)
-    assert rel_err(torch.cat([a, b]), ref) < 1e-5
+    assert max_rel_err(torch.cat([a, b]), ref) < 1e-5
 
 
 def test_layer_batches_sequences_independently():
@@ -113,8 +111,8 @@ def test_layer_batches_sequences_independently():
     attn(xa[:3], StepBatch([SeqSlice(0, 0, 3, 0)]), caches)
     step = StepBatch([SeqSlice(0, 0, 1, 3), SeqSlice(1, 1, 3, 0)])
     out = attn(torch.cat([xa[3:], xb]), step, caches)
-    assert rel_err(out[:1], ref_a[3:]) < 1e-5
-    assert rel_err(out[1:], ref_b) < 1e-5
+    assert max_rel_err(out[:1], ref_a[3:]) < 1e-5
+    assert max_rel_err(out[1:], ref_b) < 1e-5
 
 
 def test_output_gate_uses_the_layer_input():

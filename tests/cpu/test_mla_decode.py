@@ -1,10 +1,9 @@
 """MLA absorbed decode over the paged latent cache (kernels/mla_decode.py) on the CPU: the
-references agree with the models/ functions (fp32 where exact) and with the benchmark's stock
-`DecodeStep.mla` composition (bf16 tolerance: the stock path rounds p to bf16), paged indexing
-through shuffled block tables, the public ops fall back to the references bit for bit, and bad
+references agree with the models/ functions (fp32 where exact) and with the model layer's
+stock MLA step (models/mla.py; bf16 tolerance), paged indexing through shuffled block tables, the public ops fall back to the references bit for bit, and bad
 inputs raise ValueError naming the value. The Triton kernels: tests/gpu/test_mla_decode.py; the
 prep kernel's cache rows (shared with the fused kernel's phase A) here too, under the interpreter
-(`TRITON_INTERPRET=1 /work/venv-triton/bin/python -m pytest tests/cpu/test_mla_decode.py`)."""
+(`TRITON_INTERPRET=1 python -m pytest tests/cpu/test_mla_decode.py`)."""
 from __future__ import annotations
 
 import os
@@ -19,14 +18,12 @@ from raydecode.models.cache import MLALatentCache
 from raydecode.models.layers import rms_norm
 from raydecode.models.mla import merge_attn_partials, mla_absorbed_attention
 
+from _numerics import fresh_seed, rel_err
+
 torch.set_num_threads(1)
 BF = torch.bfloat16
 KL, R, NOPE, V, QL, H = 64, 16, 32, 32, 64, 4           # the bench small config
 INTERPRET = MT.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _paged(T, max_blocks, bs, seed, extra=3):
@@ -52,7 +49,7 @@ def test_prep_reference_writes_the_paged_row_and_norms():
     for t, p in enumerate(pos.tolist()[:3]):
         got = cache[bt[t, p // bs], p % bs]
         assert torch.equal(got[KL:], qkv[t, QL + KL:])
-        assert _rel(got, row[t]) < 4e-3
+        assert rel_err(got, row[t]) < 4e-3
     changed = (cache != before).any(-1).sum()
     assert int(changed) == 3                                               # nothing else
 
@@ -72,7 +69,7 @@ def test_prep_kernel_rows_equal_reference_and_fused_phase_a(ql, kl, r):
     pool with spare blocks and a row-strided qkv: q and the latent ≤ 1 bf16 ulp (the
     interpreter truncates to bf16), the rope part copied exactly, no other row touched; the
     fused kernel's phase A (the same `_row_store_part`) writes the same bits."""
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     T, bs, mb, h, nope = 7, 16, 3, 2, 32
     nb = T * mb + 4
@@ -165,39 +162,60 @@ def test_output_reference_merges_partials_like_models_mla():
     assert torch.allclose(ml, full_l, rtol=1e-6, atol=1e-6)
     a = M.mla_output_reference(po, pl, w_uv, gate)
     b = M.mla_output_reference(full_o, full_l, w_uv, gate)
-    assert _rel(a, b) < 4e-3                                   # bf16(o_lat) flips only
-
-
-def _layer(T, ctx, seed):
-    from raydecode.models.parallel import Parallel
-    from raydecode.scripts.bench.layer_check import small_config
-    from raydecode.scripts.bench.layer_weights import LayerState, LayerWeights, random_params
-    cfg = small_config()
-    idx = next(i for i in range(cfg.num_layers) if cfg.layer_kinds[i] == "mla"
-               and i % cfg.attn_res_block_size)
-    W = LayerWeights.build(cfg, idx, Parallel(), random_params(cfg, idx, Parallel(), seed,
-                                                                "cpu"), None)
-    return cfg, W, LayerState.random(W, idx, T, ctx, seed + 1, "cpu")
+    assert rel_err(a, b) < 4e-3                                   # bf16(o_lat) flips only
 
 
 def _stock_mla_case(T: int, ctx: int, bs: int, seed: int):
-    """A bench-small MLA layer, an input h, a paged copy (block bs, shuffled table) of its
-    dense cache, and DecodeStep.mla's stock output on h (which writes S.mla_cache[:, -1])."""
-    from raydecode.scripts.bench.layer_step import DecodeStep
-    cfg, W, S = _layer(T, ctx, seed=seed)
+    """A bench-small MLA layer (the model's MLAAttention, bf16, TP 1, random weights), an input
+    h, a paged copy (block bs, shuffled table) of its cache, and the layer's stock output on
+    one decode token per sequence at position ctx − 1 (which writes that row into the layer's
+    own cache, S.mla_cache). W: the layer's weights as the op references take them."""
+    from types import SimpleNamespace
+
+    from raydecode.models.cache import MLALatentCache, ModelCaches, StepBatch
+    from raydecode.models.mla import MLAAttention
+    from raydecode.models.parallel import LocalComm, Parallel
+    from raydecode.scripts.bench.layer_check import small_config
+    from raydecode.scripts.bench.random_init import ParamSpec, init_value
+    cfg = small_config()
+    idx = next(i for i in range(cfg.num_layers) if cfg.layer_kinds[i] == "mla"
+               and i % cfg.attn_res_block_size)
+    attn = MLAAttention(cfg, idx, Parallel(), LocalComm(), BF)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            p.copy_(init_value(name, ParamSpec(tuple(p.shape), tuple(p.full_shape), p.dtype),
+                               cfg, gen, "cpu"))
+    m, nb = cfg.mla, ctx // bs
+    mla = MLALatentCache(1, T * nb, bs, m.latent_dim, BF)
+    mla.block_tables.update({t: list(range(t * nb, (t + 1) * nb)) for t in range(T)})
     g = torch.Generator().manual_seed(seed + 1)
+    mla.pool.copy_(torch.randn(mla.pool.shape, generator=g).to(BF))
+    S = SimpleNamespace(mla_cache=mla.pool[0].view(T, ctx, -1))
     h = torch.randn(T, cfg.hidden_size, generator=g).to(BF)
-    nb = ctx // bs
     bt = torch.randperm(T * nb + 2, generator=g)[:T * nb].view(T, nb).int()
-    cache = torch.randn(T * nb + 2, bs, cfg.mla.latent_dim, generator=g).to(BF)
+    cache = torch.randn(T * nb + 2, bs, m.latent_dim, generator=g).to(BF)
     cache[bt.long()] = S.mla_cache[:T].view(T, nb, bs, -1)
-    return cfg, W, S, h, bt, cache, DecodeStep(W, S, "stock", T).mla(h)
+    w_uk, w_uv = attn.absorbed_weights()
+    W = SimpleNamespace(
+        stock={"fused_qkv_a": torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight])
+               .detach()},
+        t={"q_a_norm": attn.q_a_layernorm.weight.detach().float(),
+           "kv_a_norm": attn.kv_a_layernorm.weight.detach().float(),
+           "q_b": attn.q_b_proj.weight.detach(), "w_uk": w_uk.detach().contiguous(),
+           "w_uv_t": w_uv.detach().transpose(1, 2).contiguous(),
+           "g_proj": attn.g_proj.weight.detach(), "o_proj": attn.o_proj.weight.detach()},
+        widths={"heads": attn.heads})
+    caches = ModelCaches(mla=mla, kda=None, mla_index={idx: 0})
+    with torch.inference_mode():
+        ref = attn(h, StepBatch.decode(list(range(T)), [ctx - 1] * T), caches, "stock")
+    return cfg, W, S, h, bt, cache, ref
 
 
 @pytest.mark.parametrize("fold", [False, True])
 def test_composition_matches_layer_step_mla(fold):
-    """DecodeStep.mla (stock, dense cache) vs prep → q_b → absorb → attention → output over
-    a paged copy of the same cache (block 16, shuffled)."""
+    """The model layer's stock MLA step vs prep → q_b → absorb → attention → output over a
+    paged copy of the same cache (block 16, shuffled)."""
     T, ctx, bs = 3, 48, 16
     cfg, W, S, h, bt, cache, ref = _stock_mla_case(T, ctx, bs, seed=5)
     m, t = cfg.mla, W.t
@@ -220,7 +238,7 @@ def test_composition_matches_layer_step_mla(fold):
     o = M.mla_decode(q_abs, cache, bt, torch.full((T,), ctx, dtype=torch.int32), t["w_uv_t"],
                      gate, kv_lora=m.kv_lora_rank, scale=m.qk_head_dim ** -0.5)
     out = F.linear(o, t["o_proj"])
-    assert _rel(out, ref) < (1.5e-2 if fold else 1e-2)
+    assert rel_err(out, ref) < (1.5e-2 if fold else 1e-2)
 
 
 def _served_inputs(cfg, W, h):
@@ -234,15 +252,15 @@ def _served_inputs(cfg, W, h):
 
 
 def _check_served(o, W, S, bt, cache, ref) -> None:
-    """The op's rows equal mla_prep's bit for bit (DecodeStep.mla wrote them into
+    """The op's rows equal mla_prep's bit for bit (the layer's stock step wrote them into
     S.mla_cache); o_proj(o) is within bf16 tolerance of the stock layer output `ref`."""
     T = o.shape[0]
     assert torch.equal(M.paged_rows(cache, bt, T)[0], S.mla_cache[:T])
-    assert _rel(F.linear(o, W.t["o_proj"]), ref) < 1.5e-2
+    assert rel_err(F.linear(o, W.t["o_proj"]), ref) < 1.5e-2
 
 
 def test_fused_composition_matches_layer_step_mla():
-    """DecodeStep.mla (stock) vs the specialized form: q_b' = q_b with the q_a norm weight
+    """The layer's stock MLA step vs the specialized form: q_b' = q_b with the q_a norm weight
     folded in, applied to the raw latent, then mla_decode_fused (reference on the CPU) over a
     paged copy of the cache; the written row bit for bit equals mla_prep's."""
     T, ctx, bs = 3, 48, 16
@@ -260,11 +278,11 @@ def test_fused_composition_matches_layer_step_mla():
     # the fold is exact in the math: q_b(RMSNorm(x)) = rms_scale(x) · q_b'(x) before rounding
     two = (x * rs * t["q_a_norm"].double()) @ t["q_b"].double().t()
     one = rs * (x @ (t["q_b"].double() * t["q_a_norm"].double()).t())
-    assert _rel(one, two) < 1e-12
+    assert rel_err(one, two) < 1e-12
 
 
 def test_absorbed_composition_matches_layer_step_mla():
-    """DecodeStep.mla (stock) vs the served form: W_q'' = q_b with W_uk and the q_a norm
+    """The layer's stock MLA step vs the served form: W_q'' = q_b with W_uk and the q_a norm
     weight folded in, applied to the raw latent, then mla_decode_absorbed (reference on the
     CPU) over a paged copy of the cache; the written row bit for bit equals mla_prep's."""
     T, ctx, bs = 3, 48, 16
@@ -287,13 +305,13 @@ def test_absorbed_composition_matches_layer_step_mla():
     two = torch.cat([torch.einsum("thn,hnc->thc", qn[..., :nope], t["w_uk"].double()),
                      qn[..., nope:]], -1)
     one = rs[:, :, None] * q.double()
-    assert _rel(one, two) < 1e-2                                # W_q'' rounded to bf16 once
+    assert rel_err(one, two) < 1e-2                                # W_q'' rounded to bf16 once
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels: Triton + TRITON_INTERPRET=1")
 @pytest.mark.parametrize("pre_tile", [True, False])
 @pytest.mark.parametrize("ctx_rows", [(1, 40, 17, 64), (1, 129, 5, 3)])
-def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile, monkeypatch):
+def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile):
     """split_rows_triton + output_triton (the two kernels of mla_decode_absorbed) vs
     mla_decode_absorbed_reference on fresh random inputs: per token a different length, the
     new row at positions[t] = len − 1 (one token −1: not stored, its row read as it was), a
@@ -302,8 +320,7 @@ def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile, monkeypatch):
     stored rows equal the reference's bits up to 1 bf16 ulp. pre_tile: each split's first
     tile read before the row store (as before the PDL wait on the GPU), so a row stored into
     it (lengths 1, 17, 129: in the first tile of its split) must come from registers."""
-    monkeypatch.setattr(MT, "PRE_TILE", pre_tile)
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     T, bs, mb, S = len(ctx_rows), 16, 9, 3
     nb = T * mb + 3
@@ -322,10 +339,11 @@ def test_split_rows_kernel_equals_reference(ctx_rows, pre_tile, monkeypatch):
     ref = M.mla_decode_absorbed_reference(qkv, q, wkv, ref_c, bt, pos, seq, w_uv, gate, **kw)
     got_c = cache0.clone()
     o_p, l_p = torch.empty(T, S, H, KL), torch.empty(T, S, H)
-    MT.split_rows_triton(q, qkv, wkv, got_c, bt, pos, seq, QL, KL, 1e-6, 0.1, o_p, l_p)
+    MT.split_rows_triton(q, qkv, wkv, got_c, bt, pos, seq, QL, KL, 1e-6, 0.1, o_p, l_p,
+                         pre_tile=pre_tile)
     got = MT.output_triton(o_p, l_p, w_uv, gate, torch.empty(T, H * V, dtype=BF))
     msg = f"seed {seed}"
-    assert _rel(got, ref) < 2e-2, msg
+    assert rel_err(got, ref) < 2e-2, msg
     changed = (got_c != cache0).any(-1)
     assert int(changed.sum()) <= T - 1, msg
     assert float(_ulps(got_c, ref_c).max()) <= 1, msg
@@ -409,7 +427,7 @@ def test_absorbed_q_weight_equals_two_step_form():
     x = torch.randn(5, QL, generator=g).to(BF)
     two = M.mla_absorb_reference(F.linear(x, q_b).view(5, H, -1), w_uk, nope=NOPE)
     one = F.linear(x, M.absorbed_q_weight(q_b, w_uk, H, NOPE, R)).view(5, H, -1)
-    assert _rel(one, two) < 1e-2
+    assert rel_err(one, two) < 1e-2
     assert torch.equal(one[..., KL:], two[..., KL:])           # q_pe rows copied, not mixed
     with pytest.raises(ValueError, match="q_b weight"):
         M.absorbed_q_weight(q_b[:-1], w_uk, H, NOPE, R)

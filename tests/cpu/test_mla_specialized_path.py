@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import raydecode.models.mla as mla
+from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
@@ -17,11 +18,13 @@ from raydecode.models.layers import shard_tensor
 from raydecode.models.parallel import Parallel, TorchComm
 
 from _net import free_port
+from _numerics import BF16_ULP, max_rel_err
+from _numerics import TOL as NUM_TOL
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
-TOL = 3e-2          # bf16 specialized vs stock, as tests/cpu/test_specialized.py
-ULP = 2 ** -8       # one bf16 rounding, relative
+TOL = NUM_TOL["bf16_path"]     # bf16 specialized vs stock
+ULP = BF16_ULP                  # one bf16 rounding, relative
 # slot -> shuffled, non-contiguous blocks (pool of 16 blocks of 4 rows); slot 1 unused
 TABLES = {3: [9, 2, 14], 0: [5, 11, 1, 7], 2: [4, 0]}
 PREFILL = StepBatch([SeqSlice(0, 0, 5, 0), SeqSlice(3, 5, 2, 0), SeqSlice(2, 7, 3, 0)])
@@ -29,12 +32,9 @@ DECODE_ORDER = [3, 0, 2]                       # batch rows not in slot order
 SEED = 11
 
 
-def rel(a, b) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
-# the DCP-1 fast path's op: round 16's absorbed-q form, or round 9's (RAYDECODE_MLA_ABSORBED_Q=0)
-DCP1 = "mla_decode_absorbed" if mla.ABSORBED_Q else "mla_decode_fused"
+# the DCP-1 fast path's op: the served absorbed-q form, or the folded-q_b one
+# (DecodeOptions.mla_absorbed_q off)
+DCP1 = "mla_decode_absorbed" if DEFAULT_OPTIONS.mla_absorbed_q else "mla_decode_fused"
 
 
 class Spy:
@@ -108,11 +108,11 @@ def bf16_model():
 
 @pytest.mark.parametrize("absorbed", [True, False])
 def test_layer_fused_decode_equals_stock(bf16_model, monkeypatch, absorbed):
-    """Both DCP-1 forms: the served absorbed-q one and round 9's (the A/B switch)."""
+    """Both DCP-1 forms: the served absorbed-q one and the folded-q_b one (the option)."""
     cfg, model = bf16_model
     attn = model.model.layers[cfg.mla_layers[0]].self_attn
     x = torch.randn(30, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(BF)
-    monkeypatch.setattr(mla, "ABSORBED_Q", absorbed)
+    monkeypatch.setattr(attn, "options", DecodeOptions(mla_absorbed_q=absorbed))
     spy = Spy(monkeypatch)
     got = run_layer(attn, cfg, model.par, x, ("stock", "specialized"))
     op, other = (("mla_decode_absorbed", "mla_decode_fused") if absorbed
@@ -122,7 +122,7 @@ def test_layer_fused_decode_equals_stock(bf16_model, monkeypatch, absorbed):
     n = PREFILL.num_tokens
     assert torch.equal(yf[:n], ys[:n])                       # prefill ran stock in both
     for t in range(n, yf.shape[0]):
-        assert rel(yf[t], ys[t]) < TOL, (t, rel(yf[t], ys[t]))
+        assert max_rel_err(yf[t], ys[t]) < TOL, (t, max_rel_err(yf[t], ys[t]))
     # rows written at the same (block, offset) places, equal within one bf16 rounding
     assert torch.equal((pf != 0).any(-1), (ps != 0).any(-1))
     torch.testing.assert_close(pf.float(), ps.float(), rtol=ULP, atol=0)
@@ -226,7 +226,7 @@ def test_model_decode_error_matches_stock_bf16(monkeypatch):
     assert spy.calls[DCP1] == 0
     fused = run(BF, "specialized")
     assert spy.calls[DCP1] == 4 * len(cfg.mla_layers)
-    e_stock, e_fused = rel(stock, truth), rel(fused, truth)
+    e_stock, e_fused = max_rel_err(stock, truth), max_rel_err(fused, truth)
     assert e_fused < 1.25 * e_stock + 1e-2, (e_fused, e_stock)
 
 
@@ -254,7 +254,7 @@ def _dcp_worker(rank: int, world: int, port: int) -> None:
             fused = DCP1 if dcp == 1 else "mla_attention"
             assert spy.calls[fused] - before[fused] == 4, (dcp, spy.calls)
             for t in range(PREFILL.num_tokens, yf.shape[0]):
-                assert rel(yf[t], ys[t]) < TOL, (dcp, t, rel(yf[t], ys[t]))
+                assert max_rel_err(yf[t], ys[t]) < TOL, (dcp, t, max_rel_err(yf[t], ys[t]))
             assert torch.equal((pf != 0).any(-1), (ps != 0).any(-1)), dcp
             torch.testing.assert_close(pf.float(), ps.float(), rtol=ULP, atol=0)
             held = int((pf[1] != 0).any(-1).sum())                    # rows of this rank

@@ -18,16 +18,13 @@ from raydecode.models import moe
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
-from raydecode.models.specialized import env_choice, env_switch
+
+from _numerics import max_rel_err
 
 torch.set_num_threads(1)
 BF = torch.bfloat16
 # on a GPU host this file runs on CUDA as well (the kernels: GEMV, norm + SiTU, MoE decode)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 def _cfg(all_experts: bool = True):
@@ -70,9 +67,9 @@ def test_block_as_accurate_as_stock(seed, device):
             ref = ref_blk(x.float(), "stock")
             stock, fused = blk(x, "stock"), blk(x, "specialized")
         assert blk._fused_ok(x) and "h2_proj" in blk._derived._memo   # the fused block ran
-        e_stock, e_fused = _rel(stock, ref), _rel(fused, ref)
+        e_stock, e_fused = max_rel_err(stock, ref), max_rel_err(fused, ref)
         assert e_fused < 1.5 * e_stock + 2e-3, (seed, e_fused, e_stock)
-        assert _rel(fused, stock) < 1.5e-2
+        assert max_rel_err(fused, stock) < 1.5e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -92,7 +89,8 @@ def _whole_model_errors(seed: int, device):
             outs = [m(toks[:6], StepBatch([SeqSlice(1, 0, 6, 0)]), c, path)]
             outs += [m(toks[t:t + 1], StepBatch.decode([1], [t]), c, path) for t in range(6, 10)]
             logits[name] = m.compute_logits(torch.cat(outs)).float()
-    return model, _rel(logits["stock"], logits["ref"]), _rel(logits["fused"], logits["ref"])
+    return (model, max_rel_err(logits["stock"], logits["ref"]),
+            max_rel_err(logits["fused"], logits["ref"]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -142,7 +140,7 @@ def test_packed_weights_hold_the_params_once_and_follow_a_reload():
         stock, fused = blk(x, "stock"), blk(x, "specialized")
     assert blk._derived.peek("h2_proj").data_ptr() == h2.data_ptr()
     assert torch.equal(h2[:E], blk.gate.weight)
-    assert _rel(fused, stock) < 1.5e-2 and _rel(stock, before) > 0.1
+    assert max_rel_err(fused, stock) < 1.5e-2 and max_rel_err(stock, before) > 0.1
     # the KDA in_proj: q, k, v, g, b, f_a rows in order, padded, the params its views
     st = make_caches(model.cfg, model.par, 2, 4, 4, BF)
     st.kda.conv.zero_()
@@ -157,29 +155,3 @@ def test_packed_weights_hold_the_params_once_and_follow_a_reload():
         assert p.data_ptr() == w[at].data_ptr(), n
         at += p.shape[0]
     assert w.shape[0] % 16 == 0 and (w[at:] == 0).all()
-
-
-@pytest.mark.parametrize("env", ["RAYDECODE_MOE_FUSED", "RAYDECODE_FFN_OUT_FUSED",
-                                 "RAYDECODE_MLA_ABSORBED_Q"])
-def test_env_switch_is_validated(monkeypatch, env):
-    monkeypatch.setenv(env, "yes")
-    with pytest.raises(ValueError, match=f"{env}='yes'; accepted"):
-        env_switch(env, "on")
-    monkeypatch.setenv(env, "0")
-    assert env_switch(env, "on") is False
-    monkeypatch.delenv(env)
-    assert env_switch(env, "on") is True
-
-
-@pytest.mark.parametrize("env, choices", [
-    ("RAYDECODE_BENCH_MLA", ("r16", "r9", "r8")),
-    ("RAYDECODE_BENCH_FFN", ("served", "pair", "fused")),
-    ("RAYDECODE_BENCH_L2PF", ("off", "mid", "all", "next"))])
-def test_env_choice_is_validated(monkeypatch, env, choices):
-    monkeypatch.delenv(env, raising=False)
-    assert env_choice(env, choices, choices[0]) == choices[0]
-    monkeypatch.setenv(env, choices[-1])
-    assert env_choice(env, choices, choices[0]) == choices[-1]
-    monkeypatch.setenv(env, "fast")
-    with pytest.raises(ValueError, match=f"{env}='fast'; accepted: {', '.join(choices)}"):
-        env_choice(env, choices, choices[0])

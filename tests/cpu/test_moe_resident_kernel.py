@@ -1,7 +1,7 @@
 """Resident MoE kernel (kernels/moe_resident_cute.py) on a CPU-only machine: the plan's
 validation and what fits, the split of row pairs and output rows over CTAs, and the bulk-copy
 list (`plan_copies`, the host mirror of the kernel's `_issue`) byte for byte. With
-nvidia-cutlass-dsl (/work/venv-cute, `CUTE_DSL_ARCH=sm_90a`) the kernel also COMPILES, and its
+nvidia-cutlass-dsl (a venv with nvidia-cutlass-dsl, `CUTE_DSL_ARCH=sm_90a`) the kernel also COMPILES, and its
 SASS has bulk copies, prmt decodes and no local memory; running it needs the GPU
 (tests/gpu/test_moe_resident_kernel.py)."""
 from __future__ import annotations
@@ -138,7 +138,7 @@ def test_copies_cover_every_byte_once(kw):
 
 def test_kernel_compiles_with_bulk_copies_prmt_and_no_local_memory(tmp_path):
     if R.cute is None:
-        pytest.skip("nvidia-cutlass-dsl not importable (CI venv): compile checks need /work/venv-cute")
+        pytest.skip("nvidia-cutlass-dsl not importable (CI venv): compile checks need nvidia-cutlass-dsl")
     plan = _plan(beta=4.0, linear_beta=25.0)
     sass = R.compile_moe(plan, f"--keep-sass --dump-dir={tmp_path}").__sass__
     assert "UBLKCP" in sass and "LDL" not in sass and "STL" not in sass
@@ -151,13 +151,14 @@ def test_dispatch_table_fits_and_cpu_calls_fall_through():
     (132 SMs) with the served predecode; on CPU tensors it never plans a launch."""
     import torch
 
-    from raydecode.kernels import moe_mxfp4_decode_mma as D
+    from raydecode.kernels import moe_decode as D
     from raydecode.kernels.moe_mxfp4 import MXFP4Experts
+    from raydecode.kernels.settings import DEFAULT_OPTIONS
 
     assert (896, 192, 3584, 1) in D.RESIDENT
     for E, I, L, T in D.RESIDENT:
         R.ResidentMoEPlan(tokens=T, top_k=16, num_experts=E, intermediate=I, latent=L, ctas=132,
-                          predecode=D.RESIDENT_PREDECODE)
+                          predecode=DEFAULT_OPTIONS.moe_resident_predecode)
     ex = MXFP4Experts.random(4, 512, 64, 4.0, None)
-    assert D._resident_plan(torch.zeros(1, 512, dtype=torch.bfloat16),
+    assert D.resident_plan(torch.zeros(1, 512, dtype=torch.bfloat16),
                             torch.zeros(1, 4, dtype=torch.int64), ex) is None

@@ -238,3 +238,23 @@ def test_killed_rank_fails_the_step_naming_it_and_close_cleans_up(groups, tok):
     for w in workers:     # every rank actor is gone, the blocked ones included
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(w.ping.remote(), timeout=STEP_TIMEOUT_S)
+
+
+def test_the_deployments_decode_section_reaches_every_rank(groups):
+    """decode: options and oneshot_allreduce travel to the ranks in the ShardSpec / group
+    options: every rank's model is built with them."""
+    from raydecode.actors.config import parse_deploy_config
+
+    groups.close()
+    cfg = parse_deploy_config({"model": "tiny", "decode": {"skinny_max_m": 0,
+                                                           "oneshot_allreduce": False}})
+    ex = make_rank_group_executor("tiny", 2, 1, "float32", SLOTS, engine_cfg(1).blocks, BLOCK,
+                                  STEP_TIMEOUT_S, num_cpus_per_rank=0.5,
+                                  decode=cfg.decode_options(),
+                                  oneshot_allreduce=cfg.decode.oneshot_allreduce)
+    try:
+        stats = ex.stats()
+        assert [s["oneshot_allreduce"] for s in stats] == [False, False]
+        assert all("skinny_max_m=0" in s["decode_options"] for s in stats)
+    finally:
+        ex.close()

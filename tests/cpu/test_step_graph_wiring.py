@@ -27,6 +27,8 @@ from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_graph import ENV, GraphedRunner, setting
 from raydecode.models.cache import SeqSlice, StepBatch
 
+from _numerics import max_rel_err
+
 torch.set_num_threads(1)
 SLOTS, BS, MAX_LEN = 5, 4, 32     # buckets (1, 2, 4, 8): 3 scratch slots; 8 blocks per seq
 # max-abs relative, logits. The padded (bucket B) and plain (T rows) CPU paths block their
@@ -40,10 +42,6 @@ TOL = 3e-2 if ON_CUDA else 2e-2
 TIMEOUT_S = 60.0
 CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="CPU wiring test: ranks on one host share GPU 0 "
                               "here (TP2 on GPUs: tests/gpu/test_oneshot_model_step.py)")
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
 def num_blocks(dcp: int) -> int:
@@ -134,7 +132,7 @@ def check_equal(on: list, off: list, plans: list[StepPlan], what: str) -> None:
     for p, x, y in zip(plans, on, off, strict=True):
         assert x.shape == y.shape == (len(p.sample_rows), 512), (what, p.step_id)
         assert torch.isfinite(x).all(), (what, p.step_id)
-        assert _rel(x, y) < TOL, f"{what}, step {p.step_id}: {_rel(x, y)}"
+        assert max_rel_err(x, y) < TOL, f"{what}, step {p.step_id}: {max_rel_err(x, y)}"
 
 
 def check_graphed(w: RankWorker, info: dict, dcp: int) -> None:

@@ -47,6 +47,8 @@ from raydecode.kernels import allreduce_oneshot as AR  # noqa: E402
 from raydecode.kernels import allreduce_oneshot_triton as ART  # noqa: E402
 from raydecode.models.parallel import Parallel, TorchComm  # noqa: E402
 
+from _numerics import fresh_seed, rel_err
+
 INTERPRET = ART.triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 COMPILED = ART.triton is not None and torch.cuda.is_available() and not INTERPRET
 SIM_DEV = "cpu" if INTERPRET else "cuda"    # the interpreter needs host addresses
@@ -59,14 +61,6 @@ EPS = 1e-6
 TOL_NORM = 1e-2 if INTERPRET else 4e-3
 TOL_OWN_NORM = 6e-3 if INTERPRET else 4e-3   # normed vs RMSNorm of the kernel's own new_residual
 MP_TIMEOUT_S = 300
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _max_ulps(a, b) -> float:
@@ -108,7 +102,7 @@ SIM_K3 = [(8, 1, 7168), (8, 4, 7168), (8, 64, 7168), (16, 2, 7168), (16, 64, 716
     *s, marks=pytest.mark.skipif(not COMPILED, reason="K3 shapes: compiled only (slow in "
                                                       "the interpreter)")) for s in SIM_K3])
 def test_simulated_ranks(world, T, H):
-    seed = _seed()
+    seed = fresh_seed()
     MT = max(T, 4)
     pbs = AR.PeerBuffers.local_group(world, MT, H, SIM_DEV)
     unset = 1 << 40                                  # ≥ any epoch: no wait blocks
@@ -137,9 +131,9 @@ def test_simulated_ranks(world, T, H):
         msg = f"seed {seed} epoch {e}"
         for r, (new, h) in enumerate(outs):
             _check_new(new, ref_new, f"{msg} rank {r}")
-            assert _rel(h, ref_h) <= TOL_NORM, f"{msg} rank {r}: {_rel(h, ref_h)}"
+            assert rel_err(h, ref_h) <= TOL_NORM, f"{msg} rank {r}: {rel_err(h, ref_h)}"
             own = AR.rms_norm_reference(new, w, EPS)         # the norm of ITS new residual
-            assert _rel(h, own) <= TOL_OWN_NORM, f"{msg} rank {r}: {_rel(h, own)}"
+            assert rel_err(h, own) <= TOL_OWN_NORM, f"{msg} rank {r}: {rel_err(h, own)}"
             assert torch.equal(new, outs[0][0]) and torch.equal(h, outs[0][1]), \
                 f"{msg}: rank {r} differs from rank 0"
         for p, pb in enumerate(pbs):
@@ -156,7 +150,7 @@ def test_simulated_ranks(world, T, H):
 def test_simulated_ranks_plain_all_reduce(world, T, H):
     """PeerBuffers.all_reduce (no residual, no norm) on simulated ranks, two epochs (both
     slots), NaN-poisoned outputs; the sum in rank order (column 0 adversarial when world ≥ 3)."""
-    seed = _seed()
+    seed = fresh_seed()
     MT = max(T, 4)
     pbs = AR.PeerBuffers.local_group(world, MT, H, SIM_DEV)
     for e in (1, 2):
@@ -183,7 +177,7 @@ def test_wait_times_out_and_is_reported():
     """A peer that never publishes: the wait gives up after max_spins, records the epoch."""
     world, T, H = 2, 2, 32
     pbs = AR.PeerBuffers.local_group(world, 4, H, SIM_DEV)
-    partials, residual, w = _case(world, T, H, _seed(), SIM_DEV)
+    partials, residual, w = _case(world, T, H, fresh_seed(), SIM_DEV)
     pbs[1].buffer[1, :T] = partials[1]
     pbs[0].flags[1].fill_(0)                         # rank 1 never published to rank 0
     pbs[0].all_reduce_residual_norm(partials[0], residual, w, EPS, max_spins=20)
@@ -220,7 +214,7 @@ def _ipc_worker(rank, world, port, seed, same_gpu, epochs):
         torch.cuda.synchronize()
         pb.check_timeouts()
         assert torch.equal(new, ref_new), msg
-        assert _rel(h, ref_h) <= TOL_NORM, f"{msg}: {_rel(h, ref_h)}"
+        assert rel_err(h, ref_h) <= TOL_NORM, f"{msg}: {rel_err(h, ref_h)}"
         mine = torch.cat([new.view(torch.uint8), h.view(torch.uint8)]).cpu()
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
@@ -420,7 +414,7 @@ def _spawn(fn, world, *args, port=None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    seed = _seed()
+    seed = fresh_seed()
     ctx = mp.start_processes(fn, args=(world, port, seed, *args), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + MP_TIMEOUT_S

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _numerics import fresh_seed
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 LAUNCH = r"""
@@ -64,7 +66,7 @@ def test_warmed_specs_serve_the_launches_without_a_jit_compile(tmp_path):
     tdir = tmp_path / "triton"
     before = _entries(tdir)
     assert len(before) >= 2
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 30)
+    seed = fresh_seed()
     env = {**os.environ, "TRITON_CACHE_DIR": str(tdir)}
     r = subprocess.run([sys.executable, "-c", LAUNCH, str(seed)], env=env, capture_output=True,
                        text=True, timeout=300)

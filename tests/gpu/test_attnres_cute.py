@@ -29,6 +29,8 @@ from raydecode.kernels import attnres_norm as A
 from raydecode.kernels import attnres_norm_cute as K
 from raydecode.kernels._cute import cute_available
 
+from _numerics import fresh_seed
+
 pytestmark = pytest.mark.skipif(not cute_available(), reason="needs CUDA and nvidia-cutlass-dsl")
 DEV = "cuda"
 BF = torch.bfloat16
@@ -37,10 +39,6 @@ RTOL, ATOL = 1e-2, 2e-2
 EPS = (1e-6, 1e-5)            # res_eps, out_eps (K3 config values are of this order)
 K3_H = 7168
 BATCHES = (1, 2, 8, 64)
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
 
 
 def _poison(nbytes: int = 1 << 28) -> None:
@@ -125,7 +123,7 @@ SHAPES = ([(T, n, K3_H) for n in range(0, 12) for T in BATCHES]
 
 @pytest.mark.parametrize("T,n,H", SHAPES)
 def test_mix_norm_matches_reference(T, n, H):
-    seed = _seed()
+    seed = fresh_seed()
     bank, wr, wp, wo, _ = _case(T, n, H, seed)
     blocks, pre = [bank[:, j] for j in range(n)], bank[:, n]
     h, mix, _ = _run(bank, n, wr, wp, wo)
@@ -136,7 +134,7 @@ def test_mix_norm_matches_reference(T, n, H):
 
 @pytest.mark.parametrize("T,n,H", SHAPES)
 def test_add_mix_norm_matches_reference(T, n, H):
-    seed = _seed()
+    seed = fresh_seed()
     bank, wr, wp, wo, out = _case(T, n, H, seed)
     blocks, pre = [bank[:, j] for j in range(n)], bank[:, n]
     before = bank.clone()
@@ -162,7 +160,7 @@ MAPPINGS = [(896, False, 1), (448, False, 1), (896, True, 1), (448, True, 1), (2
 def test_every_thread_mapping_of_k3_rows(threads, smem, cluster, add):
     """C = 7168 / 8 / cluster / threads chunks per thread, values in registers or staged in
     shared memory, 1–8 CTAs per token (cluster sums through DSMEM): the chunk indexing of each."""
-    seed = _seed()
+    seed = fresh_seed()
     T, n = 3, 4
     bank, wr, wp, wo, out = _case(T, n, K3_H, seed)
     blocks, pre = [bank[:, j] for j in range(n)], bank[:, n]
@@ -180,7 +178,7 @@ def test_every_thread_mapping_of_k3_rows(threads, smem, cluster, add):
 def test_bf16_weights_and_saturated_softmax(T):
     """bf16 norm/projection weights; a projection 40× larger drives softmax to ~one-hot (the
     max subtraction must keep exp finite)."""
-    seed = _seed()
+    seed = fresh_seed()
     for scale in (1.0, 40.0):
         bank, wr, wp, wo, out = _case(T, 4, K3_H, seed, wdt=BF, proj_scale=scale)
         blocks, pre = [bank[:, j] for j in range(4)], bank[:, 4]
@@ -191,7 +189,7 @@ def test_bf16_weights_and_saturated_softmax(T):
 
 
 def test_pdl_off_matches_pdl_on_bit_for_bit():
-    seed = _seed()
+    seed = fresh_seed()
     bank, wr, wp, wo, out = _case(8, 4, K3_H, seed)
     cfg = K._auto_config(4, K3_H, 8, torch.float32)
     runs = [_run(bank, 4, wr, wp, wo, out=out, cfg=replace(cfg, pdl=p)) for p in (False, True)]
@@ -205,7 +203,7 @@ def test_strided_rows_and_prefix_written_into_a_bank_slot():
     """Residual form as the benchmark runs it: blocks given as the (T, n, H) view, the new prefix
     written into a slot of a second bank (aliasing view), h into a strided (T, H) view of a wider
     buffer; nothing outside those rows may change."""
-    seed = _seed()
+    seed = fresh_seed()
     T, n, H = 5, 4, K3_H
     bank, wr, wp, wo, out = _case(T, n, H, seed)
     blocks, pre = [bank[:, j] for j in range(n)], bank[:, n]
@@ -224,7 +222,7 @@ def test_strided_rows_and_prefix_written_into_a_bank_slot():
 def test_in_place_prefix_update():
     """new_prefix = the prefix itself (p ← p + o in place): each thread reads its chunks before
     writing the same chunks."""
-    seed = _seed()
+    seed = fresh_seed()
     bank, wr, wp, wo, out = _case(4, 3, K3_H, seed)
     blocks, pre = [bank[:, j] for j in range(3)], bank[:, 3]
     ref_p, ref_h = A.attnres_add_mix_norm_reference(blocks, pre.clone(), out, wr, wp, wo, *EPS)
@@ -234,7 +232,7 @@ def test_in_place_prefix_update():
 
 
 def test_public_ops_dispatch_to_cute_and_fall_back():
-    seed = _seed()
+    seed = fresh_seed()
     T, n = 8, 4
     bank, wr, wp, wo, out = _case(T, n, K3_H, seed)
     blocks, pre = [bank[:, j] for j in range(n)], bank[:, n]
@@ -263,7 +261,7 @@ def test_public_ops_dispatch_to_cute_and_fall_back():
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("add", [False, True])
 def test_graph_replay_reads_new_inputs(pdl, add):
-    seed = _seed()
+    seed = fresh_seed()
     T, n = 2, 4
     bank, wr, wp, wo, out = _case(T, n, K3_H, seed)
     blocks, pre = [bank[:, j] for j in range(n)], bank[:, n]
@@ -297,7 +295,7 @@ def test_graph_replay_reads_new_inputs(pdl, add):
 def test_pdl_chain_in_one_graph_sees_the_previous_prefix():
     """Two dependent PDL launches in one graph: the second reads the prefix the first writes
     (its griddepcontrol.wait must order it after the first grid's stores)."""
-    seed = _seed()
+    seed = fresh_seed()
     T, n = 4, 4
     bank, wr, wp, wo, out = _case(T, n, K3_H, seed)
     gen = torch.Generator(device=DEV).manual_seed(seed + 7)
@@ -361,7 +359,7 @@ def test_timing_vs_triton(T, n):
     AT = pytest.importorskip("raydecode.kernels.attnres_norm_triton")
     if AT.triton is None:
         pytest.skip("no Triton to compare with")
-    seed = _seed()
+    seed = fresh_seed()
     _, wr, wp, wo, out = _case(T, n, K3_H, seed)
     R = -(-(128 << 20) // (T * (n + 1) * K3_H * 2))
     pool = torch.randn(R, T, n + 1, K3_H, device=DEV).to(BF)

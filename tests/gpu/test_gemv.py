@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import gemv as G
+from raydecode.kernels import linear as LN
+from raydecode.kernels.settings import DEFAULT_OPTIONS
 from raydecode.kernels._cute import cute_available
 
 pytestmark = pytest.mark.skipif(not cute_available(), reason="needs CUDA and nvidia-cutlass-dsl")
@@ -159,15 +161,15 @@ def test_pdl_chain_in_graph_orders_dependent_gemvs():
 
 def test_linear_dispatch_uses_kernel_and_falls_back():
     x, w, seed = _inputs(2, 2304, 1536)
-    assert G.linear_uses_cute(2, 2304, 1536)
-    _check(G.linear(x, w), x, w, seed)
+    assert LN.linear_uses_cute(2, 2304, 1536)
+    _check(LN.linear(x, w), x, w, seed)
     x3 = x.reshape(1, 2, 1536)
-    assert G.linear(x3, w).shape == (1, 2, 2304)
+    assert LN.linear(x3, w).shape == (1, 2, 2304)
     big, w2, _ = _inputs(32, 2304, 1536)  # M > 2: cuBLAS, bit-identical to F.linear
-    assert torch.equal(G.linear(big, w2), F.linear(big, w2))
+    assert torch.equal(LN.linear(big, w2), F.linear(big, w2))
     odd = torch.randn(1, 1540, device="cuda", dtype=torch.bfloat16)  # K not 16-byte aligned
     wo = torch.randn(64, 1540, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(G.linear(odd, wo), F.linear(odd, wo))
+    assert torch.equal(LN.linear(odd, wo), F.linear(odd, wo))
 
 
 def test_gemv_rejects_bad_out():
@@ -178,7 +180,7 @@ def test_gemv_rejects_bad_out():
         G.gemv(x.float(), w.float())
 
 
-# Round-3 fused GEMVs of the specialized step: [router ‖ latent down ‖ shared gate|up] rows with
+# The packed GEMVs of the specialized step: [router ‖ latent down ‖ shared gate|up] rows with
 # fp32 output (TP16 1048, TP8 2096 rows) and [latent up ‖ shared down ‖ 0] over a padded K.
 @pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("N,K", [(1048, 7168), (2096, 7168), (7168, 640), (7168, 1280)])
@@ -193,15 +195,15 @@ def test_gemv_fp32_out_and_fused_shapes(M: int, N: int, K: int):
     y16 = G.gemv(x, w)
     assert (y16.float() - y32.to(torch.bfloat16).float()).abs().max() <= \
         2.0**-7 * y32.abs().max(), f"bf16 out is not the rounded fp32 out (seed {seed})"
-    l32 = G.linear(x, w, torch.float32)     # the kernel where `linear` picks it, else cuBLAS
-    want = y32 if G.linear_uses_cute(M, N, K) else G.linear_f32_reference(x, w)
+    l32 = LN.linear(x, w, torch.float32)     # the kernel where `linear` picks it, else cuBLAS
+    want = y32 if LN.linear_uses_cute(M, N, K) else LN.linear_f32_reference(x, w)
     assert l32.dtype == torch.float32 and torch.equal(l32, want), f"seed {seed}"
 
 
 def test_linear_fp32_out_above_kernel_batches_is_cublas_fp32():
-    """Past the CuTe GEMV's and the skinny GEMM's batches (M > SKINNY_MAX_M), fp32 output is
-    cuBLAS's fp32 product, bit for bit (tests/gpu/test_skinny.py covers M ≤ SKINNY_MAX_M)."""
-    x, w, seed = _inputs(G.SKINNY_MAX_M + 8, 1048, 7168)
-    y = G.linear(x, w, torch.float32)
+    """Past the CuTe GEMV's and the skinny GEMM's batches (M > skinny_max_m), fp32 output is
+    cuBLAS's fp32 product, bit for bit (tests/gpu/test_skinny.py covers M ≤ skinny_max_m)."""
+    x, w, seed = _inputs(DEFAULT_OPTIONS.skinny_max_m + 8, 1048, 7168)
+    y = LN.linear(x, w, torch.float32)
     assert y.dtype == torch.float32
-    assert torch.equal(y, G.linear_f32_reference(x, w)), f"seed {seed}"
+    assert torch.equal(y, LN.linear_f32_reference(x, w)), f"seed {seed}"

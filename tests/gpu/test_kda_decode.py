@@ -21,6 +21,8 @@ import torch
 from raydecode.kernels import kda_decode as K
 from raydecode.kernels import kda_decode_triton as KT
 
+from _numerics import fresh_seed, rel_err
+
 ON_GPU = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(KT.triton is None or not (ON_GPU or INTERP),
@@ -36,14 +38,6 @@ TOL = {               # H200, 160 random cases (T 4..64, 6/12 × 128, 4 × 32): 
                       # moves a whole row or column of the state)
     "rec_bulk": 1e-2,  # fraction of state elements off by > 1e-5 (measured max 2.7e-3)
 }
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _inputs(T, h, d, seed, W=4, pad=48):
@@ -79,7 +73,7 @@ def _check(x, xr, out, ref, seed, what=""):
     msg = f"seed {seed} {what}"
     assert not out.isnan().any(), f"{msg}: unwritten output"
     assert torch.equal(x["conv_state"], xr["conv_state"]), f"{msg}: conv state"
-    e_out, e_rec = _rel(out, ref), _rel(x["rec_state"], xr["rec_state"])
+    e_out, e_rec = rel_err(out, ref), rel_err(x["rec_state"], xr["rec_state"])
     assert e_out <= TOL["out"], f"{msg}: out rel {e_out:.2e}"
     assert e_rec <= TOL["rec"], f"{msg}: rec_state rel {e_rec:.2e}"
     bulk = float(((x["rec_state"] - xr["rec_state"]).abs() > 1e-5).double().mean())
@@ -88,7 +82,7 @@ def _check(x, xr, out, ref, seed, what=""):
 
 
 def _case(T, h, d, W=4, **cfg):
-    seed = _seed()
+    seed = fresh_seed()
     x = _inputs(T, h, d, seed, W)
     xr = _clone(x)
     out = torch.full((T, h * d), float("nan"), dtype=BF, device=DEV)
@@ -136,7 +130,7 @@ def test_split_form_counters_return_to_zero():
 
 
 def test_bad_splits_are_named():
-    x = _inputs(1, 2, 32, _seed())
+    x = _inputs(1, 2, 32, fresh_seed())
     out = torch.empty(1, 64, dtype=BF, device=DEV)
     for bad in (3, 0, 64):
         with pytest.raises(ValueError, match=f"splits = {bad}"):
@@ -158,7 +152,7 @@ def test_small_config_batches(T):
 def test_public_op_dispatch():
     """On CUDA the public op is the kernel (bit-identical to a direct launch); elsewhere the
     reference."""
-    T, h, d, seed = 2, 4, 32, _seed()
+    T, h, d, seed = 2, 4, 32, fresh_seed()
     x = _inputs(T, h, d, seed)
     x2 = _clone(x)
     got = K.kda_decode(**x, heads=h, head_dim=d, lower_bound=LB, eps=EPS)
@@ -177,7 +171,7 @@ def test_graph_replay_reads_new_inputs(T, h, d):
     """Capture once, then replay three times on new proj / weights / state values written into
     the captured buffers; each replay equals the reference on the same values (the split form
     at T ≤ 4: its counters must be back at zero after each replay)."""
-    seed = _seed()
+    seed = fresh_seed()
     x = _inputs(T, h, d, seed)
     out = torch.full((T, h * d), float("nan"), dtype=BF, device=DEV)
     kw = dict(heads=h, head_dim=d, lower_bound=LB, eps=EPS, out=out)
@@ -203,7 +197,7 @@ def test_two_steps_chain_state(T):
     """Two consecutive steps on the same state buffers (the second reads what the first
     wrote: the split form's prologue reads the state before the PDL wait), kernel vs
     reference each carrying its own state."""
-    h, d, seed = 6, 128, _seed()
+    h, d, seed = 6, 128, fresh_seed()
     x = _inputs(T, h, d, seed)
     xr = _clone(x)
     for step in range(2):
@@ -230,7 +224,7 @@ def _scatter(x, slots, S):
 def _slot_case(T, h, d, S, idx_dtype=torch.int64, seed=None, **cfg):
     """Kernel over a NaN-poisoned pool at random distinct slots vs the reference on the
     per-sequence rows: named rows stepped, others untouched."""
-    seed = _seed() if seed is None else seed
+    seed = fresh_seed() if seed is None else seed
     g = torch.Generator().manual_seed(seed)
     slots = torch.randperm(S, generator=g)[:T].to(DEV, idx_dtype)
     x = _inputs(T, h, d, seed)
@@ -278,7 +272,7 @@ def test_slots_split_form(T, h, d, S, ns):
 def test_public_op_with_slots_dispatch():
     """The public op with slots: the kernel on CUDA (bit-identical to a direct launch), the
     reference elsewhere; both step the same pool rows."""
-    T, h, d, S, seed = 3, 4, 32, 6, _seed()
+    T, h, d, S, seed = 3, 4, 32, 6, fresh_seed()
     slots = torch.tensor([4, 0, 2], device=DEV)
     x = _scatter(_inputs(T, h, d, seed), slots, S)
     x2 = _clone(x)
@@ -298,7 +292,7 @@ def test_public_op_with_slots_dispatch():
 def test_slots_graph_replay_reads_new_slots():
     """Capture with a slots buffer, replay after writing other slot values into it: the rows
     stepped follow the buffer's contents, not the captured values."""
-    T, h, d, S, seed = 4, 6, 128, 12, _seed()
+    T, h, d, S, seed = 4, 6, 128, 12, fresh_seed()
     x = _scatter(_inputs(T, h, d, seed), torch.arange(T, device=DEV), S)
     x["conv_state"].copy_(torch.randn(x["conv_state"].shape, device=DEV).to(BF))
     x["rec_state"].copy_(0.05 * torch.randn(x["rec_state"].shape, device=DEV))
@@ -389,7 +383,7 @@ def test_model_layer_specialized_decode_equals_stock(name, tp, T, kernel_calls):
     from raydecode.models.config import load_config
     from raydecode.models.parallel import Parallel
 
-    seed = _seed()
+    seed = fresh_seed()
     cfg = load_config("tiny" if name == "small" else name)
     if name == "small":
         cfg = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, head_dim=32))
@@ -440,7 +434,7 @@ def test_whole_model_specialized_decode_on_cuda(kernel_calls, monkeypatch):
 
     cfg = load_config("tiny")
     with torch.device(DEV):
-        model = init_random_(K3ForCausalLM(cfg, dtype=BF), seed=_seed())
+        model = init_random_(K3ForCausalLM(cfg, dtype=BF), seed=fresh_seed())
     errs = []
 
     def shadowed(attn):

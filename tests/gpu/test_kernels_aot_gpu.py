@@ -14,6 +14,8 @@ import pytest
 
 from raydecode.kernels._cute import cute_available
 
+from _numerics import fresh_seed
+
 pytestmark = pytest.mark.skipif(not cute_available(), reason="needs CUDA and nvidia-cutlass-dsl")
 
 CHILD = r"""
@@ -41,7 +43,6 @@ for (M, N, K) in [(1, 1152, 1536), (2, 896, 7168)]:
     rel2 = ((y.double() - ref2).norm() / ref2.norm()).item()
     out[f"{M}x{N}x{K}"] = [rel, rel2]
 # the fused norm + SiTU ffn_out kernel (K3 TP16 shapes) through the same cache
-from raydecode.kernels import ffn_gemv_triton as FG
 from raydecode.kernels import gemv_norm_situ as NS
 D, n, I, N, K, lead = 3584, 224, 384, 7168, 640, 280
 lat = 3 * torch.randn(1, D, device="cuda", generator=g)
@@ -51,7 +52,7 @@ W = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16
 o = torch.full((1, N), float("nan"), device="cuda", dtype=torch.bfloat16)
 assert NS.supports(lat, nw, n, y[:, lead:], W, o)
 NS.norm_situ_gemv_cute(lat, nw, 1e-5, 0, n, y[:, lead:], 4.0, 25.0, W, o)
-ref = FG.norm_situ_gemv_reference(lat, nw, 1e-5, 0, n, y[:, lead:], 4.0, 25.0, W)
+ref = NS.norm_situ_gemv_reference(lat, nw, 1e-5, 0, n, y[:, lead:], 4.0, 25.0, W)
 out["fused"] = [((o.double() - ref.double()).norm() / ref.double().norm()).item()] * 2
 print("RESULT " + json.dumps({"rel": out, "stats": STATS}))
 """
@@ -67,7 +68,7 @@ def _child(cache: str, seed: int) -> dict:
 
 
 def test_second_process_loads_and_runs_without_compiling(tmp_path):
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 30)
+    seed = fresh_seed()
     first = _child(str(tmp_path), seed)
     second = _child(str(tmp_path), seed + 1)
     assert first["stats"]["compiled"] == 3 and first["stats"]["loaded"] == 0, first

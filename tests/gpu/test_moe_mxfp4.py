@@ -16,6 +16,8 @@ import torch
 
 from raydecode.kernels import moe_mxfp4 as M
 
+from _numerics import fresh_seed, rel_err
+
 ON_GPU = torch.cuda.is_available() and M.triton is not None
 INTERPRET = (not torch.cuda.is_available() and M.triton is not None
              and os.environ.get("TRITON_INTERPRET") == "1")
@@ -29,10 +31,6 @@ SMALL_SHAPES = [(32, 128, 128, 4), (16, 256, 96, 2)]
 # GPU: same rounding points as the reference, differences only from accumulation order.
 # Interpreter: Triton 3.9's interpreter truncates fp32 -> bf16 instead of rounding (1 ulp more).
 REL_TOL = 1e-2 if ON_GPU else 2.5e-2
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def _poison_allocator(nbytes: int = 1 << 28) -> None:
@@ -56,10 +54,6 @@ def _case(E, L, I, k, T, seed, skew=False, lin=25.0):
     return ex, z, w, ids
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def _shapes():
     return (K3_SHAPES if ON_GPU else []) + SMALL_SHAPES
 
@@ -69,19 +63,19 @@ def _shapes():
 def test_fused_matches_reference(E, L, I, k, T):
     if not ON_GPU and T == 64:
         pytest.skip("interpreter: 64 tokens take minutes")   # the GPU runs them
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(E, L, I, k, T, seed)
     _poison_allocator()
     out = M.fused_moe_mxfp4(z, w, ids, ex)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     assert out.shape == (T, L) and out.dtype == torch.float32
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
-    assert _rel(out, ref) < REL_TOL, f"seed {seed}: rel err {_rel(out, ref):.2e}"
+    assert rel_err(out, ref) < REL_TOL, f"seed {seed}: rel err {rel_err(out, ref):.2e}"
 
 
 @pytest.mark.parametrize("skew", [False, True])
 def test_runs_group_every_pair_once(skew):
-    seed = _seed()
+    seed = fresh_seed()
     gen = torch.Generator(device=DEV).manual_seed(seed)
     T, E, k = 37, 64, 8
     _, ids = _routing(T, E, k, gen, skew)
@@ -110,13 +104,13 @@ def test_runs_group_every_pair_once(skew):
 @pytest.mark.parametrize("decode", list(M.DECODES))
 def test_decodes_long_run_and_no_linear_beta(decode):
     """Every decode on a run longer than BLOCK_M (several chunks of one expert)."""
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(32, 128, 64, 4, 40, seed, skew=True, lin=None)
     cfg = M.MoEConfig(16, 64, 64, 64, decode=decode)
     _poison_allocator()
     out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
-    assert torch.isfinite(out).all() and _rel(out, ref) < REL_TOL, f"seed {seed}"
+    assert torch.isfinite(out).all() and rel_err(out, ref) < REL_TOL, f"seed {seed}"
 
 
 def _fp64(z, w, ids, ex):
@@ -135,18 +129,18 @@ def _fp64(z, w, ids, ex):
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter's bf16 truncation makes this moot")
 def test_error_vs_fp64_is_the_references():
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(64, 512, 128, 8, 3, seed)
     ideal = _fp64(z, w, ids, ex)
-    e_k = _rel(M.fused_moe_mxfp4(z, w, ids, ex), ideal)
-    e_r = _rel(M.moe_mxfp4_reference(z, w, ids, ex), ideal)
+    e_k = rel_err(M.fused_moe_mxfp4(z, w, ids, ex), ideal)
+    e_r = rel_err(M.moe_mxfp4_reference(z, w, ids, ex), ideal)
     assert e_k <= 1.5 * e_r + 1e-3, f"seed {seed}: kernel {e_k:.2e} vs reference {e_r:.2e}"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
 def test_graph_capture_replays_new_routing():
     """One capture serves any routing: the grid never depends on the routing, no host sync."""
-    seed = _seed()
+    seed = fresh_seed()
     E, L, I, k, T = 128, 256, 128, 8, 16
     ex, z, w, ids = _case(E, L, I, k, T, seed)
     fused = M.fused_moe_mxfp4
@@ -156,14 +150,14 @@ def test_graph_capture_replays_new_routing():
     with torch.cuda.graph(g):
         out = fused(z, w, ids, ex)
     for _ in range(2):
-        gen = torch.Generator(device=DEV).manual_seed(_seed())
+        gen = torch.Generator(device=DEV).manual_seed(fresh_seed())
         w2, ids2 = _routing(T, E, k, gen)
         z.copy_(torch.randn(T, L, generator=gen, device=DEV).to(torch.bfloat16))
         w.copy_(w2), ids.copy_(ids2)
         g.replay()
         torch.cuda.synchronize()
         ref = M.moe_mxfp4_reference(z, w, ids, ex)
-        assert _rel(out, ref) < REL_TOL, f"seed {seed}"
+        assert rel_err(out, ref) < REL_TOL, f"seed {seed}"
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the runs kernel on CUDA")
@@ -171,7 +165,7 @@ def test_graph_capture_replays_new_routing():
 def test_library_runs_equal_the_runs_kernel(T, k, skew):
     """moe_runs_torch (any pair count, nothing compiled) writes what the one-program kernel
     writes, wherever the GEMM kernels read."""
-    seed = _seed()
+    seed = fresh_seed()
     E = 896
     _, ids = _routing(T, E, k, torch.Generator(device=DEV).manual_seed(seed), skew)
     a, b = M.moe_runs(ids, E), M.moe_runs_torch(ids, E)
@@ -187,9 +181,9 @@ def test_library_runs_equal_the_runs_kernel(T, k, skew):
 def test_fused_past_the_runs_kernel_matches_reference():
     """1,500 tokens at top-16 (24,000 pairs: the one-program sort compiled for minutes there)
     go through moe_runs_torch and match the reference."""
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(896, 3584, 192, 16, 1500, seed)
     _poison_allocator()
     out = M.fused_moe_mxfp4(z, w, ids, ex)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
-    assert torch.isfinite(out).all() and _rel(out, ref) < REL_TOL, f"seed {seed}"
+    assert torch.isfinite(out).all() and rel_err(out, ref) < REL_TOL, f"seed {seed}"

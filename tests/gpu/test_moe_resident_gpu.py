@@ -16,6 +16,8 @@ from raydecode.kernels import moe_mxfp4 as M
 from raydecode.models.moe import RoutedExperts
 from raydecode.models.parallel import Parallel
 
+from _numerics import fresh_seed, rel_err
+
 ON_GPU = torch.cuda.is_available() and M.triton is not None
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs CUDA + Triton")
 DEV = "cuda"
@@ -24,14 +26,6 @@ REL_TOL = 1e-2
 # (L 32, I 128); a small bench shape
 SHAPES = [(896, 3584, 3072, 16, 16), (896, 3584, 3072, 8, 16), (8, 32, 128, 1, 2),
           (32, 128, 256, 2, 4)]
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def _experts(E, L, I, tp, seed) -> RoutedExperts:
@@ -53,7 +47,7 @@ def _inputs(T, E, L, k, gen, dtype=torch.bfloat16):
 @pytest.mark.parametrize("path", ["stock", "specialized"])
 @pytest.mark.parametrize("zdtype", [torch.bfloat16, torch.float32])
 def test_resident_paths_match_reference(E, L, I, tp, k, T, path, zdtype):
-    seed = _seed()
+    seed = fresh_seed()
     ex = _experts(E, L, I, tp, seed)
     z, w, ids = _inputs(T, E, L, k, torch.Generator(device=DEV).manual_seed(seed), zdtype)
     torch.empty(1 << 26, device=DEV).fill_(float("nan"))            # freed, then reused
@@ -61,25 +55,25 @@ def test_resident_paths_match_reference(E, L, I, tp, k, T, path, zdtype):
     ref = M.moe_mxfp4_reference(z.to(torch.bfloat16), w, ids, ex.packed())
     assert out.shape == (T, L) and out.dtype == torch.float32
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
-    assert _rel(out, ref) < REL_TOL, f"seed {seed}: {path} rel err {_rel(out, ref):.2e}"
+    assert rel_err(out, ref) < REL_TOL, f"seed {seed}: {path} rel err {rel_err(out, ref):.2e}"
 
 
 def test_stock_path_chunks_past_the_runs_kernel_limit():
     """T·k > 65536 pairs: the stock path splits the tokens into launch groups."""
-    seed = _seed()
+    seed = fresh_seed()
     E, L, I, k, T = 32, 128, 128, 4, 16_500
     ex = _experts(E, L, I, 1, seed)
     z, w, ids = _inputs(T, E, L, k, torch.Generator(device=DEV).manual_seed(seed))
     out = ex(z, w, ids, "stock")
     ref = M.moe_mxfp4_reference(z, w, ids, ex.packed())
-    assert torch.isfinite(out).all() and _rel(out, ref) < REL_TOL, f"seed {seed}"
+    assert torch.isfinite(out).all() and rel_err(out, ref) < REL_TOL, f"seed {seed}"
 
 
 @pytest.mark.parametrize("E,L,I,tp,k", SHAPES[:2])
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("path", ["stock", "specialized"])
 def test_graph_capture_replays_new_inputs(E, L, I, tp, k, T, path):
-    seed = _seed()
+    seed = fresh_seed()
     ex = _experts(E, L, I, tp, seed)
     z, w, ids = _inputs(T, E, L, k, torch.Generator(device=DEV).manual_seed(seed))
     ex(z, w, ids, path)                                  # compile outside the capture
@@ -88,9 +82,9 @@ def test_graph_capture_replays_new_inputs(E, L, I, tp, k, T, path):
     with torch.cuda.graph(g):
         out = ex(z, w, ids, path)
     for _ in range(2):
-        z2, w2, ids2 = _inputs(T, E, L, k, torch.Generator(device=DEV).manual_seed(_seed()))
+        z2, w2, ids2 = _inputs(T, E, L, k, torch.Generator(device=DEV).manual_seed(fresh_seed()))
         z.copy_(z2), w.copy_(w2), ids.copy_(ids2)
         g.replay()
         torch.cuda.synchronize()
         ref = M.moe_mxfp4_reference(z, w, ids, ex.packed())
-        assert _rel(out, ref) < REL_TOL, f"seed {seed}: {path} replay"
+        assert rel_err(out, ref) < REL_TOL, f"seed {seed}: {path} replay"

@@ -17,18 +17,13 @@ from raydecode.kernels import moe_mxfp4 as M
 from raydecode.kernels import moe_resident_cute as R
 from raydecode.kernels._cute import cute_available
 
+from _numerics import TOL as NUM_TOL
+from _numerics import fresh_seed, rel_err
+
 pytestmark = pytest.mark.skipif(not cute_available(), reason="needs CUDA and nvidia-cutlass-dsl")
 DEV = "cuda"
 BF = torch.bfloat16
-TOL = 1e-2
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+TOL = NUM_TOL["bf16_3round"]     # gate_up, SiTU, down each round to bf16
 
 
 def _case(E, L, I, k, T, seed, lin=25.0, last_expert=False):
@@ -64,20 +59,20 @@ CASES = [(896, 3584, 192, 16, 1, None, 16), (896, 3584, 192, 16, 1, None, 8),
 @pytest.mark.parametrize("E,L,I,k,T,ctas,warps", CASES)
 @pytest.mark.parametrize("lin", [None, 25.0])
 def test_matches_reference(E, L, I, k, T, ctas, warps, lin):
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(E, L, I, k, T, seed, lin, last_expert=True)
     plan = R.plan_for(z, ids, ex, ctas=ctas, warps=warps)
     assert plan is not None, f"{(E, L, I, k, T, ctas)} should fit"
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     out = _run(plan, z, w, ids, ex)
     assert not out.isnan().any(), f"seed {seed}"
-    assert _rel(out, ref) <= TOL, f"seed {seed}: {_rel(out, ref)}"
+    assert rel_err(out, ref) <= TOL, f"seed {seed}: {rel_err(out, ref)}"
 
 
 def test_deterministic_and_fp32_z_rounds_like_bf16():
     """No atomics in the sums: two launches are bit-identical, and fp32 z equals its bf16
     rounding exactly (the kernel rounds z to bf16 on load)."""
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(896, 3584, 192, 16, 1, seed)
     # within a quarter bf16 ulp (2^-9 relative): rounds back to z
     z32 = z.float() * (1 + (torch.rand(z.shape, device=DEV) - 0.5) * 2.0 ** -9)
@@ -92,7 +87,7 @@ def test_deterministic_and_fp32_z_rounds_like_bf16():
 def test_activation_range(scale):
     """x' and a' are scaled by a power of two per token / pair: tiny and large activations and
     one outlier 2^12 above the rest still match; all-zero z gives exact zeros."""
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(64, 1024, 128, 8, 1, seed, None)
     z = z.float() * scale
     z[0, 5] *= 4096.0
@@ -100,23 +95,23 @@ def test_activation_range(scale):
     plan = R.plan_for(z, ids, ex, ctas=16)
     out = _run(plan, z, w, ids, ex)
     assert out.isfinite().all(), f"seed {seed}"
-    assert _rel(out, M.moe_mxfp4_reference(z, w, ids, ex)) <= TOL, f"seed {seed}"
+    assert rel_err(out, M.moe_mxfp4_reference(z, w, ids, ex)) <= TOL, f"seed {seed}"
     assert (_run(plan, torch.zeros_like(z), w, ids, ex) == 0).all(), f"seed {seed}"
 
 
 def test_duplicate_experts_across_tokens():
     """Two tokens routed to the same experts: each pair reads its expert itself."""
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(64, 512, 64, 4, 2, seed)
     ids[1] = ids[0]
     plan = R.plan_for(z, ids, ex, ctas=8)
     out = _run(plan, z, w, ids, ex)
-    assert _rel(out, M.moe_mxfp4_reference(z, w, ids, ex)) <= TOL, f"seed {seed}"
+    assert rel_err(out, M.moe_mxfp4_reference(z, w, ids, ex)) <= TOL, f"seed {seed}"
 
 
 def test_graph_replays_new_routing_and_inputs():
     """Captured once, replayed with new ids, weights and z: the counters reset themselves."""
-    seed = _seed()
+    seed = fresh_seed()
     g = torch.Generator(device=DEV).manual_seed(seed)
     ex, z, w, ids = _case(896, 3584, 192, 16, 1, seed)
     plan = R.plan_for(z, ids, ex)
@@ -135,7 +130,7 @@ def test_graph_replays_new_routing_and_inputs():
         gr.replay()
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"seed {seed}"
-        assert _rel(out, M.moe_mxfp4_reference(z, w, ids, ex)) <= TOL, f"seed {seed}"
+        assert rel_err(out, M.moe_mxfp4_reference(z, w, ids, ex)) <= TOL, f"seed {seed}"
     assert R.spin_flag(plan, z.device) == 0
 
 
@@ -143,7 +138,7 @@ def test_graph_replays_new_routing_and_inputs():
 def test_predecode_matches(predecode):
     """Some or all down rows decoded into registers before the wait: the same sums as none,
     bit for bit."""
-    seed = _seed()
+    seed = fresh_seed()
     ex, z, w, ids = _case(896, 3584, 192, 16, 1, seed)
     base = _run(R.plan_for(z, ids, ex, predecode=0), z, w, ids, ex)
     out = _run(R.plan_for(z, ids, ex, predecode=predecode), z, w, ids, ex)
@@ -153,7 +148,7 @@ def test_predecode_matches(predecode):
 def test_trace_order():
     """Per CTA: PDL wait ≤ copies issued ≤ x staged ≤ gate_up summed ≤ released ≤ red barrier ≤
     out stored; warp 0: down landed ≤ pair ready ≤ a' staged ≤ its rows summed."""
-    ex, z, w, ids = _case(896, 3584, 192, 16, 1, _seed())
+    ex, z, w, ids = _case(896, 3584, 192, 16, 1, fresh_seed())
     plan = R.plan_for(z, ids, ex, trace=True)
     tr = torch.zeros(plan.trace_words, dtype=torch.int64, device=DEV)
     out = torch.empty(1, 3584, device=DEV)

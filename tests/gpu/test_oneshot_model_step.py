@@ -43,6 +43,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from raydecode.kernels import allreduce_oneshot_triton as ART  # noqa: E402
 
+from _numerics import fresh_seed
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TWO_GPUS = (ART.triton is not None and not INTERPRET and torch.cuda.is_available()
             and torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1)
@@ -96,7 +98,7 @@ def _drive(w, info, path: str, ckpt, seed: int) -> dict:
     from raydecode.engine.engine import EngineConfig, LLMEngine
     from raydecode.engine.request import SamplingParams
     from raydecode.engine.tokenizer import Tokenizer
-    from raydecode.models import moe
+    from raydecode.kernels.settings import DEFAULT_OPTIONS
 
     cfg = w.runner.model.cfg
     fan, counters = _FanOut(w, bool(info["specialized"][0])), PathCounters()
@@ -115,7 +117,7 @@ def _drive(w, info, path: str, ckpt, seed: int) -> dict:
     dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     base = 1 + cfg.num_layers + dense
     # the fused specialized MoE block all-reduces its (T, H) bf16 output: one more per MoE layer
-    fused = (cfg.num_layers - dense) if moe.FUSED_SPECIALIZED else 0
+    fused = (cfg.num_layers - dense) if DEFAULT_OPTIONS.moe_fused else 0
     return {"logits": fan.logits, "calls": fan.calls, "steps": dict(counters.steps),
             "out": [r.output_ids for r in reqs],
             "expect": {"stock": base, "specialized": base + fused}}
@@ -259,7 +261,7 @@ def test_model_step_oneshot_equals_nccl(path, visible, tmp_path):
     from raydecode.models.checkpoint import write_checkpoint
     from raydecode.models.config import load_config
 
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    seed = fresh_seed()
     ckpt = tmp_path / "tiny"
     write_checkpoint(load_config("tiny"), ckpt, seed=seed)
     # the rendezvous server (rank 0's open_store under Ray); both ranks join as clients

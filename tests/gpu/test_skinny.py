@@ -19,6 +19,10 @@ import torch
 
 from raydecode.kernels import gemm_skinny_triton as S
 from raydecode.kernels import gemv as G
+from raydecode.kernels import linear as LN
+from raydecode.kernels.settings import DecodeOptions
+
+from _numerics import fresh_seed, rel_err
 
 ON_GPU = torch.cuda.is_available() and S.triton is not None
 INTERPRET = (not torch.cuda.is_available() and S.triton is not None
@@ -30,10 +34,6 @@ DEV = "cuda" if ON_GPU else "cpu"
 BF = torch.bfloat16
 
 
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
-
-
 def _case(M, N, K, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(M, K, generator=g, device=DEV).to(BF)
@@ -41,18 +41,14 @@ def _case(M, N, K, seed):
     return x, w, x.double() @ w.double().t()
 
 
-def _rel(a, b) -> float:
-    return float((a.double() - b).norm() / b.norm())
-
-
 def _check(M, N, K, cfg, dt, calls=2):
-    seed = _seed()
+    seed = fresh_seed()
     x, w, ref = _case(M, N, K, seed)
     out = torch.full((M, N), float("nan"), dtype=dt, device=DEV)
     for _ in range(calls):
         res = S.skinny_gemm(x, w, out_dtype=dt, config=cfg, out=out)
         assert res is out
-        err = _rel(out, ref)
+        err = rel_err(out, ref)
         tol = 1e-5 if dt == torch.float32 else 4e-3
         assert torch.isfinite(out).all() and err <= tol, \
             f"seed {seed} M={M} N={N} K={K} {cfg} {dt}: rel err {err:.3g}"
@@ -85,7 +81,7 @@ def test_skinny_k3_shapes_default_config(M, N, K):
 @gpu_only
 def test_skinny_graph_replays_follow_new_inputs():
     """Captured once (split-K: the counters must reset inside the graph), replayed over new x."""
-    seed = _seed()
+    seed = fresh_seed()
     M, N, K = 8, 900, 7168
     cfg = S.default_config(M, N, K)
     assert cfg.ks > 1
@@ -101,7 +97,7 @@ def test_skinny_graph_replays_follow_new_inputs():
         g.replay()
         torch.cuda.synchronize()
         ref = x.double() @ w.double().t()
-        assert _rel(out, ref) <= 4e-3, f"seed {seed} replay {i}"
+        assert rel_err(out, ref) <= 4e-3, f"seed {seed} replay {i}"
 
 
 def test_bad_inputs_and_configs_are_named():
@@ -120,19 +116,18 @@ def test_bad_inputs_and_configs_are_named():
 
 @gpu_only
 def test_linear_takes_the_skinny_gemm_when_enabled(monkeypatch):
-    """`gemv.linear` at M = 8: cuBLAS while SKINNY_MAX_M = 0, the skinny kernel (recorded)
-    once it covers M; both within bf16 tolerance of the product, fp32 output unrounded."""
-    seed = _seed()
+    """`linear` at M = 8: cuBLAS while skinny_max_m = 0, the skinny kernel (recorded) once it
+    covers M; both within bf16 tolerance of the product, fp32 output unrounded."""
+    seed = fresh_seed()
     x, w, ref = _case(8, 1048, 7168, seed)
     ran = []
     real = S.skinny_gemm
     monkeypatch.setattr(S, "skinny_gemm", lambda *a, **k: ran.append(1) or real(*a, **k))
-    monkeypatch.setattr(G, "SKINNY_MAX_M", 0)
-    assert _rel(G.linear(x, w), ref) <= 4e-3 and not ran
-    monkeypatch.setattr(G, "SKINNY_MAX_M", 64)
-    assert _rel(G.linear(x, w), ref) <= 4e-3 and len(ran) == 1
-    y32 = G.linear(x, w, torch.float32)
-    assert y32.dtype == torch.float32 and _rel(y32, ref) <= 1e-5 and len(ran) == 2
+    off, on = DecodeOptions(skinny_max_m=0), DecodeOptions(skinny_max_m=64)
+    assert rel_err(LN.linear(x, w, options=off), ref) <= 4e-3 and not ran
+    assert rel_err(LN.linear(x, w, options=on), ref) <= 4e-3 and len(ran) == 1
+    y32 = LN.linear(x, w, torch.float32, options=on)
+    assert y32.dtype == torch.float32 and rel_err(y32, ref) <= 1e-5 and len(ran) == 2
 
 
 @gpu_only
@@ -140,28 +135,28 @@ def test_first_split_k_call_under_capture_is_refused_and_linear_falls_back(monke
     """Split-K counters zeroed inside a capture would be zeroed by that graph only: a first
     split-K call under capture raises (naming the shape), `supports` says no, and
     `gemv.linear` runs cuBLAS in the graph instead; after one eager call both go through."""
-    seed = _seed()
+    seed = fresh_seed()
     N, K = 900, 7168
     x, w, ref = _case(8, N, K, seed)
     cfg = S.default_config(8, N, K)
     assert cfg.ks > 1
     monkeypatch.setattr(S, "_SCRATCH", {})
-    monkeypatch.setattr(G, "SKINNY_MAX_M", 16)
+    on = DecodeOptions(skinny_max_m=16)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         assert not S.supports(x, w)
         with pytest.raises(ValueError, match="first split-K call for N=900"):
             S.skinny_gemm(x, w)
-        y = G.linear(x, w)                                  # cuBLAS in the graph
+        y = LN.linear(x, w, options=on)                     # cuBLAS in the graph
     g.replay()
     torch.cuda.synchronize()
-    assert _rel(y, ref) <= 4e-3, f"seed {seed}"
+    assert rel_err(y, ref) <= 4e-3, f"seed {seed}"
     S.skinny_gemm(x, w)                                     # eager: scratch allocated
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g2):
         assert S.supports(x, w)
-        y2 = G.linear(x, w)
+        y2 = LN.linear(x, w, options=on)
     y2.fill_(float("nan"))
     g2.replay()
     torch.cuda.synchronize()
-    assert _rel(y2, ref) <= 4e-3, f"seed {seed}"
+    assert rel_err(y2, ref) <= 4e-3, f"seed {seed}"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from raydecode.kernels._cute import cute_available
+from raydecode.kernels.settings import DecodeOptions
 from raydecode.models import moe
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -31,10 +32,9 @@ CASES = [(torch.float32, "dense", 1e-4), (torch.float32, "mxfp4", 3e-2),
 
 @pytest.mark.parametrize("dtype,experts,tol", CASES, ids=["fp32-dense", "fp32-mxfp4", "bf16"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_specialized_step_equals_stock_on_cuda(dtype, experts, tol, seed, monkeypatch):
+def test_specialized_step_equals_stock_on_cuda(dtype, experts, tol, seed):
     # the unfused MoE block: the fused one re-associates a sum, and is compared with an fp32
     # twin instead (tests/cpu/test_moe_fused.py, which runs on CUDA on a GPU host)
-    monkeypatch.setattr(moe, "FUSED_SPECIALIZED", False)
     # top_k = num_experts: with top-2 the packed KDA in_proj GEMV (another cuBLAS summation
     # order) flipped a near-tie routing choice: fp32 1.0e-3, bf16 3.9e-2 (H200, 32b7531)
     cfg = load_config("tiny")
@@ -43,7 +43,8 @@ def test_specialized_step_equals_stock_on_cuda(dtype, experts, tol, seed, monkey
         cfg = dataclasses.replace(cfg, quant=None)
     assert moe.routed_experts_mxfp4(cfg) == (experts == "mxfp4")
     with torch.device("cuda"):
-        model = init_random_(K3ForCausalLM(cfg, dtype=dtype), seed=5 + seed)
+        model = init_random_(K3ForCausalLM(cfg, dtype=dtype,
+                                           options=DecodeOptions(moe_fused=False)), seed=5 + seed)
     gen = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, cfg.vocab_size, (12,), generator=gen).cuda()
     logits, caches = {}, {}

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 
+from _numerics import TOL as NUM_TOL
+from _numerics import fresh_seed, max_rel_err
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 for _k, _v in NO_MULTICAST.items():
@@ -32,12 +35,8 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 pytestmark = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs")
 SLOTS, BLOCK, MAX_LEN = 6, 4, 64       # buckets (1, 2, 4, 8): 3 scratch slots
 BLOCKS = SLOTS * MAX_LEN // BLOCK
-TOL = 3e-2
+TOL = NUM_TOL["bf16_path"]
 TIMEOUT_S = float(os.environ.get("RAYDECODE_TEST_MP_TIMEOUT_S", "300"))
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
 def script(seed: int, vocab: int):
@@ -137,7 +136,7 @@ def _rank(rank: int, port: int, ckpt, seed: int, out) -> None:
             for p, a, b in zip(plans, on, off, strict=True):
                 assert a.shape == b.shape == (len(p.sample_rows), a.shape[1]), (msg, p.step_id)
                 assert torch.isfinite(a).all(), f"{msg} step {p.step_id}: non-finite logits"
-                r = _rel(a, b)
+                r = max_rel_err(a, b)
                 assert r < TOL, f"{msg} step {p.step_id} ({p.path}, {p.num_seqs} seqs): {r}"
                 worst = max(worst, r)
             (out / "summary.json").write_text(json.dumps({
@@ -158,7 +157,7 @@ def test_tp2_rank_workers_replay_graphs_equal_eager(tmp_path):
     from raydecode.models.checkpoint import write_checkpoint
     from raydecode.models.config import load_config
 
-    seed = int.from_bytes(os.urandom(4), "little") % (1 << 31)
+    seed = fresh_seed()
     ckpt = tmp_path / "tiny"
     write_checkpoint(load_config("tiny"), ckpt, seed=seed)
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,

@@ -1,0 +1,1 @@
+"""Unserved kernels kept for their measurements (docs/perf-log): nothing served imports them."""

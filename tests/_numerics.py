@@ -1,0 +1,44 @@
+"""Numerics shared by the CPU and GPU suites: the two error measures, fresh seeds and the bf16
+tolerance table (imported as `from _numerics import ...`: tests/ is on sys.path through its
+conftest.py).
+
+    rel_err(a, b)      ‖a − b‖ / ‖b‖           fp64, Frobenius norm over all elements
+    max_rel_err(a, b)  max |a − b| / max |b|   fp64, the worst element against the largest
+Both clamp the denominator at 1e-30 (an all-zero reference gives a huge error, never NaN).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+BF16_ULP = 2 ** -8             # one bf16 rounding, relative (8 significant bits)
+
+# Tolerances by what the compared computation does differently from its reference.
+TOL = {
+    "bf16_round": 4e-3,        # one bf16 rounding of the output (≈ 1 ulp; ‖·‖ relative)
+    "bf16_3round": 1e-2,       # three bf16 rounding points (the MoE's gate_up, SiTU, down)
+    "bf16_path": 3e-2,         # a bf16 specialized path against stock (max-abs relative)
+    "interpreter": 2.5e-2,     # a kernel under TRITON_INTERPRET=1 (fp32 → bf16 truncates)
+    "fp32_path": 1e-4,         # an fp32 specialized path against stock
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in fp64 (b the reference)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| / max |b| in fp64 (b the reference)."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def fresh_seed() -> int:
+    """A new random seed per call (os.urandom), for a test to put in its failure message."""
+    return int.from_bytes(os.urandom(4), "little") % (1 << 31)
+
+
+__all__ = ["BF16_ULP", "TOL", "fresh_seed", "max_rel_err", "rel_err"]
