@@ -20,6 +20,7 @@ from typing import AsyncIterator
 from raydecode.engine.engine import StepOutput
 
 from . import openai_api as oa
+from .serve import CLIENT_CLOSED
 
 
 class _Split:
@@ -83,14 +84,15 @@ class Choices:
     """The `_Run` interface (first / abandon / collect / sse) over n per-choice runs."""
 
     def __init__(self, run_cls, endpoint, rid, req, ids, gen, backend, metrics, t0, model,
-                 outputs: list, warning=None):
+                 outputs: list, warning=None, timeout_s: float = 600.0):
         """outputs: one ChoiceOutput per choice (its parser and logprob state)."""
         assert len(outputs) == req.n, (len(outputs), req.n)
         self.req, self.rid, self.backend, self.metrics = req, rid, backend, metrics
         self.endpoint, self.t0, self.n_prompt, self.model = endpoint, t0, len(ids), model
         self.split = _Split(gen, req.n)
         self.runs = [run_cls(endpoint, rid, req, ids, self.split.stream(i), backend, _Quiet(),
-                             t0, model, outputs[i], warning) for i in range(req.n)]
+                             t0, model, outputs[i], warning, timeout_s)
+                     for i in range(req.n)]
         self.created = self.runs[0].created
         for r in self.runs:
             r.created = self.created
@@ -129,6 +131,9 @@ class Choices:
     async def collect(self):
         try:
             bodies = await asyncio.gather(*(r.collect() for r in self.runs))
+        except asyncio.CancelledError:           # the client went away
+            self._done(CLIENT_CLOSED)
+            raise
         finally:
             await self.split.close()
         bad = next((b for b in bodies if not isinstance(b, dict)), None)
@@ -154,7 +159,7 @@ class Choices:
                 q.put_nowait((i, None))
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(self.runs)]
-        status, left = 499, len(tasks)
+        status, left = CLIENT_CLOSED, len(tasks)       # stays so if the client goes away
         try:
             while left:
                 i, obj = await q.get()

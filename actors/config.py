@@ -160,7 +160,8 @@ except ImportError:
 
 
 class ServeOptions(_Model):
-    host: str = Field(default="0.0.0.0", description="HTTP listen address of the Serve proxy.")
+    host: str = Field(default="127.0.0.1", description="HTTP listen address of the Serve proxy; "
+                                                       "0.0.0.0 to serve other machines.")
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the Serve proxy.")
     num_replicas: int = Field(default=1, ge=1, description="Replicas (each a coordinator and "
                                                            "its TP group).")
@@ -170,6 +171,10 @@ class ServeOptions(_Model):
                                       description="Requests one ingress replica holds at once.")
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs reserved for the ingress and "
                                                            "for the coordinator actor each.")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="A non-streaming request not finished this many seconds "
+                                         "after it arrived is aborted and answered 503 + "
+                                         "Retry-After.")
     api_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Bearer keys every /v1 route requires (any one of them); with none from "

@@ -42,6 +42,7 @@ log = logging.getLogger("raydecode.coordinator")
 
 PATHS = ("specialized", "stock")
 REBUILD_BACKOFF_S = (1.0, 5.0, 30.0)
+WATCHDOG_MARGIN_S = 10.0      # a loop silent this long (at most) past the step deadline: stalled
 
 
 class Overloaded(RuntimeError):
@@ -324,6 +325,10 @@ class CoordinatorCore:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._rebuild_task: asyncio.Task | None = None
+        self._watchdog_task: asyncio.Task | None = None
+        self._beat = time.monotonic()        # the step loop's last sign of life
+        self._loop_busy = False              # it had unfinished requests at that beat
+        self.loop_state = "ok"               # ok | "died: …" | "stalled: …" (never back to ok)
         self.counts = {"failover_events": 0, "failover_requests": 0, "routed_to_stock": 0,
                        "rebuilds": 0, "requests": 0}
 
@@ -332,6 +337,8 @@ class CoordinatorCore:
         await asyncio.get_running_loop().run_in_executor(None, self._build_engine)
         self._set_healthy(True)
         self._loop_task = asyncio.create_task(self._run(), name="coordinator-step-loop")
+        self._loop_task.add_done_callback(self._loop_exited)
+        self._watchdog_task = asyncio.create_task(self._watchdog(), name="coordinator-watchdog")
         if self.policy.note:
             log.warning("%s", self.policy.note)
 
@@ -362,7 +369,8 @@ class CoordinatorCore:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step")
 
     async def close(self) -> None:
-        for t in (self._loop_task, self._rebuild_task):
+        self.loop_state = self.loop_state if self.loop_state != "ok" else "closed"
+        for t in (self._watchdog_task, self._loop_task, self._rebuild_task):
             if t is not None:
                 t.cancel()
         for s in list(self.streams.values()):
@@ -439,8 +447,16 @@ class CoordinatorCore:
         s = _Stream(request_id, prompt_ids, params, forks=list(forks or ()))
         if not self.healthy:
             if self.stock is None:
-                raise Overloaded(f"replica is unhealthy ({self.last_failure}) and rebuilding; "
-                                 "no stock pool is configured")
+                why = "its step loop stopped" if self.loop_state != "ok" else "rebuilding"
+                raise Overloaded(f"replica is unhealthy ({self.last_failure}) and {why}; no "
+                                 "stock pool is configured")
+            # bounded like the normal queue: what the replica itself would hold
+            cap = self.engine_cfg.max_num_seqs + self.config.max_waiting_requests
+            on_stock = sum(1 for x in self.streams.values() if x.where == "stock" and not x.done)
+            if on_stock >= cap:
+                raise Overloaded(f"{on_stock} requests already continue on the stock pool while "
+                                 f"the replica is unhealthy (at most max_num_seqs + "
+                                 f"max_waiting_requests = {cap})")
             self.streams[request_id] = s
             self.counts["routed_to_stock"] += 1
             self._to_stock(s)
@@ -477,11 +493,14 @@ class CoordinatorCore:
     # ---- the step loop --------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
+            self._beat = time.monotonic()
             await self._wake.wait()
             self._wake.clear()
             while self.healthy:
+                self._beat = time.monotonic()
                 self._apply_queued()
-                if not self.engine.has_unfinished():
+                self._loop_busy = self.engine.has_unfinished()
+                if not self._loop_busy:
                     break
                 try:
                     outs = await self._step()                           # run
@@ -489,6 +508,57 @@ class CoordinatorCore:
                     self._fail_over(e)
                     break
                 self._dispatch(outs)                                   # post-process
+
+    # ---- the watchdog: a dead or stalled step loop fails its requests at once -----------
+    def _has_work(self) -> bool:
+        # from what the loop saw at its beat (the engine is not read while a step runs)
+        return bool(self._pending) or self._loop_busy
+
+    async def _watchdog(self) -> None:
+        """The loop beats before every step; each step has its deadline (rank_step_timeout_s,
+        then StepFailed). So a loop with work that has not beaten for that deadline plus a
+        margin is stuck outside a step (a lost wake-up, an await that never returns): its
+        requests would wait on their queues forever while /health said ok."""
+        t = self.config.rank_step_timeout_s
+        limit = t + min(WATCHDOG_MARGIN_S, t)
+        strikes = 0     # two checks in a row: work that arrived just now may not have woken it
+        while self.loop_state == "ok":
+            await asyncio.sleep(min(1.0, limit / 4))
+            late = self.healthy and self._has_work() and time.monotonic() - self._beat > limit
+            strikes = strikes + 1 if late else 0
+            if strikes >= 2:
+                self._loop_failed(f"stalled: no step for {time.monotonic() - self._beat:.0f} s "
+                                  f"with requests waiting (limit {limit:g} s)")
+                if self._loop_task is not None:
+                    self._loop_task.cancel()
+
+    def _loop_exited(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return                        # close(), or the watchdog after a stall
+        e = task.exception()
+        self._loop_failed(f"died: {type(e).__name__}: {e}" if e is not None else
+                          "died: returned")
+
+    def _loop_failed(self, why: str) -> None:
+        """The step loop is gone for good (Serve's health check replaces the replica): every
+        request on the replica continues on the stock pool, or gets 503 + Retry-After now."""
+        if self.loop_state != "ok":
+            return
+        log.error("coordinator step loop %s; failing its requests", why)
+        self.loop_state = why
+        self._set_healthy(False)
+        self.last_failure = f"step loop {why}"
+        self.counts["failover_events"] += 1
+        for s in list(self.streams.values()):
+            if s.done or s.where == "stock":
+                continue
+            if self.stock is None:
+                s.send(Overloaded(f"replica step loop {why.split(':')[0]}; retry"))
+                continue
+            self.counts["failover_requests"] += 1
+            self._to_stock(s)
+        self._pending.clear()
+        self._aborts.clear()
 
     def _apply_queued(self) -> None:
         """Aborts and new requests enter the engine here, between steps only."""
@@ -603,6 +673,7 @@ class CoordinatorCore:
         sched = self.engine.scheduler if self.engine else None
         return {
             "healthy": self.healthy,
+            "step_loop": self.loop_state,
             "last_failure": self.last_failure,
             "stock_pool": self.stock is not None,
             "profile": self.policy.profile,

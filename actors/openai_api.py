@@ -293,6 +293,14 @@ class ChatCompletionRequest(_Common):
     def template_tools(self) -> list[dict] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
+    def missing_content(self) -> tuple[int, str] | None:
+        """(index, role) of the first message that needs content and has none: only an
+        assistant message may omit it (OpenAI: one carrying tool calls)."""
+        for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":
+                return i, m.role
+        return None
+
 
 def _field_path(loc: tuple) -> str:
     """A pydantic error location as a request path, e.g. 'tools[0].function.parameters'

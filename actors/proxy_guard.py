@@ -69,7 +69,11 @@ class ReplicaLossGuard:
 
 
 def proxy_middlewares() -> list:
-    """The callback Serve's proxy calls (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH)."""
+    """The callback Serve's proxy calls (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), before its
+    uvicorn server starts: the header read timeout (actors/http_timeouts.py) goes in here too."""
     from starlette.middleware import Middleware
 
+    from . import http_timeouts
+
+    http_timeouts.install()
     return [Middleware(ReplicaLossGuard)]

@@ -17,12 +17,16 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from raydecode.engine.engine import StepOutput
 from raydecode.engine.k3_chat import ChatFormatError, ChatPrompt
 from raydecode.engine.request import RequestError, SamplingParams
 
+from . import http_timeouts
 from . import openai_api as oa
 from .auth import APIKeys, resolve_api_keys
 from .config import DeployConfig, check_speculative, load_deploy_config, parse_deploy_config
@@ -34,6 +38,8 @@ from .stock_pool import StockPoolError
 RETRY_AFTER_S = 5
 MAX_N = 128                                # choices per request (OpenAI's bound)
 WARNING_HEADER = "X-Raydecode-Warning"     # set on every completion in synthetic-acceptance mode
+CLIENT_CLOSED = 499                        # nginx's status for a client that went away
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class Backend(Protocol):
@@ -95,6 +101,7 @@ class ServingContext:
     api_keys: APIKeys = APIKeys()   # none: the /v1 routes are open
     ops_separate: bool = False      # /health and /metrics on their own app (serve.metrics_port)
     speculative: bool = False       # DSpark replica: its verification steps report no logprobs
+    request_timeout_s: float = 600.0   # a non-streaming request unfinished by then: 503
 
     @staticmethod
     def from_config(cfg: DeployConfig) -> "ServingContext":
@@ -104,7 +111,7 @@ class ServingContext:
             mcfg.max_position_embeddings), mcfg.vocab_size, load_tokenizer(cfg.model),
             int(time.time()), cfg.synthetic_warning, cfg.default_chat_template_kwargs,
             resolve_api_keys(cfg.serve), cfg.serve.metrics_port is not None,
-            cfg.speculative_config is not None)
+            cfg.speculative_config is not None, cfg.serve.request_timeout_s)
 
 
 # ---- request → (prompt ids, sampling params) -----------------------------------------------
@@ -112,6 +119,11 @@ def _chat_prompt(req: oa.ChatCompletionRequest, ctx: ServingContext) -> ChatProm
     """The chat request in K3's format (engine/k3_chat.py): tools, tool_choice, thinking."""
     if not req.messages:
         raise oa.bad_request("'messages' is empty; expected at least one message", "messages")
+    missing = req.missing_content()
+    if missing is not None:
+        i, role = missing
+        raise oa.bad_request(f"messages[{i}] (role '{role}') has no 'content'; a {role} "
+                             "message needs its text", f"messages[{i}].content")
     options = req.chat_options(ctx.default_chat_template_kwargs)
     try:
         return ctx.tokenizer.render_chat([m.to_template() for m in req.messages],
@@ -189,16 +201,39 @@ def _sampling(req: oa._Common, n_prompt: int, blame: str, ctx: ServingContext) -
         raise oa.bad_request(str(e), str(e).split(" ", 1)[0]) from None
 
 
+def _message(e: BaseException) -> str:
+    """The exception's own message: for an error raised in the coordinator actor, that of the
+    original exception (Ray's wrapper prints the remote traceback and a `module.Class:` prefix,
+    never meant for a client)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and cause is not e:
+        e = cause
+    text = str(e).strip().splitlines()
+    last = text[-1] if text else type(e).__name__
+    head, sep, rest = last.partition(": ")
+    if sep and "." in head and head.replace(".", "").replace("_", "").isalnum():
+        last = rest                     # 'raydecode.actors.coordinator.Overloaded: …' -> '…'
+    return last
+
+
 def _map_error(e: BaseException) -> oa.APIError:
     if isinstance(e, oa.APIError):
         return e
-    if isinstance(e, RequestError):
-        return oa.bad_request(str(e).splitlines()[-1])
-    if isinstance(e, (Overloaded, StockPoolError)):
-        return oa.unavailable(str(e).splitlines()[-1], RETRY_AFTER_S)
     import ray.exceptions
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, BaseException):
+        e = e.cause                     # the coordinator's own exception, not Ray's wrapper
+    if isinstance(e, RequestError):
+        return oa.bad_request(_message(e))
+    if isinstance(e, (Overloaded, StockPoolError)):
+        return oa.unavailable(_message(e), RETRY_AFTER_S)
+    if isinstance(e, (ClientDisconnect, ray.exceptions.TaskCancelledError,
+                      asyncio.CancelledError)):
+        # the client went away (Serve cancels the handler): nobody reads this answer, it is
+        # counted as such, not as a server error
+        return oa.APIError(CLIENT_CLOSED, "client closed the request", "invalid_request_error",
+                           None, "client_closed_request")
     if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-        return oa.unavailable(f"replica unavailable ({type(e).__name__}); retry", RETRY_AFTER_S)
+        return oa.unavailable("replica unavailable; retry", RETRY_AFTER_S)
     return oa.APIError(500, f"internal error: {type(e).__name__}: {str(e)[:200]}",
                        "server_error", None, "internal_error")
 
@@ -211,7 +246,9 @@ def max_body_bytes(max_model_len: int) -> int:
 
 async def _read_body(request: Request, max_model_len: int) -> bytes:
     """The body, or a 413 as soon as it is known to exceed max_body_bytes: from Content-Length
-    before reading anything, else while a chunked body arrives."""
+    before reading anything, else while a chunked body arrives; or a 408 (connection closed)
+    when no byte came for BODY_IDLE_TIMEOUT_S or the whole body took longer than
+    BODY_TIMEOUT_S (actors/http_timeouts.py)."""
     limit = max_body_bytes(max_model_len)
     err = oa.APIError(413, f"The request body exceeds {limit} bytes, the most this server "
                            f"reads for a context of {max_model_len} tokens; send a shorter "
@@ -219,12 +256,25 @@ async def _read_body(request: Request, max_model_len: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise err
+    idle_s, total_s = http_timeouts.BODY_IDLE_TIMEOUT_S, http_timeouts.BODY_TIMEOUT_S
     buf = bytearray()
-    async for chunk in request.stream():
+    chunks = request.stream().__aiter__()
+    deadline = time.monotonic() + total_s
+    while True:
+        wait = min(idle_s, deadline - time.monotonic())
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), max(wait, 0.0))
+        except StopAsyncIteration:
+            return bytes(buf)
+        except asyncio.TimeoutError:
+            slow = "took longer than" if time.monotonic() >= deadline else "sent nothing for"
+            limit_s = total_s if slow == "took longer than" else idle_s
+            raise oa.APIError(408, f"The request body {slow} {limit_s:g} s; send the whole "
+                                   "body at once.", "invalid_request_error", None,
+                              "request_timeout", {"Connection": "close"}) from None
         buf += chunk
         if len(buf) > limit:
             raise err
-    return bytes(buf)
 
 
 def _error_response(e: oa.APIError) -> JSONResponse:
@@ -265,11 +315,14 @@ def _add_ops_routes(app: FastAPI, backend: Backend, ctx: ServingContext,
             s = await backend.stats()
         except Exception as e:  # noqa: BLE001 — the coordinator is gone: not healthy
             return _error_response(_map_error(e))
-        body = {"status": "ok" if s["healthy"] else "degraded", "profile": s["profile"],
-                "note": s["profile_note"], "last_failure": s["last_failure"]}
+        loop_ok = s.get("step_loop", "ok") == "ok"
+        body = {"status": "ok" if s["healthy"] else "degraded" if loop_ok else "failed",
+                "profile": s["profile"], "note": s["profile_note"],
+                "last_failure": s["last_failure"]}
         if ctx.warning:
             body["warning"] = ctx.warning
-        if not s["healthy"] and s.get("stock_pool") is False:
+        # a dead or stalled step loop never recovers by itself (the watchdog says so): fail
+        if not loop_ok or not s["healthy"] and s.get("stock_pool") is False:
             return JSONResponse(body, 503, {"Retry-After": str(RETRY_AFTER_S)})
         return body
 
@@ -325,6 +378,29 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
     async def _api_error(_: Request, e: oa.APIError):
         return _error_response(e)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        """Unknown routes (/v1/embeddings, …) and methods, in the OpenAI error shape."""
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:
+            err = oa.APIError(404, f"Invalid URL ({where}): this server serves "
+                                   f"{', '.join(ROUTES)}", "invalid_request_error", None,
+                              "unknown_url")
+        elif e.status_code == 405:
+            err = oa.APIError(405, f"Method not allowed ({where})", "invalid_request_error",
+                              None, "method_not_allowed", dict(e.headers or {}))
+        else:
+            err = oa.APIError(e.status_code, str(e.detail), "invalid_request_error")
+        metrics.requests.labels("other", str(err.status)).inc()
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _query_error(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        param = str(first.get("loc", ("", "?"))[-1])
+        return _error_response(oa.bad_request(f"Invalid value for '{param}': "
+                                              f"{first.get('msg', 'invalid')}", param))
+
     authorized = [Depends(_authorizer(ctx.api_keys, metrics))]
 
     @app.get("/v1/models", dependencies=authorized)
@@ -363,6 +439,9 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
             rid = oa.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
             gen = backend.generate(rid, ids, params, req.n)
             await gen.__anext__()                 # admission: errors here are HTTP errors
+        except asyncio.CancelledError:    # the client went away (Serve cancels the handler)
+            metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
+            raise
         except Exception as e:  # noqa: BLE001 — every failure becomes an OpenAI error body
             err = _map_error(e)
             metrics.requests.labels(endpoint, str(err.status)).inc()
@@ -371,14 +450,17 @@ def make_app(backend: Backend, ctx: ServingContext, lifespan=None) -> FastAPI:
             from .choices import Choices
             run = Choices(_Run, endpoint, rid, req, ids, gen, backend, metrics, t0,
                           ctx.model_name, [output] + [new_output() for _ in range(req.n - 1)],
-                          ctx.warning)
+                          ctx.warning, ctx.request_timeout_s)
         else:
             run = _Run(endpoint, rid, req, ids, gen, backend, metrics, t0, ctx.model_name,
-                       output, ctx.warning)
+                       output, ctx.warning, ctx.request_timeout_s)
         headers = {WARNING_HEADER: ctx.warning} if ctx.warning else None
         if req.stream:
             try:
                 await run.first()
+            except asyncio.CancelledError:
+                run.abandon(CLIENT_CLOSED)
+                raise
             except Exception as e:  # noqa: BLE001 — failed before any output: an HTTP error
                 err = _map_error(e)
                 run.abandon(err.status)
@@ -394,10 +476,10 @@ class _Run:
     """One admitted request: its stream of deltas → SSE chunks or one response body."""
 
     def __init__(self, endpoint, rid, req, ids, gen, backend, metrics, t0, model,
-                 output: ChoiceOutput, warning=None):
+                 output: ChoiceOutput, warning=None, timeout_s: float = 600.0):
         self.endpoint, self.rid, self.req, self.n_prompt = endpoint, rid, req, len(ids)
         self.gen, self.backend, self.metrics, self.t0, self.model = gen, backend, metrics, t0, model
-        self.warning = warning
+        self.warning, self.timeout_s = warning, timeout_s
         self.output = output
         self.created = int(time.time())
         self.t_first = self.t_last = None
@@ -447,9 +529,24 @@ class _Run:
                                      len(self.ids), self.n_prompt)
 
     async def collect(self):
-        try:
+        """The whole answer, within the request deadline (timeout_s from arrival): a request
+        still unfinished then is aborted and answered 503 + Retry-After, so a stuck replica
+        never holds a non-streaming client forever."""
+        async def gather():
             async for out in self._deltas():
                 self.output.step(out)
+
+        left = self.timeout_s - (time.perf_counter() - self.t0)
+        try:
+            await asyncio.wait_for(gather(), max(left, 0.0))
+        except asyncio.TimeoutError:
+            err = oa.unavailable(f"the request did not finish within {self.timeout_s:g} s "
+                                 "(serve.request_timeout_s); retry", RETRY_AFTER_S)
+            self._done(err.status)
+            return _error_response(err)
+        except asyncio.CancelledError:
+            self._done(CLIENT_CLOSED)
+            raise
         except Exception as e:  # noqa: BLE001
             err = _map_error(e)
             self._done(err.status)
@@ -539,7 +636,9 @@ def _ingress_class():
             return self._http
 
         async def check_health(self) -> None:
-            await asyncio.wait_for(self.actor.stats.remote(), 30)   # raises if the actor died
+            s = await asyncio.wait_for(self.actor.stats.remote(), 30)   # raises if it died
+            if s.get("step_loop", "ok") != "ok":    # dead / stalled: Serve replaces the replica
+                raise RuntimeError(f"coordinator step loop {s['step_loop']}")
 
     return OpenAIServer
 
@@ -600,7 +699,8 @@ class LocalServer:
         app = make_app(LocalBackend(self.core), ServingContext.from_config(cfg), lifespan)
         self.ops = None if app.state.ops_app is None else OpsServer(
             app.state.ops_app, cfg.serve.metrics_host, cfg.serve.metrics_port)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    http=http_timeouts.default_protocol()))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True, name="raydecode-local-server")
 

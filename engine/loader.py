@@ -44,7 +44,9 @@ def resolve_checkpoint(spec: str | Path) -> Path:
     if s == "tiny":
         from raydecode.models.bpe import TINY_TOKENIZER_LAYOUT
 
-        out = cache_root() / f"tiny-seed{TINY_SEED}-{TINY_TOKENIZER_LAYOUT}"
+        # q2: the tiny config names its MXFP4 modules by regex (models/config.py); a folder
+        # written before holds the old config.json, read under the new quantization rules
+        out = cache_root() / f"tiny-seed{TINY_SEED}-{TINY_TOKENIZER_LAYOUT}-q2"
         if not (out / "model.safetensors.index.json").is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             # write into a temp folder and rename, so concurrent first uses never see half a

@@ -5,8 +5,11 @@ Before every sublayer K3 mixes its residual bank over depth and normalises the r
 
     V   = [b_0, …, b_{n-1}, p]                       (T, n+1, H)   blocks + running prefix
     s_j = RMSNorm(V_j; w_res) · w_proj                (T, n+1)      fp32
-    mix = Σ_j softmax(s)_j · V_j                      (T, H)        rounded to V's dtype
-    h   = RMSNorm(mix; w_out)                         (T, H)        the sublayer's input
+    mix = Σ_j softmax(s)_j · V_j                      (T, H)        fp32 (the reference and
+                                                                    Triton; the CuTe kernel
+                                                                    still rounds it to V's dtype)
+    h   = RMSNorm(mix; w_out)                         (T, H)        the sublayer's input, in fp32,
+                                                                    rounded once (vLLM's K3)
 
 Residual-add form: the previous sublayer's output o joins the prefix first,
 p ← (p + o) rounded to p's dtype, and the op returns (p, h). One kernel reads the bank once per
@@ -49,7 +52,7 @@ def attnres_mix_norm_reference(blocks: Sequence[torch.Tensor], prefix: torch.Ten
     -> h (T, H) in prefix's dtype."""
     values = torch.stack(list(blocks) + [prefix], dim=1)                  # (T, n+1, H)
     probs = (_rms(values, res_norm_w, res_eps) @ res_proj_w[0].float()).softmax(-1)
-    mix = (probs.unsqueeze(1) @ values.float()).squeeze(1).to(prefix.dtype)
+    mix = (probs.unsqueeze(1) @ values.float()).squeeze(1)                 # fp32, kept
     return _rms(mix, out_norm_w, out_eps).to(prefix.dtype)
 
 

@@ -6,8 +6,8 @@ One program per token t, the whole hidden row in registers (BLOCK_H = next pow2 
             s_j = d_j · rsqrt(ss_j / H + eps_res)            (= RMSNorm(v_j; w_res) · w_proj)
             residual form: p ← bf16(p + o), written to `new_prefix`, used as the last value
     softmax over the n+1 scores (a (NP,) vector, NP = next pow2 ≥ n+1, padding at −inf)
-    pass 2  mix = Σ_j prob_j · v_j in fp32 (block rows re-read: L1/L2 hits), rounded to the
-            output dtype; h = RMSNorm(mix; w_out), rounded
+    pass 2  mix = Σ_j prob_j · v_j in fp32 (block rows re-read: L1/L2 hits); h =
+            RMSNorm(mix; w_out) from the fp32 mix, rounded once (the optional mix output rounded)
 Reads the bank once from HBM (n+1 rows of H per token), writes mix (optional), h and p.
 
 The Triton form; `attnres_norm.attnres_*_mix_norm` dispatch here on CUDA when the CuTe DSL
@@ -59,7 +59,7 @@ if triton is not None:
         mixr = mix.to(h_ptr.dtype.element_ty)
         if WRITE_MIX:
             tl.store(mix_ptr + t * mix_st + offs, mixr.to(mix_ptr.dtype.element_ty), mask=m)
-        x = mixr.to(tl.float32)
+        x = mix                          # the fp32 mix into the norm (kernels/attnres_norm.py)
         r = tl.rsqrt(tl.sum(x * x, 0) / H + out_eps)
         wo = tl.load(wout_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(h_ptr + t * h_st + offs, (x * r * wo).to(h_ptr.dtype.element_ty), mask=m)

@@ -20,15 +20,19 @@ import torch
 
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 
-from .layers import RMSNorm, rms_norm
+from .layers import RMSNorm, rms_norm_fp32
 
 
 def attn_res_mix(values: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """values (T, n, H), norm_weight (H,), proj_weight (1, H) -> (T, H) in values' dtype."""
-    keys = rms_norm(values.float(), norm_weight, eps)          # (T, n, H) fp32
-    probs = (keys @ proj_weight[0].float()).softmax(-1)         # (T, n)
-    return (probs.unsqueeze(1) @ values.float()).squeeze(1).to(values.dtype)
+                 eps: float, keep_fp32: bool = False) -> torch.Tensor:
+    """values (T, n, H), norm_weight (H,), proj_weight (1, H) -> (T, H) in values' dtype, or
+    fp32 with keep_fp32. In fp32 throughout, as vLLM's attn_res kernel:
+        s_j = rsqrt(mean(v_j²) + eps) · Σ_h v_jh · (w_norm ⊙ w_proj)_h      (keys never rounded)"""
+    v = values.float()                                                  # (T, n, H)
+    rstd = torch.rsqrt(v.square().mean(-1) + eps)                       # (T, n)
+    probs = ((v @ (norm_weight.float() * proj_weight[0].float())) * rstd).softmax(-1)
+    mix = (probs.unsqueeze(1) @ v).squeeze(1)                           # (T, H) fp32
+    return mix if keep_fp32 else mix.to(values.dtype)
 
 
 class AttnResStream:
@@ -73,8 +77,17 @@ class AttnResStream:
         return self.bank[:, n]
 
     def mix(self, norm: RMSNorm, proj_weight: torch.Tensor) -> torch.Tensor:
+        """The mix rounded to the stream's dtype (before the final norm: vLLM's as well)."""
         values = torch.stack(self.blocks + [self.prefix], dim=1)  # (T, n+1, H)
         return attn_res_mix(values, norm.weight, proj_weight, norm.eps)
+
+    def mix_then_norm(self, res_norm: RMSNorm, proj_weight: torch.Tensor,
+                      out_norm: RMSNorm) -> torch.Tensor:
+        """out_norm(mix) for a sublayer's input, rounded as vLLM's attn_res kernel: the fp32
+        mix enters the norm unrounded and h is rounded once, to the stream's dtype."""
+        values = torch.stack(self.blocks + [self.prefix], dim=1)  # (T, n+1, H)
+        mix = attn_res_mix(values, res_norm.weight, proj_weight, res_norm.eps, keep_fp32=True)
+        return rms_norm_fp32(mix, out_norm.weight, out_norm.eps).to(self.prefix.dtype)
 
     def add(self, out: torch.Tensor, new_block: bool) -> None:
         """Account a sublayer output; `new_block` snapshots the prefix first and restarts it."""
@@ -86,6 +99,12 @@ class AttnResStream:
             self.prefix = out
         else:   # rounded once to the model dtype, like the reference's bf16 prefix
             self.prefix = (self.prefix.float() + out.float()).to(self.prefix.dtype)
+
+    def flush(self) -> None:
+        """Add a deferred sublayer output to the prefix (rounded once, as `add`)."""
+        if self.pending is not None:
+            self.prefix = (self.prefix.float() + self.pending.float()).to(self.prefix.dtype)
+            self.pending = None
 
     def defer(self, out: torch.Tensor, new_block: bool) -> None:
         """`add` for the specialized step: a new block snapshots at once, anything else waits

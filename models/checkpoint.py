@@ -6,11 +6,17 @@ Layout (as the published K3 `kimi_k3` checkpoint, prefix `language_model.`):
   tokenizer (`tiktoken.model`, `tokenizer_config.json`).
 Every tensor is bf16 (the config dtype) except, as in the real checkpoint: KDA `A_log`
 (max(head_dim, num_heads),) fp32 with entries past num_heads zero (K3: (128,) for 96 heads), `dt_bias`, `q/k/v_conv1d.weight`
-(inner, 1, conv) and `o_norm.weight` fp32; the router's `e_score_correction_bias` fp32; and routed
-experts, MXFP4 under a `mxfp4-pack-quantized` quantization_config:
-  experts.{e}.w1/w3.weight_packed uint8 (I, L/2), .weight_scale uint8 (I, L/32)   gate / up
-  experts.{e}.w2.weight_packed    uint8 (L, I/2), .weight_scale uint8 (L, I/32)   down
-(I = moe_intermediate_size, L = routed_expert_hidden_size), or `.weight` bf16 without one.
+(inner, 1, conv) and `o_norm.weight` fp32; the router's `e_score_correction_bias` fp32; and every
+linear the quantization_config names (compressed-tensors matching, `QuantConfig.quantizes`:
+K3's names every Linear but the shared experts; the tiny preset's only the routed experts),
+MXFP4 under `mxfp4-pack-quantized`: a linear (N, K) is stored as
+  {module}.weight_packed uint8 (N, K/2) (two e2m1 codes a byte), .weight_scale uint8 (N, K/32)
+e.g. experts.{e}.w1/w3 (I, L/2) / (I, L/32) and w2 (L, I/2) / (L, I/32) (I =
+moe_intermediate_size, L = routed_expert_hidden_size); a linear it does not name is `.weight`.
+
+The loader (models/weights.py) also reads the other published layouts: layers under
+`language_model.layers.*` (LAYER_PREFIXES) and KDA `A_log` as (num_heads,) or
+(1, 1, num_heads, 1).
 
 Random weights keep a forward pass O(1): norms ≈ 1, projections N(0, 1/fan_in), embedding
 N(0, 1); each tensor has its own generator seeded from (seed, name), so a tensor's values do not
@@ -34,6 +40,9 @@ from .mxfp4 import GROUP_SIZE, pack_mxfp4
 
 PREFIX = "language_model."
 INDEX_FILE = "model.safetensors.index.json"
+# the decoder layers' prefix in the published layouts: this writer's, and the one vLLM's K3
+# loader maps onto it (hf_to_vllm_mapper); the other tensors keep `language_model.model.` / `lm_head`
+LAYER_PREFIXES = (f"{PREFIX}model.layers.", f"{PREFIX}layers.")
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -54,17 +63,25 @@ def model_dtype(cfg: K3Config) -> torch.dtype:
     return dt
 
 
-def expert_is_mxfp4(cfg: K3Config, module: str) -> bool:
-    """Whether routed-expert linear `module` (checkpoint name without `.weight`) is MXFP4:
-    a mxfp4 quantization_config whose ignore list (exact names, or `re:` regexes matched at the
-    start, as compressed-tensors does) does not name it."""
+def layer_aliases(module: str) -> tuple[str, ...]:
+    """The other published names of a module: `language_model.model.layers.N.…` is also
+    `language_model.layers.N.…` (an ignore list or target may use either)."""
+    canon, alt = LAYER_PREFIXES
+    if module.startswith(canon):
+        return (alt + module[len(canon):],)
+    if module.startswith(alt):
+        return (canon + module[len(alt):],)
+    return ()
+
+
+def module_is_mxfp4(cfg: K3Config, module: str) -> bool:
+    """Whether linear `module` (checkpoint name without `.weight`) is stored MXFP4: the
+    quantization_config names it (QuantConfig.quantizes: ignore list first, then the targets)."""
     q = cfg.quant
-    if q is None or not q.is_mxfp4:
-        return False
-    for pat in q.ignore:
-        if pat.startswith("re:") and re.match(pat[3:], module) or pat == module:
-            return False
-    return True
+    return q is not None and q.is_mxfp4 and q.quantizes(module, layer_aliases(module))
+
+
+expert_is_mxfp4 = module_is_mxfp4        # routed experts: the same rule (models/moe.py)
 
 
 def checkpoint_tensor_specs(cfg: K3Config) -> dict[str, TensorSpec]:
@@ -77,7 +94,15 @@ def checkpoint_tensor_specs(cfg: K3Config) -> dict[str, TensorSpec]:
         specs[name] = TensorSpec(tuple(shape), dtype)
 
     def linear(name: str, out_f: int, in_f: int) -> None:
-        add(f"{name}.weight", (out_f, in_f))
+        if not module_is_mxfp4(cfg, name):
+            add(f"{name}.weight", (out_f, in_f))
+            return
+        if in_f % GROUP_SIZE:
+            raise CheckpointError(f"quantization_config makes {name} MXFP4, but its K = {in_f} "
+                                  f"is not a multiple of the group size {GROUP_SIZE}; add it to "
+                                  "the ignore list")
+        add(f"{name}.weight_packed", (out_f, in_f // 2), u8)
+        add(f"{name}.weight_scale", (out_f, in_f // GROUP_SIZE), u8)
 
     def mlp(p: str, inter: int) -> None:
         linear(f"{p}.gate_proj", inter, H)
@@ -137,12 +162,7 @@ def checkpoint_tensor_specs(cfg: K3Config) -> dict[str, TensorSpec]:
             mlp(f"{b}.shared_experts", e.shared_intermediate)
         for x in range(e.num_experts):
             for w, (n_out, n_in) in (("w1", (inter, L)), ("w2", (L, inter)), ("w3", (inter, L))):
-                mod = f"{b}.experts.{x}.{w}"
-                if expert_is_mxfp4(cfg, mod):
-                    add(f"{mod}.weight_packed", (n_out, n_in // 2), u8)
-                    add(f"{mod}.weight_scale", (n_out, n_in // GROUP_SIZE), u8)
-                else:
-                    add(f"{mod}.weight", (n_out, n_in))
+                linear(f"{b}.experts.{x}.{w}", n_out, n_in)
     add(f"{top}.norm.weight", (H,))
     add(f"{top}.output_attn_res_norm.weight", (H,))
     linear(f"{top}.output_attn_res_proj", 1, H)

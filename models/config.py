@@ -12,6 +12,7 @@ package is 0-indexed (`layer_kinds[i]` is checkpoint layer `i`).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -82,17 +83,56 @@ class MoEConfig:
         return self.num_shared_experts * self.expert_intermediate
 
 
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+# Checkpoint linears a class target "Linear" names: the modules vLLM's K3 builds as quantizable
+# linear layers (with the quant config). Not among them: the AttnRes `*_res_proj` (built
+# without it), the router `gate` (a GateLinear), `lm_head` (ParallelLMHead), the embedding and
+# the KDA short convs. Leaf names of the module path (…self_attn.q_b_proj → q_b_proj).
+LINEAR_LEAVES = frozenset({
+    "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "g_proj", "o_proj",  # MLA (+KDA)
+    "q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj",
+    "gate_proj", "up_proj", "down_proj",                                    # dense / shared MLP
+    "routed_expert_down_proj", "routed_expert_up_proj", "w1", "w2", "w3"})  # latent MoE
+
+
 @dataclass(frozen=True)
 class QuantConfig:
-    """Routed-expert weight quantization (compressed-tensors `mxfp4-pack-quantized`)."""
-    format: str = "mxfp4-pack-quantized"
+    """Weight quantization read as compressed-tensors defines `quantization_config`: a module
+    is quantized when no `ignore` entry names it and a config group's `targets` do (an exact
+    module name, a `re:` regex matched from the start of the name, or the class name
+    "Linear" for every linear layer of LINEAR_LEAVES). raydecode reads one scheme:
+    `mxfp4-pack-quantized` weights (4-bit e2m1, groups of 32 along K with ue8m0 scales)."""
+    format: str = MXFP4_FORMAT
     num_bits: int = 4
     group_size: int = 32
     ignore: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ("Linear",)
 
     @property
     def is_mxfp4(self) -> bool:
-        return self.format == "mxfp4-pack-quantized"
+        return self.format == MXFP4_FORMAT
+
+    def quantizes(self, module: str, aliases: tuple[str, ...] = ()) -> bool:
+        """Whether checkpoint module `module` (full name, no `.weight`) is stored quantized.
+        `aliases`: other names of the same module (another published layout's prefix); an
+        ignore or target entry matching any of them counts."""
+        names = (module, *aliases)
+        if any(_matches(n, pat) for n in names for pat in self.ignore):
+            return False
+        for target in self.targets:
+            if target == "Linear":
+                if module.rsplit(".", 1)[-1] in LINEAR_LEAVES:
+                    return True
+            elif any(_matches(n, target) for n in names):
+                return True
+        return False
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """compressed-tensors name matching: `re:` + a regex matched at the start, else equality."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
 
 
 @dataclass(frozen=True)
@@ -133,8 +173,9 @@ class K3Config:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == "kda")
 
     def is_moe_layer(self, layer: int) -> bool:
+        """vLLM's rule: MoE from first_k_dense_replace on, at layers divisible by the freq."""
         m = self.moe
-        return layer >= m.first_k_dense_replace and (layer - m.first_k_dense_replace) % m.layer_freq == 0
+        return layer >= m.first_k_dense_replace and layer % m.layer_freq == 0
 
     @property
     def num_attn_res_blocks(self) -> int:
@@ -214,7 +255,7 @@ class K3Config:
                 "format": q.format,
                 "ignore": list(q.ignore),
                 "config_groups": {"group_0": {
-                    "format": q.format, "targets": ["Linear"], "input_activations": None,
+                    "format": q.format, "targets": list(q.targets), "input_activations": None,
                     "weights": {"num_bits": q.num_bits, "group_size": q.group_size}}},
             }
         return {
@@ -242,8 +283,9 @@ _TEXT_REQUIRED = (
 )
 _TEXT_OPTIONAL = {
     "model_type": "kimi_linear", "dtype": "bfloat16", "torch_dtype": "bfloat16",
-    "hidden_act": "situ", "num_key_value_heads": None, "mla_use_nope": True,
-    "mla_use_output_gate": True, "latent_moe_use_norm": True, "moe_renormalize": True,
+    # defaults as vLLM's KimiLinearConfig reads a config without the key
+    "hidden_act": "silu", "num_key_value_heads": None, "mla_use_nope": False,
+    "mla_use_output_gate": False, "latent_moe_use_norm": False, "moe_renormalize": True,
     "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 1.0,
     "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "use_grouped_topk": True,
     "moe_layer_freq": 1, "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
@@ -252,7 +294,7 @@ _TEXT_OPTIONAL = {
 }
 _LINEAR_REQUIRED = ("num_heads", "head_dim", "short_conv_kernel_size", "kda_layers",
                     "full_attn_layers")
-_LINEAR_OPTIONAL = {"gate_lower_bound": -5.0, "use_full_rank_gate": True}
+_LINEAR_OPTIONAL = {"gate_lower_bound": -5.0, "use_full_rank_gate": False}
 _WRAPPER_KEYS = {"architectures", "bos_token_id", "eos_token_id", "media_placeholder_token_id",
                  "model_type", "pad_token_id", "tie_word_embeddings", "text_config",
                  "vision_config", "dtype", "torch_dtype", "quantization_config"}
@@ -284,25 +326,96 @@ def _num(d: dict, key: str, where: str) -> float:
     return float(v)
 
 
+_QUANT_KEYS = {"quant_method", "format", "ignore", "config_groups", "kv_cache_scheme",
+               "quantization_status", "global_compression_ratio", "sparsity_config",
+               "transform_config", "version"}
+_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
+_WEIGHT_KEYS = {"num_bits", "type", "strategy", "group_size", "symmetric", "dynamic",
+                "actorder", "observer", "observer_kwargs", "block_structure", "scale_dtype",
+                "zp_dtype"}
+
+
 def _parse_quant(q: dict | None) -> QuantConfig | None:
+    """`quantization_config` as compressed-tensors defines it; anything raydecode cannot load
+    exactly (another method or format, activation quantization, another group strategy, two
+    groups with different schemes) is refused, naming it."""
     if q is None:
         return None
     where = "quantization_config"
-    fmt = q.get("format")
-    if fmt != "mxfp4-pack-quantized":
-        raise ConfigError(f"{where}.format = {fmt!r}; raydecode reads routed experts only as "
-                          "'mxfp4-pack-quantized' (or no quantization_config for bf16)")
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where} must be an object, got {type(q).__name__}")
+    method = q.get("quant_method", "compressed-tensors")
+    if method != "compressed-tensors":
+        raise ConfigError(f"{where}.quant_method = {method!r}; raydecode reads "
+                          "'compressed-tensors' checkpoints (format 'mxfp4-pack-quantized') or "
+                          "unquantized ones (no quantization_config)")
+    unknown = sorted(set(q) - _QUANT_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; accepted: {sorted(_QUANT_KEYS)}")
+    if q.get("kv_cache_scheme") is not None:
+        raise ConfigError(f"{where}.kv_cache_scheme = {q['kv_cache_scheme']!r}: a quantized KV "
+                          "cache is not supported (null: the model dtype)")
+    top_fmt = q.get("format")
     groups = q.get("config_groups") or {}
-    if not groups:
+    if not isinstance(groups, dict) or not groups:
         raise ConfigError(f"{where}.config_groups is empty; expected one group with weights")
-    w = next(iter(groups.values())).get("weights") or {}
-    bits, gs = w.get("num_bits"), w.get("group_size")
-    if bits != 4:
-        raise ConfigError(f"{where} weights.num_bits = {bits!r}; MXFP4 needs 4")
-    if gs != 32:
-        raise ConfigError(f"{where} weights.group_size = {gs!r}; MXFP4 (e2m1 + ue8m0) needs 32")
-    return QuantConfig(format=fmt, num_bits=bits, group_size=gs,
-                       ignore=tuple(q.get("ignore") or ()))
+    targets: list[str] = []
+    scheme = None
+    for gname, g in groups.items():
+        gw = f"{where}.config_groups.{gname}"
+        if not isinstance(g, dict):
+            raise ConfigError(f"{gw} must be an object")
+        bad = sorted(set(g) - _GROUP_KEYS)
+        if bad:
+            raise ConfigError(f"{gw}: unknown field(s) {bad}; accepted: {sorted(_GROUP_KEYS)}")
+        fmt = g.get("format") or top_fmt
+        if fmt != MXFP4_FORMAT:
+            raise ConfigError(f"{gw}.format = {fmt!r}; raydecode reads {MXFP4_FORMAT!r} only "
+                              "(or no quantization_config for bf16)")
+        for act in ("input_activations", "output_activations"):
+            if g.get(act) is not None:
+                raise ConfigError(f"{gw}.{act} = {g[act]!r}: activation quantization is not "
+                                  "supported (weight-only MXFP4: null)")
+        w = g.get("weights") or {}
+        if not isinstance(w, dict) or set(w) - _WEIGHT_KEYS:
+            raise ConfigError(f"{gw}.weights = {w!r}; expected an object with keys among "
+                              f"{sorted(_WEIGHT_KEYS)}")
+        bits, gs = w.get("num_bits"), w.get("group_size")
+        strategy, kind = w.get("strategy", "group"), w.get("type", "float")
+        if bits != 4:
+            raise ConfigError(f"{gw}.weights.num_bits = {bits!r}; MXFP4 needs 4")
+        if strategy != "group":
+            raise ConfigError(f"{gw}.weights.strategy = {strategy!r}; MXFP4 scales groups of 32 "
+                              "along K: 'group'")
+        if gs != 32:
+            raise ConfigError(f"{gw}.weights.group_size = {gs!r}; MXFP4 (e2m1 + ue8m0) needs 32")
+        if kind != "float":
+            raise ConfigError(f"{gw}.weights.type = {kind!r}; MXFP4 values are 'float' (e2m1)")
+        if w.get("symmetric", True) is not True or w.get("dynamic", False) is not False:
+            raise ConfigError(f"{gw}.weights: MXFP4 is symmetric and static (symmetric: true, "
+                              "dynamic: false)")
+        tg = g.get("targets")
+        if not isinstance(tg, list) or not tg or not all(isinstance(x, str) for x in tg):
+            raise ConfigError(f"{gw}.targets = {tg!r}; expected a non-empty list of module "
+                              "names, 're:' regexes or 'Linear'")
+        for x in tg:
+            if not x.startswith("re:") and x != "Linear" and "." not in x:
+                raise ConfigError(f"{gw}.targets has {x!r}: a module class raydecode does not "
+                                  "know; accepted: 'Linear', module names, 're:' regexes")
+            if x.startswith("re:"):
+                try:
+                    re.compile(x[3:])
+                except re.error as e:
+                    raise ConfigError(f"{gw}.targets: {x!r} is not a valid regex ({e})") from None
+        targets += tg
+        scheme = (fmt, bits, gs)
+    ignore = q.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        raise ConfigError(f"{where}.ignore = {ignore!r}; expected a list of module names / "
+                          "'re:' regexes")
+    fmt, bits, gs = scheme
+    return QuantConfig(format=fmt, num_bits=bits, group_size=gs, ignore=tuple(ignore),
+                       targets=tuple(targets))
 
 
 def parse_hf_config(d: dict[str, Any], name: str = "custom") -> K3Config:
@@ -327,8 +440,13 @@ def parse_hf_config(d: dict[str, Any], name: str = "custom") -> K3Config:
     check_keys(text, _TEXT_REQUIRED, _TEXT_OPTIONAL, where)
     if text.get("model_type", "kimi_linear") != "kimi_linear":
         raise ConfigError(f"{where}.model_type = {text['model_type']!r}; expected 'kimi_linear'")
-    if text.get("hidden_act", "situ") != "situ":
-        raise ConfigError(f"{where}.hidden_act = {text['hidden_act']!r}; K3 uses 'situ'")
+    if text.get("hidden_act", _TEXT_OPTIONAL["hidden_act"]) != "situ":
+        raise ConfigError(f"{where}.hidden_act = {text.get('hidden_act', 'silu (the default)')!r}"
+                          "; K3's FFNs are 'situ'")
+    if not text.get("mla_use_nope", _TEXT_OPTIONAL["mla_use_nope"]):
+        raise ConfigError(f"{where}.mla_use_nope = {text.get('mla_use_nope', False)!r}"
+                          f"{'' if 'mla_use_nope' in text else ' (the default)'}; K3's MLA is "
+                          "NoPE-only (no rotary on any part of q/k), as vLLM's K3 requires")
     lin = text["linear_attn_config"]
     if not isinstance(lin, dict):
         raise ConfigError(f"{where}.linear_attn_config must be an object")
@@ -380,6 +498,10 @@ def parse_hf_config(d: dict[str, Any], name: str = "custom") -> K3Config:
         raise ConfigError(f"num_expert_group = {n_group}, topk_group = {topk_group}: groups must"
                           f" divide num_experts ({ints['num_experts']}) and 1 <= topk_group <= "
                           "num_expert_group")
+    freq = opt["moe_layer_freq"]
+    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ConfigError(f"moe_layer_freq = {freq!r}; expected a positive integer (layer i is "
+                          "MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0)")
     first_dense = int(text["first_k_dense_replace"])
     if not 0 <= first_dense <= n_layers:
         raise ConfigError(f"first_k_dense_replace = {first_dense}; expected 0..{n_layers}")
@@ -480,11 +602,14 @@ def _tiny() -> K3Config:
             "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 1.0,
             "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
             "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            # the routed experts only (named by regex): K3's config names every Linear but
+            # the shared experts, which at these widths would need K = 16 groups (f_b_proj)
             "quantization_config": {
                 "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-                "ignore": ["re:.*shared_experts.*"],
+                "ignore": [],
                 "config_groups": {"group_0": {
-                    "format": "mxfp4-pack-quantized", "targets": ["Linear"],
+                    "format": "mxfp4-pack-quantized",
+                    "targets": [r"re:.*block_sparse_moe\.experts\..*"],
                     "input_activations": None, "weights": {"num_bits": 4, "group_size": 32}}},
             },
         },
@@ -502,6 +627,8 @@ def load_from_spec(spec: str | Path, presets: dict, parse, what: str):
     if s in presets:
         return presets[s]()
     p = Path(s)
+    # a folder names the model (a checkpoint folder); a file is named by its path as given
+    name = p.resolve().name if p.is_dir() else s
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
@@ -511,7 +638,7 @@ def load_from_spec(spec: str | Path, presets: dict, parse, what: str):
         d = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: malformed JSON ({e})") from None
-    return parse(d, name=p.parent.name or "custom")
+    return parse(d, name=name or "custom")
 
 
 def load_config(spec: str | Path) -> K3Config:

@@ -67,7 +67,7 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 1.0
-    mscale_all_dim: float = 1.0
+    mscale_all_dim: float = 0.0         # absent: no softmax rescale (vLLM's default, False)
 
     @property
     def is_yarn(self) -> bool:
@@ -157,13 +157,15 @@ _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atten
 _OPTIONAL = {
     "architectures": None, "model_type": "k3_dspark", "num_key_value_heads": None,
     "mla_use_nope": False, "mla_use_output_gate": False, "draft_vocab_size": None,
-    "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576, "rope_theta": 10000.0,
+    # defaults as vLLM's K3DSparkConfig reads a config without the key
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576, "rope_theta": 50000.0,
     "rope_parameters": None, "rope_scaling": None, "num_target_layers": None,
     "target_hidden_size": None, "target_num_hidden_layers": None, "bos_token_id": None,
     "eos_token_id": None, "pad_token_id": None, "markov_head_type": "vanilla",
     "enable_confidence_head": False, "confidence_head_with_markov": False,
     "tie_word_embeddings": False, "_torchspec_version": None, "torch_dtype": None,
     "dtype": None, "block_size": 7, "hidden_act": "silu",
+    "mla_use_qk_norm": False, "dspark_bonus_anchor": False, "sample_from_anchor": True,
 }
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
               "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
@@ -190,7 +192,7 @@ def _parse_rope(d: dict, theta: float) -> RopeConfig:
                       beta_fast=float(rp.get("beta_fast", 32)),
                       beta_slow=float(rp.get("beta_slow", 1)),
                       mscale=float(rp.get("mscale", 1.0)),
-                      mscale_all_dim=float(rp.get("mscale_all_dim", 1.0)))
+                      mscale_all_dim=float(rp.get("mscale_all_dim", 0.0)))
 
 
 def parse_dspark_config(d: dict, name: str = "custom") -> DSparkConfig:
@@ -218,6 +220,18 @@ def parse_dspark_config(d: dict, name: str = "custom") -> DSparkConfig:
                           "is NoPE)")
     if o["mla_use_output_gate"]:
         raise ConfigError("mla_use_output_gate = true; the DSpark draft has no output gate")
+    # keys of the published draft configs, honoured at the values this drafter implements and
+    # refused otherwise (vLLM's MLA DSpark refuses the same two)
+    if o["mla_use_qk_norm"] is not False:
+        raise ConfigError(f"mla_use_qk_norm = {o['mla_use_qk_norm']!r}: a per-head q/k norm in "
+                          "the draft's MLA is not implemented (false: none)")
+    if o["dspark_bonus_anchor"] is not False:
+        raise ConfigError(f"dspark_bonus_anchor = {o['dspark_bonus_anchor']!r}: the bonus-token "
+                          "anchor layout is not implemented (false: the newest token anchors)")
+    if o["sample_from_anchor"] is not True:
+        raise ConfigError(f"sample_from_anchor = {o['sample_from_anchor']!r}: only the "
+                          "anchor-as-first block is implemented (true: k queries from the "
+                          "anchor, query j predicts position p+j+1), not the 1+k fill-in block")
     if o["num_key_value_heads"] not in (None, ints["num_attention_heads"]):
         raise ConfigError(f"num_key_value_heads = {o['num_key_value_heads']}; MLA needs it equal "
                           f"to num_attention_heads ({ints['num_attention_heads']})")
@@ -354,9 +368,11 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def rope_inv_freq(dim: int, r: RopeConfig) -> torch.Tensor:
-    """(dim/2,) fp64 inverse frequencies. YaRN blends interpolated (÷factor) and original
-    frequencies with a linear ramp between the correction dims of beta_fast and beta_slow."""
-    extra = 1.0 / r.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    """(dim/2,) fp32 inverse frequencies, computed in fp32 as vLLM's rotary tables are (so the
+    angles round as theirs). YaRN blends interpolated (÷factor) and original frequencies with a
+    linear ramp between the correction dims of beta_fast and beta_slow."""
+    pos = r.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)   # (dim/2,) fp32
+    extra = 1.0 / pos
     if not r.is_yarn:
         return extra
 
@@ -367,17 +383,20 @@ def rope_inv_freq(dim: int, r: RopeConfig) -> torch.Tensor:
     lo = max(math.floor(corr(r.beta_fast)), 0)
     hi = min(math.ceil(corr(r.beta_slow)), dim - 1)
     span = (hi - lo) or 0.001
-    keep = 1.0 - ((torch.arange(dim // 2, dtype=torch.float64) - lo) / span).clamp(0, 1)
-    return extra / r.factor * (1 - keep) + extra * keep
+    keep = 1.0 - ((torch.arange(dim // 2, dtype=torch.float32) - lo) / span).clamp(0, 1)
+    return (1.0 / (r.factor * pos)) * (1 - keep) + extra * keep
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, r: RopeConfig
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T,) positions -> cos, sin (T, dim/2) fp32, amplitude mscale/mscale_all_dim (YaRN)."""
+    """(T,) positions -> cos, sin (T, dim/2) fp32, amplitude mscale/mscale_all_dim (YaRN).
+    All in fp32 (angle = fp32(t) · fp32 inv_freq, one rounding; cos/sin of it; × amplitude),
+    the table vLLM's rotary embedding builds, so a position's rotation matches theirs."""
     amp = yarn_mscale(r.factor, r.mscale) / yarn_mscale(r.factor, r.mscale_all_dim) \
         if r.is_yarn else 1.0
-    ang = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
-    return (ang.cos() * amp).float(), (ang.sin() * amp).float()
+    ang = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device,
+                                                              torch.float32)[None, :]
+    return ang.cos() * amp, ang.sin() * amp
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

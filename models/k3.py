@@ -11,7 +11,10 @@ Every parameter is created at its local shape for the given `Parallel` and carri
 One layer (AttnRes, see models/attnres.py):
     h = input_layernorm(mix_attn(bank));          bank.add(self_attn(h), new_block=i % B == 0)
     h = post_attention_layernorm(mix_mlp(bank));  bank.add(ffn(h))
-and at the end: hidden = norm(mix_output(bank)).
+and at the end: hidden = norm(mix_output(bank)). Rounding as vLLM's K3 (docs/NUMERICS.md): a
+sublayer's mix stays fp32 into its norm and h is rounded once; the final mix is rounded to the
+model dtype before `norm`, an RMSNorm rounded as vLLM's op (models/layers.py
+`rms_norm`, op_rounding).
 """
 from __future__ import annotations
 
@@ -69,11 +72,12 @@ class K3DecoderLayer(nn.Module):
                               self.post_attention_layernorm)
             bank.defer(ffn(h, path), new_block=False)
             return
-        h = bank.mix(self.self_attention_res_norm, self.self_attention_res_proj.weight)
-        bank.add(self.self_attn(self.input_layernorm(h), batch, caches),
-                 new_block=self.starts_block)
-        h = bank.mix(self.mlp_res_norm, self.mlp_res_proj.weight)
-        bank.add(ffn(self.post_attention_layernorm(h)), new_block=False)
+        h = bank.mix_then_norm(self.self_attention_res_norm, self.self_attention_res_proj.weight,
+                               self.input_layernorm)
+        bank.add(self.self_attn(h, batch, caches), new_block=self.starts_block)
+        h = bank.mix_then_norm(self.mlp_res_norm, self.mlp_res_proj.weight,
+                               self.post_attention_layernorm)
+        bank.add(ffn(h), new_block=False)
 
 
 class K3Model(nn.Module):
@@ -86,7 +90,7 @@ class K3Model(nn.Module):
         self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, par, comm, dtype, options)
                                     for i in range(cfg.num_layers))
         self.num_blocks = cfg.num_attn_res_blocks
-        self.norm = RMSNorm(H, eps, dtype)
+        self.norm = RMSNorm(H, eps, dtype, op_rounding=True)   # vLLM's RMSNorm op (logits)
         self.output_attn_res_norm = RMSNorm(H, eps, dtype)
         self.output_attn_res_proj = replicated_linear(H, 1, dtype)
 
@@ -101,11 +105,10 @@ class K3Model(nn.Module):
             layer(bank, batch, caches, path)
             if i in taps:
                 tapped.append(_layer_output(bank))
-        if path == "specialized":
-            out = bank.mix_norm(self.output_attn_res_norm, self.output_attn_res_proj.weight,
-                                self.norm)
-        else:
-            out = self.norm(bank.mix(self.output_attn_res_norm, self.output_attn_res_proj.weight))
+        # the final mix is rounded to the model dtype before the RMSNorm (vLLM's order), on both
+        # paths: unlike a sublayer's, it is not the fused op's fp32-into-the-norm form
+        bank.flush()
+        out = self.norm(bank.mix(self.output_attn_res_norm, self.output_attn_res_proj.weight))
         return (out, torch.cat(tapped, -1)) if taps else out
 
 

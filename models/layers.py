@@ -83,13 +83,24 @@ def to_empty_(module: nn.Module, device) -> nn.Module:
 
 # ---- elementwise --------------------------------------------------------------------------
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x²) + eps) · weight over the last dim, in fp32, returned in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             op_rounding: bool = False) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) · weight over the last dim, in fp32, returned in x's dtype (one
+    rounding: vLLM's fused norm kernels, e.g. K3's q/kv-a norm). op_rounding: as vLLM's plain
+    RMSNorm op rounds instead (K3's final norm): the normalised x rounded to the weight's dtype,
+    times the weight in that dtype, then to x's (a bf16 weight: two roundings)."""
     xf = x.float()
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y.to(weight.dtype) * weight if op_rounding else y * weight.float()
     return y.to(x.dtype)
+
+
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm wholly in fp32 (x, weight and product), unrounded: the output norm of vLLM's
+    AttnRes kernel, which reads the fp32 mix. -> fp32; the caller rounds once."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None):
@@ -169,13 +180,14 @@ def pack_rows_(params: list[nn.Parameter], copies: list[torch.Tensor] = (),
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32,
+                 op_rounding: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.op_rounding = eps, op_rounding
         self.weight = new_param((dim,), Parallel(), None, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.op_rounding)
 
 
 class Linear(nn.Module):

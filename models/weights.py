@@ -12,6 +12,14 @@ A split of I slices the rows of w1/w3 and the K columns of w2; a split along K m
 groups of 32 (I/TP % 32 == 0). Scale bytes above kernels/moe_mxfp4.py `MAX_SCALE` (255 = NaN)
 are refused.
 
+Any other linear the quantization_config names MXFP4 (`.weight_packed` + `.weight_scale`) is
+read as stored and decoded into the model dtype (a slice along K must be whole groups of 32);
+those parameters then hold exactly the MXFP4 values.
+
+Published layouts, mapped onto the one above as they are read (`_canonical`): decoder layers
+under `language_model.layers.*` as well as `language_model.model.layers.*`, and KDA `A_log` of
+shape (num_heads,), (1, 1, num_heads, 1) or (max(head_dim, num_heads),) (tail zero padded).
+
 Strict: any mismatch between checkpoint, config and model is a `CheckpointError` naming the
 tensor or file, raised before any parameter is written where it can be seen from the headers.
 Only the multimodal checkpoint's `vision_tower.*` / `mm_projector.*` tensors are skipped.
@@ -28,7 +36,7 @@ from torch import nn
 
 from raydecode.kernels.moe_mxfp4 import MAX_SCALE
 
-from .checkpoint import (INDEX_FILE, PREFIX, CheckpointError, TensorSpec,
+from .checkpoint import (INDEX_FILE, LAYER_PREFIXES, PREFIX, CheckpointError, TensorSpec,
                          checkpoint_tensor_specs, make_tensor, with_test_tokenizer_ids)
 from .config import PRESETS, K3Config, load_config
 from .mxfp4 import GROUP_SIZE, SCALE_BIAS, unpack_mxfp4
@@ -115,6 +123,33 @@ def _file_source(ckpt_dir: Path) -> _Source:
     return _Source(headers, lambda n, idx: handles[weight_map[n]].get_slice(n)[idx])
 
 
+def _canonical(src: _Source, cfg: K3Config) -> _Source:
+    """`src` under the names and shapes `checkpoint_tensor_specs` uses: `language_model.layers.`
+    renamed `language_model.model.layers.`, KDA `A_log` (1, 1, H, 1) read as (H,)."""
+    canon, alt = LAYER_PREFIXES
+    H = cfg.kda.num_heads
+    names: dict[str, str] = {}                     # canonical name -> stored name
+    headers = {}
+    for n, (shape, dtype) in src.headers.items():
+        c = canon + n[len(alt):] if n.startswith(alt) else n
+        if c in names:
+            raise CheckpointError(f"the checkpoint holds {names[c]!r} and {n!r}: one tensor "
+                                  "under both layer prefixes")
+        if c.endswith(".A_log") and shape == (1, 1, H, 1):
+            shape = (H,)
+        names[c], headers[c] = n, (shape, dtype)
+    if all(c == n and headers[c] == src.headers[n] for c, n in names.items()):
+        return src
+
+    def reader(c: str, idx) -> torch.Tensor:
+        n = names[c]
+        if src.headers[n][0] != headers[c][0]:        # A_log (1, 1, H, 1) -> (H,)
+            return src.read(n).reshape(headers[c][0])[idx]
+        return src._reader(n, idx)
+
+    return _Source(headers, reader)
+
+
 def _random_source(cfg: K3Config, seed: int) -> _Source:
     """The tensors `write_checkpoint(cfg, seed=seed)` would write, made on demand."""
     specs = checkpoint_tensor_specs(cfg)
@@ -142,8 +177,11 @@ def _check_headers(src: _Source, specs: dict[str, TensorSpec], cfg: K3Config) ->
     if missing:
         raise CheckpointError(f"the checkpoint lacks tensor(s) {missing[:5]} ({len(missing)} "
                               f"in all) that its config.json implies")
+    H = cfg.kda.num_heads
     for n, spec in specs.items():
         shape, dtype = src.headers[n]
+        if n.endswith(".A_log") and shape == (H,) and dtype == spec.dtype:
+            continue            # one value per head; the padded (max(head_dim, H),) form too
         if n.endswith(".weight_scale") and len(shape) == 2 and shape[0] == spec.shape[0] \
                 and shape[1] != spec.shape[1]:
             k = spec.shape[1] * GROUP_SIZE
@@ -176,6 +214,9 @@ def _plan(model: nn.Module, specs: dict[str, TensorSpec], cfg: K3Config):
                 mod = f"{PREFIX}{m['mod']}.{e}.{m['w']}"
                 names += ([f"{mod}.weight_packed", f"{mod}.weight_scale"]
                           if f"{mod}.weight_packed" in specs else [f"{mod}.weight"])
+        elif pname.endswith(".weight") and f"{PREFIX}{pname[:-7]}.weight_packed" in specs:
+            mod = f"{PREFIX}{pname[:-7]}"              # an MXFP4 linear other than the experts
+            names = [f"{mod}.weight_packed", f"{mod}.weight_scale"]
         else:
             names = [PREFIX + pname]
         absent = [n for n in names if n not in specs]
@@ -190,6 +231,8 @@ def _plan(model: nn.Module, specs: dict[str, TensorSpec], cfg: K3Config):
             rows, cols = full
             packed = names[0].endswith(".weight_packed")
             full = (cfg.moe.num_experts, rows, 2 * cols if packed else cols)
+        elif names[0].endswith(".weight_packed"):     # (N, K/2) bytes -> the (N, K) weight
+            full = (full[0], 2 * full[1])
         want = getattr(p, "full_shape", None)
         if want is not None and tuple(want) != full:
             raise CheckpointError(f"{names[0]}: the checkpoint gives parameter {pname!r} the "
@@ -227,6 +270,37 @@ def _load_dense(pname: str, p: nn.Parameter, name: str, shape: tuple[int, ...], 
         raise CheckpointError(f"{name}: rank {par.tp_rank}/{par.tp_size} slice has shape "
                               f"{tuple(t.shape)}, parameter {pname!r} has {tuple(p.shape)}")
     p.data.copy_(t)
+
+
+def _load_dense_mxfp4(pname: str, p: nn.Parameter, names: list[str], full: tuple[int, int],
+                      src: _Source, par: Parallel) -> None:
+    """A linear stored MXFP4 (packed (N, K/2) + scales (N, K/32)): this rank's slice of rows
+    (column-parallel) or of K (row-parallel, whole groups of 32), decoded into p's dtype."""
+    pk, sc = names
+    rows, cols = full
+    dim = getattr(p, "shard_dim", None)
+    if getattr(p, "shard_fn", None) is not None:
+        raise CheckpointError(f"{pk}: parameter {pname!r} has a custom slice; it cannot be "
+                              "read from MXFP4")
+    if dim is None or par.tp_size == 1:
+        packed, scales = src.read(pk), src.read(sc)
+    elif dim == 0:
+        start, size = _chunk(rows, par, f"{pk} rows")
+        packed, scales = src.read(pk, 0, start, size), src.read(sc, 0, start, size)
+    else:
+        start, size = _chunk(cols, par, f"{pk} K")
+        if start % GROUP_SIZE or size % GROUP_SIZE:
+            raise CheckpointError(f"{pname}: tensor_parallel_size {par.tp_size} splits K = "
+                                  f"{cols} into {size}-wide slices; MXFP4 slices must be whole "
+                                  f"groups of {GROUP_SIZE} (K/TP a multiple of {GROUP_SIZE})")
+        packed = src.read(pk, 1, start // 2, size // 2)
+        scales = src.read(sc, 1, start // GROUP_SIZE, size // GROUP_SIZE)
+    _check_scales(sc, scales)
+    w = unpack_mxfp4(packed, scales, torch.float32)
+    if tuple(w.shape) != tuple(p.shape):
+        raise CheckpointError(f"{pk}: rank {par.tp_rank}/{par.tp_size} slice decodes to "
+                              f"{tuple(w.shape)}, parameter {pname!r} has {tuple(p.shape)}")
+    p.data.copy_(w)
 
 
 def _load_experts(pname: str, p: nn.Parameter, names: list[str], full: tuple[int, int, int],
@@ -319,6 +393,8 @@ def _load(model: nn.Module, cfg: K3Config, src: _Source, par: Parallel) -> None:
             _load_resident(pname, p, names, full, src, par)
         elif m:
             _load_experts(pname, p, names, full, src, par)
+        elif names[0].endswith(".weight_packed"):
+            _load_dense_mxfp4(pname, p, names, full, src, par)
         else:
             _load_dense(pname, p, names[0], full, src, par)
 
@@ -326,7 +402,8 @@ def _load(model: nn.Module, cfg: K3Config, src: _Source, par: Parallel) -> None:
 def load_weights(model: nn.Module, ckpt_dir: str | Path, par: Parallel) -> None:
     """Fill every parameter of `model` (built for `par`) from the checkpoint in `ckpt_dir`."""
     d = Path(ckpt_dir)
-    _load(model, load_config(d), _file_source(d), par)
+    cfg = load_config(d)
+    _load(model, cfg, _canonical(_file_source(d), cfg), par)
 
 
 def load_model(ckpt_dir_or_preset: str | Path, par: Parallel = Parallel(),
@@ -341,7 +418,7 @@ def load_model(ckpt_dir_or_preset: str | Path, par: Parallel = Parallel(),
     spec = str(ckpt_dir_or_preset)
     if Path(spec).is_dir():
         cfg = load_config(spec)
-        src = _file_source(Path(spec))
+        src = _canonical(_file_source(Path(spec)), cfg)
     elif spec in PRESETS:
         cfg = with_test_tokenizer_ids(load_config(spec))
         src = _random_source(cfg, seed)

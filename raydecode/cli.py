@@ -9,6 +9,10 @@ import sys
 
 from raydecode.kernels import settings
 
+DESCRIPTION = ("Serve Kimi K3 decode on Ray clusters of NVLink GPUs: the OpenAI endpoint, the "
+               "capacity planner, NVLink-domain checks and the node kernel cache. "
+               "`raydecode COMMAND --help` describes each command.")
+
 # name -> (module under raydecode.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "run the tiny K3 model end to end and print a few answers"),
@@ -33,7 +37,7 @@ def _available() -> dict[str, tuple[str, str]]:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raydecode", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="raydecode", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod, help_) in _available().items():
         p = sub.add_parser(name, help=help_, description=help_)

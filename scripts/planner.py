@@ -8,7 +8,7 @@ dataclasses checked by `validate`, which raises `PlanError` saying what to chang
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from raydecode.models import params as P
 from raydecode.models.config import K3Config
@@ -78,7 +78,10 @@ def validate(cfg: K3Config, gpu: GPU, dep: Deployment, wl: Workload | None = Non
         raise PlanError(f"--path {dep.path!r}; expected one of {P.PATHS}")
     if dep.batch < 1:
         raise PlanError(f"--batch {dep.batch}: expected >= 1")
-    if not 1 <= dep.context <= cfg.max_position_embeddings:
+    if dep.context < 1:
+        raise PlanError(f"--context {dep.context}: expected a positive number of tokens (1.."
+                        f"{cfg.max_position_embeddings:,})")
+    if dep.context > cfg.max_position_embeddings:
         raise PlanError(f"--context {dep.context}: the model supports 1.."
                         f"{cfg.max_position_embeddings:,} tokens (max_position_embeddings); use "
                         "a shorter context")
@@ -180,12 +183,36 @@ def larger_tps(cfg: K3Config, gpu: GPU, tp: int) -> list[int]:
     return [t for t in P.valid_tps(cfg, gpu.nvlink_domain) if t > tp]
 
 
+def _fits(cfg: K3Config, gpu: GPU, dep: Deployment) -> bool:
+    mem = memory(cfg, gpu, dep)
+    return mem["cache_budget"] > 0 and mem["cache_used"] <= mem["cache_budget"]
+
+
+def fitting_alternatives(cfg: K3Config, gpu: GPU, dep: Deployment) -> tuple[int | None,
+                                                                           int | None]:
+    """(smallest larger TP, smallest larger DCP at this TP) at which this batch and context fit,
+    None where none does: a suggestion the planner makes must itself fit. A larger TP keeps
+    the DCP when it divides it, else the DCP that does."""
+    tp = next((t for t in larger_tps(cfg, gpu, dep.tp)
+               if _fits(cfg, gpu, replace(dep, tp=t, dcp=dep.dcp if t % dep.dcp == 0 else 1))),
+              None)
+    dcp = next((d for d in range(dep.dcp + 1, dep.tp + 1)
+                if dep.tp % d == 0 and _fits(cfg, gpu, replace(dep, dcp=d))), None)
+    return tp, dcp
+
+
 def check_fits(cfg: K3Config, gpu: GPU, dep: Deployment, mem: dict) -> None:
     gb = 1e9
     bigger = larger_tps(cfg, gpu, dep.tp)
-    tp_hint = (f"--tp {bigger[0]}" if bigger else
-               f"a GPU with more HBM ({gpu.name} allows no larger TP inside its "
-               f"{gpu.nvlink_domain}-GPU NVLink domain)")
+    fit_tp, fit_dcp = fitting_alternatives(cfg, gpu, dep)
+    if fit_tp is not None:
+        tp_hint = f"--tp {fit_tp}"
+    elif bigger:
+        tp_hint = (f"a GPU with more HBM (no TP up to {bigger[-1]} fits at this batch and "
+                   "context)")
+    else:
+        tp_hint = (f"a GPU with more HBM ({gpu.name} allows no larger TP inside its "
+                   f"{gpu.nvlink_domain}-GPU NVLink domain)")
     if mem["cache_budget"] <= 0:
         over = -mem["cache_budget"]
         raise PlanError(
@@ -202,11 +229,22 @@ def check_fits(cfg: K3Config, gpu: GPU, dep: Deployment, mem: dict) -> None:
         raise PlanError(
             f"--batch {dep.batch} at --context {dep.context:,} needs {mem['cache_used'] / gb:.1f} "
             f"GB of KV/KDA cache per GPU but {mem['cache_budget'] / gb:.1f} GB is left "
-            f"(over by {over / gb:.1f} GB): use --batch <= {mem['max_concurrency']} at this "
-            f"context, or --context <= {mem['max_context_at_batch']:,} at this batch"
-            + (f", or --dcp {min(d for d in range(dep.dcp + 1, dep.tp + 1) if dep.tp % d == 0)}"
-               " (splits the MLA cache)" if dep.dcp < dep.tp else "")
-            + (f", or --tp {bigger[0]}" if bigger else ""))
+            f"(over by {over / gb:.1f} GB): "
+            + "; or ".join(_cache_hints(mem, fit_tp, fit_dcp, tp_hint)))
+
+
+def _cache_hints(mem: dict, fit_tp: int | None, fit_dcp: int | None, tp_hint: str) -> list[str]:
+    """What does fit, each option checked: a smaller batch or context, or a DCP / TP at which
+    this batch and context fit; a larger GPU when no TP does."""
+    hints = []
+    if mem["max_concurrency"] >= 1:
+        hints.append(f"use --batch <= {mem['max_concurrency']} at this context")
+    if mem["max_context_at_batch"] >= 1:
+        hints.append(f"--context <= {mem['max_context_at_batch']:,} at this batch")
+    if fit_dcp is not None:
+        hints.append(f"--dcp {fit_dcp} (splits the MLA cache)")
+    hints.append(tp_hint)
+    return hints
 
 
 # ---- speed ------------------------------------------------------------------------------------
@@ -389,7 +427,8 @@ def plan(cfg: K3Config, gpu: GPU, dep: Deployment, wl: Workload | None = None,
     check_fits(cfg, gpu, dep, mem)
     warnings: list[str] = []
     if dep.tp not in SPEC_TP:
-        warnings.append(f"TP {dep.tp} is outside the specialized envelope TP ∈ {SPEC_TP}; the "
+        warnings.append(f"TP {dep.tp} is outside the specialized envelope TP ∈ "
+                        f"{{{', '.join(map(str, SPEC_TP))}}}; the "
                         "specialized figures assume a development profile (DESIGN §3)")
     if price is None:
         price = gpu.price_usd_per_gpu_hour

@@ -151,7 +151,10 @@ def load_efficiency(bench_dir: str | Path | None, catalog: dict[str, GPU] | None
     pts: dict[str, list[tuple[float, float]]] = {"stock": [], "specialized": []}
     alphas: dict[str, list[float]] = {"stock": [], "specialized": []}
     sources = dict(eff.sources)
-    for f in sorted(d.glob("gemv-*.json")) + sorted(d.glob("comm-*.json")):
+    # gemv-tune-*.json are the mapping sweeps of scripts/bench/gemv_tune.py (kernels/gemv.py
+    # TUNED), not efficiency curves: not planner input
+    gemv = [f for f in sorted(d.glob("gemv-*.json")) if not f.name.startswith("gemv-tune-")]
+    for f in gemv + sorted(d.glob("comm-*.json")):
         try:
             doc = json.loads(f.read_text())
             rows = doc["results"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import sys
 import time
@@ -16,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dcp", type=int, default=2, help="decode_context_parallel_size (default 2)")
 
 
+APP_NAME = "raydecode"
 PROMPTS = [("chat", "What is the capital of France?"),
            ("completion", "Once upon a time"),
            ("chat", "Write a haiku about GPUs."),
@@ -59,18 +61,32 @@ async def _requests(url: str, model: str, max_tokens: int):
     return answers, time.perf_counter() - t0
 
 
-def _path_table(metrics_text: str) -> list[tuple[str, float, float, float]]:
+# the envelope's fall-back reasons (actors/envelope.py) as the table names them
+REASON_WORDS = {"prefill_in_batch": "prefill", "batch_too_large": "batch > envelope",
+                "kernels_not_ready": "kernels not ready", "tp_size_not_supported": "TP size",
+                "domain_not_verified": "no verified domain", "envelope_disabled": "disabled",
+                "spec_k_out_of_range": "spec k", "spec_tokens_too_many": "spec tokens"}
+TP_DCP = ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4))      # what shards the tiny model
+
+
+def _path_table(metrics_text: str) -> list[tuple[str, float, float, float, str]]:
+    """(path, steps, tokens, tokens/s of model time, why stock) per path."""
     from prometheus_client.parser import text_string_to_metric_families
 
     rows: dict[str, dict[str, float]] = {}
+    reasons: dict[str, float] = {}
     for fam in text_string_to_metric_families(metrics_text):
         for s in fam.samples:
             if "path" in s.labels and s.name in ("raydecode_steps_total",
                                                  "raydecode_step_tokens_total",
                                                  "raydecode_step_tokens_per_second"):
                 rows.setdefault(s.labels["path"], {})[s.name] = s.value
+            elif s.name == "raydecode_stock_fallback_steps_total" and s.value:
+                reasons[s.labels["reason"]] = s.value
+    why = ", ".join(f"{REASON_WORDS.get(r, r)} {n:.0f}" for r, n in sorted(reasons.items()))
     return [(p, v.get("raydecode_steps_total", 0), v.get("raydecode_step_tokens_total", 0),
-             v.get("raydecode_step_tokens_per_second", 0)) for p, v in sorted(rows.items())]
+             v.get("raydecode_step_tokens_per_second", 0), why if p == "stock" else "decode")
+            for p, v in sorted(rows.items())]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,11 +109,17 @@ def run(args: argparse.Namespace) -> int:
             "default_chat_template_kwargs": {"thinking": False},
             "serve": {"host": "127.0.0.1", "port": _free_port(), "num_cpus": 0}})
 
-    cfg = config(args.tp, args.dcp)
-    if not executor_supports(cfg):
-        print(f"error: TP={args.tp}/DCP={args.dcp} cannot shard the tiny model; accepted: TP in "
-              "{1, 2, 4} with DCP dividing TP", file=sys.stderr)
+    if (args.tp, args.dcp) not in TP_DCP:
+        ok = ", ".join(f"{tp}/{dcp}" for tp, dcp in TP_DCP)
+        print(f"error: --tp {args.tp} --dcp {args.dcp} cannot shard the tiny model (4 heads, "
+              f"hidden 64); accepted TP/DCP: {ok}", file=sys.stderr)
         return 2
+    cfg = config(args.tp, args.dcp)
+    if not executor_supports(cfg):      # TP_DCP above is meant to be exactly what shards it
+        print(f"error: TP={args.tp}/DCP={args.dcp} cannot shard the tiny model",
+              file=sys.stderr)
+        return 2
+    local = not os.environ.get("RAY_ADDRESS")
     t0 = time.perf_counter()
     try:
         url = start_serving(cfg, num_cpus=2, include_dashboard=False,
@@ -110,15 +132,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n[{kind}] {text}\n  -> {ans!r}")
         metrics = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics",
                                          timeout=60).read().decode()
+        print(f"\n{'path':<12}{'steps':>8}{'tokens':>9}{'tokens/s (model time)':>24}  steps of")
+        for path, steps, tokens, rate, why in _path_table(metrics):
+            print(f"{path:<12}{steps:>8.0f}{tokens:>9.0f}{rate:>24.1f}  {why}")
+        print("(a prefill step runs a whole prompt, many tokens at once; a decode step one token "
+              "per sequence: their tokens/s are not comparable)")
+        n = sum(used for _, used in answers)
+        print(f"\n{len(PROMPTS)} concurrent requests: {n} tokens in {wall:.2f} s wall, "
+              f"{n / wall:.1f} tok/s end to end")
+        print(f"note: {DEVELOPMENT_NOTE}", flush=True)
     finally:
         if ray.is_initialized():
-            serve.shutdown()
+            # the local Ray this command started goes down whole (serve.shutdown() would have
+            # the raylet print the controller's killed graceful_shutdown task); on a cluster
+            # only this app is deleted
+            if not local:
+                serve.delete(APP_NAME)
             ray.shutdown()
-    print(f"\n{'path':<12}{'steps':>8}{'tokens':>9}{'tokens/s (model time)':>24}")
-    for path, steps, tokens, rate in _path_table(metrics):
-        print(f"{path:<12}{steps:>8.0f}{tokens:>9.0f}{rate:>24.1f}")
-    n = sum(used for _, used in answers)
-    print(f"\n{len(PROMPTS)} concurrent requests: {n} tokens in {wall:.2f} s wall, "
-          f"{n / wall:.1f} tok/s end to end")
-    print(f"note: {DEVELOPMENT_NOTE}")
     return 0

@@ -31,6 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "mean acceptance length L in [1, K+1]; the text is meaningless")
 
 
+def _check_num_draft(k: int, draft: str | None, model: str) -> None:
+    """--num-draft within 1..the drafter's block size (DESIGN §6), named as the flag."""
+    from raydecode.engine.spec_runner import resolve_drafter
+    from raydecode.models.dspark import load_dspark_config
+
+    spec = resolve_drafter(draft, model)
+    bs = load_dspark_config(spec).block_size
+    if not 1 <= k <= bs:
+        raise ValueError(f"--num-draft {k}: the drafter {spec!r} drafts blocks of {bs} tokens; "
+                         f"accepted 1..{bs} (the specialized path needs 3..{min(bs, 7)})")
+
+
 def run(args: argparse.Namespace) -> int:
     from raydecode.engine.request import SamplingParams
 
@@ -42,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join(given)}: only with --spec dspark")
     elif args.num_draft is None:
         raise ValueError("--spec dspark needs --num-draft K (drafts per step, e.g. 7)")
+    else:
+        _check_num_draft(args.num_draft, args.draft, args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.spec == "dspark":

@@ -1,5 +1,9 @@
 """`raydecode kernels-warmup`: compile a replica's decode kernels into the node's kernel cache
-(run once per node before the ranks start: KubeRay init container / `ray up` setup command)."""
+(run once per node before the ranks start: KubeRay init container / `ray up` setup command).
+
+Exit 0 only when every planned kernel is in the cache afterwards; 1 when some could not be
+compiled here (a missing nvidia-cutlass-dsl or Triton: `pip install raydecode[gpu]`), each named;
+2 for bad input (an --arch no decode kernel targets, an unknown model, no cache directory)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +34,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "list; compile nothing")
 
 
+# the GPU families the decode kernels are built for (Hopper and Blackwell: PDL, TMA); an arch
+# string outside them is refused before anything is compiled
+ARCH_FAMILIES = {90: "H100/H200", 100: "B200/GB200", 103: "B300/GB300", 110: "Thor",
+                 120: "RTX Blackwell", 121: "DGX Spark"}
+
+
+def check_target_arch(arch: str) -> str:
+    """--arch as CUTE_DSL_ARCH takes it (sm_XY, sm_XYa, sm_XYf) for a known family."""
+    from raydecode.kernels.aot import KernelCacheError, check_arch
+
+    check_arch(arch)
+    family = int(arch[3:].rstrip("af"))
+    if family not in ARCH_FAMILIES:
+        known = ", ".join(f"sm_{f}a ({n})" for f, n in ARCH_FAMILIES.items())
+        raise KernelCacheError(f"--arch {arch}: no decode kernel targets sm_{family}; accepted: "
+                               f"{known} (or the same with an 'f' suffix, or none)")
+    return arch
+
+
 def _buckets(text: str) -> tuple[int, ...]:
     from raydecode.kernels.aot import KernelCacheError, check_buckets
 
@@ -41,12 +64,12 @@ def _buckets(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from raydecode.kernels.aot import ENV, cache_dir, check_arch, plan_kernels, warm
+    from raydecode.kernels.aot import ENV, cache_dir, plan_kernels, warm
     from raydecode.kernels.settings import parse_option_pairs
     from raydecode.models.config import load_config
     from raydecode.models.decode_plan import ShardError, resolve_plan
 
-    arch = check_arch(args.arch)
+    arch = check_target_arch(args.arch)
     cfg, buckets = load_config(args.config), _buckets(args.batch_buckets)
     options = parse_option_pairs(args.decode)
     try:
@@ -75,10 +98,22 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    warm(plan, root, triton=not args.no_triton,
-         log=lambda ev: print(f"{ev['action']:9s} {ev['seconds']:7.2f}s  {ev['kind']:9s} "
-                              f"{ev['name']}" + (f" M={ev['M']} N={ev['N']} K={ev['K']}"
-                                                 f" out={ev['out_dtype']}"
-                                                 if "M" in ev else ""), flush=True))
-    print(f"# done in {time.monotonic() - t0:.1f}s; cache {root} (manifest.json)")
+    events = warm(plan, root, triton=not args.no_triton,
+                  log=lambda ev: print(f"{ev['action']:9s} {ev['seconds']:7.2f}s  "
+                                       f"{ev['kind']:9s} {ev['name']}"
+                                       + (f" M={ev['M']} N={ev['N']} K={ev['K']}"
+                                          f" out={ev['out_dtype']}" if "M" in ev else ""),
+                                       flush=True))
+    skipped = [ev for ev in events if str(ev["action"]).startswith("skipped")]
+    manifest = root / "manifest.json"
+    where = f"cache {root} ({manifest.name})" if manifest.is_file() else \
+        f"cache {root} (nothing written: no {manifest.name})"
+    print(f"# done in {time.monotonic() - t0:.1f}s; {len(events) - len(skipped)} of "
+          f"{len(events)} kernels in the {where}")
+    if skipped:
+        reasons = sorted({str(ev["action"])[len("skipped"):].strip(" ()") for ev in skipped})
+        print(f"error: {len(skipped)} of {len(events)} kernels were not compiled "
+              f"({'; '.join(reasons)}); run this on a host with raydecode[gpu] installed",
+              file=sys.stderr)
+        return 1
     return 0

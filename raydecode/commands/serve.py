@@ -3,18 +3,25 @@
 or the cluster at $RAY_ADDRESS), print its URL, block until Ctrl-C.
 
 API keys (actors/auth.py): --api-key and $RAYDECODE_API_KEY here join serve.api_keys and travel
-with the deployment to every replica (never printed); --api-key-file is read by each replica."""
+with the deployment to every replica (never printed); --api-key-file is read by each replica.
+
+The endpoint listens on 127.0.0.1 unless --host (or the config's serve.host) says otherwise.
+Before a local Ray starts, the model is looked up (a preset, or a folder with config.json and its
+weights) and the CPUs the deployment reserves are counted against this machine's, so a
+deployment that cannot start says why at once instead of waiting on ranks Ray cannot place."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import threading
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="deployment YAML (model, tensor_parallel_size, …)")
-    p.add_argument("--host", default=None, help="HTTP listen address (overrides serve.host)")
+    p.add_argument("--host", default=None, help="HTTP listen address (overrides serve.host, "
+                   "default 127.0.0.1); 0.0.0.0 serves other machines")
     p.add_argument("--port", type=int, default=None, help="HTTP port (overrides serve.port)")
     p.add_argument("--api-key", nargs="+", action="extend", default=[], metavar="KEY",
                    help="require one of these bearer keys on every /v1 route (adds to "
@@ -62,6 +69,71 @@ def check_servable(cfg, local: bool = True) -> str | None:
     return None
 
 
+def check_model(cfg) -> str | None:
+    """Why this machine cannot load `cfg.model`, or None: a preset, or a checkpoint folder with a
+    config.json and its weights index (read before Ray starts, so a wrong path is one line)."""
+    from raydecode.models.config import PRESETS, load_config
+    from raydecode.models.weights import read_index
+
+    spec = cfg.model
+    if spec == "tiny":
+        return None
+    if spec in PRESETS:
+        return (f"model = {spec!r} is an architecture preset without weights; serve 'tiny' or "
+                "a checkpoint folder")
+    path = Path(spec)
+    if not path.is_dir():
+        return (f"model = {spec!r}: no such checkpoint folder on this machine (a folder with "
+                "config.json and model-*.safetensors)")
+    try:
+        load_config(path)
+        read_index(path)
+    except ValueError as e:          # ConfigError / CheckpointError name the file
+        return f"model = {spec!r}: {e}"
+    return None
+
+
+def cpus_needed(cfg, gpus: bool = False) -> dict[str, float]:
+    """CPUs the deployment reserves, by part: the Serve ingress and the coordinator actor of each
+    replica (serve.num_cpus each) and, at TP > 1, its rank actors (1 CPU each on a CPU-only
+    Ray, placement.rank_cpus on GPUs: actors/coordinator.py build_executor)."""
+    n, tp = cfg.serve.num_replicas, cfg.tensor_parallel_size
+    per_rank = cfg.placement.rank_cpus if gpus else 1.0
+    ranks = 0 if tp == 1 and cfg.decode_context_parallel_size == 1 else tp
+    return {"ingress": n * cfg.serve.num_cpus, "coordinator": n * cfg.serve.num_cpus,
+            "ranks": n * ranks * per_rank}
+
+
+def check_resources(cfg, available_cpus: float, gpus: bool = False) -> str | None:
+    """Why a local Ray of `available_cpus` CPUs can never place this deployment, or None."""
+    need = cpus_needed(cfg, gpus)
+    total = sum(need.values())
+    if total <= available_cpus:
+        return None
+    n, tp = cfg.serve.num_replicas, cfg.tensor_parallel_size
+    parts = (f"ingress {need['ingress']:g} + coordinator {need['coordinator']:g} "
+             f"(serve.num_cpus = {cfg.serve.num_cpus:g} each, {n} replica(s))")
+    if need["ranks"]:
+        parts += f" + {need['ranks']:g} for {n} × {tp} rank actors"
+    return (f"this deployment needs {total:g} CPUs ({parts}); this machine has "
+            f"{available_cpus:g}. Lower serve.num_cpus (0 reserves none for the ingress and the "
+            "coordinator), tensor_parallel_size or serve.num_replicas, or run on a larger machine "
+            "or cluster ($RAY_ADDRESS)")
+
+
+def local_cpus() -> float:
+    """The CPUs a local `ray.init()` counts on this machine: the CPUs this process may run on,
+    capped by a cgroup v2 CPU quota (a container's limit), as Ray counts them."""
+    n = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1.0, float(-(-int(quota) // int(period)))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
 def start_serving(cfg, executor_factory=None, app_name: str = "raydecode",
                   **ray_init) -> str:
     """Start (or join) Ray and Serve, deploy the replica app; returns the OpenAI base URL."""
@@ -95,15 +167,29 @@ def run(args: argparse.Namespace) -> int:
     except DeployConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    why = check_servable(cfg, local=not os.environ.get("RAY_ADDRESS"))
+    local = not os.environ.get("RAY_ADDRESS")
+    why = check_servable(cfg, local=local)
+    if why is None and local:
+        why = check_model(cfg)
+    if why is None and local:
+        import torch
+        why = check_resources(cfg, local_cpus(), gpus=torch.cuda.is_available())
     if why:
         print(f"error: {args.config}: {why}", file=sys.stderr)
         return 2
+    import signal
+
     import ray
     from ray import serve
 
+    def _stop(signum, frame):
+        # SIGTERM (systemd, kill) shuts Serve and Ray down as Ctrl-C does; Ray's own handler
+        # (installed by ray.init, chained after this one) still ends the process with SIGABRT
+        raise KeyboardInterrupt
+
     try:
         url = start_serving(cfg)
+        signal.signal(signal.SIGTERM, _stop)    # after ray.init, which installs its own
         print(f"raydecode: serving {cfg.model_name!r} at {url} (Ctrl-C stops)", flush=True)
         if cfg.serve.api_keys or cfg.serve.api_key_file:
             print("raydecode: /v1 routes require an API key (Authorization: Bearer …)",

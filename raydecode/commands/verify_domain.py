@@ -25,8 +25,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "multicast object on this node's chosen GPUs (never run in tests)")
 
 
+def _read_facts(path: str):
+    """One `raydecode topology --json` file -> NodeFacts; FactsError naming the file."""
+    from raydecode.cluster.topology import FactsError, NodeFacts
+
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise FactsError(f"{path}: not valid JSON ({e}); expected the output of "
+                             "`raydecode topology --json`") from None
+    return NodeFacts.from_dict(data, where=path)
+
+
 def run(args: argparse.Namespace) -> int:
-    from raydecode.cluster.topology import FactsError, NodeFacts, collect_node_facts
+    from raydecode.cluster.topology import FactsError, collect_node_facts
     from raydecode.cluster.verify import verify_domain
 
     if args.tp < 1:
@@ -34,14 +47,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.facts:
-            nodes = []
-            for path in args.facts:
-                with open(path) as f:
-                    nodes.append(NodeFacts.from_dict(json.load(f), where=path))
+            nodes = [_read_facts(path) for path in args.facts]
         else:
             nodes = [collect_node_facts()]
+            if not nodes[0].gpus:
+                # no facts were given: say what this node lacks, not "the given facts"
+                why = "; ".join(nodes[0].notes) or "NVML lists no GPU"
+                print(f"FAIL: no NVIDIA GPUs visible on this node ({nodes[0].node}): {why}. "
+                      "Run it on a GPU node, or pass --facts with `raydecode topology --json` "
+                      "outputs of other nodes.")
+                return 1
         verdict = verify_domain(nodes, args.tp, allow_unknown_health=args.allow_unknown_health)
-    except (OSError, json.JSONDecodeError, FactsError) as e:
+    except (OSError, FactsError) as e:
         print(f"raydecode verify-domain: {e}", file=sys.stderr)
         return 2
     if args.json:

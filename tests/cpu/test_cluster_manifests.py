@@ -22,7 +22,8 @@ CRDS = {("ray.io/v1", "RayService"): "kuberay-v1.7.0-rayservice-v1.json",
             "dra-driver-gpu-v0.4.0-computedomain-v1beta1.json"}
 CORE = {("v1", "Namespace"): "V1Namespace", ("v1", "ServiceAccount"): "V1ServiceAccount",
         ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
-        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding"}
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding",
+        ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy"}
 TRAYS_PER_RACK = 18
 
 
@@ -168,7 +169,7 @@ def test_every_object_validates_against_its_schema(build):
     name, objs = build
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ComputeDomain", "Namespace",
-                     "RayService", "ServiceAccount"]
+                     "NetworkPolicy", "RayService", "ServiceAccount"]
     for o in objs:
         assert validate(o) == [], f"{name}: {o['kind']} {o['metadata']['name']}"
 
@@ -241,9 +242,10 @@ def test_clique_affinity_imex_claim_and_label_init_container(build):
             "namespace": sa["metadata"]["namespace"]} in binding["subjects"]
 
 
-def test_workers_share_a_node_local_kernel_cache(build):
-    """Every worker's RAYDECODE_KERNEL_CACHE is a mounted node-local hostPath (kernels/aot.py:
-    the first rank on a node compiles, the others load; flock needs local disk)."""
+def test_workers_kernel_cache_is_pod_private(build):
+    """Every worker's RAYDECODE_KERNEL_CACHE is a mounted node-local directory of its own pod
+    (kernels/aot.py: the first rank compiles, the others load; flock needs local disk), never a
+    hostPath: ranks load compiled code from it, so no other pod may be able to write it."""
     _, objs = build
     for grp in _one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         spec = grp["template"]["spec"]
@@ -253,7 +255,118 @@ def test_workers_share_a_node_local_kernel_cache(build):
         (mount,) = [m for m in ray_c["volumeMounts"] if m["mountPath"] == path]
         assert not mount.get("readOnly")
         (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
-        assert vol["hostPath"]["type"] == "DirectoryOrCreate"
+        assert "emptyDir" in vol and "medium" not in vol["emptyDir"], vol
+    assert not [v for o in objs for v in _pod_specs(o) for v in v.get("volumes", [])
+                if "hostPath" in v]
+
+
+# ------------------------------------------------------------------ control surfaces
+
+def _pod_specs(obj: dict) -> list[dict]:
+    if obj["kind"] != "RayService":
+        return []
+    rc = obj["spec"]["rayClusterConfig"]
+    return [rc["headGroupSpec"]["template"]["spec"]] + \
+        [g["template"]["spec"] for g in rc["workerGroupSpecs"]]
+
+
+def _templates(objs) -> list[dict]:
+    rc = _one(objs, "RayService")["spec"]["rayClusterConfig"]
+    return [rc["headGroupSpec"]["template"]] + [g["template"] for g in rc["workerGroupSpecs"]]
+
+
+def test_ray_starts_with_token_auth_from_a_secret(build):
+    """CVE-2023-48022: every Ray container (head, workers) has RAY_AUTH_MODE=token and its
+    token from the Secret that authOptions names (the operator's dashboard client reads it)."""
+    _, objs = build
+    rc = _one(objs, "RayService")["spec"]["rayClusterConfig"]
+    assert rc["authOptions"]["mode"] == "token"
+    secret = rc["authOptions"]["secretName"]
+    for spec in _pod_specs(_one(objs, "RayService")):
+        ray_c = spec["containers"][0]
+        env = {e["name"]: e for e in ray_c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", ray_c["name"]
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": secret, "key": "auth_token"}, ray_c["name"]
+        assert "value" not in env["RAY_AUTH_TOKEN"]            # never a literal token
+
+
+def test_head_declares_no_ray_client_port(build):
+    _, objs = build
+    head = _one(objs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {6379, 8265, 8000}
+
+
+def test_every_container_is_non_root_without_privileges(build):
+    _, objs = build
+    for spec in _pod_specs(_one(objs, "RayService")):
+        pod_sc = spec.get("securityContext", {})
+        assert pod_sc.get("runAsNonRoot") is True and pod_sc.get("runAsUser", 0) != 0
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, c["name"]
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], c["name"]
+            assert not sc.get("privileged") and "add" not in sc.get("capabilities", {})
+            assert sc.get("runAsUser", pod_sc["runAsUser"]) != 0
+        for c in spec.get("initContainers", []) + \
+                [c for c in spec["containers"] if c["name"] == "ray-head"]:
+            assert c["securityContext"].get("readOnlyRootFilesystem") is True, c["name"]
+
+
+def test_init_containers_have_resource_limits(build):
+    _, objs = build
+    for spec in _pod_specs(_one(objs, "RayService")):
+        for c in spec.get("initContainers", []):
+            assert {"cpu", "memory"} <= set(c["resources"]["limits"]), c["name"]
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
+
+
+SA_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def test_node_reader_token_reaches_the_init_container_only(build):
+    _, objs = build
+    for grp in _one(objs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = grp["template"]["spec"]
+        assert spec["serviceAccountName"] == "raydecode-node-reader"
+        assert spec["automountServiceAccountToken"] is False
+        (init,) = spec["initContainers"]
+        (mount,) = [m for m in init["volumeMounts"] if m["mountPath"] == SA_PATH]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert any("serviceAccountToken" in s for s in vol["projected"]["sources"])
+        for c in spec["containers"]:
+            assert all(m["name"] != mount["name"] and not m["mountPath"].startswith(SA_PATH)
+                       for m in c.get("volumeMounts", [])), c["name"]
+    head = _one(objs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_network_policy_admits_only_serve_from_outside(build):
+    """Every ingress rule is one of: from the replica's own pods (Ray's internal ports), the
+    Serve port 8000 from anywhere, the dashboard 8265 from the operator's namespace only."""
+    _, objs = build
+    np = _one(objs, "NetworkPolicy")
+    rs = _one(objs, "RayService")
+    assert np["metadata"]["namespace"] == rs["metadata"]["namespace"]
+    sel = np["spec"]["podSelector"]["matchLabels"]
+    for tpl in _templates(objs):                      # the policy covers every Ray pod
+        assert sel.items() <= tpl["metadata"]["labels"].items()
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    kinds = set()
+    for rule in np["spec"]["ingress"]:
+        ports = [(p.get("protocol", "TCP"), p["port"]) for p in rule.get("ports", [])]
+        src = rule.get("from")
+        if src == [{"podSelector": {"matchLabels": sel}}] and not ports:
+            kinds.add("own pods")
+        elif src is None and ports == [("TCP", 8000)]:
+            kinds.add("serve")
+        elif src and all(set(s) == {"namespaceSelector"} for s in src) and \
+                ports == [("TCP", 8265)]:
+            kinds.add("operator")
+        else:
+            raise AssertionError(f"ingress rule admits more than the Serve port: {rule}")
+    assert kinds == {"own pods", "serve", "operator"}
 
 
 def test_validators_catch_typos_and_wrong_types():

@@ -100,8 +100,9 @@ def test_yarn_keeps_fast_dims_and_interpolates_slow_ones():
     r = load_dspark_config("k3").rope
     f = rope_inv_freq(64, r)
     base = 1.0 / 50000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    assert torch.allclose(f[:8], base[:8])                       # many turns in 32k: unchanged
-    assert torch.allclose(f[-4:], base[-4:] / 32.0)              # < 1 turn: divided by factor
+    assert f.dtype == torch.float32                              # the reference's fp32 table
+    assert torch.allclose(f[:8].double(), base[:8])              # many turns in 32k: unchanged
+    assert torch.allclose(f[-4:].double(), base[-4:] / 32.0)     # < 1 turn: divided by factor
     assert yarn_mscale(32.0) == pytest.approx(0.1 * math.log(32) + 1)
     assert yarn_mscale(1.0) == 1.0
 

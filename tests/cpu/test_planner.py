@@ -84,7 +84,7 @@ def test_kda_snapshots_come_out_of_the_cache_budget(k3, cat):
     ({"tp": 8}, "H200", r"over by [0-9.]+ GB.*GPU with more HBM"),
     ({"tp": 8}, "GB200", r"over by [0-9.]+ GB.*--tp 16"),
     ({"tp": 16, "batch": 64, "context": 1_000_000}, "GB300",
-     r"over by.*--batch <= \d+.*--context <=.*--dcp 2"),
+     r"over by.*--batch <= \d+.*--context <=.*--dcp 16 .*more HBM"),
     ({"dspark_k": 9, "acceptance": 3.0}, "GB300", r"blocks of 7"),
     ({"dspark_k": 7}, "GB300", r"needs --acceptance-length"),
     ({"dspark_k": 3, "acceptance": 5.0}, "GB300", r"\[1, 4\]"),
@@ -338,3 +338,71 @@ def test_cli_plots(tmp_path, capsys):
     for name in ("tok_s_user_vs_batch.png", "memory_breakdown.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# ---- issue 30: suggestions that fit, --context, the repo's own bench files, wording, docs ------
+
+def _suggested(msg: str, flag: str) -> list[int]:
+    import re
+    return [int(x) for x in re.findall(rf"{flag} (\d+)", msg)]
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_cache_error_suggests_only_what_fits(k3, cat, tp):
+    """TP16/TP8 at batch 64, 131k context: every --tp / --dcp / --batch / --context the error
+    proposes is checked to fit (it once proposed --tp 32, still 34.8 GB over)."""
+    g = gb300(cat)
+    dep = PL.Deployment(tp=tp, batch=64, context=131072)
+    with pytest.raises(PlanError) as e:
+        PL.check_fits(k3, g, dep, PL.memory(k3, g, dep))
+    msg = str(e.value)
+    for t in _suggested(msg, "--tp"):
+        if t != tp:
+            assert PL._fits(k3, g, PL.Deployment(tp=t, batch=64, context=131072)), msg
+    for d in _suggested(msg, "--dcp"):
+        assert PL._fits(k3, g, PL.Deployment(tp=tp, dcp=d, batch=64, context=131072)), msg
+    for b in _suggested(msg, "--batch <="):
+        assert PL._fits(k3, g, PL.Deployment(tp=tp, batch=b, context=131072)), msg
+    assert not any(t > tp for t in _suggested(msg, "--tp")) or "more HBM" not in msg
+    if not any(PL._fits(k3, g, PL.Deployment(tp=t, batch=64, context=131072))
+               for t in PL.larger_tps(k3, g, tp)):
+        assert "more HBM" in msg and not [t for t in _suggested(msg, "--tp") if t != tp]
+
+
+@pytest.mark.parametrize("ctx", [0, -5])
+def test_non_positive_context_is_not_told_to_shorten(k3, cat, ctx):
+    with pytest.raises(PlanError) as e:
+        PL.validate(k3, gb300(cat), PL.Deployment(context=ctx))
+    assert "positive" in str(e.value) and "shorter" not in str(e.value)
+
+
+def test_repo_bench_results_read_without_warnings(cat):
+    from raydecode.commands.plan import _default_bench_dir
+
+    _, notes = load_efficiency(_default_bench_dir(), cat)
+    assert notes and not [n for n in notes if n.startswith("skipped")], notes
+
+
+def test_envelope_warning_names_the_tp_set(cat):
+    r = PL.plan(load_config("tiny"), find_gpu(cat, "H200"), PL.Deployment(tp=2, context=512),
+                sweep=False)
+    w = [x for x in r["warnings"] if "outside the specialized envelope" in x]
+    assert w and "TP ∈ {8, 16}" in w[0] and "(8, 16)" not in w[0]
+
+
+def test_planner_doc_anchor_table_is_the_planners_output(k3, cat):
+    """docs/PLANNER.md's anchors table, as `raydecode plan` prints it with the repo's bench."""
+    import re
+    from pathlib import Path
+
+    from raydecode.commands.plan import _default_bench_dir
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "PLANNER.md").read_text()
+    table = doc.split("## Public anchors", 1)[1].split("Reading the errors", 1)[0]
+    rows = {m[0].strip(): float(m[1].replace(",", ""))
+            for m in re.findall(r"^\| ([^|]+) \| [\d,.]+ \| ([\d,.]+) \|", table, re.M)}
+    eff, _ = load_efficiency(_default_bench_dir(), cat)
+    got = {a["anchor"]: a["predicted_tok_s"] for a in PL.anchors(k3, gb300(cat), eff)}
+    assert set(rows) == set(got)
+    for k, v in got.items():
+        assert rows[k] == round(v, 1), k

@@ -221,7 +221,9 @@ def test_k3_specialized_forward_mixes_one_bank_view(bank_on, monkeypatch):
                                        options=DecodeOptions(attnres_bank=bank_on)), seed=2)
     with torch.inference_mode():
         model(torch.tensor([3, 5]), path="specialized")
-    assert len(seen) == 2 * cfg.num_layers + 1
+    # one fused mix + norm per sublayer; the final mix is rounded before its norm (vLLM's
+    # order), so it is not the fused op
+    assert len(seen) == 2 * cfg.num_layers
     assert all(seen) == bank_on
 
 
