@@ -125,6 +125,19 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
     return support, kernels, ready, failed or None
 
 
+def _granted_gpu() -> bool:
+    """Whether this process may use a GPU: inside a Ray actor only when Ray granted it one (an
+    actor asked for num_gpus=0 on a GPU host still sees every GPU, and CPU ranks sharing cuda:0
+    would put NCCL on one device for the whole group); outside Ray, whenever CUDA is there."""
+    try:
+        import ray
+        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+            return len(ray.get_gpu_ids()) > 0
+    except Exception:                  # noqa: BLE001 - no Ray: a plain process
+        pass
+    return True
+
+
 class RankWorker:
     """Plain class; wrapped with ray.remote by the executor (num_gpus=1 on GPU hosts)."""
 
@@ -133,7 +146,7 @@ class RankWorker:
         self.par = Parallel(tp_rank=rank, tp_size=tp_size, dcp_size=dcp_size)
         self.factory, self.replica_id = factory, replica_id
         self.oneshot_allreduce = oneshot_allreduce       # the deployment's decode section
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = "cuda" if torch.cuda.is_available() and _granted_gpu() else "cpu"
         self.backend = backend or ("nccl" if self.device == "cuda" else "gloo")
         self.runner: ModelRunner | None = None
         self.comm: Comm | None = None
@@ -265,6 +278,8 @@ class RankWorker:
         the rest stay on NCCL. Off on every rank when any rank has
         RAYDECODE_ONESHOT_ALLREDUCE=0, lacks P2P to a peer, or the model is not bf16."""
         model = self.runner.model
+        if getattr(model, "cfg", None) is None:   # a runner without a model config (the control-
+            return                                # plane bench's): every all-reduce on NCCL
         dev = torch.device("cuda", torch.cuda.current_device())
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.comm.connect(min(ONESHOT_MAX_TOKENS, sms), model.cfg.hidden_size, dev,

@@ -35,7 +35,7 @@ SETS = {
     "serve": ["fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "pydantic==2.14.4",
               "pydantic-core==2.50.5", "annotated-types==0.8.0", "annotated-doc==0.0.7",
               "typing-inspection==0.4.5", "typing-extensions==4.16.0",
-              "opentelemetry-api==1.45.2", "grpcio-reflection==1.85.1", "openai==3.57.0",
+              "opentelemetry-api==1.45.2", "grpcio==1.85.1", "grpcio-reflection==1.85.1", "openai==3.57.0",
               "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.4", "jiter==0.19.0",
               "sniffio==1.3.1"],
 }
