@@ -331,6 +331,13 @@ class CoordinatorCore:
         self.loop_state = "ok"               # ok | "died: …" | "stalled: …" (never back to ok)
         self.counts = {"failover_events": 0, "failover_requests": 0, "routed_to_stock": 0,
                        "rebuilds": 0, "requests": 0}
+        # the step loop's time by part (seconds, summed over steps): `engine_s` inside
+        # engine.step (schedule, plan, the executor's step, outputs), `await_s` the step as the
+        # loop awaits it (engine_s + the hop to the step thread and back), `dispatch_s`
+        # handing outputs to the streams, `cycle_s` step start to the next step's start while
+        # requests run — what one decode token of a running stream costs
+        self.loop_timing = {"steps": 0, "engine_s": 0.0, "await_s": 0.0, "dispatch_s": 0.0,
+                            "cycle_s": 0.0}
 
     # ---- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -492,22 +499,32 @@ class CoordinatorCore:
 
     # ---- the step loop --------------------------------------------------------------------
     async def _run(self) -> None:
+        tm, clock = self.loop_timing, time.perf_counter
         while True:
             self._beat = time.monotonic()
             await self._wake.wait()
             self._wake.clear()
+            prev = None                         # the previous step's start, while busy
             while self.healthy:
                 self._beat = time.monotonic()
                 self._apply_queued()
                 self._loop_busy = self.engine.has_unfinished()
                 if not self._loop_busy:
                     break
+                t0 = clock()
+                if prev is not None:
+                    tm["cycle_s"] += t0 - prev
+                prev = t0
                 try:
                     outs = await self._step()                           # run
                 except StepFailed as e:
                     self._fail_over(e)
                     break
+                t1 = clock()
                 self._dispatch(outs)                                   # post-process
+                tm["steps"] += 1
+                tm["await_s"] += t1 - t0
+                tm["dispatch_s"] += clock() - t1
 
     # ---- the watchdog: a dead or stalled step loop fails its requests at once -----------
     def _has_work(self) -> bool:
@@ -578,8 +595,15 @@ class CoordinatorCore:
                 s.send(e)
         self._pending.clear()
 
+    def _timed_engine_step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        try:
+            return self.engine.step()
+        finally:
+            self.loop_timing["engine_s"] += time.perf_counter() - t0
+
     async def _step(self) -> list[StepOutput]:
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self.engine.step)
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_engine_step)
         timeout = self.config.rank_step_timeout_s
         try:
             return await asyncio.wait_for(fut, timeout)
@@ -689,6 +713,7 @@ class CoordinatorCore:
             "cache": self.engine.cache_stats() if self.engine else None,
             "speculative": self._spec_stats(),
             "control_plane": self._control_plane(),
+            "step_loop_timing": dict(self.loop_timing),
         }
 
     def _control_plane(self) -> dict | None:

@@ -65,11 +65,14 @@ class _StatsCollector:
                                    "path", labels=["path"])
         rate = GaugeMetricFamily("raydecode_step_tokens_per_second", "Tokens per second of "
                                  "model time, by path", labels=["path"])
+        secs = CounterMetricFamily("raydecode_step_seconds", "Time inside the executor's step "
+                                   "(plan out, result back) by path", labels=["path"])
         for path, v in s["paths"].items():
             steps.add_metric([path], v["steps"])
             toks.add_metric([path], v["tokens"])
+            secs.add_metric([path], v["seconds"])
             rate.add_metric([path], v["tokens"] / v["seconds"] if v["seconds"] else 0.0)
-        yield from (steps, toks, rate)
+        yield from (steps, toks, secs, rate)
         why = CounterMetricFamily("raydecode_stock_fallback_steps", "Steps that ran stock, by "
                                   "envelope reason", labels=["reason"])
         for reason, n in s["fallback_reasons"].items():
@@ -109,6 +112,29 @@ class _StatsCollector:
             yield GaugeMetricFamily("raydecode_control_plane_max_result_bytes",
                                     "Largest result frame of one step, bytes",
                                     value=cp["max_result_bytes"])
+            r0 = cp.get("rank0_timing")
+            if r0:
+                fam = CounterMetricFamily("raydecode_rank0_step_loop_seconds", "Rank 0's step "
+                                          "loop time by part: waiting for a plan, decoding it, "
+                                          "the step (inputs, replay, sampling, host sync), "
+                                          "sending the result", labels=["part"])
+                for part in ("wait", "decode", "step", "send"):
+                    fam.add_metric([part], r0[f"{part}_s"])
+                yield fam
+                yield CounterMetricFamily("raydecode_rank0_step_loop_steps", "Steps rank 0's "
+                                          "loop ran", value=r0["steps"])
+        lt = s.get("step_loop_timing")
+        if lt:
+            fam = CounterMetricFamily("raydecode_step_loop_seconds", "The coordinator's step "
+                                      "loop time by part: engine (inside engine.step), await "
+                                      "(the step as the loop awaits it), dispatch (outputs to "
+                                      "streams), cycle (step start to next step start while "
+                                      "requests run)", labels=["part"])
+            for part in ("engine", "await", "dispatch", "cycle"):
+                fam.add_metric([part], lt[f"{part}_s"])
+            yield fam
+            yield CounterMetricFamily("raydecode_step_loop_steps", "Steps the coordinator's "
+                                      "loop ran", value=lt["steps"])
 
 
 def _cache_families(c: dict):

@@ -204,8 +204,19 @@ class RankGroupExecutor:
 
     def control_plane_stats(self) -> dict:
         """Counters of the step channel: steps, plan bytes sent, result bytes received (their
-        max per step), sample rows answered; plus each rank's transport."""
-        return {**self.cp, "transports": list(getattr(self, "transports", []))}
+        max per step), sample rows answered; plus each rank's transport and rank 0's step loop
+        time by part (`rank0_timing`: wait / decode / step / send seconds; None when rank 0
+        does not answer within a second — the stats never wait on a stuck rank)."""
+        return {**self.cp, "transports": list(getattr(self, "transports", [])),
+                "rank0_timing": self._rank0_timing()}
+
+    def _rank0_timing(self) -> dict | None:
+        if not self.workers or not self.healthy:
+            return None
+        try:
+            return ray.get(self.workers[0].progress.remote(), timeout=1.0).get("timing")
+        except Exception:  # noqa: BLE001 — a dead or stuck rank: the step path reports it
+            return None
 
     def _step_failed(self, plan: StepPlan, e: Exception, timeout: float, deadline_wall: float):
         """Name the ranks behind a failed step and raise RankFailure (the group is unhealthy).

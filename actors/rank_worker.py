@@ -155,6 +155,11 @@ class RankWorker:
         self._loop: threading.Thread | None = None
         # the step loop's progress: last step started, last finished and when (wall clock)
         self._started, self._done, self._done_at = -1, -1, 0.0
+        # the step loop's time by part (seconds, summed): waiting for a plan, decoding it,
+        # the step (runner.execute: inputs, replay, sampling, the one host sync), the result's
+        # send; read with progress() (served-path breakdown, scripts/bench/serve.py)
+        self.timing = {"steps": 0, "wait_s": 0.0, "decode_s": 0.0, "step_s": 0.0,
+                       "send_s": 0.0}
         # one intra-op thread: ranks share the host's cores, and spinning OpenMP pools of
         # several processes on the same cores cost 10-20x on a loaded CPU
         torch.set_num_threads(settings.rank_threads())
@@ -206,12 +211,16 @@ class RankWorker:
         if self.device == "cuda":
             torch.cuda.set_device(0)          # per thread: the actor's one GPU
         try:
+            tm, clock = self.timing, time.perf_counter
             while True:
+                t0 = clock()
                 kind, step_id, payload = client.recv_plan()
+                t1 = clock()
                 plan = decode_plan(kind, step_id, payload)
                 if plan is None:
                     return
                 self._started = step_id
+                t2 = clock()
                 try:
                     out = self.step(plan)
                 except Exception as e:  # noqa: BLE001 — reported to the coordinator, loop ends
@@ -219,8 +228,14 @@ class RankWorker:
                     client.send(error_frame(step_id, line[:400]))
                     return
                 self._done, self._done_at = step_id, time.time()
+                t3 = clock()
                 if out is not None:
                     client.send(encode_result(step_id, out))
+                tm["steps"] += 1
+                tm["wait_s"] += t1 - t0
+                tm["decode_s"] += t2 - t1
+                tm["step_s"] += t3 - t2
+                tm["send_s"] += clock() - t3
         except (ChannelClosed, OSError):
             return                            # the coordinator went away: nothing to serve
         finally:
@@ -235,10 +250,12 @@ class RankWorker:
             self._loop = None
 
     def progress(self) -> dict:
-        """{"rank", "started", "done", "done_at"}: the loop's last started / finished step id
-        and the wall-clock time it finished (answered while a step runs)."""
+        """{"rank", "started", "done", "done_at", "timing", "loop"}: the loop's last started /
+        finished step id, the wall-clock time it finished, its time by part (`timing`) and
+        whether it runs (answered while a step runs)."""
         return {"rank": self.par.tp_rank, "started": self._started, "done": self._done,
-                "done_at": self._done_at, "loop": self._loop is not None
+                "done_at": self._done_at, "timing": dict(self.timing),
+                "loop": self._loop is not None
                 and self._loop.is_alive()}
 
     def set_dcp(self, dcp_size: int) -> dict:

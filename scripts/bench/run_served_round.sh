@@ -49,13 +49,14 @@ for s in ${STEPS:-}; do
   serve)
     timeout "$(lim ${SERVE_S:-420})" python3 -m raydecode.scripts.bench.serve --commit "$COMMIT" \
       --levels "${LEVELS:-1,4,16,64}" --output-tokens "${NTOK:-96}" \
-      --control-plane "$OUT/control-plane.json" --out "$OUT/serve.json" --png "$OUT/serve.png" \
+      --control-plane "${CP_JSON:-$OUT/control-plane.json}" --out "$OUT/serve.json" \
+      --png "$OUT/serve.png" ${SERVE_ARGS:-} \
       > "$OUT/serve.log" 2>&1
-    echo "serve rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[serve\]" "$OUT/serve.log" | cut -c1-600
+    echo "serve rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[serve\]" "$OUT/serve.log" | cut -c1-1800
     grep -E "Error|error" "$OUT/serve.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
   step)
     B=${BATCHES:-1,4,16,64}
-    for round in 1 2; do
+    for round in $(seq 1 "${ROUNDS:-2}"); do
       for side in new ${STEP_REF:+ref}; do
         dir=$PWD; [ "$side" = ref ] && dir=$STEP_REF
         ( cd "$dir" && for d in kernels models scripts engine cluster actors; do ln -sfn ../$d raydecode/$d; done

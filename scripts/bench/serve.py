@@ -207,6 +207,37 @@ def wait_healthy(root: str, timeout_s: float) -> None:
     raise SystemExit(f"the replica did not become healthy within {timeout_s:g} s")
 
 
+def step_breakdown(d: dict) -> dict:
+    """Per-step means (ms) over a round from /metrics deltas: where a served step's time goes.
+    loop_*: the coordinator's step loop (cycle = step start to next start, the TPOT of a
+    decoding stream; await = the step as awaited; engine = inside engine.step; dispatch);
+    execute: the executor's step as the engine sees it (publish → rank 0's result), by path;
+    rank0_*: rank 0's step loop (wait for the plan, decode, step = inputs + replay + sampling
+    + the host sync, send). engine − execute = the coordinator's host work per step;
+    execute − rank0_step = the control plane's round trip."""
+    def per(total_key: str, count_key: str):
+        n = d.get(count_key, 0)
+        return round(1e3 * d.get(total_key, 0.0) / n, 4) if n else None
+    out = {f"loop_{p}": per(f'raydecode_step_loop_seconds_total{{part="{p}"}}',
+                            "raydecode_step_loop_steps_total")
+           for p in ("cycle", "await", "engine", "dispatch")}
+    for path in ("specialized", "stock"):
+        n = d.get(f'raydecode_steps_total{{path="{path}"}}', 0)
+        tok = d.get(f'raydecode_step_tokens_total{{path="{path}"}}', 0)
+        out[f"steps_{path}"] = n
+        out[f"tokens_per_step_{path}"] = round(tok / n, 2) if n else None
+        out[f"execute_{path}"] = per(f'raydecode_step_seconds_total{{path="{path}"}}',
+                                     f'raydecode_steps_total{{path="{path}"}}')
+    both = ("specialized", "stock")
+    n_all = sum(d.get(f'raydecode_steps_total{{path="{p}"}}', 0) for p in both)
+    t_all = sum(d.get(f'raydecode_step_seconds_total{{path="{p}"}}', 0) for p in both)
+    out["execute_all"] = round(1e3 * t_all / n_all, 4) if n_all else None
+    for p in ("wait", "decode", "step", "send"):
+        out[f"rank0_{p}"] = per(f'raydecode_rank0_step_loop_seconds_total{{part="{p}"}}',
+                                "raydecode_rank0_step_loop_steps_total")
+    return out
+
+
 # ---- the run ----------------------------------------------------------------------------------
 def serve_levels(args, ckpt: str, report: dict, out_path) -> tuple[list, list, list]:
     import ray
@@ -268,6 +299,7 @@ def serve_levels(args, ckpt: str, report: dict, out_path) -> tuple[list, list, l
                 "logits_bytes_per_row_if_sent": 4 * V}
             row["steps_by_path"] = {p: d.get(f'raydecode_steps_total{{path="{p}"}}', 0)
                                     for p in ("specialized", "stock")}
+            row["step_breakdown_ms"] = step_breakdown(d)
             rows.append(row)
             if c == 1:
                 c1_ids = r["outs"][0]["ids"]
@@ -373,8 +405,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output-tokens", type=int, default=96)
     ap.add_argument("--warm-tokens", type=int, default=4)
     ap.add_argument("--prefill-budget", type=int, default=64,
-                    help="max_num_batched_tokens: ≤ 64 keeps the stock prefill steps' MoE "
-                         "sort kernel in its small compiled buckets")
+                    help="max_num_batched_tokens (the H200 run takes 1024: all 64 prompts "
+                         "prefill in one stock step, no mixed steps of many decoding "
+                         "sequences on the eager stock path, issue 28)")
     ap.add_argument("--graph-steps", type=int, default=20)
     ap.add_argument("--step-timeout", type=float, default=900.0)
     ap.add_argument("--start-timeout", type=float, default=1800.0)

@@ -23,4 +23,8 @@ def test_serve_bench_cpu_smoke(tmp_path):
         # ≤ 40 bytes per sample row: token ids, never a logits row (4·V bytes)
         assert 0 < cp["result_bytes_per_step"] <= 40 * row["concurrency"]
         assert row["steps_by_path"]["specialized"] > 0
+        b = row["step_breakdown_ms"]     # nested parts: each inside the one that holds it
+        assert 0 < b["rank0_step"] < b["execute_all"] * 1.05 + 0.05
+        assert b["loop_engine"] <= b["loop_await"] + 0.05
+        assert b["loop_cycle"] >= b["loop_await"] * 0.5 and b["loop_cycle"] > 0
     assert png.stat().st_size > 1000
