@@ -332,12 +332,17 @@ class CoordinatorCore:
         self.counts = {"failover_events": 0, "failover_requests": 0, "routed_to_stock": 0,
                        "rebuilds": 0, "requests": 0}
         # the step loop's time by part (seconds, summed over steps): `engine_s` inside
-        # engine.step (schedule, plan, the executor's step, outputs), `await_s` the step as the
-        # loop awaits it (engine_s + the hop to the step thread and back), `dispatch_s`
-        # handing outputs to the streams, `cycle_s` step start to the next step's start while
-        # requests run — what one decode token of a running stream costs
-        self.loop_timing = {"steps": 0, "engine_s": 0.0, "await_s": 0.0, "dispatch_s": 0.0,
+        # engine.step (schedule, plan, the executor's step, outputs), `handoff_s` a step's end
+        # to the next one's start (finished requests popped, outputs posted, and between
+        # bursts the round trip through the event loop), `dispatch_s` handing outputs to the
+        # streams (event loop), `cycle_s` step start to the next step's start while requests
+        # run — what one decode token of a running stream costs
+        self.loop_timing = {"steps": 0, "engine_s": 0.0, "handoff_s": 0.0, "dispatch_s": 0.0,
                             "cycle_s": 0.0}
+        self._burst_gen = 0                  # bumped to retire a step thread's burst
+        self._last_end: float | None = None  # the last step's end, while requests run
+        self._last_start: float | None = None
+        self._step_started: float | None = None   # monotonic start of the step in flight
 
     # ---- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -377,6 +382,7 @@ class CoordinatorCore:
 
     async def close(self) -> None:
         self.loop_state = self.loop_state if self.loop_state != "ok" else "closed"
+        self._burst_gen += 1                 # the step thread stops after its current step
         for t in (self._watchdog_task, self._loop_task, self._rebuild_task):
             if t is not None:
                 t.cancel()
@@ -499,32 +505,22 @@ class CoordinatorCore:
 
     # ---- the step loop --------------------------------------------------------------------
     async def _run(self) -> None:
-        tm, clock = self.loop_timing, time.perf_counter
         while True:
             self._beat = time.monotonic()
             await self._wake.wait()
             self._wake.clear()
-            prev = None                         # the previous step's start, while busy
+            self._last_end = self._last_start = None     # idle gaps are not step costs
             while self.healthy:
                 self._beat = time.monotonic()
                 self._apply_queued()
                 self._loop_busy = self.engine.has_unfinished()
                 if not self._loop_busy:
                     break
-                t0 = clock()
-                if prev is not None:
-                    tm["cycle_s"] += t0 - prev
-                prev = t0
                 try:
-                    outs = await self._step()                           # run
+                    await self._burst()                                 # run
                 except StepFailed as e:
                     self._fail_over(e)
                     break
-                t1 = clock()
-                self._dispatch(outs)                                   # post-process
-                tm["steps"] += 1
-                tm["await_s"] += t1 - t0
-                tm["dispatch_s"] += clock() - t1
 
     # ---- the watchdog: a dead or stalled step loop fails its requests at once -----------
     def _has_work(self) -> bool:
@@ -563,6 +559,7 @@ class CoordinatorCore:
             return
         log.error("coordinator step loop %s; failing its requests", why)
         self.loop_state = why
+        self._burst_gen += 1                 # no further steps from the step thread
         self._set_healthy(False)
         self.last_failure = f"step loop {why}"
         self.counts["failover_events"] += 1
@@ -595,29 +592,84 @@ class CoordinatorCore:
                 s.send(e)
         self._pending.clear()
 
-    def _timed_engine_step(self) -> list[StepOutput]:
-        t0 = time.perf_counter()
-        try:
-            return self.engine.step()
-        finally:
-            self.loop_timing["engine_s"] += time.perf_counter() - t0
+    def _run_burst(self, loop: asyncio.AbstractEventLoop, gen: int) -> None:
+        """On the step thread: steps back to back while requests run and nothing waits to
+        enter the engine (new requests, aborts: the event loop applies those between bursts),
+        so a step never waits on the event loop, which streams the outputs meanwhile. Each
+        step's finished requests leave the engine here; the outputs go to the loop in order."""
+        engine, tm, clock = self.engine, self.loop_timing, time.perf_counter
+        while (self._burst_gen == gen and self.healthy and self.engine is engine
+               and not self._pending and not self._aborts and engine.has_unfinished()):
+            self._beat = self._step_started = time.monotonic()
+            t0 = clock()
+            if self._last_end is not None:
+                tm["handoff_s"] += t0 - self._last_end
+                tm["cycle_s"] += t0 - self._last_start
+            self._last_start = t0
+            try:
+                outs = engine.step()
+            finally:
+                self._step_started = None
+                t1 = self._last_end = clock()
+                tm["engine_s"] += t1 - t0
+                tm["steps"] += 1
+            for out in outs:
+                if out.finished:
+                    engine.pop_finished(out.request_id)
+            loop.call_soon_threadsafe(self._deliver, outs, gen)
+        self._loop_busy = engine.has_unfinished()
 
-    async def _step(self) -> list[StepOutput]:
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_engine_step)
+    async def _burst(self) -> None:
+        """Run a burst of steps on the step thread. A step that exceeds rank_step_timeout_s
+        (or raises) is StepFailed: the thread's burst is retired (a hung step's thread is left
+        behind, as the executor cannot interrupt it) and the replica fails over."""
+        loop = asyncio.get_running_loop()
+        gen = self._burst_gen
+        self._step_started = None
+        fut = loop.run_in_executor(self._pool, self._run_burst, loop, gen)
         timeout = self.config.rank_step_timeout_s
         try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise StepFailed(f"{self._path_exec.current} did not finish within {timeout} s") \
-                from None
+            while True:
+                started = self._step_started          # None between two steps
+                wait_s = min(0.25, timeout) if started is None else \
+                    started + timeout - time.monotonic()
+                done, _ = await asyncio.wait({fut}, timeout=max(0.005, wait_s))
+                if done:
+                    return fut.result()
+                started = self._step_started
+                if started is not None and time.monotonic() - started > timeout:
+                    self._burst_gen += 1
+                    raise StepFailed(f"{self._path_exec.current} did not finish within "
+                                     f"{timeout} s")
+        except StepFailed:
+            raise
         except Exception as e:
+            self._burst_gen += 1
             raise StepFailed(f"{self._path_exec.current} failed: {type(e).__name__}: {e}") from e
 
+    def _deliver(self, outs: list[StepOutput], gen: int) -> None:
+        """(event loop, posted by the step thread) A retired burst's outputs (a step that
+        finished after its deadline failed the replica over) are dropped: its streams moved
+        on. A dispatch that raises kills the step loop as an exception inside it would (the
+        watchdog's "died"), instead of vanishing into the event loop's exception handler."""
+        if gen != self._burst_gen:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._dispatch(outs)
+        except Exception as e:  # noqa: BLE001 — a coordinator bug: fail loudly, at once
+            self._burst_gen += 1
+            self._loop_failed(f"died: {type(e).__name__}: {e}")
+            if self._loop_task is not None:
+                self._loop_task.cancel()
+        finally:
+            self.loop_timing["dispatch_s"] += time.perf_counter() - t0
+
     def _dispatch(self, outs: list[StepOutput]) -> None:
+        """The step's outputs to their streams; the step thread already took the finished
+        requests out of the engine."""
         for out in outs:
             s = self.streams.get(out.request_id)
-            if out.finished:
-                self.engine.pop_finished(out.request_id)
             if s is not None:
                 s.send(RequestFailed(f"request {out.request_id}: {out.error}") if out.error
                        else out)

@@ -126,11 +126,11 @@ class _StatsCollector:
         lt = s.get("step_loop_timing")
         if lt:
             fam = CounterMetricFamily("raydecode_step_loop_seconds", "The coordinator's step "
-                                      "loop time by part: engine (inside engine.step), await "
-                                      "(the step as the loop awaits it), dispatch (outputs to "
-                                      "streams), cycle (step start to next step start while "
-                                      "requests run)", labels=["part"])
-            for part in ("engine", "await", "dispatch", "cycle"):
+                                      "loop time by part: engine (inside engine.step), handoff "
+                                      "(a step's end to the next one's start), dispatch "
+                                      "(outputs to streams, event loop), cycle (step start to "
+                                      "next step start while requests run)", labels=["part"])
+            for part in ("engine", "handoff", "dispatch", "cycle"):
                 fam.add_metric([part], lt[f"{part}_s"])
             yield fam
             yield CounterMetricFamily("raydecode_step_loop_steps", "Steps the coordinator's "

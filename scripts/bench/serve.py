@@ -210,7 +210,8 @@ def wait_healthy(root: str, timeout_s: float) -> None:
 def step_breakdown(d: dict) -> dict:
     """Per-step means (ms) over a round from /metrics deltas: where a served step's time goes.
     loop_*: the coordinator's step loop (cycle = step start to next start, the TPOT of a
-    decoding stream; await = the step as awaited; engine = inside engine.step; dispatch);
+    decoding stream; engine = inside engine.step; handoff = a step's end to the next one's
+    start; dispatch = outputs to the streams, on the event loop, overlapping the next step);
     execute: the executor's step as the engine sees it (publish → rank 0's result), by path;
     rank0_*: rank 0's step loop (wait for the plan, decode, step = inputs + replay + sampling
     + the host sync, send). engine − execute = the coordinator's host work per step;
@@ -220,7 +221,7 @@ def step_breakdown(d: dict) -> dict:
         return round(1e3 * d.get(total_key, 0.0) / n, 4) if n else None
     out = {f"loop_{p}": per(f'raydecode_step_loop_seconds_total{{part="{p}"}}',
                             "raydecode_step_loop_steps_total")
-           for p in ("cycle", "await", "engine", "dispatch")}
+           for p in ("cycle", "handoff", "engine", "dispatch")}
     for path in ("specialized", "stock"):
         n = d.get(f'raydecode_steps_total{{path="{path}"}}', 0)
         tok = d.get(f'raydecode_step_tokens_total{{path="{path}"}}', 0)

@@ -253,7 +253,7 @@ def test_stalled_step_loop_is_caught_by_the_watchdog():
     try:
         async def hang():
             await asyncio.Event().wait()           # an await that never returns
-        srv.core._step = hang
+        srv.core._burst = hang
         t0 = time.monotonic()
         status, body, headers = _post(url + "/v1/completions",
                                       {"model": "tiny", "prompt": "hi", "max_tokens": 8})
