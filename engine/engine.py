@@ -88,6 +88,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler_config())
         self.requests: dict[str, Request] = {}
         self._emitted: dict[str, int] = {}          # chars of output_text already returned
+        self._detok: dict[str, object] = {}         # request id -> its IncrementalDecoder
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0}
 
     # ---- requests ---------------------------------------------------------------------------
@@ -181,8 +182,7 @@ class LLMEngine:
         stop_tok = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
         if not stop_tok:
             req.output_ids.append(tok)
-        text = self.tokenizer.decode(req.output_ids, skip_special=True,
-                                     markers=p.channel_markers)
+        text = self._detokenize(req)
         reason = None
         for s in p.stop:
             cut = text.find(s)
@@ -198,6 +198,19 @@ class LLMEngine:
             req.finish_reason = reason
             self.finish_request(req)
         return self.delta(req, [] if stop_tok else [tok])
+
+    def _detokenize(self, req: Request) -> str:
+        """The request's output text: incrementally where the tokenizer can (each token
+        decodes only the ids since the last whole character: a long output does not make
+        every step slower), else a full decode."""
+        markers = req.params.channel_markers
+        make = getattr(self.tokenizer, "incremental", None)
+        if make is None:
+            return self.tokenizer.decode(req.output_ids, skip_special=True, markers=markers)
+        ids, dec = req.output_ids, self._detok.get(req.request_id)
+        if dec is None or dec.n > len(ids):
+            dec = self._detok[req.request_id] = make(skip_special=True, markers=markers)
+        return dec.feed(ids[dec.n:])
 
     def delta(self, req: Request, new_ids: list[int]) -> StepOutput:
         """The request's text not yet returned (holding back a possible stop-string prefix or
@@ -226,10 +239,12 @@ class LLMEngine:
                       output_ids=list(output_ids), status=Status.RUNNING)
         self.requests[request_id] = req
         self._emitted[request_id] = emitted_chars
+        self._detok.pop(request_id, None)
         return req
 
     def pop_finished(self, request_id: str) -> Request:
         self._emitted.pop(request_id, None)
+        self._detok.pop(request_id, None)
         return self.requests.pop(request_id)
 
     # ---- convenience --------------------------------------------------------------------------

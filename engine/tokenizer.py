@@ -6,6 +6,7 @@ encoded as ordinary text, so a user writing "<|end_of_msg|>" cannot end a messag
 """
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,11 @@ class Tokenizer:
             ids = [i for i in ids if i not in specials]
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
+    def incremental(self, skip_special: bool = False, markers: bool = False) -> "IncrementalDecoder":
+        """A decoder fed one request's output ids as they come: the same text as `decode` of
+        all of them, at a cost per token that does not grow with the output."""
+        return IncrementalDecoder(self, skip_special, markers)
+
     # ---- chat ------------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                             tools: Sequence[dict] | None = None,
@@ -186,3 +192,36 @@ class Tokenizer:
                     add_generation_prompt: bool = True) -> k3_chat.ChatPrompt:
         """The prompt ids and where generation starts (for the output parser)."""
         return k3_chat.render(self, messages, tools, options, add_generation_prompt)
+
+
+class IncrementalDecoder:
+    """`Tokenizer.decode(ids, skip_special, markers)` of a growing id list, incrementally.
+
+    Byte-level BPE: the text is the UTF-8 decoding (errors replaced) of the ids' bytes, run by
+    run between markers. Python's incremental UTF-8 decoder gives exactly the full decoding's
+    characters for all but a trailing incomplete sequence (at most 3 bytes, which it buffers);
+    the text so far is that plus the buffered bytes decoded alone, as a full decode would. So a
+    token costs the same however long the output, invalid bytes included."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool, markers: bool):
+        self.tok = tok
+        self.marks = tok._marks if markers else {}
+        self.specials = set(tok.special_tokens.values()) if skip_special else set()
+        self.parts: list[str] = []
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.n = 0                                  # ids consumed
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """Consume ids (the output's next ones) -> the text of everything consumed."""
+        for i in ids:
+            self.n += 1
+            b = self.tok.decode_bytes([i])          # validates like decode (raises if unknown)
+            if i in self.marks:                     # a run ends: flush it, then the marker
+                self.parts += [self.utf8.decode(b"", final=True), self.marks[i]]
+                self.utf8.reset()
+            elif i not in self.specials:
+                self.parts.append(self.utf8.decode(b, final=False))
+        if len(self.parts) > 64:
+            self.parts = ["".join(self.parts)]
+        held = self.utf8.getstate()[0]
+        return "".join(self.parts) + held.decode("utf-8", errors="replace")
