@@ -124,6 +124,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (a decode step reads one token of a
+        32k-token prompt + output: no copy of the rest). 0 <= start <= stop."""
+        P = len(self.prompt_ids)
+        if stop <= P:
+            return self.prompt_ids[start:stop]
+        if start >= P:
+            return self.output_ids[start - P:stop - P]
+        return self.prompt_ids[start:] + self.output_ids[:stop - P]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -273,7 +273,7 @@ class Scheduler:
         for req, n in chosen:
             start = len(tokens)
             seqs.append(SeqSlice(slot=req.slot, start=start, length=n, pos=req.num_cached))
-            tokens.extend(req.all_ids[req.num_cached:req.num_cached + n])
+            tokens.extend(req.ids_slice(req.num_cached, req.num_cached + n))
             rows.append(start + n - 1)
             ids.append(req.request_id)
         span, budget = self.blocks.span, self.cfg.max_num_batched_tokens

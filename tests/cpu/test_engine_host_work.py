@@ -1,7 +1,8 @@
-"""Incremental detokenization (engine/tokenizer.py `IncrementalDecoder`, used by LLMEngine for
+"""The engine's per-step host work that must not grow with the output or the prompt:
+incremental detokenization (engine/tokenizer.py `IncrementalDecoder`, used by LLMEngine for
 every sampled token) equals a full decode of the ids so far after every token — multi-byte
-characters split across tokens, specials skipped, K3's channel markers — and an engine's
-output text and deltas are what a full decode gives."""
+characters split across tokens, specials skipped, K3's channel markers; a step's tokens are read
+with `Request.ids_slice` (no prompt + output copy), equal to slicing all_ids."""
 import random
 
 import pytest
@@ -67,3 +68,17 @@ def test_unknown_id_raises_like_decode(tok):
     dec = tok.incremental()
     with pytest.raises(TokenizerError, match=str(VOCAB + 5)):
         dec.feed([VOCAB + 5])
+
+
+def test_request_ids_slice_equals_all_ids_slices():
+    from raydecode.engine.request import Request
+    from raydecode.engine.sampling import SamplingParams
+    rng = random.Random(7)
+    for _ in range(200):
+        r = Request(prompt_ids=[rng.randrange(100) for _ in range(rng.randrange(1, 9))],
+                    params=SamplingParams(max_tokens=8),
+                    output_ids=[rng.randrange(100) for _ in range(rng.randrange(0, 9))])
+        n = r.num_tokens
+        a = rng.randrange(n + 1)
+        b = rng.randrange(a, n + 1)
+        assert r.ids_slice(a, b) == r.all_ids[a:b], (a, b)
