@@ -264,7 +264,9 @@ def speed(cfg: K3Config, gpu: GPU, eff: Efficiency, dep: Deployment, path: str, 
     out = {"requested": path, "runs_as": p, "batch": seqs, "context": ctx,
            "step_us": total, "target_step_us": st.us, "draft_us": draft,
            "tokens_per_step_per_seq": per_step, "control_plane_us": st.control_plane_us,
-           # what a client sees between tokens: the step with its control plane, per token
+           "host_us": st.host_us,
+           # what a client sees between tokens: the step with its control plane and the
+           # coordinator's host work, per token
            "served_tpot_ms": total / per_step / 1e3,
            "tok_s_user": per_step * 1e6 / total, "tok_s": seqs * per_step * 1e6 / total}
     if detail:
@@ -472,7 +474,8 @@ def plan(cfg: K3Config, gpu: GPU, dep: Deployment, wl: Workload | None = None,
                        "launch_floor_us": eff.launch_floor_us,
                        "step_overhead_us": eff.step_overhead_us, "alpha_us": eff.alpha_us,
                        "compute_eff": eff.compute_eff,
-                       "control_plane_points": [list(p) for p in eff.control_plane]},
+                       "control_plane_points": [list(p) for p in eff.control_plane],
+                       "host_points": [list(p) for p in eff.host]},
         "anchors": None, "warnings": warnings,
     }
     if anchor_gpu is not None and anchor_cfg is not None:

@@ -47,6 +47,23 @@ class Efficiency:
     # per step: coordinator decision -> plan to every rank -> rank 0's token ids back, with no
     # model work; (ranks, batch, µs) points, from control-plane-*.json when one is committed
     control_plane: tuple = ((1, 1, 60.0), (4, 1, 80.0), (16, 1, 150.0), (16, 64, 300.0))
+    # per step: the coordinator's own host work a served step adds on top of the kernels and
+    # the channel (scheduling, plan, outputs, the step loop); (batch, µs) points from the
+    # newest serve-*.json (served TPOT p50 − graphed step − its 1-rank channel), none: 0
+    host: tuple = ()
+
+    def host_us(self, batch: int) -> float:
+        """µs of coordinator host work per step at `batch` sequences: linear between the
+        measured points, clamped at the ends; 0 without a measurement."""
+        pts = sorted(self.host)
+        if not pts:
+            return 0.0
+        if batch <= pts[0][0]:
+            return pts[0][1]
+        for (b0, u0), (b1, u1) in zip(pts, pts[1:]):
+            if batch <= b1:
+                return u0 + (batch - b0) / (b1 - b0) * (u1 - u0)
+        return pts[-1][1]
 
     def control_plane_us(self, ranks: int, batch: int) -> float:
         """µs of control plane per step: the points of the fewest measured ranks ≥ `ranks`
@@ -193,8 +210,37 @@ def load_efficiency(bench_dir: str | Path | None, catalog: dict[str, GPU] | None
     if points:
         cp = points
         sources["control_plane"] = f"{d}/{name} (channel p50, {len(points)} points)"
+    host = eff.host
+    hpts, hname = _host_points(d, replace(eff, control_plane=cp), notes)
+    if hpts:
+        host = hpts
+        sources["host"] = (f"{d}/{hname} (served TPOT p50 − graphed step − 1-rank channel, "
+                           f"{len(hpts)} points)")
     return replace(eff, curves=curves, alpha_us=alpha, sources=sources,
-                   control_plane=cp), notes
+                   control_plane=cp, host=host), notes
+
+
+def _host_points(d: Path, eff: "Efficiency", notes: list[str]) -> tuple[tuple, str | None]:
+    """(batch, µs) of coordinator host work per step from the newest serve-*.json
+    (scripts/bench/serve.py: one rank, so its channel is the 1-rank control plane);
+    ((), None) without one. Negative differences (noise) count as 0."""
+    for f in sorted(d.glob("serve-*.json"), reverse=True):
+        try:
+            doc = json.loads(f.read_text())
+            pts = []
+            for r in doc["levels"]:
+                c, tpot = int(r["concurrency"]), r.get("tpot_ms_p50")
+                g = r.get("graphed_step_ms")
+                if tpot and g:
+                    us = (float(tpot) - float(g)) * 1e3 - eff.control_plane_us(1, c)
+                    pts.append((c, max(0.0, round(us, 1))))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            notes.append(f"skipped {f.name}: {type(e).__name__}: {e}")
+            continue
+        if pts:
+            notes.append(f"read {f.name} ({len(pts)} points)")
+            return tuple(pts), f.name
+    return (), None
 
 
 def _control_plane_points(d: Path, notes: list[str]) -> tuple[tuple, str | None]:
@@ -375,6 +421,7 @@ class StepTime:
     overhead_us: float
     draft_us: float = 0.0
     control_plane_us: float = 0.0          # included in us
+    host_us: float = 0.0                   # the coordinator's host work, included in us
 
     def layer_kinds_us(self, cfg: K3Config) -> dict[str, dict]:
         """Per layer kind ('kda+moe', 'mla+moe', 'kda+dense'): µs per layer, layers, kernels,
@@ -402,9 +449,10 @@ def step_time(cfg: K3Config, gpu: GPU, eff: Efficiency, path: str, tp: int, dcp:
     subs = {kind: sublayer_time(cfg, kind, pieces, tokens, path, tp, dcp, gpu, eff)
             for kind, pieces in reads.items()}
     cp = eff.control_plane_us(tp, seqs)
-    total = sum(counts[k] * s.us for k, s in subs.items()) + eff.step_overhead_us + cp
+    host = eff.host_us(seqs)
+    total = sum(counts[k] * s.us for k, s in subs.items()) + eff.step_overhead_us + cp + host
     return StepTime(total, path, subs, {k: counts[k] for k in subs}, eff.step_overhead_us,
-                    control_plane_us=cp)
+                    control_plane_us=cp, host_us=host)
 
 
 def draft_time(cfg: K3Config, gpu: GPU, eff: Efficiency, path: str, tp: int, dcp: int,

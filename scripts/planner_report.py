@@ -58,7 +58,9 @@ def render(r: dict) -> str:
                f"{st['sublayers']['head']['us']:.1f}"),
           _row("step overhead µs", f"{sp['overhead_us']:.1f}", f"{st['overhead_us']:.1f}"),
           _row("control plane µs", f"{sp['control_plane_us']:.1f}",
-               f"{st['control_plane_us']:.1f}")]
+               f"{st['control_plane_us']:.1f}"),
+          _row("coordinator host µs", f"{sp.get('host_us', 0.0):.1f}",
+               f"{st.get('host_us', 0.0):.1f}")]
     if d["dspark_k"]:
         L.append(_row("draft pass µs", f"{sp['draft_us']:.1f}", f"{st['draft_us']:.1f}"))
     L += [_row("step µs", f"{sp['step_us']:.1f}", f"{st['step_us']:.1f}"),

@@ -241,6 +241,32 @@ def test_measured_control_plane_enters_the_step_and_the_served_tpot(k3, cat, tmp
     assert s["control_plane_us"] == pytest.approx(400.0)
 
 
+def test_measured_served_host_work_enters_the_served_tpot(k3, cat, tmp_path):
+    """A serve-*.json (scripts/bench/serve.py, one rank) gives the coordinator's host work per
+    step: served TPOT p50 − graphed step − the 1-rank channel, linear in batch; it enters the
+    step and the served TPOT; a negative difference counts as 0."""
+    rows = [{"variant": "channel", "batch": b, "p50_ms": ms} for b, ms in ((1, 0.1), (64, 0.3))]
+    (tmp_path / "control-plane-h200-x.json").write_text(json.dumps({"groups": [
+        {"ranks": 1, "rows": rows}, {"ranks": 16, "rows": rows}]}))
+    (tmp_path / "serve-h200-x.json").write_text(json.dumps({"levels": [
+        {"concurrency": 1, "tpot_ms_p50": 7.0, "graphed_step_ms": 6.0},
+        {"concurrency": 64, "tpot_ms_p50": 60.0, "graphed_step_ms": 44.0},
+        {"concurrency": 4, "tpot_ms_p50": 10.0, "graphed_step_ms": 11.0}]}))
+    eff, notes = load_efficiency(tmp_path, cat)
+    assert "read serve-h200-x.json (3 points)" in notes
+    assert eff.host_us(1) == pytest.approx(900.0)                 # 1000 − 100 µs channel
+    assert eff.host_us(4) == pytest.approx(0.0)                   # noise: never negative
+    assert eff.host_us(64) == pytest.approx(16000.0 - 300.0)
+    assert eff.host_us(34) == pytest.approx(0 + 30 / 60 * 15700.0)
+    g = gb300(cat)
+    a = step_time(k3, g, eff, "specialized", 16, 1, 1, 2048)
+    b = step_time(k3, g, dataclasses.replace(eff, host=()), "specialized", 16, 1, 1, 2048)
+    assert a.us - b.us == pytest.approx(900.0) and a.host_us == pytest.approx(900.0)
+    s = PL.speed(k3, g, eff, PL.Deployment(tp=16, batch=1, context=2048), "specialized", 1)
+    assert s["host_us"] == pytest.approx(900.0)
+    assert s["served_tpot_ms"] == pytest.approx(s["step_us"] / 1e3)
+
+
 def test_missing_bench_dir_gives_defaults(tmp_path):
     eff, notes = load_efficiency(tmp_path / "absent")
     assert eff == Efficiency.defaults() and notes == []
