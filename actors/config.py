@@ -250,6 +250,14 @@ class DeployConfig(_Model):
     rank_step_timeout_s: float = Field(
         default=60.0, gt=0, description="A step that has not returned after this many seconds "
                                         "marks the replica unhealthy and fails its requests over.")
+    coordinator_switch_interval_ms: float = Field(
+        default=0.2, gt=0, le=100,
+        description="The coordinator process's GIL switch interval (sys.setswitchinterval), ms. "
+                    "Its step thread waits for the GIL at each wake-up (a rank's result, a "
+                    "socket send) while the event loop streams outputs; under such load "
+                    "Python's 5 ms default made a step's channel round trip average 0.8-3.4 ms "
+                    "(1-4 ranks, batch 1-64), 0.2 ms makes it 0.33-0.94 "
+                    "(docs/perf-log/served-path.md).")
     envelope: EnvelopeOptions = Field(default_factory=EnvelopeOptions,
                                       description="The specialized-path envelope (DESIGN §3).")
     stock_pool: StockPoolOptions | None = Field(

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -298,6 +299,8 @@ class CoordinatorCore:
         from raydecode.engine.loader import load_tokenizer
 
         self.config = config
+        # the step thread must get the GIL back quickly from a busy event loop (see config)
+        sys.setswitchinterval(config.coordinator_switch_interval_ms / 1e3)
         self.factory = executor_factory or functools.partial(build_executor, config)
         mcfg = _model_config(config.model)
         self.engine_cfg = config.engine_config(mcfg.max_position_embeddings)

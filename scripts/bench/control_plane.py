@@ -14,6 +14,11 @@ Variants, each measured in the same run on the same actors:
   channel_tcp     the same over TCP loopback (the path of ranks on other hosts)
   ray_call        the old path: one Ray actor call per rank per step, the plan pickled
   compiled_graph  a Ray Compiled Graph over the same actors' `step` method (where it compiles)
+  channel_gil_busy  the channel while a sibling thread of the coordinator holds the GIL in
+                  4 ms bursts of Python work with 1 ms pauses (what a coordinator's event loop
+                  does while it streams many outputs), once per --switch-intervals value
+                  (sys.setswitchinterval; Python's default is 5 ms, the deployment's
+                  coordinator_switch_interval_ms 0.2)
 Per (ranks, batch, variant): p50 / p90 / p99 / mean of the per-step ms.
 """
 from __future__ import annotations
@@ -33,7 +38,33 @@ from raydecode.models.cache import StepBatch
 
 from .report_io import git_commit, report_header, write_report
 
-VARIANTS = ("channel", "channel_tcp", "ray_call", "compiled_graph")
+VARIANTS = ("channel", "channel_tcp", "ray_call", "compiled_graph", "channel_gil_busy")
+
+
+class GilBusy:
+    """A thread holding the GIL in bursts of pure-Python work (`burst_s`) with short pauses."""
+
+    def __init__(self, burst_s: float = 0.004, pause_s: float = 0.001):
+        import threading
+        self.burst_s, self.pause_s = burst_s, pause_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            t, d = time.perf_counter(), {}
+            while time.perf_counter() - t < self.burst_s:
+                for i in range(200):
+                    d[i] = str(i) * 3
+            time.sleep(self.pause_s)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 class NullModel:
@@ -91,7 +122,7 @@ def time_steps(run, batch: int, steps: int, warm: int) -> dict:
 
 
 def bench_group(n: int, batches: list[int], variants: list[str], steps: int, warm: int,
-                cpus_per_rank: float) -> dict:
+                cpus_per_rank: float, switch_intervals_ms: tuple = (5.0, 0.2)) -> dict:
     import ray
 
     from raydecode.actors.rank_group import make_rank_group_executor
@@ -117,6 +148,22 @@ def bench_group(n: int, batches: list[int], variants: list[str], steps: int, war
                     run, teardown = _compiled(ex.workers)
                 except Exception as e:  # noqa: BLE001 — reported, not fatal
                     note = f"did not compile: {type(e).__name__}: {str(e)[:300]}"
+            if v == "channel_gil_busy":
+                ex.reconnect(local=True)
+                prev = sys.getswitchinterval()
+                try:
+                    for si in switch_intervals_ms:
+                        sys.setswitchinterval(si / 1e3)
+                        for b in batches:
+                            with GilBusy():
+                                row = {"variant": v, "batch": b, "switch_interval_ms": si,
+                                       **time_steps(ex.execute, b, steps, warm)}
+                            out["rows"].append(row)
+                            print(f"[control-plane] ranks={n} batch={b} {v} switch {si} ms: "
+                                  f"p50 {row['p50_ms']} mean {row['mean_ms']}", flush=True)
+                finally:
+                    sys.setswitchinterval(prev)
+                continue
             for b in batches:
                 row = {"variant": v, "batch": b}
                 if run is None:
@@ -161,10 +208,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--cpus-per-rank", type=float, default=0.5,
                     help="Ray CPUs a rank actor reserves (logical: the host has what it has)")
+    ap.add_argument("--switch-intervals", default="5,0.2",
+                    help="ms, for channel_gil_busy")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
     ranks = [int(x) for x in args.ranks.split(",")]
+    intervals = tuple(float(x) for x in args.switch_intervals.split(","))
     batches = [int(x) for x in args.batches.split(",")]
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
@@ -183,7 +233,7 @@ def main(argv=None) -> int:
     try:
         for n in ranks:
             report["groups"].append(bench_group(n, batches, variants, args.steps, args.warm,
-                                                args.cpus_per_rank))
+                                                args.cpus_per_rank, intervals))
             if args.out:
                 write_report(report, args.out, t0)
     finally:

@@ -337,3 +337,24 @@ def test_http_503_retry_after_and_mid_stream_error_event_without_stock_pool(refe
         busy.body["message"]
     # the stream had started (HTTP 200) with the first tokens' text before the failure
     assert got and ref[0][2].startswith("".join(got)) and "".join(got) != ref[0][2]
+
+
+def test_coordinator_sets_its_gil_switch_interval_and_bad_values_are_named():
+    """The coordinator process hands the GIL to its step thread within the configured interval
+    (actors/config.py coordinator_switch_interval_ms); a bad value is refused at parse time."""
+    import sys
+
+    from raydecode.actors.config import DeployConfigError
+    from raydecode.actors.coordinator import CoordinatorCore
+
+    prev = sys.getswitchinterval()
+    try:
+        CoordinatorCore(cfg(coordinator_switch_interval_ms=0.7))
+        assert sys.getswitchinterval() == pytest.approx(0.7e-3)
+        CoordinatorCore(cfg())
+        assert sys.getswitchinterval() == pytest.approx(0.2e-3)      # the default
+    finally:
+        sys.setswitchinterval(prev)
+    for bad in (0, -1, 1000):
+        with pytest.raises(DeployConfigError, match="coordinator_switch_interval_ms"):
+            cfg(coordinator_switch_interval_ms=bad)
