@@ -250,6 +250,12 @@ class DeployConfig(_Model):
     rank_step_timeout_s: float = Field(
         default=60.0, gt=0, description="A step that has not returned after this many seconds "
                                         "marks the replica unhealthy and fails its requests over.")
+    split_mixed_steps: bool | None = Field(
+        default=None,
+        description="Never put decode tokens into a prefill step: while prompts prefill and "
+                    "sequences decode, steps alternate between prefill chunks and decode "
+                    "tokens alone, so the decodes keep the specialized (graphed) path. null: "
+                    "on when decode steps replay captured graphs and the envelope is on.")
     coordinator_switch_interval_ms: float = Field(
         default=0.2, gt=0, le=100,
         description="The coordinator process's GIL switch interval (sys.setswitchinterval), ms. "

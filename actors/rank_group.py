@@ -170,6 +170,11 @@ class RankGroupExecutor:
         return self.readiness.support
 
     # ---- the ReplicaExecutor protocol ----------------------------------------------------------
+    @property
+    def decode_graphed(self) -> bool:
+        """Every rank captured step graphs for at least one decode bucket."""
+        return bool(self.readiness.support[0] and self.readiness.graph_buckets)
+
     def specialized_ready(self, num_seqs: int) -> bool:
         """The model's specialized step exists for this config and TP (the kernels were
         compiled at build), and with step graphs on every rank captured num_seqs' bucket."""

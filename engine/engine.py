@@ -38,6 +38,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False    # restore cached prefixes (engine/prefix_cache.py)
     num_snapshots: int = 0                 # KDA snapshot slots per rank (prefix caching)
     fork: bool = True                      # n > 1 samples share one prefill
+    split_mixed: bool = False              # decode tokens never ride a prefill step (scheduler)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -64,7 +65,8 @@ class EngineConfig:
                                num_blocks=self.blocks, block_size=self.block_size,
                                dcp_size=self.dcp_size,
                                prefix_caching=self.enable_prefix_caching,
-                               num_snapshots=self.num_snapshots, fork=self.fork)
+                               num_snapshots=self.num_snapshots, fork=self.fork,
+                               split_mixed=self.split_mixed)
 
 
 @dataclass

@@ -72,6 +72,10 @@ class SchedulerConfig:
     prefix_caching: bool = False
     num_snapshots: int = 0                # KDA snapshot slots per rank (prefix caching)
     fork: bool = True                     # n > 1 shares the prefill (False: each prefills)
+    # never mix decode tokens into a prefill step: while both wait, steps alternate between
+    # prefill chunks (+ admissions) and decode tokens alone, so the decodes keep the fast
+    # (graphed, specialized) path instead of riding the stock path with the prompt
+    split_mixed: bool = False
 
 
 class Scheduler:
@@ -91,6 +95,8 @@ class Scheduler:
         self._next_block: list[tuple[int, int]] = []
         self._next_made: list[Snapshot] = []
         self._behind: dict[str, list[Snapshot]] = {}   # request -> its superseded snapshots
+        self._prefill_turn = True                 # split_mixed: the next mixed step's half
+        self.num_split_steps = 0                  # steps that left one half for the next
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -243,26 +249,40 @@ class Scheduler:
 
         decode = [r for r in self.running if not r.in_prefill]
         prefill = [r for r in self.running if r.in_prefill]
-        for req in decode + prefill:
-            if budget <= 0 or req not in self.running:   # may have been preempted meanwhile
-                continue
-            n = min(req.num_tokens - req.num_cached, budget)
-            if not self._grow(req, req.num_cached + n, changed):
-                continue
-            chosen.append((req, n))
-            budget -= n
-        chosen = [(r, n) for r, n in chosen if r in self.running]
-
+        halves = [(decode, prefill, True)]                 # (decode, prefill, admit)
+        if self.cfg.split_mixed and decode and (prefill or (self.waiting and
+                                                            self.slots.num_free)):
+            first, second = ([], prefill, True), (decode, [], False)
+            if not self._prefill_turn:
+                first, second = second, first
+            halves = [first, second]         # the second only if the first runs nothing
         admitted = set()
-        while self.waiting and budget > 0 and self.slots.num_free:
-            req = self.waiting[0]
-            n = self._admit(req, budget, changed, reset, state, block)
-            if not n:
+        ran_prefill = False
+        for d, p, admit in halves:
+            ran_prefill = not d
+            for req in d + p:
+                if budget <= 0 or req not in self.running:   # may have been preempted meanwhile
+                    continue
+                n = min(req.num_tokens - req.num_cached, budget)
+                if not self._grow(req, req.num_cached + n, changed):
+                    continue
+                chosen.append((req, n))
+                budget -= n
+            chosen = [(r, n) for r, n in chosen if r in self.running]
+            while admit and self.waiting and budget > 0 and self.slots.num_free:
+                req = self.waiting[0]
+                n = self._admit(req, budget, changed, reset, state, block)
+                if not n:
+                    break
+                self.waiting.popleft()
+                admitted.add(id(req))
+                chosen.append((req, n))
+                budget -= n
+            if chosen:
                 break
-            self.waiting.popleft()
-            admitted.add(id(req))
-            chosen.append((req, n))
-            budget -= n
+        if len(halves) == 2:                 # the half that waited goes first next time
+            self._prefill_turn = not ran_prefill
+            self.num_split_steps += 1
 
         if not chosen:             # nothing ran: the copies wait for the next plan
             for s in made:

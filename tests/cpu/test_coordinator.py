@@ -358,3 +358,34 @@ def test_coordinator_sets_its_gil_switch_interval_and_bad_values_are_named():
     for bad in (0, -1, 1000):
         with pytest.raises(DeployConfigError, match="coordinator_switch_interval_ms"):
             cfg(coordinator_switch_interval_ms=bad)
+
+
+def test_split_mixed_steps_auto_follows_graphed_decode():
+    """split_mixed_steps null: on when the executor's decode steps replay captured graphs and
+    the envelope is on (a decode token riding a prefill step would run eager stock); an
+    explicit value wins; the CPU tiny replica (no graphs) keeps mixed steps."""
+    from raydecode.actors.coordinator import CoordinatorCore, build_executor
+
+    class Graphed:
+        decode_graphed = True
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def split(config, graphed):
+        core = CoordinatorCore(config, (lambda: Graphed(build_executor(config))) if graphed
+                               else None)
+        core._build_engine()
+        try:
+            return core.engine.scheduler.cfg.split_mixed, core.stats()["split_mixed_steps"]
+        finally:
+            core._pool.shutdown(wait=False)
+
+    assert split(cfg(), graphed=True) == (True, True)
+    assert split(cfg(), graphed=False) == (False, False)
+    assert split(cfg(split_mixed_steps=False), graphed=True) == (False, False)
+    assert split(cfg(split_mixed_steps=True), graphed=False) == (True, True)
+    assert split(cfg(envelope={"enabled": False}), graphed=True) == (False, False)

@@ -161,3 +161,22 @@ def test_seeded_requests_draw_the_same_tokens_alone_or_batched(shard, tok):
                                           ignore_eos=True))
     assert batched[1].output_ids == alone
     assert len(set(alone)) > 2
+
+
+def test_split_mixed_steps_do_not_change_tokens(shard, tok):
+    """Decode tokens kept out of prefill steps (split_mixed) give the same greedy tokens as the
+    mixed policy: prompts chunked at 8 tokens arriving while others decode."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = ["short", "a fairly long prompt that is cut into several prefill chunks " * 2,
+               "third prompt here", "x"]
+    outs = {}
+    for split in (False, True):
+        eng = make_engine(shard, tok, max_num_batched_tokens=8, split_mixed=split)
+        reqs = [eng.add_request(prompts[0], params)]
+        eng.step()                                  # the first decodes while the rest arrive
+        reqs += [eng.add_request(p, params) for p in prompts[1:]]
+        while eng.has_unfinished():
+            eng.step()
+        outs[split] = [r.output_ids for r in reqs]
+        assert (eng.scheduler.num_split_steps > 0) == split
+    assert outs[True] == outs[False]

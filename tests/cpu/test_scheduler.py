@@ -79,3 +79,64 @@ def test_finish_releases_slot_and_blocks():
     assert s.blocks.num_free == 4 and s.slots.num_free == 1
     plan = run_step(s)
     assert plan.request_ids == [b.request_id]
+
+
+def _is_decode_only(s: Scheduler, plan) -> bool:
+    return all(seq.length == 1 for seq in plan.batch.seqs) and all(
+        r.num_cached >= len(r.prompt_ids) for r in s.requests_of(plan))
+
+
+def test_split_mixed_steps_alternate_and_never_mix_decodes_into_a_prefill():
+    """split_mixed: while b's 20-token prompt prefills and a, c decode, every step is either
+    decode tokens alone or b's chunk alone; the two alternate (a decode never waits two steps),
+    and the prompt still arrives in budget-sized chunks."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, num_blocks=64,
+                                  block_size=4, split_mixed=True))
+    a, c = req(3, max_tokens=30), req(2, max_tokens=30)
+    s.add(a)
+    s.add(c)
+    run_step(s)                               # both prefill together (nothing decodes yet)
+    b = req(20)
+    s.add(b)
+    kinds, chunks = [], []
+    while b.num_cached < 20:
+        plan = run_step(s)
+        ids = set(plan.request_ids)
+        if b.request_id in ids:
+            assert ids == {b.request_id}, ids          # a prefill step carries no decode
+            chunks.append(plan.batch.seqs[0].length)
+            kinds.append("prefill")
+        else:
+            assert ids == {a.request_id, c.request_id} and _is_decode_only(s, plan)
+            kinds.append("decode")
+    assert chunks == [8, 8, 4]
+    assert kinds == ["prefill", "decode", "prefill", "decode", "prefill"]
+    assert s.num_split_steps == 5
+    plan = run_step(s)                        # b decodes with the others now: no split
+    assert set(plan.request_ids) == {a.request_id, b.request_id, c.request_id}
+    assert s.num_split_steps == 5
+
+
+def test_split_mixed_off_is_the_mixed_policy():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, num_blocks=64,
+                                  block_size=4))
+    a = req(3)
+    s.add(a)
+    run_step(s)
+    b = req(20)
+    s.add(b)
+    plan = run_step(s)
+    assert set(plan.request_ids) == {a.request_id, b.request_id} and s.num_split_steps == 0
+
+
+def test_split_mixed_runs_decodes_when_the_prefill_half_cannot_run():
+    """No blocks for the waiting prompt: the prefill half runs nothing, so the decodes run in
+    that step rather than the replica idling."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, num_blocks=3,
+                                  block_size=4, split_mixed=True))
+    a = req(3, max_tokens=4)
+    s.add(a)
+    run_step(s)
+    s.add(req(40))                            # a 12-token chunk: 3 blocks, 2 are free
+    plan = run_step(s)
+    assert plan is not None and plan.request_ids == [a.request_id]
