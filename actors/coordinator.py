@@ -44,6 +44,7 @@ log = logging.getLogger("raydecode.coordinator")
 PATHS = ("specialized", "stock")
 REBUILD_BACKOFF_S = (1.0, 5.0, 30.0)
 WATCHDOG_MARGIN_S = 10.0      # a loop silent this long (at most) past the step deadline: stalled
+MAX_AHEAD = 2                 # steps the step thread may run before the streams have their outputs
 
 
 class Overloaded(RuntimeError):
@@ -357,6 +358,9 @@ class CoordinatorCore:
         self._last_end: float | None = None  # the last step's end, while requests run
         self._last_start: float | None = None
         self._step_started: float | None = None   # monotonic start of the step in flight
+        # backpressure: the step thread runs at most MAX_AHEAD steps ahead of the streams
+        # (outputs posted to the event loop, not yet dispatched)
+        self._ahead = threading.Semaphore(MAX_AHEAD)
 
     # ---- life cycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -641,7 +645,14 @@ class CoordinatorCore:
             for out in outs:
                 if out.finished:
                     engine.pop_finished(out.request_id)
-            loop.call_soon_threadsafe(self._deliver, outs, gen)
+            while not self._ahead.acquire(timeout=0.05):   # the event loop is behind
+                if self._burst_gen != gen:
+                    return                                 # retired meanwhile: drop them
+            try:
+                loop.call_soon_threadsafe(self._deliver, outs, gen)
+            except RuntimeError:                           # the event loop closed
+                self._ahead.release()
+                return
         self._loop_busy = engine.has_unfinished()
 
     async def _burst(self) -> None:
@@ -677,6 +688,7 @@ class CoordinatorCore:
         finished after its deadline failed the replica over) are dropped: its streams moved
         on. A dispatch that raises kills the step loop as an exception inside it would (the
         watchdog's "died"), instead of vanishing into the event loop's exception handler."""
+        self._ahead.release()
         if gen != self._burst_gen:
             return
         t0 = time.perf_counter()

@@ -389,3 +389,35 @@ def test_split_mixed_steps_auto_follows_graphed_decode():
     assert split(cfg(split_mixed_steps=False), graphed=True) == (False, False)
     assert split(cfg(split_mixed_steps=True), graphed=False) == (True, True)
     assert split(cfg(envelope={"enabled": False}), graphed=True) == (False, False)
+
+
+def test_step_thread_runs_at_most_max_ahead_steps_before_the_streams():
+    """Backpressure: with a slow dispatch (the event loop behind), the step thread never runs
+    more than MAX_AHEAD steps whose outputs the streams have not received; tokens unchanged."""
+    import time as _time
+
+    from raydecode.actors import coordinator as co
+
+    async def main():
+        core = co.CoordinatorCore(cfg(max_num_seqs=4))
+        await core.start()
+        inner = core._dispatch
+        lag = []
+
+        def slow(outs):
+            lag.append(core.loop_timing["steps"] - (len(lag) + 1))
+            _time.sleep(0.03)
+            inner(outs)
+        core._dispatch = slow
+        try:
+            got = await _collect(core, "r0", [5, 6, 7], SamplingParams(max_tokens=16,
+                                                                        temperature=0.0,
+                                                                        ignore_eos=True))
+        finally:
+            await core.close()
+        return got, lag
+
+    (ids, _, reason), lag = asyncio.run(main())
+    assert len(ids) == 16 and reason == "length"
+    assert co.MAX_AHEAD == 2 and lag and max(lag) <= 2, lag
+    assert max(lag) >= 1                    # it did run ahead while the loop was busy
