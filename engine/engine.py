@@ -203,8 +203,8 @@ class LLMEngine:
 
     def _detokenize(self, req: Request) -> str:
         """The request's output text: incrementally where the tokenizer can (each token
-        decodes only the ids since the last whole character: a long output does not make
-        every step slower), else a full decode."""
+        decodes only its own bytes: a long output does not make every step slower), else a
+        full decode."""
         markers = req.params.channel_markers
         make = getattr(self.tokenizer, "incremental", None)
         if make is None:

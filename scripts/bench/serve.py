@@ -405,10 +405,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--output-tokens", type=int, default=96)
     ap.add_argument("--warm-tokens", type=int, default=4)
-    ap.add_argument("--prefill-budget", type=int, default=64,
-                    help="max_num_batched_tokens (the H200 run takes 1024: all 64 prompts "
-                         "prefill in one stock step, no mixed steps of many decoding "
-                         "sequences on the eager stock path, issue 28)")
+    ap.add_argument("--prefill-budget", type=int, default=1024,
+                    help="max_num_batched_tokens (1024: all 64 prompts prefill in one stock "
+                         "step, no mixed steps of many decoding sequences on the eager stock "
+                         "path, issue 28)")
     ap.add_argument("--graph-steps", type=int, default=20)
     ap.add_argument("--step-timeout", type=float, default=900.0)
     ap.add_argument("--start-timeout", type=float, default=1800.0)
