@@ -114,27 +114,28 @@ class _StatsCollector:
                                     value=cp["max_result_bytes"])
             r0 = cp.get("rank0_timing")
             if r0:
-                fam = CounterMetricFamily("raydecode_rank0_step_loop_seconds", "Rank 0's step "
-                                          "loop time by part: waiting for a plan, decoding it, "
-                                          "the step (inputs, replay, sampling, host sync), "
-                                          "sending the result", labels=["part"])
-                for part in ("wait", "decode", "step", "send"):
-                    fam.add_metric([part], r0[f"{part}_s"])
-                yield fam
-                yield CounterMetricFamily("raydecode_rank0_step_loop_steps", "Steps rank 0's "
-                                          "loop ran", value=r0["steps"])
+                yield from _loop_families(
+                    "raydecode_rank0_step_loop", r0, ("wait", "decode", "step", "send"),
+                    "Rank 0's step loop time by part: waiting for a plan, decoding it, the "
+                    "step (inputs, replay, sampling, host sync), sending the result",
+                    "Steps rank 0's loop ran")
         lt = s.get("step_loop_timing")
         if lt:
-            fam = CounterMetricFamily("raydecode_step_loop_seconds", "The coordinator's step "
-                                      "loop time by part: engine (inside engine.step), handoff "
-                                      "(a step's end to the next one's start), dispatch "
-                                      "(outputs to streams, event loop), cycle (step start to "
-                                      "next step start while requests run)", labels=["part"])
-            for part in ("engine", "handoff", "dispatch", "cycle"):
-                fam.add_metric([part], lt[f"{part}_s"])
-            yield fam
-            yield CounterMetricFamily("raydecode_step_loop_steps", "Steps the coordinator's "
-                                      "loop ran", value=lt["steps"])
+            yield from _loop_families(
+                "raydecode_step_loop", lt, ("engine", "handoff", "dispatch", "cycle"),
+                "The coordinator's step loop time by part: engine (inside engine.step), "
+                "handoff (a step's end to the next one's start), dispatch (outputs to streams, "
+                "event loop), cycle (step start to next step start while requests run)",
+                "Steps the coordinator's loop ran")
+
+
+def _loop_families(name: str, timing: dict, parts: tuple, help_: str, steps_help: str):
+    """A step loop's seconds by part (`{part}_s` keys of `timing`) and its step count."""
+    fam = CounterMetricFamily(f"{name}_seconds", help_, labels=["part"])
+    for part in parts:
+        fam.add_metric([part], timing[f"{part}_s"])
+    yield fam
+    yield CounterMetricFamily(f"{name}_steps", steps_help, value=timing["steps"])
 
 
 def _cache_families(c: dict):
