@@ -35,6 +35,18 @@ STOCK_CURVE = tuple((b / _H200_PEAK * 1e6, a / _H200_PEAK) for b, a in _DESIGN_C
 SPECIALIZED_CURVE = ((1.0, STOCK_CURVE[-1][1]),)
 
 
+def _linear(row: list, x: float) -> float:
+    """y at x on sorted (x, y) points: linear between them, clamped at the ends; 0 if none."""
+    if not row:
+        return 0.0
+    if x <= row[0][0]:
+        return row[0][1]
+    for (x0, y0), (x1, y1) in zip(row, row[1:]):
+        if x <= x1:
+            return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    return row[-1][1]
+
+
 @dataclass(frozen=True)
 class Efficiency:
     curves: dict              # path -> ((ideal µs, fraction of peak HBM BW), ...) sorted
@@ -55,15 +67,7 @@ class Efficiency:
     def host_us(self, batch: int) -> float:
         """µs of coordinator host work per step at `batch` sequences: linear between the
         measured points, clamped at the ends; 0 without a measurement."""
-        pts = sorted(self.host)
-        if not pts:
-            return 0.0
-        if batch <= pts[0][0]:
-            return pts[0][1]
-        for (b0, u0), (b1, u1) in zip(pts, pts[1:]):
-            if batch <= b1:
-                return u0 + (batch - b0) / (b1 - b0) * (u1 - u0)
-        return pts[-1][1]
+        return _linear(sorted(self.host), batch)
 
     def control_plane_us(self, ranks: int, batch: int) -> float:
         """µs of control plane per step: the points of the fewest measured ranks ≥ `ranks`
@@ -73,13 +77,7 @@ class Efficiency:
             return 0.0
         have = sorted({r for r, _, _ in pts})
         n = next((r for r in have if r >= ranks), have[-1])
-        row = sorted((b, us) for r, b, us in pts if r == n)
-        if batch <= row[0][0]:
-            return row[0][1]
-        for (b0, u0), (b1, u1) in zip(row, row[1:]):
-            if batch <= b1:
-                return u0 + (batch - b0) / (b1 - b0) * (u1 - u0)
-        return row[-1][1]
+        return _linear(sorted((b, us) for r, b, us in pts if r == n), batch)
 
     @staticmethod
     def defaults() -> "Efficiency":
