@@ -782,7 +782,9 @@ class CoordinatorCore:
             cont.close()
 
     # ---- reports --------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self, detail: bool = False) -> dict:
+        """The replica's state and counters. detail=True (the /metrics scrape) adds rank 0's
+        step loop timing, one Ray call to the rank: health checks never pay it."""
         sched = self.engine.scheduler if self.engine else None
         return {
             "healthy": self.healthy,
@@ -803,14 +805,14 @@ class CoordinatorCore:
             "split_steps": sched.num_split_steps if sched else 0,
             "cache": self.engine.cache_stats() if self.engine else None,
             "speculative": self._spec_stats(),
-            "control_plane": self._control_plane(),
+            "control_plane": self._control_plane(detail),
             "step_loop_timing": dict(self.loop_timing),
         }
 
-    def _control_plane(self) -> dict | None:
+    def _control_plane(self, detail: bool = False) -> dict | None:
         inner = self._path_exec.inner if self._path_exec is not None else None
         f = getattr(inner, "control_plane_stats", None)
-        return f() if f is not None else None
+        return f(rank_timing=detail) if f is not None else None
 
     def _spec_stats(self) -> dict | None:
         """Acceptance over every verified sequence-step: the length L ∈ [1, k+1] counts the
@@ -867,8 +869,8 @@ class CoordinatorActor:
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    async def stats(self) -> dict:
-        return self.core.stats()
+    async def stats(self, detail: bool = False) -> dict:
+        return self.core.stats(detail)
 
     async def wait_healthy(self, timeout_s: float) -> bool:
         return await self.core.wait_healthy(timeout_s)

@@ -207,13 +207,14 @@ class RankGroupExecutor:
         cp["result_rows"] += len(plan.sample_rows)
         return decode_result(kind, payload)                            # post-process
 
-    def control_plane_stats(self) -> dict:
+    def control_plane_stats(self, rank_timing: bool = False) -> dict:
         """Counters of the step channel: steps, plan bytes sent, result bytes received (their
-        max per step), sample rows answered; plus each rank's transport and rank 0's step loop
-        time by part (`rank0_timing`: wait / decode / step / send seconds; None when rank 0
-        does not answer within a second — the stats never wait on a stuck rank)."""
+        max per step), sample rows answered; plus each rank's transport and, with
+        rank_timing (one Ray call to rank 0), rank 0's step loop time by part (`rank0_timing`:
+        wait / decode / step / send seconds; None without it, or when rank 0 does not answer
+        within a second — the stats never wait on a stuck rank)."""
         return {**self.cp, "transports": list(getattr(self, "transports", [])),
-                "rank0_timing": self._rank0_timing()}
+                "rank0_timing": self._rank0_timing() if rank_timing else None}
 
     def _rank0_timing(self) -> dict | None:
         if not self.workers or not self.healthy:

@@ -48,7 +48,7 @@ class Backend(Protocol):
 
     def abort(self, request_id: str) -> None: ...          # non-blocking
 
-    async def stats(self) -> dict: ...
+    async def stats(self, detail: bool = False) -> dict: ...   # detail: the /metrics scrape
 
     async def wait_healthy(self, timeout_s: float) -> bool: ...
 
@@ -63,8 +63,8 @@ class LocalBackend:
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
-    async def stats(self) -> dict:
-        return self.core.stats()
+    async def stats(self, detail: bool = False) -> dict:
+        return self.core.stats(detail)
 
     async def wait_healthy(self, timeout_s: float) -> bool:
         return await self.core.wait_healthy(timeout_s)
@@ -81,8 +81,8 @@ class RayBackend:
     def abort(self, request_id: str) -> None:
         self.actor.abort.remote(request_id)
 
-    async def stats(self) -> dict:
-        return await self.actor.stats.remote()
+    async def stats(self, detail: bool = False) -> dict:
+        return await self.actor.stats.remote(detail)
 
     async def wait_healthy(self, timeout_s: float) -> bool:
         return await self.actor.wait_healthy.remote(timeout_s)
@@ -329,7 +329,7 @@ def _add_ops_routes(app: FastAPI, backend: Backend, ctx: ServingContext,
     @app.get("/metrics")
     async def prometheus():
         try:
-            stats = await backend.stats()
+            stats = await backend.stats(detail=True)
         except Exception:  # noqa: BLE001 — request metrics still render without the coordinator
             stats = None
         return Response(metrics.render(stats), media_type=CONTENT_TYPE)

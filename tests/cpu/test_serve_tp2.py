@@ -60,3 +60,7 @@ def test_tp2_api_greedy_equals_generate(server):
     cp = st["control_plane"]
     assert cp["transports"] == ["uds", "uds"]
     assert cp["max_result_bytes"] <= 7 + 8 * 4        # ids of at most 4 rows, no logits
+    # rank 0's loop timing is one Ray call: only the /metrics scrape (detail) asks for it
+    assert cp["rank0_timing"] is None
+    r0 = s.core.stats(detail=True)["control_plane"]["rank0_timing"]
+    assert r0["steps"] >= cp["steps"] and r0["step_s"] > 0
