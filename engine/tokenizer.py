@@ -207,7 +207,7 @@ class IncrementalDecoder:
         self.tok = tok
         self.marks = tok._marks if markers else {}
         self.specials = set(tok.special_tokens.values()) if skip_special else set()
-        self.parts: list[str] = []
+        self.text = ""                              # all but the buffered bytes' character
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.n = 0                                  # ids consumed
 
@@ -217,11 +217,8 @@ class IncrementalDecoder:
             self.n += 1
             b = self.tok.decode_bytes([i])          # validates like decode (raises if unknown)
             if i in self.marks:                     # a run ends: flush it, then the marker
-                self.parts += [self.utf8.decode(b"", final=True), self.marks[i]]
+                self.text += self.utf8.decode(b"", final=True) + self.marks[i]
                 self.utf8.reset()
             elif i not in self.specials:
-                self.parts.append(self.utf8.decode(b, final=False))
-        if len(self.parts) > 64:
-            self.parts = ["".join(self.parts)]
-        held = self.utf8.getstate()[0]
-        return "".join(self.parts) + held.decode("utf-8", errors="replace")
+                self.text += self.utf8.decode(b, final=False)
+        return self.text + self.utf8.getstate()[0].decode("utf-8", errors="replace")
