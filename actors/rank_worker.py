@@ -295,8 +295,6 @@ class RankWorker:
         the rest stay on NCCL. Off on every rank when any rank has
         RAYDECODE_ONESHOT_ALLREDUCE=0, lacks P2P to a peer, or the model is not bf16."""
         model = self.runner.model
-        if getattr(model, "cfg", None) is None:   # a runner without a model config (the control-
-            return                                # plane bench's): every all-reduce on NCCL
         dev = torch.device("cuda", torch.cuda.current_device())
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.comm.connect(min(ONESHOT_MAX_TOKENS, sms), model.cfg.hidden_size, dev,
