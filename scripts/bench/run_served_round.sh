@@ -8,8 +8,9 @@
 #   STEPS="step" STEP_REF=.ref bash scripts/bench/run_served_round.sh COMMIT   # warm machine
 #
 # STEPS: tests (tests/gpu files in TESTS), cp (control-plane bench, CPU ranks, 1-16),
-# serve (the whole served stack vs the graphed step), step (the graphed step bench; with
-# STEP_REF=DIR, a checkout of another commit, both interleaved in this lease: A/B).
+# serve (the whole served stack vs the graphed step), prefix (two agent turns over the prefix
+# cache on and off; PREFIX_ARGS), step (the graphed step bench; with STEP_REF=DIR, a checkout
+# of another commit, both interleaved in this lease: A/B).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 COMMIT=${1:-unknown}; T0=$(date +%s); FINAL=${OUT:-/tmp/out}
 OUT=$FINAL/w; mkdir -p "$OUT"      # at the end: JSON/PNG up to $FINAL, every log in logs.tgz
@@ -54,6 +55,11 @@ for s in ${STEPS:-}; do
       > "$OUT/serve.log" 2>&1
     echo "serve rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[serve\]" "$OUT/serve.log" | cut -c1-1800
     grep -E "Error|error" "$OUT/serve.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
+  prefix)
+    timeout "$(lim ${PREFIX_S:-300})" python3 -m raydecode.scripts.bench.prefix_cache \
+      --commit "$COMMIT" --out "$OUT/prefix-cache.json" ${PREFIX_ARGS:-} > "$OUT/prefix.log" 2>&1
+    echo "prefix rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[prefix" "$OUT/prefix.log" | cut -c1-1500
+    grep -E "Error|error" "$OUT/prefix.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
   step)
     B=${BATCHES:-1,4,16,64}
     for round in $(seq 1 "${ROUNDS:-2}"); do
