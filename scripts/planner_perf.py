@@ -218,13 +218,28 @@ def load_efficiency(bench_dir: str | Path | None, catalog: dict[str, GPU] | None
                    control_plane=cp, host=host), notes
 
 
+def _newest_first(d: Path, pattern: str, notes: list[str]) -> list[tuple[Path, dict]]:
+    """The bench JSONs matching `pattern`, newest first by the run's own `date` (ISO 8601, as
+    report_io writes it; then the name): a second run of the same day sorts after the first by
+    name (`serve-h200-2026-12-02-r2.json` < `serve-h200-2026-12-02.json`), not by date."""
+    docs = []
+    for f in d.glob(pattern):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            notes.append(f"skipped {f.name}: {type(e).__name__}: {e}")
+            continue
+        date = doc.get("date") if isinstance(doc, dict) else None
+        docs.append((str(date or ""), f.name, f, doc))
+    return [(f, doc) for _, _, f, doc in sorted(docs, key=lambda x: x[:2], reverse=True)]
+
+
 def _host_points(d: Path, eff: "Efficiency", notes: list[str]) -> tuple[tuple, str | None]:
     """(batch, µs) of coordinator host work per step from the newest serve-*.json
     (scripts/bench/serve.py: one rank, so its channel is the 1-rank control plane);
     ((), None) without one. Negative differences (noise) count as 0."""
-    for f in sorted(d.glob("serve-*.json"), reverse=True):
+    for f, doc in _newest_first(d, "serve-*.json", notes):
         try:
-            doc = json.loads(f.read_text())
             pts = []
             for r in doc["levels"]:
                 c, tpot = int(r["concurrency"]), r.get("tpot_ms_p50")
@@ -232,7 +247,7 @@ def _host_points(d: Path, eff: "Efficiency", notes: list[str]) -> tuple[tuple, s
                 if tpot and g:
                     us = (float(tpot) - float(g)) * 1e3 - eff.control_plane_us(1, c)
                     pts.append((c, max(0.0, round(us, 1))))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             notes.append(f"skipped {f.name}: {type(e).__name__}: {e}")
             continue
         if pts:
@@ -244,13 +259,12 @@ def _host_points(d: Path, eff: "Efficiency", notes: list[str]) -> tuple[tuple, s
 def _control_plane_points(d: Path, notes: list[str]) -> tuple[tuple, str | None]:
     """(ranks, batch, µs) of the served channel from the newest control-plane-*.json
     (scripts/bench/control_plane.py); ((), None) without one."""
-    for f in sorted(d.glob("control-plane-*.json"), reverse=True):
+    for f, doc in _newest_first(d, "control-plane-*.json", notes):
         try:
-            doc = json.loads(f.read_text())
             pts = tuple((int(g["ranks"]), int(r["batch"]), float(r["p50_ms"]) * 1e3)
                         for g in doc["groups"] for r in g["rows"]
                         if r.get("variant") == "channel" and "p50_ms" in r)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             notes.append(f"skipped {f.name}: {type(e).__name__}: {e}")
             continue
         if pts:

@@ -267,6 +267,22 @@ def test_measured_served_host_work_enters_the_served_tpot(k3, cat, tmp_path):
     assert s["served_tpot_ms"] == pytest.approx(s["step_us"] / 1e3)
 
 
+def test_the_newest_serve_run_by_its_date_wins_over_name_order(k3, cat, tmp_path):
+    """Two serve runs of one day: `-r2` sorts before the first by name, but its `date` is
+    later, so its points are the ones read; a file that is not JSON is skipped with a note."""
+    first = {"date": "2026-12-02T10:00:00+00:00", "levels": [
+        {"concurrency": 1, "tpot_ms_p50": 9.0, "graphed_step_ms": 6.0}]}
+    second = {"date": "2026-12-02T15:00:00+00:00", "levels": [
+        {"concurrency": 1, "tpot_ms_p50": 6.5, "graphed_step_ms": 6.0}]}
+    (tmp_path / "serve-h200-2026-12-02.json").write_text(json.dumps(first))
+    (tmp_path / "serve-h200-2026-12-02-r2.json").write_text(json.dumps(second))
+    (tmp_path / "serve-h200-broken.json").write_text("{not json")
+    eff, notes = load_efficiency(tmp_path, cat)
+    assert "read serve-h200-2026-12-02-r2.json (1 points)" in notes
+    assert any(n.startswith("skipped serve-h200-broken.json") for n in notes)
+    assert eff.host_us(1) == pytest.approx(500.0 - eff.control_plane_us(1, 1))
+
+
 def test_missing_bench_dir_gives_defaults(tmp_path):
     eff, notes = load_efficiency(tmp_path / "absent")
     assert eff == Efficiency.defaults() and notes == []
