@@ -18,9 +18,10 @@ Weights (one rank's slice; I = this rank's expert intermediate, L = latent width
 in the models/mxfp4.py layout (low nibble = even k; w = e2m1 · 2**(s − 127)).
 
 Launches per call (all capturable in a CUDA graph, no host sync): runs (1 program: sort by
-expert, run boundaries, and CHUNKS of ≤ BLOCK_M pairs of one expert) → gate_up (grid: chunks ×
+expert, run boundaries, and CHUNKS of ≤ block_m pairs of one expert; 16 = BLOCK_M for decode
+steps, 64 for prefill steps (`prefill_config`)) → gate_up (grid: chunks ×
 I/BN) → down (grid: chunks × L/BN) → Σ over k (torch). Programs whose chunk index ≥ the number
-of chunks exit at once, so the grid is sized for the worst case (min(P, E) + P / BLOCK_M
+of chunks exit at once, so the grid is sized for the worst case (min(P, E) + P / block_m
 chunks) and never depends on the routing; each program has one loop, over K.
 
 Decodes (`MoEConfig.decode`; all exact, chosen per shape by the sweep → `TUNED`):
@@ -401,7 +402,9 @@ class MoEConfig:
     "pairs": `_e2m1_group` (two codes per integer op on int32 words, fp16 dot, the group scale
     on the accumulator); "split": `_split_acc` (low / high nibbles as two K=16 fp16 tiles, no
     interleave, scale on the accumulator). BK (a multiple of 32) must divide K (the latent for
-    gate/up, I for down); pairs/split step BK / 32 groups per loop iteration."""
+    gate/up, I for down); pairs/split step BK / 32 groups per loop iteration. block_m (a power
+    of two ≥ 16): the pairs of one expert one program multiplies; a prefill step's thousands of
+    pairs per expert re-read each expert's weights once per block_m pairs."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -409,6 +412,7 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "elementwise"
+    block_m: int = BLOCK_M      # pairs per chunk (the dots' M): 16 for decode, more for prefill
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -416,12 +420,25 @@ class MoEConfig:
 # 3.6; batch 1 for the small key, 64 for the large one). K3 per-rank experts at TP8 (I = 384)
 # and TP16 (I = 192). Missing keys: the `default_config` rule.
 SMALL_PAIRS = 64
+# Prefill steps: from this many pairs (128 tokens at K3's top-16) `prefill_config` or its
+# PREFILL_TUNED entry (keyed by (E, I, L)).
+PREFILL_PAIRS = 2048
+PREFILL_TUNED: dict[tuple[int, int, int], MoEConfig] = {}
 TUNED: dict[tuple[bool, int, int, int], MoEConfig] = {
     (True, 896, 384, 3584): MoEConfig(16, 64, 128, 64, num_stages=4, decode="pairs"),
     (False, 896, 384, 3584): MoEConfig(64, 64, 128, 64, num_stages=4, decode="split"),
     (True, 896, 192, 3584): MoEConfig(16, 256, 128, 64, decode="elementwise"),
     (False, 896, 192, 3584): MoEConfig(64, 64, 128, 64, num_stages=4, decode="split"),
 }
+
+
+def prefill_config(latent: int, intermediate: int) -> MoEConfig:
+    """Prefill steps (≥ PREFILL_PAIRS pairs, tens per expert): 64-pair chunks so an expert's
+    weights stream once per 64 of its pairs, not per 16; bf16 dots over elementwise-decoded
+    tiles (64 × 64 × 64), 4 warps."""
+    return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
+                     down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
+                     decode="elementwise", block_m=64)
 
 
 def _largest_block(k: int, cap: int) -> int:
@@ -437,6 +454,9 @@ def default_config(pairs: int, num_experts: int, intermediate: int, latent: int,
     """TUNED entry if any; else the elementwise decode with gate/up: the widest BN (≤ 64) that
     still gives ≥ 2 programs per SM at the worst-case run count min(P, E), BK ≤ 256; down:
     BN = 128 over the latent, BK ≤ 128."""
+    if pairs >= PREFILL_PAIRS:
+        hit = PREFILL_TUNED.get((num_experts, intermediate, latent)) if tuned else None
+        return hit or prefill_config(latent, intermediate)
     hit = TUNED.get((pairs <= SMALL_PAIRS, num_experts, intermediate, latent)) if tuned else None
     if hit is not None:
         return hit
@@ -463,14 +483,14 @@ def _runs_block(pairs: int) -> int:
                      "moe_runs_torch")
 
 
-def moe_runs_torch(topk_ids: torch.Tensor, num_experts: int):
+def moe_runs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """`moe_runs` for any number of pairs with library ops only (a stable sort, scans and
     scatters: nothing to compile per shape, no host sync, fixed output shapes): the same
     pairs / sorted_e / run_start / num_runs / chunk_start / chunk_end / num_chunks, entries
-    past num_runs + 1 / num_chunks zero (the kernels never read them)."""
+    past num_runs + 1 / num_chunks zero (the kernels never read them); chunks of ≤ block_m."""
     ids = topk_ids.reshape(-1).to(torch.int64)
     P, dev = ids.numel(), ids.device
-    R, C = min(P, num_experts), max_chunks(P, num_experts)
+    R, C = min(P, num_experts), max_chunks(P, num_experts, block_m)
     sorted_e, pairs = torch.sort(ids, stable=True)             # (expert, pair index) order
     i = torch.arange(P, device=dev)
     first = torch.ones(P, dtype=torch.bool, device=dev)
@@ -481,12 +501,12 @@ def moe_runs_torch(topk_ids: torch.Tensor, num_experts: int):
     run_start.scatter_(0, torch.where(first, rid, R + 1), i)
     run_start = run_start[:R + 1]
     start_i, end_i = run_start[rid], run_start[rid + 1]
-    cs = (i - start_i) % BLOCK_M == 0                           # a chunk starts at i
+    cs = (i - start_i) % block_m == 0                           # a chunk starts at i
     cid = torch.where(cs, torch.cumsum(cs, 0) - 1, C)
     c_start = torch.zeros(C + 1, dtype=torch.int64, device=dev)
     c_end = torch.zeros(C + 1, dtype=torch.int64, device=dev)
     c_start.scatter_(0, cid, i)
-    c_end.scatter_(0, cid, torch.minimum(i + BLOCK_M, end_i))
+    c_end.scatter_(0, cid, torch.minimum(i + block_m, end_i))
     i32 = torch.int32
     return (pairs.to(i32), sorted_e.to(i32), run_start.to(i32), n_runs.to(i32),
             c_start[:C].to(i32), c_end[:C].to(i32), cs.sum().reshape(1).to(i32))
@@ -500,29 +520,29 @@ def _use_triton(*ts: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and not any(t.is_cuda for t in ts)
 
 
-def moe_runs(topk_ids: torch.Tensor, num_experts: int):
+def moe_runs(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """From topk_ids (T, k), int32 tensors: pairs (P,) grouped by expert, sorted_e (P,),
     run_start (min(P, E) + 1,), num_runs (1,), chunk_start / chunk_end (max_chunks,),
-    num_chunks (1,) — the pairs grouped by expert and cut into ≤ BLOCK_M chunks (one program)."""
+    num_chunks (1,) — the pairs grouped by expert and cut into ≤ block_m chunks (one program)."""
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     P = ids.numel()
     if P > RUNS_KERNEL_MAX:
-        return moe_runs_torch(ids, num_experts)
+        return moe_runs_torch(ids, num_experts, block_m)
     dev = ids.device
     i32 = dict(dtype=torch.int32, device=dev)
     out = (torch.empty(P, **i32), torch.empty(P, **i32),
            torch.empty(min(P, num_experts) + 1, **i32), torch.empty(1, **i32),
-           torch.empty(max_chunks(P, num_experts), **i32),
-           torch.empty(max_chunks(P, num_experts), **i32), torch.empty(1, **i32))
-    _runs_kernel[(1,)](ids, P, *out, BLOCK=_runs_block(P), BM=BLOCK_M, num_warps=4)
+           torch.empty(max_chunks(P, num_experts, block_m), **i32),
+           torch.empty(max_chunks(P, num_experts, block_m), **i32), torch.empty(1, **i32))
+    _runs_kernel[(1,)](ids, P, *out, BLOCK=_runs_block(P), BM=block_m, num_warps=4)
     return out
 
 
-def max_chunks(pairs: int, num_experts: int) -> int:
-    """Worst-case chunk count: one per run plus one per BLOCK_M pairs."""
-    return min(pairs, num_experts) + pairs // BLOCK_M
+def max_chunks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Worst-case chunk count: one per run plus one per block_m pairs."""
+    return min(pairs, num_experts) + pairs // block_m
 
 
 def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts,
@@ -560,14 +580,17 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of {list(DECODES)}")
     if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:
         raise ValueError(f"{cfg}: BK must be a multiple of 32 dividing L={L} / I={I}")
-    pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E)
+    bm = cfg.block_m
+    if bm < BLOCK_M or bm & (bm - 1):
+        raise ValueError(f"MoEConfig.block_m {bm}: expected a power of two ≥ {BLOCK_M}")
+    pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
     dec = DECODES[cfg.decode]
     x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
     w13, w2 = ((experts.w13.view(torch.int32), experts.w2.view(torch.int32)) if dec == 1
                else (experts.w13, experts.w2))
-    common = dict(BM=BLOCK_M, DECODE=dec, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
+    common = dict(BM=bm, DECODE=dec, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
-    chunks = max_chunks(P, E)
+    chunks = max_chunks(P, E, bm)
     a = torch.empty(P, I, dtype=x_dtype, device=z.device)
     lin = experts.linear_beta
     _gate_up_kernel[(chunks, triton.cdiv(I, cfg.gate_up_bn))](

@@ -10,7 +10,7 @@ import torch
 from raydecode.kernels import moe_mxfp4 as M
 
 
-def reference(ids: list[int], E: int):
+def reference(ids: list[int], E: int, bm: int = M.BLOCK_M):
     """(pairs, sorted_e, run starts + [P], chunks [(start, end)]) of the runs kernel."""
     P = len(ids)
     pairs = sorted(range(P), key=lambda p: (ids[p], p))
@@ -19,33 +19,45 @@ def reference(ids: list[int], E: int):
     bounds = starts + [P]
     chunks = []
     for a, b in zip(bounds, bounds[1:]):
-        chunks += [(s, min(s + M.BLOCK_M, b)) for s in range(a, b, M.BLOCK_M)]
+        chunks += [(s, min(s + bm, b)) for s in range(a, b, bm)]
     return pairs, se, bounds, chunks
 
 
 @pytest.mark.parametrize("T,k,E,skew", [(1, 1, 8, False), (3, 2, 896, False), (64, 16, 896, False),
                                         (300, 16, 896, True), (1250, 16, 896, False),
                                         (97, 8, 4, True)])
-def test_runs_match_the_kernel_contract(T, k, E, skew):
+@pytest.mark.parametrize("bm", [M.BLOCK_M, 64])
+def test_runs_match_the_kernel_contract(T, k, E, skew, bm):
     rng = random.Random(T * 1000 + k)
     hot = rng.sample(range(E), min(E, 5))
     ids = [[rng.choice(hot) if skew and rng.random() < 0.7 else rng.randrange(E)
             for _ in range(k)] for _ in range(T)]
     flat = [e for row in ids for e in row]
-    pairs, se, bounds, chunks = reference(flat, E)
-    out = M.moe_runs_torch(torch.tensor(ids, dtype=torch.int32), E)
+    pairs, se, bounds, chunks = reference(flat, E, bm)
+    out = M.moe_runs_torch(torch.tensor(ids, dtype=torch.int32), E, bm)
     p, s, rs, nr, cs, ce, nc = (t.tolist() for t in out)
     P = len(flat)
     assert all(t.dtype == torch.int32 for t in out)
     assert p == pairs and s == se
     assert len(rs) == min(P, E) + 1 and nr == [len(bounds) - 1] and rs[:len(bounds)] == bounds
-    assert len(cs) == len(ce) == M.max_chunks(P, E) and nc == [len(chunks)]
+    assert len(cs) == len(ce) == M.max_chunks(P, E, bm) and nc == [len(chunks)]
     assert list(zip(cs, ce))[:len(chunks)] == chunks
+
+
+def test_prefill_steps_get_the_prefill_config():
+    """From PREFILL_PAIRS pairs the config is the prefill one (64-pair chunks), below it the
+    decode table's; an invalid block_m is refused before any launch."""
+    E, I, L = 896, 192, 3584
+    assert M.default_config(M.PREFILL_PAIRS - 1, E, I, L).block_m == M.BLOCK_M
+    cfg = M.default_config(M.PREFILL_PAIRS, E, I, L)
+    assert cfg.block_m == 64 and L % cfg.gate_up_bk == 0 and I % cfg.down_bk == 0
+    assert M.max_chunks(4096, E, 64) == E + 64 and M.max_chunks(4096, E) == E + 256
 
 
 def test_moe_runs_sends_large_batches_to_the_library_path(monkeypatch):
     seen = []
-    monkeypatch.setattr(M, "moe_runs_torch", lambda ids, E: seen.append(ids.numel()) or "torch")
+    monkeypatch.setattr(M, "moe_runs_torch",
+                        lambda ids, E, bm=M.BLOCK_M: seen.append(ids.numel()) or "torch")
     ids = torch.zeros(65, 16, dtype=torch.int32)          # 1040 pairs > RUNS_KERNEL_MAX
     assert M.moe_runs(ids, 896) == "torch" and seen == [1040]
     with pytest.raises(ValueError, match="sorts at most 1024"):
