@@ -12,7 +12,9 @@ Per token x (H):
 Naive form (prefill without a cache): decompress k/v through kv_b. Absorbed form (over the
 cache): q_lat = W_ukᵀ q_nope per head, attention directly on the rows with q_abs = [q_lat, q_pe],
 o_lat = Σ p·c, then o = W_uv o_lat. The absorbed kernel returns the log-sum-exp per (token, head)
-so partials over disjoint row sets merge exactly (`merge_attn_partials`).
+so partials over disjoint row sets merge exactly (`merge_attn_partials`). Prefill chunks over
+the cache at D = 1 in bf16 on CUDA decompress the sequence's rows instead and run fused SDPA
+(kernels/mla_prefill.py; `MLAAttention.prefill_impl`); decode rows stay absorbed.
 
 DCP (dcp_size D > 1): token t's row lives on DCP rank t mod D. Each rank all-gathers q_abs of the
 D ranks' heads of its DCP group, attends over its own rows for all of them, all-gathers
@@ -43,9 +45,10 @@ from torch import nn
 from raydecode.kernels.mla_decode import (absorbed_q_weight, folded_q_b_weight, mla_absorb,
                                           mla_attention, mla_decode_absorbed,
                                           mla_decode_fused, mla_output, mla_prep)
+from raydecode.kernels.mla_prefill import mla_prefill_into, resolve_impl
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
-from .cache import MLALatentCache, ModelCaches, StepBatch
+from .cache import MLALatentCache, ModelCaches, SeqSlice, StepBatch
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
                      row_linear)
@@ -142,6 +145,10 @@ def decode_meta(batch: StepBatch, cache: MLALatentCache, device
 # ---- the layer ---------------------------------------------------------------------------
 
 class MLAAttention(nn.Module):
+    # the stock path's prefill chunks (`_absorbed`): kernels/mla_prefill.py `IMPLS` ("auto":
+    # SDPA for bf16 / fp16 on CUDA, the absorbed reference elsewhere); tests set it per instance
+    prefill_impl: str = "auto"
+
     def __init__(self, cfg: K3Config, layer_idx: int, par: Parallel = Parallel(),
                  comm: Comm = LocalComm(), dtype: torch.dtype = torch.float32,
                  options: DecodeOptions = DEFAULT_OPTIONS):
@@ -313,12 +320,38 @@ class MLAAttention(nn.Module):
         return out
 
     def _absorbed(self, q, rows, batch: StepBatch, caches: ModelCaches) -> torch.Tensor:
-        """Write this step's rows, then attend over each sequence's cached rows. -> (T, h, v)"""
+        """Write this step's rows, then attend over each sequence's cached rows. -> (T, h, v)
+
+        Prefill chunks (length > 1) at DCP 1 where `prefill_impl` resolves to SDPA (bf16 on
+        CUDA by default, kernels/mla_prefill.py `resolve_impl`): K/V decompressed from the
+        rows + fused attention, in q's dtype. Decode rows (length 1), every row at DCP > 1
+        (the partials need the all-gathers) and the reference (the CPU and fp32 by default:
+        as before, bit for bit) keep the absorbed fp32 math of `_latent_attention`."""
         cache, layer = caches.mla, caches.mla_index[self.layer_idx]
-        w_uk, w_uv = self.absorbed_weights()
         positions = batch.positions(q.device)
         for s in batch.seqs:
             cache.write(layer, s.slot, positions[s.start:s.end], rows[s.start:s.end])
+        sdpa = self.par.dcp_size == 1 and resolve_impl(self.prefill_impl, q) == "sdpa"
+        if not (sdpa and any(s.length > 1 for s in batch.seqs)):
+            return self._latent_attention(q, batch.seqs, positions, cache, layer)
+        out = q.new_empty(q.shape[0], self.heads, self.vdim)                 # (T, h, v)
+        for s in batch.seqs:
+            sl = slice(s.start, s.end)
+            if s.length > 1:
+                r, _ = cache.read(layer, s.slot, s.pos + s.length)       # positions 0 .. end−1
+                mla_prefill_into(out[sl], q[sl], r, s.pos, self.kv_b_proj.weight,
+                                 nope=self.nope, vdim=self.vdim, kv_lora=self.kv_lora,
+                                 scale=self.scale)
+            else:       # a decode row of a mixed step: the absorbed math
+                out[sl] = self._latent_attention(q[sl], [s._replace(start=0)], positions[sl],
+                                                 cache, layer)
+        return out
+
+    def _latent_attention(self, q, seqs: list[SeqSlice], positions, cache: MLALatentCache,
+                          layer: int) -> torch.Tensor:
+        """The absorbed fp32 math over the cached rows (rows already written): q (T, h,
+        nope + rope) of seqs, back to back from 0 -> (T, h, v) fp32."""
+        w_uk, w_uv = self.absorbed_weights()
         q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope].float(), w_uk.float())
         q_abs = torch.cat([q_lat, q[..., self.nope:].float()], -1)   # (T, h, kv_lora + rope)
         D = self.par.dcp_size
@@ -326,7 +359,7 @@ class MLAAttention(nn.Module):
             q_abs = self.comm.dcp_all_gather(q_abs, dim=1)
         o_lat = q_abs.new_zeros(q_abs.shape[0], q_abs.shape[1], self.kv_lora)
         lse = q_abs.new_full(q_abs.shape[:2], float("-inf"))
-        for s in batch.seqs:
+        for s in seqs:
             sl = slice(s.start, s.end)
             r, r_pos = cache.read(layer, s.slot, s.pos + s.length)
             o_lat[sl], lse[sl] = mla_absorbed_attention(q_abs[sl], r, r_pos, positions[sl],
