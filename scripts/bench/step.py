@@ -50,7 +50,7 @@ from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
 from raydecode.kernels import settings
 from raydecode.models.cache import SeqSlice, StepBatch
-from raydecode.models.config import load_config
+from raydecode.models.config import K3Config, load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
 from raydecode.models.moe import MXFP4_PARAMS
 from raydecode.models.parallel import Parallel
@@ -66,6 +66,37 @@ BLOCK = 16
 # row_slice), then all-gathers the outputs; the stock path reads them whole
 ROW_SHARDED = ("q_a_proj", "kv_a_proj_with_mqa", "gate", "routed_expert_down_proj",
                "routed_expert_up_proj")
+
+
+def layer_config(config: str, layers: int) -> K3Config:
+    """The config `config` (k3, tiny or a path) cut to its first `layers` layers (0: all);
+    ValueError naming the accepted range."""
+    cfg = load_config(config)
+    if not layers:
+        return cfg
+    if not 1 <= layers <= cfg.num_layers:
+        raise ValueError(f"--layers {layers}: expected 1..{cfg.num_layers} (0: all)")
+    return dataclasses.replace(cfg, num_layers=layers)
+
+
+def build_model(cfg: K3Config, tp: int, device, seed: int, options=None,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[K3ForCausalLM, float]:
+    """Rank 0 of TP `tp` alone (`SoloRankComm`), random weights drawn on `device`
+    (`init_on_device_`) -> (model, build seconds)."""
+    par = Parallel(0, tp)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = init_on_device_(K3ForCausalLM(cfg, par, SoloRankComm(par), dtype, options),
+                                seed)
+    return model, time.perf_counter() - t0
+
+
+def rank_vocab_rows(model: K3ForCausalLM) -> range:
+    """The token ids whose embedding rows this rank holds. SoloRankComm's all-reduce is the
+    identity, so any other id embeds as zeros (the rank owning it never adds its row) and
+    every hidden state of the step would be token-independent (routing included)."""
+    n = model.model.embed_tokens.weight.shape[0]
+    return range(model.par.tp_rank * n, (model.par.tp_rank + 1) * n)
 
 
 def step_bytes(model: K3ForCausalLM, T: int, context: int, path: str) -> dict[str, float]:
@@ -132,13 +163,9 @@ class Bench:
         for s in slots:
             if self.blocks.ensure(s, self.pos[s] + 1):
                 changed[s] = list(self.blocks.tables[s])
-        # SoloRankComm's all-reduce is the identity, so a token outside this rank's vocab rows
-        # would embed as zeros (the rank owning it never adds its row) and every hidden state
-        # of the step would be token-independent (routing included).
-        # Draw from this rank's rows, whose embedding is the real one.
-        n = self.model.model.embed_tokens.weight.shape[0]
-        lo = self.model.par.tp_rank * n
-        toks = torch.randint(lo, lo + n, (len(slots),), generator=self.gen).tolist()
+        # this rank's vocab rows only: any other id embeds as zeros here (rank_vocab_rows)
+        rows = rank_vocab_rows(self.model)
+        toks = torch.randint(rows.start, rows.stop, (len(slots),), generator=self.gen).tolist()
         batch = StepBatch([SeqSlice(s, i, 1, self.pos[s]) for i, s in enumerate(slots)])
         return StepPlan(self.step_id, batch, toks, list(range(len(slots))), changed,
                         list(self._reset), path)
@@ -341,18 +368,11 @@ def main(argv=None) -> int:
                          f"to --variants (got {args.variants})")
     if any(b < 1 or b > 64 for b in batches):
         raise SystemExit(f"--batches {args.batches}: each must be in 1..64 (the graph buckets)")
-    cfg = load_config(args.config)
-    if args.layers:
-        if not 1 <= args.layers <= cfg.num_layers:
-            raise SystemExit(f"--layers {args.layers}: expected 1..{cfg.num_layers}")
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    par = Parallel(0, args.tp)
-    comm = SoloRankComm(par)
-    dtype = torch.bfloat16
-    t0 = time.perf_counter()
-    with torch.device(args.device):
-        model = init_on_device_(K3ForCausalLM(cfg, par, comm, dtype, options), args.seed)
-    build_s = time.perf_counter() - t0
+    try:
+        cfg = layer_config(args.config, args.layers)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    model, build_s = build_model(cfg, args.tp, args.device, args.seed, options)
     env = {"device": str(args.device)}
     hbm = None
     if args.device == "cuda":

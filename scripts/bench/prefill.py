@@ -1,0 +1,624 @@
+"""Prefill at one rank's shapes: TTFT of long prompts chunked as the scheduler chunks them,
+mixed steps (one prefill chunk + decoding sequences), the first-run check over random token
+counts, and the stock decode step's kernels per layer.
+
+    python -m raydecode.scripts.bench.prefill [--config k3] [--tps 16,8] [--layers 0]
+        [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
+        [--context 1024] [--random-counts 50] [--max-seconds 60] [--graphed 1]
+        [--out bench/results/prefill-….json] [--png bench/results/prefill-….png] [--commit SHA]
+
+The rank is scripts/bench/step.py's: one GPU plays rank 0 of TP `--tp` (`SoloRankComm`: the
+all-reduces are skipped and counted, so no figure here holds their time), K3 from its published
+config with its first `--layers` layers, random weights drawn on the device, and the runner a
+served rank builds (engine/step_graph.py `GraphedRunner`: prefill and mixed steps run the stock
+path eagerly, decode-only steps the specialized step as a captured graph). With N of the 93
+layers, every whole-model figure (the `*_all_layers` fields: TTFT, tok/s, TPOT) is the
+measured one scaled by 93/N; the MFU is the N-layer run's own (its FLOPs over its time).
+
+Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_tokens):
+  warm-up   one step of every prefill bucket (the powers of two below the budget, and the
+            budget), alone and mixed, a chunk at position 0, the decode-only steps (stock;
+            with --graphed 1 the specialized one, which captures bucket 64's graph): the
+            build's warm-up; their times are the buckets' first-run times.
+  counts    `--random-counts` token counts uniform in [1, budget] (seeded), each run twice as a
+            prefill step (one chunk at position --context) and twice as a mixed step (+ the
+            decoders), each time against the steady state of its bucket (the smallest bucket
+            ≥ the count: median of `--repeats` runs after the warm-up). Acceptance: every
+            first run ≤ 2× steady. The Triton JIT specializations compiled after the warm-up
+            are counted (Triton's cache hook) where Triton has one.
+  mixed     `--mixed-decodes` sequences decoding at --context plus one chunk of the budget at
+            --context: the step time is the decoders' TPOT during mixed steps; against the
+            decode-only step of the same sequences (stock; graphed, as served) and the split
+            schedule (SchedulerConfig.split_mixed: a chunk-only step, then the graphed decode
+            step). Medians of `--steps` interleaved rounds.
+  prompts   each prompt (random ids of this rank's vocab rows) through the real Scheduler
+            (engine/scheduler.py: at position p a chunk of min(budget, P − p) tokens per
+            step); every chunk is what ModelRunner.execute runs (forward, the chunk's logits
+            row, greedy sampling, the host sync); TTFT = the sum of the chunks' wall times
+            (schedule + step; the last chunk's sample is the first token). Once a prompt has
+            run `--max-seconds`, its chunks but the last are skipped (their block tables still
+            applied) and their time extrapolated: seconds per token linear in the chunk's mean
+            position, least squares over the chunks run ("extrapolated": true).
+  kernels   CUDA: the kernels one stock decode step at batch 1 launches (torch.profiler),
+            divided by the layers. GraphedRunner graphs decode-only specialized steps only, so
+            the stock step is counted eager ("graphed": false); the count includes the step's
+            kernels outside the layers (embedding, final mix and norm, lm_head).
+
+FLOPs per rank (`flops_method`): 2 × the active parameters per token, counted on this rank's
+parameters: every dense one (replicated ones whole, TP-split ones their slice, embedding
+excluded: a row read) plus the routed experts × top_k / num_experts (MXFP4: two codes per
+byte, scales not counted), plus 2 × the lm_head slice per sampled row (one per chunk); plus
+attention: MLA 2·h·(qk + v)·c per query token that sees c positions (causal: a chunk of n at
+p sums n·p + n(n+1)/2), KDA 7·h·dk·dv per token (the recurrent form: decay, Sᵀk, rank-1
+update, Sᵀq); h: this rank's heads. MFU = FLOPs / TTFT / the dense bf16 rate measured in the
+same run (torch.matmul of two 8192² bf16 operands timed with CUDA events; on the CPU 256²).
+
+Summary (exactly three keys, from the TP16 run): mfu_8k_tp16 and ttft_s_8k_tp16 (all layers)
+of the 8192-token prompt, stock_layer_kernels_tp16_b1 the batch-1 stock step's kernels per
+layer; null where the run has no such case (no TP16, no 8192 prompt, no CUDA: the tiny CPU run).
+
+Timing: host wall time between device syncs (torch.cuda.synchronize), time.perf_counter.
+Off CUDA (`--device cpu --config tiny`, tests/cpu/test_bench_prefill.py) the same code runs
+eagerly: no graphs, no kernel count.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import random
+import statistics
+import time
+
+import torch
+
+from raydecode.engine.cache import BlockAllocator, SlotAllocator
+from raydecode.engine.request import Request, SamplingParams
+from raydecode.engine.runner import ModelRunner
+from raydecode.engine.sampling import SamplingRows, sample_isolated
+from raydecode.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
+from raydecode.models.cache import SeqSlice, StepBatch
+from raydecode.models.config import load_config
+from raydecode.models.k3 import K3ForCausalLM, make_caches
+from raydecode.models.moe import MXFP4_PARAMS
+
+from .report_io import git_commit, report_header, write_report
+from .step import BLOCK, build_model, layer_config, rank_vocab_rows
+
+SUMMARY_KEYS = ("mfu_8k_tp16", "ttft_s_8k_tp16", "stock_layer_kernels_tp16_b1")
+FLOPS_METHOD = (
+    "per rank and token: 2·(dense + routed·top_k/num_experts) over this rank's parameters "
+    "(embedding excluded; MXFP4 routed experts 2 codes per byte, scales excluded) + 2·lm_head "
+    "slice per sampled row (one per chunk) + MLA 2·h·(qk_dim + v_dim)·c per query token seeing "
+    "c positions (chunk of n at p: n·p + n(n+1)/2) + KDA 7·h·dk·dv per token (decay, Sᵀk, "
+    "rank-1 update, Sᵀq); h = heads on this rank")
+
+
+# ---- FLOPs and the dense rate ------------------------------------------------------------------
+
+def flop_model(model: K3ForCausalLM) -> dict:
+    """This rank's FLOP constants (FLOPS_METHOD) from its parameters."""
+    cfg, par = model.cfg, model.par
+    dense = routed = head = 0
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+        if owner == "embed_tokens":
+            continue
+        if owner == "lm_head":
+            head += p.numel()
+        elif leaf in MXFP4_PARAMS:
+            routed += 2 * p.numel() if leaf.endswith("_packed") else 0
+        elif owner == "experts":                 # bf16 routed experts, stacked (E, ·, ·)
+            routed += p.numel()
+        else:
+            dense += p.numel()
+    share = cfg.moe.top_k / cfg.moe.num_experts
+    return {"dense_params": dense, "routed_params": routed, "routed_share": share,
+            "active_params": dense + routed * share, "lm_head_params": head,
+            "mla_layers": len(cfg.mla_layers), "mla_heads": par.shard(cfg.mla.num_heads),
+            "mla_qk_dim": cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim,
+            "mla_v_dim": cfg.mla.v_head_dim, "kda_layers": len(cfg.kda_layer_ids),
+            "kda_heads": par.shard(cfg.kda.num_heads), "kda_dk": cfg.kda.head_dim,
+            "kda_dv": cfg.kda.head_dim}
+
+
+def chunk_flops(fm: dict, pos: int, n: int) -> float:
+    """FLOPs of one sequence's n tokens at position pos on this rank (one sampled row)."""
+    seen = n * pos + n * (n + 1) / 2                     # Σ visible positions of its queries
+    mla = fm["mla_layers"] * 2 * fm["mla_heads"] * (fm["mla_qk_dim"] + fm["mla_v_dim"]) * seen
+    kda = fm["kda_layers"] * 7 * fm["kda_heads"] * fm["kda_dk"] * fm["kda_dv"] * n
+    return 2 * fm["active_params"] * n + 2 * fm["lm_head_params"] + mla + kda
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def dense_bf16_rate(device) -> dict:
+    """FLOP/s of a square bf16 torch.matmul (8192 on CUDA, CUDA events; 256 elsewhere)."""
+    dev = torch.device(device)
+    n, reps = (8192, 50) if dev.type == "cuda" else (256, 5)
+    a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    for _ in range(3):
+        torch.matmul(a, b, out=c)
+    _sync(dev)
+    if dev.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            torch.matmul(a, b, out=c)
+        end.record()
+        end.synchronize()
+        sec = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b, out=c)
+        sec = time.perf_counter() - t0
+    return {"n": n, "reps": reps, "flops_per_s": 2 * n ** 3 * reps / sec}
+
+
+@contextlib.contextmanager
+def jit_compiles():
+    """Yields a one-item list: the Triton JIT specializations compiled (or loaded from the
+    disk cache) inside the block, counted by Triton's cache hook (`knobs.runtime.
+    jit_cache_hook`; older Triton: `JITFunction.cache_hook`); [None] without either."""
+    count, holder = [None], None
+    try:
+        import triton
+        knobs = getattr(triton, "knobs", None)
+        if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
+            holder, attr = knobs.runtime, "jit_cache_hook"
+        else:
+            from triton.runtime.jit import JITFunction
+            holder, attr = JITFunction, "cache_hook"
+        prev = getattr(holder, attr)
+    except Exception:       # no Triton (CPU installs) or no hook in this release
+        holder = None
+    if holder is None:
+        yield count
+        return
+
+    def hook(*a, **kw):
+        count[0] += 1
+        return prev(*a, **kw) if prev else False       # False: compile as usual
+
+    count[0] = 0
+    setattr(holder, attr, hook)
+    try:
+        yield count
+    finally:
+        setattr(holder, attr, prev)
+
+
+# ---- the rank ----------------------------------------------------------------------------------
+
+class PrefillRank:
+    """The runner and caches of one rank: slot 0 is the prompt's (blocks [0, prompt_blocks):
+    the range a prompt's Scheduler allocates from), slots 1..D the decoders at `context`
+    (they stay there: each step rewrites the same row; the timing does not read values)."""
+
+    def __init__(self, model: K3ForCausalLM, device, max_prompt: int, budget: int,
+                 decodes: int, context: int, seed: int = 0, graphed: bool = True):
+        self.model, self.device = model, torch.device(device)
+        self.budget, self.context = budget, context
+        self.prompt_blocks = -(-max(max_prompt, context + budget) // BLOCK)
+        per_decoder = -(-(context + 1) // BLOCK)
+        num_slots, num_blocks = decodes + 1, self.prompt_blocks + decodes * per_decoder
+        ns, nb = graph_cache_sizes(num_slots, num_blocks)
+        caches = make_caches(model.cfg, model.par, ns, nb, BLOCK, model.dtype, device=device)
+        self.runner = GraphedRunner(model, caches, device, num_slots=num_slots,
+                                    num_blocks=num_blocks, max_blocks=per_decoder)
+        slots, blocks = SlotAllocator(num_slots), BlockAllocator(num_blocks, BLOCK)
+        self.slot = slots.allocate()
+        blocks.ensure(self.slot, self.prompt_blocks * BLOCK)
+        self.decoders = [slots.allocate() for _ in range(decodes)]
+        for s in self.decoders:
+            blocks.ensure(s, context + 1)
+        self.tables = {s: list(t) for s, t in blocks.tables.items()}
+        self.pending = dict(self.tables)             # shipped with the next plan
+        self.vocab = rank_vocab_rows(model)
+        self.rng = random.Random(seed)
+        self.step_id = 0
+        # whether the cases run the decode-only specialized step (graph-shaped) at all
+        self.graphs = graphed and self.runner.support[0]
+        self.why_no_graphs = None if self.graphs else \
+            ("--graphed 0" if not graphed else self.runner.support[1])
+
+    def ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab.start, self.vocab.stop) for _ in range(n)]
+
+    def plan(self, chunk: int, decodes: int, path: str = "stock", pos: int | None = None
+             ) -> StepPlan:
+        """The first `decodes` decoders (first, as the scheduler orders them), then a chunk of
+        `chunk` tokens of slot 0 at `pos` (default: context); every sequence samples."""
+        seqs, toks = [], []
+        for s in self.decoders[:decodes]:
+            seqs.append(SeqSlice(s, len(toks), 1, self.context))
+            toks += self.ids(1)
+        if chunk:
+            seqs.append(SeqSlice(self.slot, len(toks), chunk,
+                                 self.context if pos is None else pos))
+            toks += self.ids(chunk)
+        tables, self.pending = self.pending, {}
+        self.step_id += 1
+        return StepPlan(self.step_id, StepBatch(seqs), toks, [s.end - 1 for s in seqs],
+                        tables, [], path)
+
+    def step(self, chunk: int, decodes: int, path: str = "stock", pos: int | None = None
+             ) -> float:
+        """Wall seconds of one served step (ModelRunner.execute: forward, sampling, sync)."""
+        plan = self.plan(chunk, decodes, path, pos)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.runner.execute(plan)
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+    def prompt(self, ids: list[int], max_seconds: float = math.inf
+               ) -> tuple[list[tuple[int, int, float | None]], torch.Tensor, int]:
+        """Prefill `ids` on slot 0 chunked by a Scheduler at the budget -> ((pos, n, seconds
+        or None: skipped) per chunk, the first token's logits (1, V), the first token)."""
+        sch = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=self.budget,
+                                        num_blocks=self.prompt_blocks, block_size=BLOCK))
+        req = Request(list(ids), SamplingParams(max_tokens=1, temperature=0.0))
+        sch.add(req)
+        chunks, spent = [], 0.0
+        while req.num_cached < len(ids):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            plan = sch.schedule()                                  # one sequence: one chunk
+            s = plan.batch.seqs[0]
+            if spent > max_seconds and s.pos + s.length < len(ids):
+                self.runner.update_caches(plan)      # its tables and resets, no forward
+                chunks.append((s.pos, s.length, None))
+            else:           # ModelRunner.execute, keeping the logits
+                with torch.inference_mode():
+                    logits = self.runner.logits(plan)
+                    res = sample_isolated(logits, SamplingRows.greedy(len(plan.sample_rows)))
+                _sync(self.device)
+                sec = time.perf_counter() - t0
+                chunks.append((s.pos, s.length, sec))
+                spent += sec
+            req.num_cached += s.length
+        self.pending[self.slot] = self.tables[self.slot]
+        return chunks, logits, res.token_ids[0]
+
+
+def ttft_of(chunks: list[tuple[int, int, float | None]]) -> tuple[float, dict | None]:
+    """(TTFT, the fit or None): the chunks run summed, the skipped ones from a least-squares
+    line of seconds per token against the chunk's mean position over the chunks run."""
+    total = sum(t for _, _, t in chunks if t is not None)
+    skipped = [(p, n) for p, n, t in chunks if t is None]
+    if not skipped:
+        return total, None
+    xs, ys = zip(*[(p + n / 2, t / n) for p, n, t in chunks if t is not None])
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    at0 = my - slope * mx
+    est = sum(n * max(at0 + slope * (p + n / 2), 0.0) for p, n in skipped)
+    return total + est, {"s_per_token_at_0": at0, "s_per_token_per_position": slope,
+                         "skipped_s": est}
+
+
+def buckets_for(budget: int) -> list[int]:
+    """Prefill step buckets: the powers of two below the budget, and the budget."""
+    return [1 << i for i in range(budget.bit_length()) if 1 << i < budget] + [budget]
+
+
+# ---- the cases ---------------------------------------------------------------------------------
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def warm_up(rank: PrefillRank, buckets: list[int], decodes: int) -> dict:
+    """The build's warm-up: -> first-run ms of each step it runs."""
+    first = {"prefill": {b: _ms(rank.step(b, 0)) for b in buckets},
+             "mixed": {b: _ms(rank.step(b, decodes)) for b in buckets},
+             "chunk_at_position_0": _ms(rank.step(rank.budget, 0, pos=0)),
+             "decode_stock": _ms(rank.step(0, decodes)),
+             "decode_stock_batch1": _ms(rank.step(0, 1))}
+    if rank.graphs:
+        first["decode_graphed"] = _ms(rank.step(0, decodes, "specialized"))
+    return first
+
+
+def random_counts(rank: PrefillRank, buckets: list[int], decodes: int, count: int,
+                  repeats: int, seed: int, max_seconds: float) -> dict:
+    """Steady state per bucket, then `count` random token counts run twice per kind."""
+    rng = random.Random(seed)
+    counts = [rng.randint(1, rank.budget) for _ in range(count)]
+    kinds = (("prefill", 0), ("mixed", decodes))
+    rows = []
+    with jit_compiles() as compiled:
+        steady = {k: {b: statistics.median(rank.step(b, d) for _ in range(repeats))
+                      for b in buckets} for k, d in kinds}
+        t0 = time.perf_counter()
+        for n in counts:                      # --max-seconds bounds this part (truncated)
+            if time.perf_counter() - t0 > max_seconds:
+                break
+            b = next(x for x in buckets if x >= n)
+            row = {"tokens": n, "bucket": b}
+            for k, d in kinds:
+                first, later = rank.step(n, d), rank.step(n, d)
+                row[k] = {"first_ms": _ms(first), "later_ms": _ms(later),
+                          "first_over_steady": round(first / steady[k][b], 3),
+                          "later_over_steady": round(later / steady[k][b], 3)}
+            rows.append(row)
+    worst = {k: max((r[k]["first_over_steady"] for r in rows), default=None) for k, _ in kinds}
+    return {"counts_run": len(rows), "counts_asked": count, "truncated": len(rows) < count,
+            "steady_ms": {k: {b: _ms(t) for b, t in v.items()}
+                          for k, v in steady.items()},
+            "max_first_over_steady": worst,
+            "within_2x": all(w <= 2.0 for w in worst.values()) if rows else None,
+            "jit_compiles_after_warmup": compiled[0], "rows": rows}
+
+
+def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float) -> dict:
+    """Mixed step vs decode-only (stock, graphed) vs the split schedule, interleaved."""
+    t = {"mixed": [], "decode_stock": [], "chunk_alone": []}
+    if rank.graphs:
+        t["decode_graphed"] = []
+    for _ in range(steps):
+        t["mixed"].append(rank.step(rank.budget, decodes))
+        t["decode_stock"].append(rank.step(0, decodes))
+        t["chunk_alone"].append(rank.step(rank.budget, 0))
+        if rank.graphs:
+            t["decode_graphed"].append(rank.step(0, decodes, "specialized"))
+    ms = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+    out = {"decodes": decodes, "chunk_tokens": rank.budget, "context": rank.context,
+           "steps": steps, "ms": {k: round(v, 3) for k, v in ms.items()},
+           "tpot_ms_mixed": round(ms["mixed"], 3),
+           "tpot_ms_decode_only_stock": round(ms["decode_stock"], 3),
+           "mixed_over_decode_stock": round(ms["mixed"] / ms["decode_stock"], 3),
+           "tpot_ms_mixed_all_layers": round(ms["mixed"] * scale, 3)}
+    if rank.graphs:
+        split = ms["chunk_alone"] + ms["decode_graphed"]
+        out.update(tpot_ms_decode_only_graphed=round(ms["decode_graphed"], 3),
+                   mixed_over_decode_graphed=round(ms["mixed"] / ms["decode_graphed"], 3),
+                   tpot_ms_split=round(split, 3),
+                   split_over_decode_graphed=round(split / ms["decode_graphed"], 3))
+        out["graph_counts"] = dict(rank.runner.counts)
+        out["capture_failed"] = {str(b): why for b, why in rank.runner.capture_failed.items()}
+    else:
+        out["decode_graphed_not_run"] = rank.why_no_graphs
+    return out
+
+
+def prompt_case(rank: PrefillRank, tokens: int, fm: dict, rate: float, max_seconds: float,
+                scale: float) -> dict:
+    chunks, _, first = rank.prompt(rank.ids(tokens), max_seconds)
+    ttft, fit = ttft_of(chunks)
+    flops = sum(chunk_flops(fm, p, n) for p, n, _ in chunks)
+    return {"prompt_tokens": tokens, "chunk_tokens": rank.budget, "chunks_total": len(chunks),
+            "chunks_run": sum(t is not None for *_, t in chunks),
+            "extrapolated": fit is not None, "fit": fit, "ttft_s": ttft,
+            "prefill_tok_s": tokens / ttft, "flops": flops, "tflop_s": flops / ttft / 1e12,
+            "mfu": flops / ttft / rate, "ttft_s_all_layers": ttft * scale,
+            "prefill_tok_s_all_layers": tokens / ttft / scale, "first_token": first,
+            "chunk_ms": [None if t is None else round(t * 1e3, 3) for *_, t in chunks]}
+
+
+def stock_kernels(rank: PrefillRank) -> dict:
+    """CUDA kernels one stock decode step at batch 1 launches (eager), per layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .layer_timing import kernel_summary
+
+    L = rank.model.cfg.num_layers
+    rank.step(0, 1)
+    plan = rank.plan(0, 1)
+    why = rank.runner.why_not(plan)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ModelRunner.logits(rank.runner, plan)                    # eager, whatever the runner
+        torch.cuda.synchronize()
+    k = kernel_summary(prof.events(), top_n=12)
+    return {"kernels": k["kernel"], "memcpy": k["memcpy"], "memset": k["memset"], "layers": L,
+            "kernels_per_layer": round(k["kernel"] / L, 2), "graphed": why is None,
+            "why_not_graphed": why, "top_kernels": k["names"],
+            "note": "the eager step counted (torch.profiler); kernels / layers includes the "
+                    "step's kernels outside the layers (embedding, final mix and norm, "
+                    "lm_head); GraphedRunner graphs decode-only specialized steps only"}
+
+
+def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
+    """Every case at one TP size; `save(run)` after each."""
+    try:
+        model, build_s = build_model(cfg, tp, args.device, args.seed)
+    except ValueError as e:              # a TP the config does not divide
+        raise SystemExit(f"--tp {tp}: {e}")
+    run = {"tp": tp, "build_s": round(build_s, 1), "flops_model": flop_model(model)}
+    tag = f"TP{tp} L={cfg.num_layers}"
+    rank = PrefillRank(model, args.device, max(args.prompts), args.prefill_budget,
+                       args.mixed_decodes, args.context, args.seed, bool(args.graphed))
+    buckets = buckets_for(args.prefill_budget)
+    run["warmup_first_ms"] = warm_up(rank, buckets, args.mixed_decodes)
+    save(run)
+    rc = random_counts(rank, buckets, args.mixed_decodes, args.random_counts, args.repeats,
+                       args.seed, args.max_seconds)
+    run["random_counts"] = rc
+    print(f"[prefill] {tag} counts {rc['counts_run']}/{rc['counts_asked']}: max first/steady "
+          f"{rc['max_first_over_steady']} within 2x {rc['within_2x']} jit compiles "
+          f"{rc['jit_compiles_after_warmup']}", flush=True)
+    save(run)
+    mx = mixed_case(rank, args.mixed_decodes, args.steps, scale)
+    run["mixed"] = mx
+    print(f"[prefill] {tag} mixed {args.mixed_decodes} decodes + {args.prefill_budget}: "
+          f"TPOT {mx['tpot_ms_mixed']:.2f} ms vs decode-only stock "
+          f"{mx['tpot_ms_decode_only_stock']:.2f} ms, graphed "
+          f"{mx.get('tpot_ms_decode_only_graphed')} ms, split {mx.get('tpot_ms_split')} ms",
+          flush=True)
+    save(run)
+    run["prompts"] = []
+    for P in args.prompts:
+        row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
+        run["prompts"].append(row)
+        print(f"[prefill] {tag} prompt {P}: TTFT {row['ttft_s']:.3f} s (all layers "
+              f"{row['ttft_s_all_layers']:.3f} s) {row['prefill_tok_s']:.0f} tok/s "
+              f"{row['tflop_s']:.1f} TFLOP/s MFU {row['mfu']:.3f} chunks "
+              f"{row['chunks_run']}/{row['chunks_total']}"
+              + (" extrapolated" if row["extrapolated"] else ""), flush=True)
+        save(run)
+    if rank.device.type == "cuda":
+        run["stock_kernels_b1"] = stock_kernels(rank)
+        print(f"[prefill] {tag} stock decode batch 1: "
+              f"{run['stock_kernels_b1']['kernels_per_layer']} kernels per layer (eager, "
+              f"{run['stock_kernels_b1']['kernels']} in the step)", flush=True)
+        save(run)
+    del rank, model
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return run
+
+
+def summarize(runs: list[dict]) -> dict:
+    """SUMMARY_KEYS from the TP16 run's 8192-token prompt and batch-1 kernel count; None
+    where this run has no such case (another TP, prompts, or no CUDA)."""
+    tp16 = next((r for r in runs if r["tp"] == 16), {})
+    p8k = next((p for p in tp16.get("prompts", ()) if p["prompt_tokens"] == 8192), None)
+    kern = tp16.get("stock_kernels_b1")
+    return {"mfu_8k_tp16": p8k["mfu"] if p8k else None,
+            "ttft_s_8k_tp16": p8k["ttft_s_all_layers"] if p8k else None,
+            "stock_layer_kernels_tp16_b1": kern["kernels_per_layer"] if kern else None}
+
+
+def plot(runs: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in runs:
+        rows = run.get("prompts", [])
+        if not rows:
+            continue
+        line, = ax.plot([r["prompt_tokens"] for r in rows],
+                        [r["ttft_s_all_layers"] for r in rows], "o-", label=f"TP{run['tp']}")
+        ext = [r for r in rows if r["extrapolated"]]
+        if ext:
+            ax.plot([r["prompt_tokens"] for r in ext], [r["ttft_s_all_layers"] for r in ext],
+                    "o", mfc="white", color=line.get_color(),
+                    label=f"TP{run['tp']} (extrapolated)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT, all layers (s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _ints(flag: str, text: str, low: int) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < low:
+        raise SystemExit(f"{flag} {text}: expected comma-separated integers >= {low}")
+    return vals
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="k3", help="model config: k3 (default), tiny or a path")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tp", type=int, default=16, help="tensor-parallel size one device plays")
+    ap.add_argument("--tps", default=None, help="comma-separated TP sizes run one after the "
+                    "other (overrides --tp), e.g. 16,8")
+    ap.add_argument("--layers", type=int, default=0, help="first N layers (0: all); whole-model "
+                    "figures are scaled by (all layers)/N")
+    ap.add_argument("--prompts", default="1024,8192,32768,131072", help="prompt lengths")
+    ap.add_argument("--prefill-budget", type=int, default=SchedulerConfig().max_num_batched_tokens,
+                    help="tokens per step (the scheduler's max_num_batched_tokens)")
+    ap.add_argument("--mixed-decodes", type=int, default=63,
+                    help="decoding sequences of the mixed steps (1..64)")
+    ap.add_argument("--context", type=int, default=1024,
+                    help="position of the decoders and of the counts' / mixed steps' chunk")
+    ap.add_argument("--random-counts", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per bucket's steady state")
+    ap.add_argument("--steps", type=int, default=5, help="interleaved rounds of the mixed case")
+    ap.add_argument("--max-seconds", type=float, default=60.0,
+                    help="per prompt (then its chunks but the last are skipped and "
+                         "extrapolated) and for the random counts")
+    ap.add_argument("--graphed", type=int, choices=(0, 1), default=1,
+                    help="1: also the decode-only specialized (graphed) step, the served "
+                         "TPOT without prefill (captures bucket 64: its kernels compile "
+                         "unless the node kernel cache has them); 0: stock only")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON path (default: print only)")
+    ap.add_argument("--png", default=None, help="TTFT against prompt length (matplotlib)")
+    ap.add_argument("--commit", default=None)
+    args = ap.parse_args(argv)
+    args.prompts = _ints("--prompts", args.prompts, 1)
+    tps = _ints("--tps" if args.tps else "--tp", args.tps or str(args.tp), 1)
+    if args.prefill_budget < 1 or args.context < 1 or args.random_counts < 0 \
+            or args.repeats < 1 or args.steps < 1 or args.max_seconds < 0:
+        raise SystemExit(f"--prefill-budget {args.prefill_budget} --context {args.context} "
+                         f"--random-counts {args.random_counts} --repeats {args.repeats} "
+                         f"--steps {args.steps} --max-seconds {args.max_seconds}: expected "
+                         "budget, context, repeats, steps >= 1 and counts, seconds >= 0")
+    if not 1 <= args.mixed_decodes <= 64:
+        raise SystemExit(f"--mixed-decodes {args.mixed_decodes}: expected 1..64 (the largest "
+                         "graph bucket)")
+    try:
+        cfg = layer_config(args.config, args.layers)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    total = load_config(args.config).num_layers
+    scale = total / cfg.num_layers
+    t0 = time.time()
+    report = report_header(
+        args.commit or git_commit(), bench="prefill", config=cfg.name, device=args.device,
+        layers=cfg.num_layers, layers_total=total, all_layers_scale=scale,
+        scaling=(f"{cfg.num_layers} of {total} layers run; *_all_layers figures are the "
+                 f"measured ones × {scale:.4g}; MFU is the run's own" if scale != 1 else
+                 "all layers run"),
+        prefill_budget=args.prefill_budget, context=args.context,
+        mixed_decodes=args.mixed_decodes, random_counts=args.random_counts,
+        max_seconds=args.max_seconds, seed=args.seed, flops_method=FLOPS_METHOD,
+        summary_method="from the TP16 run: the 8192-token prompt's MFU and TTFT (all layers), "
+                       "the stock batch-1 decode step's kernels / layers; null where not run "
+                       "(another TP, other prompts, or no CUDA for the kernel count)",
+        method=__doc__.split("\n\n", 2)[2])
+    if args.device == "cuda":
+        from .layer import _env
+        report["env"] = _env()
+    rate = dense_bf16_rate(args.device)
+    report["dense_bf16"] = rate
+    print(f"[prefill] dense bf16 {rate['n']}^3: {rate['flops_per_s'] / 1e12:.1f} TFLOP/s",
+          flush=True)
+    report["runs"] = []
+
+    def save(run: dict) -> None:
+        if not any(r is run for r in report["runs"]):
+            report["runs"].append(run)
+        report["summary"] = summarize(report["runs"])
+        if args.out:
+            write_report(report, args.out, t0)
+
+    for tp in tps:
+        run_tp(args, cfg, tp, rate["flops_per_s"], scale, save)
+    report["summary"] = summarize(report["runs"])
+    print("[prefill] summary", report["summary"], flush=True)
+    if args.out:
+        write_report(report, args.out, t0)
+    if args.png:
+        plot(report["runs"], args.png, f"{cfg.name} rank 0 prefill, {cfg.num_layers} of {total} "
+             f"layers (TTFT × {scale:.3g}), budget {args.prefill_budget}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

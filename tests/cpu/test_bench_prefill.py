@@ -1,0 +1,149 @@
+"""scripts/bench/prefill.py on the CPU (tiny config, eager: no graphs, no kernel count): the
+report's shape, the FLOP model against the analytic inventory of models/params.py, chunked
+prefill through the bench's Scheduler-driven chunks against a one-shot prefill, and the
+extrapolation of a prompt cut short."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from raydecode.models import params
+from raydecode.models.config import load_config
+from raydecode.models.k3 import K3ForCausalLM, init_random_
+from raydecode.models.parallel import Parallel
+from raydecode.scripts.bench import prefill
+from raydecode.scripts.bench.random_init import SoloRankComm
+
+torch.set_num_threads(1)
+
+
+def test_prefill_bench_cpu(tmp_path):
+    out, png = tmp_path / "prefill.json", tmp_path / "prefill.png"
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "2",
+                         "--prompts", "64,160", "--prefill-budget", "32", "--mixed-decodes", "3",
+                         "--context", "24", "--random-counts", "4", "--repeats", "2",
+                         "--steps", "2", "--out", str(out), "--png", str(png)]) == 0
+    rep = json.loads(out.read_text())
+    # the three keys, null here: no TP16 run (tiny has 4 heads) and no CUDA kernel count
+    assert tuple(rep["summary"]) == prefill.SUMMARY_KEYS
+    assert set(rep["summary"].values()) == {None}
+    assert rep["layers"] == rep["layers_total"] == 6 and rep["all_layers_scale"] == 1
+    assert rep["flops_method"] == prefill.FLOPS_METHOD and rep["gpu"] is None
+    rate = rep["dense_bf16"]["flops_per_s"]
+    (run,) = rep["runs"]
+    assert run["tp"] == 2 and "stock_kernels_b1" not in run
+    p64, p160 = run["prompts"]
+    assert [p["chunks_total"] for p in (p64, p160)] == [2, 5]
+    assert [p["chunks_run"] for p in (p64, p160)] == [2, 5]
+    assert not p64["extrapolated"] and not p160["extrapolated"]
+    assert p160["ttft_s"] > p64["ttft_s"] > 0
+    assert p160["ttft_s"] == pytest.approx(sum(p160["chunk_ms"]) / 1e3, rel=1e-3)
+    fm = run["flops_model"]
+    for p in (p64, p160):        # the scheduler's chunks: 32 tokens at 0, 32, 64, ...
+        want = sum(prefill.chunk_flops(fm, pos, 32) for pos in range(0, p["prompt_tokens"], 32))
+        assert p["flops"] == pytest.approx(want)
+        assert p["mfu"] == pytest.approx(p["flops"] / p["ttft_s"] / rate)
+        assert p["prefill_tok_s"] == pytest.approx(p["prompt_tokens"] / p["ttft_s"])
+    rc = run["random_counts"]
+    assert rc["counts_run"] == 4 and not rc["truncated"] and rc["jit_compiles_after_warmup"] is None
+    buckets = [1, 2, 4, 8, 16, 32]
+    for kind in ("prefill", "mixed"):
+        assert sorted(int(b) for b in rc["steady_ms"][kind]) == buckets
+        assert set(run["warmup_first_ms"][kind]) == {str(b) for b in buckets}
+    for r in rc["rows"]:
+        assert 1 <= r["tokens"] <= 32
+        assert r["bucket"] == min(b for b in buckets if b >= r["tokens"])
+        for kind in ("prefill", "mixed"):
+            steady = rc["steady_ms"][kind][str(r["bucket"])]
+            assert r[kind]["first_over_steady"] == pytest.approx(r[kind]["first_ms"] / steady,
+                                                                 abs=2e-3)
+    assert rc["max_first_over_steady"]["mixed"] == max(r["mixed"]["first_over_steady"]
+                                                        for r in rc["rows"])
+    mx = run["mixed"]
+    assert mx["decodes"] == 3 and mx["chunk_tokens"] == 32
+    assert mx["mixed_over_decode_stock"] == pytest.approx(
+        mx["tpot_ms_mixed"] / mx["tpot_ms_decode_only_stock"], abs=2e-3)
+    # tiny TP2 bf16 runs the specialized decode (eagerly on the statics here)
+    split = mx["ms"]["chunk_alone"] + mx["ms"]["decode_graphed"]
+    assert mx["tpot_ms_split"] == pytest.approx(split, abs=2e-3)
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("config,tp", [("tiny", 1), ("tiny", 2), ("tiny", 4), ("k3", 16),
+                                       ("k3", 8)])
+def test_flop_model_counts_the_rank_inventory(config, tp):
+    """The parameters counted on the built rank equal models/params.py's analytic per-rank
+    counts of the stock layout (an MXFP4 byte holds two parameters)."""
+    cfg = load_config(config)
+    par = Parallel(0, tp)
+    with torch.device("meta"):
+        m = K3ForCausalLM(cfg, par, SoloRankComm(par), torch.bfloat16)
+    fm = prefill.flop_model(m)
+    inv = params.inventory(cfg)
+
+    def count(keep) -> int:
+        return sum(t.rank_numel(tp, "stock") * t.copies for t in inv if keep(t.kind))
+
+    assert fm["dense_params"] == count(lambda k: k not in ("embedding", "lm_head",
+                                                            "routed_experts"))
+    assert fm["routed_params"] == count(lambda k: k == "routed_experts")
+    assert fm["lm_head_params"] == count(lambda k: k == "lm_head")
+    assert fm["routed_share"] == cfg.moe.top_k / cfg.moe.num_experts
+    # a chunk's FLOPs: linear in its tokens, attention growing with its position
+    one = prefill.chunk_flops(fm, 0, 1)
+    assert one == pytest.approx(2 * fm["active_params"] + 2 * fm["lm_head_params"]
+                                + fm["mla_layers"] * 2 * fm["mla_heads"]
+                                * (fm["mla_qk_dim"] + fm["mla_v_dim"])
+                                + fm["kda_layers"] * 7 * fm["kda_heads"] * fm["kda_dk"]
+                                * fm["kda_dv"])
+    assert prefill.chunk_flops(fm, 1000, 8) > prefill.chunk_flops(fm, 0, 8)
+
+
+def test_chunked_prefill_matches_one_shot_and_extrapolates():
+    """The Scheduler-driven chunks (positions, block tables, resets) give the first token's
+    logits of a one-shot prefill of the same prompt (float32); a prompt cut short by its time
+    limit runs its first and last chunks and extrapolates the rest."""
+    cfg = load_config("tiny")
+    model = init_random_(K3ForCausalLM(cfg, Parallel(), SoloRankComm(Parallel()),
+                                       torch.float32), 5)
+    rank = prefill.PrefillRank(model, "cpu", 70, 16, 2, 8)
+    ids = rank.ids(70)
+    chunks, logits, first = rank.prompt(ids)
+    assert [(p, n) for p, n, _ in chunks] == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 6)]
+    with torch.inference_mode():
+        h = model(torch.tensor(ids))                        # caches=None: naive, one step
+        want = model.compute_logits(h[-1:]).float()
+    rel = float((logits - want).abs().max() / want.abs().max())
+    assert rel < 1e-4, rel
+    assert first == int(want.argmax())
+    cut, _, _ = rank.prompt(rank.ids(70), max_seconds=0.0)
+    assert [t is None for *_, t in cut] == [False, True, True, True, False]
+    ttft, fit = prefill.ttft_of(cut)
+    assert fit is not None and ttft > sum(t for *_, t in cut if t is not None)
+    # the slot's own table is shipped again for the bench's next chunk step
+    assert rank.pending[rank.slot] == rank.tables[rank.slot]
+
+
+def test_ttft_extrapolation_and_buckets():
+    # seconds per token 0.1 at mean position 5 and 0.3 at 25: 0.2 at 15, so 2 s for the middle
+    ttft, fit = prefill.ttft_of([(0, 10, 1.0), (10, 10, None), (20, 10, 3.0)])
+    assert ttft == pytest.approx(6.0) and fit["skipped_s"] == pytest.approx(2.0)
+    assert prefill.ttft_of([(0, 4, 0.5), (4, 2, 0.25)]) == (0.75, None)
+    assert prefill.buckets_for(32) == [1, 2, 4, 8, 16, 32]
+    assert prefill.buckets_for(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert prefill.buckets_for(1) == [1]
+    rate = prefill.dense_bf16_rate("cpu")
+    assert rate["n"] == 256 and rate["flops_per_s"] > 0
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--prompts", "0"], "--prompts 0: expected comma-separated integers >= 1"),
+    (["--mixed-decodes", "65"], "--mixed-decodes 65: expected 1..64"),
+    (["--layers", "7"], "--layers 7: expected 1..6"),
+])
+def test_bad_flags_exit_with_the_value(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        prefill.main(["--config", "tiny", "--device", "cpu"] + argv)
