@@ -530,6 +530,26 @@ def _ints(flag: str, text: str, low: int) -> list[int]:
     return vals
 
 
+KERNEL_SETS = {
+    "prefill": "fla-core chunk_kda (varlen), MLA decompress + flash SDPA, MoE 64-pair chunks",
+    "reference": "kda_chunked loop, MLA absorbed fp32 einsums, MoE 16-pair chunks",
+}
+
+
+def use_kernels(name: str) -> None:
+    """Select the stock path's prefill kernels for this process (`KERNEL_SETS`): the switches
+    the model reads at each step (the KDA varlen predicate, the MLA prefill impl, the MoE
+    prefill threshold)."""
+    from raydecode.kernels import kda_prefill, moe_mxfp4
+    from raydecode.models.mla import MLAAttention
+    if name not in KERNEL_SETS:
+        raise SystemExit(f"--kernels {name!r}: expected one of {', '.join(KERNEL_SETS)}")
+    if name == "reference":          # "prefill": the defaults, nothing to switch
+        kda_prefill.available = lambda *ts: False
+        MLAAttention.prefill_impl = "reference"
+        moe_mxfp4.PREFILL_PAIRS = 1 << 62
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="k3", help="model config: k3 (default), tiny or a path")
@@ -556,6 +576,11 @@ def main(argv=None) -> int:
                     help="1: also the decode-only specialized (graphed) step, the served "
                          "TPOT without prefill (captures bucket 64: its kernels compile "
                          "unless the node kernel cache has them); 0: stock only")
+    ap.add_argument("--kernels", default="prefill", choices=tuple(KERNEL_SETS),
+                    help="prefill: the stock path's prefill kernels (fla-core's chunked KDA, "
+                         "MLA flash SDPA, 64-pair MoE chunks); reference: the PyTorch "
+                         "references and 16-pair MoE chunks (the stock path before them, the "
+                         "baseline)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--png", default=None, help="TTFT against prompt length (matplotlib)")
@@ -572,6 +597,7 @@ def main(argv=None) -> int:
     if not 1 <= args.mixed_decodes <= 64:
         raise SystemExit(f"--mixed-decodes {args.mixed_decodes}: expected 1..64 (the largest "
                          "graph bucket)")
+    use_kernels(args.kernels)
     try:
         cfg = layer_config(args.config, args.layers)
     except ValueError as e:
@@ -585,7 +611,7 @@ def main(argv=None) -> int:
         scaling=(f"{cfg.num_layers} of {total} layers run; *_all_layers figures are the "
                  f"measured ones × {scale:.4g}; MFU is the run's own" if scale != 1 else
                  "all layers run"),
-        prefill_budget=args.prefill_budget, context=args.context,
+        kernels=args.kernels, prefill_budget=args.prefill_budget, context=args.context,
         mixed_decodes=args.mixed_decodes, random_counts=args.random_counts,
         max_seconds=args.max_seconds, seed=args.seed, flops_method=FLOPS_METHOD,
         summary_method="from the TP16 run: the 8192-token prompt's MFU and TTFT (all layers), "
