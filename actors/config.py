@@ -225,6 +225,12 @@ class DeployConfig(_Model):
                                         "context, capped at 4096.")
     max_num_batched_tokens: int = Field(default=512, ge=1,
                                         description="Token budget of one step (prefill chunk).")
+    max_prefill_tokens_while_decoding: int | None = Field(
+        default=None, ge=1,
+        description="Prompt tokens of one step while other sequences decode; null: the whole "
+                    "max_num_batched_tokens. A long prompt then prefills in chunks this size "
+                    "while streams run (each running stream waits at most one such chunk step "
+                    "per token) and in budget-sized chunks when nothing decodes.")
     max_waiting_requests: int = Field(
         default=256, ge=0, description="Requests queued beyond the running ones before new ones "
                                        "get 503 + Retry-After.")
@@ -358,7 +364,8 @@ class DeployConfig(_Model):
                             block_size=self.block_size,
                             dcp_size=self.decode_context_parallel_size,
                             enable_prefix_caching=on,
-                            num_snapshots=self.kda_snapshot_slots if on else 0)
+                            num_snapshots=self.kda_snapshot_slots if on else 0,
+                            prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding)
 
     def decode_options(self) -> DecodeOptions:
         """The replica's DecodeOptions (the `decode` section), for every rank's shard spec."""

@@ -39,12 +39,17 @@ class EngineConfig:
     num_snapshots: int = 0                 # KDA snapshot slots per rank (prefix caching)
     fork: bool = True                      # n > 1 samples share one prefill
     split_mixed: bool = False              # decode tokens never ride a prefill step (scheduler)
+    prefill_tokens_while_decoding: int | None = None   # prompt tokens per step beside decodes
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r}; expected a positive integer")
+        cap = self.prefill_tokens_while_decoding
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"prefill_tokens_while_decoding = {cap!r}; expected a positive "
+                             "integer or None (the whole step budget)")
         if isinstance(self.num_snapshots, bool) or not isinstance(self.num_snapshots, int) \
                 or self.num_snapshots < 0:
             raise ValueError(f"num_snapshots = {self.num_snapshots!r}; expected an integer >= 0")
@@ -66,7 +71,8 @@ class EngineConfig:
                                dcp_size=self.dcp_size,
                                prefix_caching=self.enable_prefix_caching,
                                num_snapshots=self.num_snapshots, fork=self.fork,
-                               split_mixed=self.split_mixed)
+                               split_mixed=self.split_mixed,
+                               prefill_tokens_while_decoding=self.prefill_tokens_while_decoding)
 
 
 @dataclass

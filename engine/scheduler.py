@@ -76,6 +76,10 @@ class SchedulerConfig:
     # prefill chunks (+ admissions) and decode tokens alone, so the decodes keep the fast
     # (graphed, specialized) path instead of riding the stock path with the prompt
     split_mixed: bool = False
+    # prompt tokens per step while other sequences decode (None: the whole budget): a long
+    # prompt's chunks then cost each decoding stream at most one such chunk step per token,
+    # and the budget's big chunks serve prompts that arrive when nothing decodes
+    prefill_tokens_while_decoding: int | None = None
 
 
 class Scheduler:
@@ -258,26 +262,35 @@ class Scheduler:
             halves = [first, second]         # the second only if the first runs nothing
         admitted = set()
         ran_prefill = False
+        cap = self.cfg.prefill_tokens_while_decoding
+        prompt_left = cap if decode and cap is not None else budget   # prompt tokens, this step
         for d, p, admit in halves:
             ran_prefill = not d
             for req in d + p:
                 if budget <= 0 or req not in self.running:   # may have been preempted meanwhile
                     continue
                 n = min(req.num_tokens - req.num_cached, budget)
+                if req.in_prefill:
+                    if prompt_left <= 0:
+                        continue
+                    n = min(n, prompt_left)
+                    prompt_left -= n
                 if not self._grow(req, req.num_cached + n, changed):
                     continue
                 chosen.append((req, n))
                 budget -= n
             chosen = [(r, n) for r, n in chosen if r in self.running]
-            while admit and self.waiting and budget > 0 and self.slots.num_free:
+            while admit and self.waiting and min(budget, prompt_left) > 0 \
+                    and self.slots.num_free:
                 req = self.waiting[0]
-                n = self._admit(req, budget, changed, reset, state, block)
+                n = self._admit(req, min(budget, prompt_left), changed, reset, state, block)
                 if not n:
                     break
                 self.waiting.popleft()
                 admitted.add(id(req))
                 chosen.append((req, n))
                 budget -= n
+                prompt_left -= n
             if chosen:
                 break
         if len(halves) == 2:                 # the half that waited goes first next time

@@ -117,6 +117,36 @@ def test_split_mixed_steps_alternate_and_never_mix_decodes_into_a_prefill():
     assert s.num_split_steps == 5
 
 
+def test_prompt_chunks_shrink_while_others_decode():
+    """prefill_tokens_while_decoding = 3: while a decodes, b's 20-token prompt (admission
+    included) arrives 3 tokens per step in split and mixed steps alike; once a finishes, the
+    rest comes in budget-sized chunks; a prompt that arrives when nothing decodes is not
+    capped."""
+    for split in (False, True):
+        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, num_blocks=64,
+                                      block_size=4, split_mixed=split,
+                                      prefill_tokens_while_decoding=3))
+        first = req(16)
+        s.add(first)
+        plan = run_step(s)
+        assert [q.length for q in plan.batch.seqs] == [8]      # nothing decodes: the budget
+        run_step(s)                                            # first's last 8
+        a = first
+        a.params = SamplingParams(max_tokens=4)
+        b = req(20)
+        s.add(b)
+        chunks = []
+        while b.num_cached < 20:
+            plan = run_step(s)
+            got = {rid: q.length for rid, q in zip(plan.request_ids, plan.batch.seqs)}
+            if b.request_id in got:
+                chunks.append(got[b.request_id])
+            if a in s.running and len(a.output_ids) >= a.params.max_tokens:
+                s.finish(a)
+        assert chunks[:2] == [3, 3], (split, chunks)
+        assert max(chunks) == 8 and sum(chunks) == 20, (split, chunks)   # a gone: budget
+
+
 def test_split_mixed_off_is_the_mixed_policy():
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, num_blocks=64,
                                   block_size=4))
