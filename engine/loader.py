@@ -97,7 +97,25 @@ def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None =
     caches = make_caches(cfg, par, num_slots=num_slots, num_blocks=num_blocks,
                          block_size=block_size, dtype=dt, device=device,
                          num_snapshots=num_snapshots)
+    warm_prefill_kernels(model, device)
     return LoadedShard(cfg, model, caches, path)
+
+
+def warm_prefill_kernels(model, device) -> int:
+    """Compile and autotune the KDA prefill kernel (fla-core's, kernels/kda_prefill.py) for
+    this shard's KDA heads before the first request: its token count is no compile key, so one
+    call serves every prompt; without it the first prefill on each rank pays fla's import,
+    autotune and compiles on the request path. -> calls made (0 off CUDA or without fla)."""
+    from raydecode.kernels import kda_prefill
+    from raydecode.models.kda import KDAAttention
+
+    kda = next((m for m in model.modules() if isinstance(m, KDAAttention)), None)
+    if kda is None or torch.device(device).type != "cuda":
+        return 0
+    n = kda_prefill.warmup(kda.heads, kda.dim, device)
+    if n:
+        log.info("KDA prefill kernel warmed: %d heads of %d", kda.heads, kda.dim)
+    return n
 
 
 def load_tokenizer(spec: str | Path):

@@ -24,16 +24,20 @@ log-decay G_t = Σ_{i≤t} g_i and initial state S₀, the pseudo-values u_t (S_
 and then  o_t = scale [(q_t ⊙ e^{G_t})ᵀ S₀ + Σ_{i≤t} (Σ_c q_tc k_ic e^{G_tc − G_ic}) u_i],
           S_C = e^{G_C} ⊙ S₀ + Σ_i (k_i ⊙ e^{G_C − G_i}) u_iᵀ.
 Decays enter only as e^{G_t − G_i} with i ≤ t (≤ 1), so nothing overflows at any chunk size.
+On CUDA with fla-core installed the step's multi-token sequences run this form as one varlen
+call of fla's chunked kernel instead (kernels/kda_prefill.py; `kda_chunked` stays its reference).
 """
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from raydecode.kernels import kda_decode as kda_decode_op
+from raydecode.kernels import kda_prefill as kda_prefill_op
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .cache import ModelCaches, StepBatch
@@ -250,6 +254,29 @@ class KDAAttention(nn.Module):
             head_dim=self.dim, lower_bound=self.lower_bound, eps=self.o_norm.eps, slots=slots,
             splits=self.options.kda_splits)
 
+    def _store(self, cache, row: int, s, xs: torch.Tensor, S: torch.Tensor) -> None:
+        """A sequence's slot after its tokens: the last W−1 conv inputs and the final state."""
+        cache.conv[row, s.slot] = xs[xs.shape[0] - (self.width - 1):].t().to(cache.conv.dtype)
+        cache.rec[row, s.slot] = S
+
+    def _prefill_packed(self, packed: list, g: torch.Tensor, beta: torch.Tensor,
+                        o: torch.Tensor, cache, row: int | None) -> None:
+        """The step's multi-token sequences (seq, xs, q, k, v, S0) as one kernels/kda_prefill
+        call (fla's chunked kernel, packed along T): their rows of o (T, h, d) written, and
+        each slot stored as the per-sequence loop does."""
+        seqs = [p[0] for p in packed]
+        bounds = [0, *itertools.accumulate(s.length for s in seqs)]
+        q, k, v = (torch.cat([p[i] for p in packed]) for i in (2, 3, 4))     # (ΣL, h, d)
+        gp = torch.cat([g[s.start:s.end] for s in seqs])                     # (ΣL, h, d)
+        bp = torch.cat([beta[s.start:s.end] for s in seqs])                  # (ΣL, h)
+        S0 = torch.stack([p[5] for p in packed])                             # (N, h, d, d)
+        op, S = kda_prefill_op.kda_prefill(q, k, v, gp, bp, self.scale, S0,
+                                           torch.tensor(bounds, dtype=torch.int64))
+        for i, s in enumerate(seqs):
+            o[s.start:s.end] = op[bounds[i]:bounds[i + 1]]
+            if cache is not None:
+                self._store(cache, row, s, packed[i][1], S[i])
+
     def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock") -> torch.Tensor:
         T, h, d, W = x.shape[0], self.heads, self.dim, self.width
@@ -270,6 +297,12 @@ class KDAAttention(nn.Module):
                      self.A_log, self.dt_bias, self.lower_bound)                   # (T, h, d)
         cache = caches.kda if caches is not None else None
         row = caches.kda_index[self.layer_idx] if caches is not None else None
+        observer = caches.kda_observer if cache is not None else None
+        # where fla's kernel runs on these tensors the step's multi-token sequences go through
+        # one varlen kernels/kda_prefill call; with a speculative observer every sequence
+        # keeps this loop (the observer reads each one's S0 view and q, k, v, g, β in turn)
+        varlen = observer is None and kda_prefill_op.available(x)
+        packed = []                              # (seq, xs, q, k, v, S0) for the varlen call
         o = x.new_empty(T, h, d, dtype=torch.float32)
         for s in batch.seqs:
             sl = slice(s.start, s.end)
@@ -283,16 +316,20 @@ class KDAAttention(nn.Module):
             y = causal_conv_silu(xs, conv_w).to(x.dtype).float()     # model-dtype rounding
             q, k, v = (t.reshape(s.length, h, d) for t in y.split(h * d, dim=-1))
             q, k = l2_normalize(q), l2_normalize(k)
+            if varlen and s.length > 1:
+                packed.append((s, xs, q, k, v, S0))
+                continue
             if s.length == 1:
                 o[sl], S = kda_recurrent(q, k, v, g[sl], beta[sl], self.scale, S0)
             else:
                 o[sl], S = kda_chunked(q, k, v, g[sl], beta[sl], self.scale, S0,
                                        self.chunk_size)
-            if cache is not None and caches.kda_observer is not None:   # speculative rollback
-                caches.kda_observer(row, s, xs, (q, k, v, g[sl], beta[sl]), S0)
+            if observer is not None:                                    # speculative rollback
+                observer(row, s, xs, (q, k, v, g[sl], beta[sl]), S0)
             if cache is not None:
-                cache.conv[row, s.slot] = xs[xs.shape[0] - (W - 1):].t().to(cache.conv.dtype)
-                cache.rec[row, s.slot] = S
+                self._store(cache, row, s, xs, S)
+        if packed:
+            self._prefill_packed(packed, g, beta, o, cache, row)
         gate = torch.sigmoid(self._out_gate(x, lin).float()).view(T, h, d)
         o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)
         return self.comm.all_reduce(lin(o.reshape(T, h * d), self.o_proj.weight))

@@ -25,10 +25,12 @@ import tempfile
 import zipfile
 
 SETS = {
-    # the decode kernels (CuTe DSL) and Ray
+    # the decode kernels (CuTe DSL) and the KDA prefill's fla-core (pure Python over the
+    # host's Triton; einops its declared dependency, packaging one it imports undeclared)
     "kernels": ["nvidia-cutlass-dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1",
                 "nvidia-cutlass-dsl-libs-core==4.8.1", "nvidia-cutlass-dsl-libs-cu13==4.8.1",
-                "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5"],
+                "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5",
+                "fla-core==0.6.0", "einops==0.8.2", "packaging==26.4"],
     "ray": ["ray==2.60.0", "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1",
             "referencing==0.37.0", "rpds-py==2026.9.1"],
     # Ray Serve's HTTP side, the deployment config's pydantic and the official openai client

@@ -1,0 +1,199 @@
+"""KDA chunked prefill over a batch of variable-length sequences packed along T.
+
+Sequence n holds tokens cu_seqlens[n] .. cu_seqlens[n+1] − 1; per token t and head, from
+S = states[n] (dk, dv) fp32 (models/kda.py `kda_recurrent`):
+
+    S ← Diag(e^{g_t}) S;   S ← S + β_t k_t (v_t − k_tᵀ S)ᵀ;   o_t = scale · Sᵀ q_t
+
+-> o (T, h, dv) and the final states (N, h, dk, dv) fp32. q, k arrive L2-normalised, g is the
+log-decay after the gate (≤ 0), β after the sigmoid: the op holds no norm, gate or sigmoid.
+
+Dispatch (`kda_prefill`): fla-core's chunked KDA (`fla.ops.kda.chunk_kda`, Triton) when fla
+imports and every tensor is on CUDA (`available`) and the inputs are not fp64; else
+`kda_prefill_reference`, a loop over models/kda.py `kda_chunked` per sequence (the ground
+truth; CPU, no fla, fp64).
+
+What fla-core 0.6.0 requires (read from its source) and how the call meets it:
+- layout [B, T, H, K] with B = 1 when `cu_seqlens` (N+1,) int64 on the device is given (the
+  packed form; it raises otherwise); initial_state (N, H, K, V) must be fp32 (asserted); the
+  final state comes back as a new (N, H, K, V) fp32 tensor, our (h, dk, dv) state layout.
+- K ≤ 256 (asserted); v may have more heads than q/k (GVA), here they are equal.
+- dtypes: any float q/k/v; its intermediates (per-chunk states, A⁻¹, w, u) are stored in k's
+  dtype and o comes back in q's dtype. We pass fp32 (bf16/fp16 inputs are upcast): on sm_80+
+  Triton runs fp32 `tl.dot` as TF32 (its default; the intra-chunk solve asks for TF32
+  explicitly), so o and the final state sit ≈ 4e-4 (‖·‖ relative) from the fp32 reference
+  (fla under the Triton interpreter with TF32 operand rounding emulated; 2e-6 without it).
+  bf16 inputs would in addition round the per-chunk states to bf16.
+- flags: use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel off (ours
+  are applied before: our L2 norm is x·rsqrt(Σx² + 1e-6)); scale passed explicitly.
+- `cu_seqlens_cpu`: the host copy; without it fla builds its chunk index with a
+  data-dependent repeat_interleave on the device, a host sync.
+- chunk_kda's dispatcher prefers a `flash_kda` (CUTLASS) or TileLang backend when those
+  packages are installed; FlashKDA accepts only bf16 with every *_in_kernel flag on, so with
+  our fp32 call the Triton kernels run (the offline wheel set ships neither package).
+
+Compiles (the request path must not JIT after warm-up): every Triton kernel of fla's forward
+(chunk-local cumsum, token-parallel intra, inter + solve, w/u recompute, state recurrence,
+output) marks T (and N) `do_not_specialize`, no autotune key holds T or N (keys: H, HV, K, V,
+the block sizes BT/BC/BK/BV/NC, B = 1, IS_VARLEN, plus the tensors' dtypes, which Triton's
+autotuner adds), and every block size depends on K, V and the chunk size (64) only. So one
+call compiles and autotunes the whole forward for a (heads, head_dim) on a device, and every
+later token count, sequence count and length mix reuses it: `warmup` makes that call. The
+autotune benchmarks at the warm-up's shape (use a representative token count, the step's
+prefill budget); its choice is cached on disk (fla's FLA_CACHE_RESULTS, on by default:
+Triton's autotune cache under TRITON_CACHE_DIR), so a restarted rank does not re-benchmark.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+MAX_HEAD_DIM = 256          # fla's chunk_kda asserts K ≤ 256
+WARMUP_TOKENS = 256         # engine/scheduler.py's default step budget (max_num_batched_tokens)
+
+
+@functools.cache
+def _chunk_kda():
+    """fla's chunk_kda, or None where fla-core is not installed or does not import (CPU-only
+    installs; a host without a usable Triton). Imported on first use: fla's import queries the
+    device, which processes that never run the op (the coordinator, CPU ranks) must not do."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # ImportError, or a broken install / no Triton driver
+        return None
+    return chunk_kda
+
+
+def available(*ts: torch.Tensor) -> bool:
+    """fla's kernel can run on these tensors: all on CUDA and fla-core imports."""
+    return bool(ts) and all(t.is_cuda for t in ts) and _chunk_kda() is not None
+
+
+def _use_fla(q, k, v, g, beta, states) -> bool:
+    return (q.dtype != torch.float64 and q.shape[-1] <= MAX_HEAD_DIM
+            and available(q, k, v, g, beta, states))
+
+
+@functools.lru_cache(maxsize=64)
+def _cu_seqlens(bounds: tuple[int, ...], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host, device) int64 copies of cu_seqlens, built once per batch composition: every KDA
+    layer of a step passes the same tensors, so fla's identity-keyed caches (its chunk index)
+    hit from the second layer on. The device copy goes through pinned memory: no host sync."""
+    host = torch.tensor(bounds, dtype=torch.int64)
+    if device.type == "cuda":
+        return host, host.pin_memory().to(device, non_blocking=True)
+    return host, host.to(device)
+
+
+def kda_prefill_reference(q, k, v, g, beta, scale: float, states: torch.Tensor,
+                          cu_seqlens: torch.Tensor, chunk_size: int = 64
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op in PyTorch: models/kda.py `kda_chunked` per sequence. -> (o (T, h, dv),
+    final states (N, h, dk, dv)), fp32 (fp64 for fp64 inputs); `states` is not modified."""
+    from raydecode.models.kda import kda_chunked     # models/ imports kernels/: not at load
+    bounds = cu_seqlens.tolist()
+    dt = torch.promote_types(v.dtype, torch.float32)
+    o = v.new_empty(v.shape, dtype=dt)
+    finals = []
+    for n in range(len(bounds) - 1):
+        sl = slice(bounds[n], bounds[n + 1])
+        o[sl], S = kda_chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], scale, states[n],
+                               chunk_size)
+        finals.append(S)
+    return o, torch.stack(finals)
+
+
+def _fla_prefill(q, k, v, g, beta, scale: float, states: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunk_kda on the packed batch (module docstring): fp32 in, o (T, h, dv) fp32 and
+    the final states (N, h, dk, dv) fp32 out. No host sync, no compile after `warmup`."""
+    host, dev = _cu_seqlens(tuple(cu_seqlens.tolist()), q.device)
+    f32 = [t.float().unsqueeze(0) for t in (q, k, v, g, beta)]                 # (1, T, ...)
+    o, final = _chunk_kda()(*f32, scale=scale, initial_state=states.float().contiguous(),
+                            output_final_state=True, cu_seqlens=dev, cu_seqlens_cpu=host)
+    return o[0], final
+
+
+def _check(q, k, v, g, beta, scale, states, cu_seqlens) -> None:
+    """Shapes, dtypes and devices of the op's inputs; ValueError naming the offending one."""
+    if q.dim() != 3:
+        raise ValueError(f"q of shape {tuple(q.shape)}: expected (T, h, dk)")
+    T, h, dk = q.shape
+    if v.dim() != 3 or v.shape[:2] != (T, h):
+        raise ValueError(f"v of shape {tuple(v.shape)}: expected (T, h, dv) = ({T}, {h}, dv)")
+    dv = v.shape[2]
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+            or cu_seqlens.dtype != torch.int64 or cu_seqlens.device.type != "cpu":
+        what = (f"shape {tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype} on "
+                f"{cu_seqlens.device}" if isinstance(cu_seqlens, torch.Tensor)
+                else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens {what}: expected a 1-D int64 CPU tensor (N+1,) of "
+                         "host values (reading a device tensor would sync)")
+    N = cu_seqlens.shape[0] - 1
+    want = {"k": (k, (T, h, dk)), "g": (g, (T, h, dk)), "beta": (beta, (T, h)),
+            "states": (states, (N, h, dk, dv))}
+    for name, (x, shape) in want.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} of shape {tuple(x.shape)}: expected {shape} (T={T}, "
+                             f"h={h}, dk={dk}, dv={dv}, N={N} sequences)")
+    for name, x in {"q": q, "k": k, "v": v, "g": g, "beta": beta, "states": states}.items():
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{name} dtype {x.dtype}: expected a floating dtype")
+        if x.device != q.device:
+            raise ValueError(f"{name} on {x.device}: expected q's device {q.device}")
+    if states.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"states dtype {states.dtype}: expected float32 (the recurrent "
+                         "state's dtype; float64 for a float64 reference run)")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale={scale!r}: expected a positive float (head_dim ** -0.5)")
+    bounds = cu_seqlens.tolist()
+    if N < 1 or bounds[0] != 0 or bounds[-1] != T \
+            or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens {bounds}: expected 0 = c_0 < c_1 < … < c_N = T = {T} "
+                         "(N ≥ 1 sequences of at least one token each)")
+
+
+def kda_prefill(q, k, v, g, beta, scale: float, states: torch.Tensor,
+                cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op (module docstring). q, k, g (T, h, dk); v (T, h, dv); beta (T, h); states
+    (N, h, dk, dv) fp32 initial states (not modified); cu_seqlens (N+1,) int64 on the host.
+    -> (o (T, h, dv), final states (N, h, dk, dv)), fp32 (fp64 for fp64 inputs: reference)."""
+    _check(q, k, v, g, beta, scale, states, cu_seqlens)
+    if _use_fla(q, k, v, g, beta, states):
+        return _fla_prefill(q, k, v, g, beta, float(scale), states, cu_seqlens)
+    return kda_prefill_reference(q, k, v, g, beta, float(scale), states, cu_seqlens)
+
+
+@torch.inference_mode()
+def warmup(heads: int, head_dim: int, device, tokens: Sequence[int] = (WARMUP_TOKENS,)) -> int:
+    """Compile and autotune fla's forward for `heads` heads of `head_dim` on `device` before
+    the first request: one call per entry of `tokens` (a batch of two sequences summing to
+    it; one entry suffices, T being no compile or autotune key: module docstring). Fresh
+    inputs on the device, nothing kept. -> the number of calls made (0 where fla cannot run
+    on `device`)."""
+    if any(T < 2 for T in tokens):
+        raise ValueError(f"tokens {list(tokens)}: each warm-up call needs T ≥ 2 (two "
+                         "sequences)")
+    device = torch.device(device)
+    if head_dim > MAX_HEAD_DIM or not available(torch.empty(0, device=device)):
+        return 0
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    h, d = heads, head_dim
+    for T in tokens:
+        q, k = rn(T, h, d), rn(T, h, d)
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        g, beta = -5.0 * torch.sigmoid(rn(T, h, d)), torch.sigmoid(rn(T, h))
+        cu = torch.tensor([0, T - T // 2, T], dtype=torch.int64)
+        kda_prefill(q, k, rn(T, h, d), g, beta, d ** -0.5, 0.05 * rn(2, h, d, d), cu)
+    return len(tokens)
+
+
+__all__ = ["available", "kda_prefill", "kda_prefill_reference", "warmup", "MAX_HEAD_DIM",
+           "WARMUP_TOKENS"]

@@ -1,0 +1,205 @@
+"""KDA varlen prefill on CUDA (kernels/kda_prefill.py): fla-core's chunked kernel against the
+fp64 reference at K3 rank shapes, no Triton compile after `warmup` at new token counts, and
+the layer's step with several prefill sequences through fla against the reference loop.
+
+Fresh random inputs per case (seed from os.urandom, in every failure message), nonzero
+initial states. o is fla's own allocation (zero-filled), so every sequence's rows are
+checked on their own: an unwritten or misplaced sequence fails its own error.
+
+Tolerances (`TOL`, ‖x − ref‖ / ‖ref‖ in fp64 against the fp64 reference): fla takes fp32 in
+and runs its matmuls as TF32 (kernels/kda_prefill.py docstring): ≈ 4e-4 for o and the final
+state (fla under the Triton interpreter with TF32 operand rounding emulated, 6 × 128 heads).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydecode.kernels import kda_prefill as KP
+
+from _numerics import TOL, fresh_seed, max_rel_err, rel_err
+
+
+def _fla_on_cuda() -> bool:
+    return torch.cuda.is_available() and KP.available(torch.empty(0, device="cuda"))
+
+
+pytestmark = pytest.mark.skipif(not _fla_on_cuda(), reason="needs CUDA and fla-core")
+DEV = "cuda"
+D = 128                                  # K3 linear_attn_config.head_dim
+K3_HEADS = 96                            # K3 linear_attn_config.num_heads
+TOL_O, TOL_S = TOL["bf16_round"], TOL["tf32_dots"]
+
+
+def _inputs(lens, h, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    T = sum(lens)
+    rn = lambda *s: torch.randn(*s, device=DEV, generator=gen)          # noqa: E731
+    l2 = lambda x: x / x.norm(dim=-1, keepdim=True)                      # noqa: E731
+    return dict(q=l2(rn(T, h, D)), k=l2(rn(T, h, D)), v=rn(T, h, D),
+                g=-5.0 * torch.sigmoid(3.0 * rn(T, h, D)), beta=torch.sigmoid(rn(T, h)),
+                scale=D ** -0.5, states=0.3 * rn(len(lens), h, D, D),
+                cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]))
+
+
+@pytest.fixture
+def fla_calls(monkeypatch):
+    """Counts calls through kda_prefill's fla path (the attribute the dispatcher calls)."""
+    calls = []
+    real = KP._fla_prefill
+
+    def counting(*a, **kw):
+        calls.append(a[-1].tolist())                     # cu_seqlens
+        return real(*a, **kw)
+
+    monkeypatch.setattr(KP, "_fla_prefill", counting)
+    return calls
+
+
+@pytest.mark.parametrize("tp", [16, 8], ids=["k3-tp16", "k3-tp8"])
+@pytest.mark.parametrize("lens", [[1, 63, 64, 65, 700, 2048], [2048], [5, 1, 130]],
+                         ids=["mix", "one-long", "short"])
+def test_fla_matches_the_reference_at_k3_rank_shapes(tp, lens, fla_calls):
+    seed = fresh_seed()
+    h = K3_HEADS // tp
+    x = _inputs(lens, h, seed)
+    states0 = x["states"].clone()
+    with torch.inference_mode():
+        o, S = KP.kda_prefill(**x)
+        x64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+               for k, v in x.items()}
+        o_ref, S_ref = KP.kda_prefill_reference(**x64)
+    what = f"seed {seed} h={h} lens={lens}"
+    assert fla_calls == [x["cu_seqlens"].tolist()], f"{what}: fla not used"
+    assert o.shape == (sum(lens), h, D) and o.dtype == torch.float32, what
+    assert S.shape == (len(lens), h, D, D) and S.dtype == torch.float32, what
+    assert torch.equal(x["states"], states0), f"{what}: initial states modified"
+    assert torch.isfinite(o).all() and torch.isfinite(S).all(), f"{what}: non-finite"
+    cu = x["cu_seqlens"].tolist()
+    for n, L in enumerate(lens):
+        sl = slice(cu[n], cu[n + 1])
+        e_o, e_s = rel_err(o[sl], o_ref[sl]), rel_err(S[n], S_ref[n])
+        assert e_o <= TOL_O, f"{what}: sequence {n} (L={L}) o rel {e_o:.2e}"
+        assert e_s <= TOL_S, f"{what}: sequence {n} (L={L}) final state rel {e_s:.2e}"
+
+
+def test_bf16_inputs_take_the_fp32_call():
+    """bf16 q/k/v (an upcast is exact) give the fp32 call's result."""
+    seed = fresh_seed()
+    x = _inputs([70, 9], 6, seed)
+    xb = dict(x, **{k: x[k].bfloat16() for k in ("q", "k", "v")})
+    xf = dict(x, **{k: xb[k].float() for k in ("q", "k", "v")})
+    with torch.inference_mode():
+        (ob, Sb), (of, Sf) = KP.kda_prefill(**xb), KP.kda_prefill(**xf)
+    assert ob.dtype == torch.float32 and torch.equal(ob, of) and torch.equal(Sb, Sf), \
+        f"seed {seed}"
+
+
+@pytest.fixture
+def triton_compiles(monkeypatch):
+    """Names of the Triton kernels compiled (an in-memory cache miss: a JIT, or a load from
+    the disk cache) while the test runs."""
+    from triton.runtime.jit import JITFunction
+
+    if not hasattr(JITFunction, "_do_compile"):
+        pytest.skip("this Triton has no JITFunction._do_compile to count compiles with")
+    names = []
+    real = JITFunction._do_compile
+
+    def counting(self, *a, **kw):
+        names.append(getattr(self, "__name__", None) or self.fn.__name__)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counting)
+    return names
+
+
+def test_no_compile_after_warmup_at_new_token_counts(triton_compiles):
+    """After `warmup` (one call), calls at other token counts, sequence counts and length
+    mixes compile nothing: T and N are no specialization or autotune key of fla's forward."""
+    h = K3_HEADS // 16
+    with torch.inference_mode():
+        assert KP.warmup(h, D, DEV) == 1
+        warm = list(triton_compiles)
+        for lens in ([37], [100, 3], [1, 254], [64, 64, 64, 64, 1], [513, 7, 400], [2048]):
+            KP.kda_prefill(**_inputs(lens, h, fresh_seed()))
+    torch.cuda.synchronize()
+    assert triton_compiles == warm, f"compiled after warm-up: {triton_compiles[len(warm):]}"
+
+
+# ---- the layer: a step of several prefill sequences through fla vs the reference loop -------
+
+def _k3_layer(tp: int, seed: int):
+    """A K3 KDAAttention (bf16, TP rank 0 of `tp`) with random weights at init scales."""
+    from raydecode.models.config import load_config
+    from raydecode.models.kda import KDAAttention
+    from raydecode.models.parallel import Parallel
+
+    cfg = load_config("k3")
+    layer = KDAAttention(cfg, 0, Parallel(0, tp), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name == "A_log":
+                r = torch.rand(p.shape, generator=g) * 1.386
+            elif name == "dt_bias":
+                r = 0.5 * r - 1.0
+            elif "conv1d" in name:
+                r = 0.5 * r
+            elif "norm" in name:
+                r = 1.0 + 0.1 * r
+            else:
+                r = r / p.shape[-1] ** 0.5
+            p.copy_(r)
+    return cfg, layer.to(DEV)
+
+
+def test_layer_step_of_several_prefills_through_fla_equals_the_reference_loop(monkeypatch,
+                                                                              fla_calls):
+    """KDAAttention.forward on CUDA: prefills at pos 0 (slots holding NaN: a start ignores
+    them), a continued prefill at pos > 0 and a decode token in one step, through fla (one
+    varlen call) vs the per-sequence reference loop (fla switched off); slots not in the
+    step (NaN) untouched."""
+    from raydecode.models.cache import KDAStateCache, ModelCaches, SeqSlice, StepBatch
+
+    seed = fresh_seed()
+    cfg, layer = _k3_layer(16, seed)
+    g = torch.Generator().manual_seed(seed)
+    seqs = [(0, 300, 0), (3, 65, 40), (5, 1, 12), (1, 700, 0)]          # (slot, length, pos)
+    S = 7
+    caches = {}
+    for p in ("fla", "ref"):
+        kc = KDAStateCache(1, S, layer.heads, layer.dim, layer.width, torch.bfloat16, DEV)
+        kc.conv.fill_(float("nan"))
+        kc.rec.fill_(float("nan"))
+        caches[p] = ModelCaches(mla=None, kda=kc, kda_index={0: 0})
+    cont = [s for s, _, p in seqs if p > 0]
+    conv0 = torch.randn((len(cont),) + tuple(kc.conv.shape[2:]), generator=g)
+    rec0 = 0.05 * torch.randn((len(cont),) + tuple(kc.rec.shape[2:]), generator=g)
+    for c in caches.values():
+        c.kda.conv[0, cont] = conv0.to(torch.bfloat16).to(DEV)
+        c.kda.rec[0, cont] = rec0.to(DEV)
+    batch, at = [], 0
+    for s, n, p in seqs:
+        batch.append(SeqSlice(s, at, n, p))
+        at += n
+    x = torch.randn(at, cfg.hidden_size, generator=g).to(torch.bfloat16).to(DEV)
+    with torch.inference_mode():
+        out_fla = layer(x, StepBatch(batch), caches["fla"])
+        assert fla_calls == [[0, 300, 365, 1065]], f"seed {seed}: one varlen call expected"
+        monkeypatch.setattr(KP, "available", lambda *ts: False)
+        out_ref = layer(x, StepBatch(batch), caches["ref"])
+    what = f"seed {seed}"
+    assert not out_fla.isnan().any(), f"{what}: NaN in the output"
+    e = max_rel_err(out_fla, out_ref)
+    assert e < TOL["bf16_path"], f"{what}: out max rel {e:.2e}"
+    used = [s for s, _, _ in seqs]
+    f, r = caches["fla"].kda, caches["ref"].kda
+    for s in used:
+        assert torch.equal(f.conv[0, s], r.conv[0, s]), f"{what}: conv tail of slot {s}"
+        e = rel_err(f.rec[0, s], r.rec[0, s])
+        assert e < TOL_S, f"{what}: state of slot {s} rel {e:.2e}"
+    rest = [i for i in range(S) if i not in used]
+    assert f.rec[0, rest].isnan().all() and f.conv[0, rest].isnan().all(), \
+        f"{what}: slots outside the step written"
