@@ -9,10 +9,14 @@
 #
 # STEPS: tests (tests/gpu files in TESTS), cp (control-plane bench, CPU ranks, 1-16),
 # serve (the whole served stack vs the graphed step), prefix (two agent turns over the prefix
-# cache on and off; PREFIX_ARGS), step (the graphed step bench; with STEP_REF=DIR, a checkout
-# of another commit, both interleaved in this lease: A/B).
+# cache on and off; PREFIX_ARGS), prefill (TTFT of 1k-128k prompts chunked at the budget,
+# mixed steps, first-run vs steady over random token counts, stock kernels per layer:
+# scripts/bench/prefill.py, JSON + PNG named prefill$PREFILL_TAG; PREFILL_ARGS, e.g. "--layers 8
+# --tps 16,8"), step (the
+# graphed step bench; with STEP_REF=DIR, a checkout of another commit, both interleaved in this
+# lease: A/B).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-COMMIT=${1:-unknown}; T0=$(date +%s); FINAL=${OUT:-/tmp/out}
+COMMIT=${1:-unknown}; T0=$(date +%s); FINAL=${OUT:-/tmp/out}; PREFILL_TAG=${PREFILL_TAG:-}
 OUT=$FINAL/w; mkdir -p "$OUT"      # at the end: JSON/PNG up to $FINAL, every log in logs.tgz
 finish() { mv "$OUT"/*.json "$OUT"/*.png "$FINAL"/ 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$OUT" . ; rm -rf "$OUT"; }
 trap finish EXIT
@@ -60,6 +64,12 @@ for s in ${STEPS:-}; do
       --commit "$COMMIT" --out "$OUT/prefix-cache.json" ${PREFIX_ARGS:-} > "$OUT/prefix.log" 2>&1
     echo "prefix rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[prefix" "$OUT/prefix.log" | cut -c1-1500
     grep -E "Error|error" "$OUT/prefix.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
+  prefill)
+    timeout "$(lim ${PREFILL_S:-400})" python3 -m raydecode.scripts.bench.prefill \
+      --commit "$COMMIT" --out "$OUT/prefill$PREFILL_TAG.json" --png "$OUT/prefill$PREFILL_TAG.png" \
+      ${PREFILL_ARGS:-} > "$OUT/prefill$PREFILL_TAG.log" 2>&1
+    echo "prefill rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[prefill" "$OUT/prefill$PREFILL_TAG.log" | cut -c1-1500
+    grep -E "Error|error" "$OUT/prefill$PREFILL_TAG.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
   step)
     B=${BATCHES:-1,4,16,64}
     for round in $(seq 1 "${ROUNDS:-2}"); do
