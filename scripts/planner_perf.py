@@ -214,8 +214,37 @@ def load_efficiency(bench_dir: str | Path | None, catalog: dict[str, GPU] | None
         host = hpts
         sources["host"] = (f"{d}/{hname} (served TPOT p50 − graphed step − 1-rank channel, "
                            f"{len(hpts)} points)")
+    mfu = eff.prefill_mfu
+    measured, pname = _prefill_mfu(d, notes)
+    if measured is not None:
+        mfu = measured
+        sources["prefill_mfu"] = (f"{d}/{pname} (the served prefill kernels' fraction of the "
+                                  f"same run's dense bf16 GEMM rate, longest prompt)")
     return replace(eff, curves=curves, alpha_us=alpha, sources=sources,
-                   control_plane=cp, host=host), notes
+                   control_plane=cp, host=host, prefill_mfu=mfu), notes
+
+
+def _prefill_mfu(d: Path, notes: list[str]) -> tuple[float | None, str | None]:
+    """The fraction of the dense bf16 rate the served prefill kernels reach, from the newest
+    prefill-*.json of `--kernels prefill` (scripts/bench/prefill.py; `reference` runs are the
+    baseline, not what a replica runs): the MFU of the longest measured prompt of its first
+    TP (a long prompt's steady rate, what a TTFT estimate needs); (None, None) without one."""
+    for f, doc in _newest_first(d, "prefill-*.json", notes):
+        try:
+            if doc.get("kernels", "prefill") != "prefill":
+                continue
+            rows = [p for p in doc["runs"][0]["prompts"] if p.get("mfu")]
+            if not rows:
+                continue
+            mfu = float(max(rows, key=lambda p: int(p["prompt_tokens"]))["mfu"])
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            notes.append(f"skipped {f.name}: {type(e).__name__}: {e}")
+            continue
+        if 0 < mfu <= 1:
+            notes.append(f"read {f.name} (prefill MFU {mfu:.3f})")
+            return mfu, f.name
+        notes.append(f"skipped {f.name}: prefill MFU {mfu} outside (0, 1]")
+    return None, None
 
 
 def _newest_first(d: Path, pattern: str, notes: list[str]) -> list[tuple[Path, dict]]:

@@ -283,6 +283,25 @@ def test_the_newest_serve_run_by_its_date_wins_over_name_order(k3, cat, tmp_path
     assert eff.host_us(1) == pytest.approx(500.0 - eff.control_plane_us(1, 1))
 
 
+def test_measured_prefill_mfu_replaces_the_estimate(cat, tmp_path):
+    """The newest prefill-*.json of the served kernels sets prefill_mfu (its longest prompt);
+    a newer `--kernels reference` run (the baseline) is not what a replica runs: ignored."""
+    def doc(date, kernels, rows):
+        return json.dumps({"date": date, "kernels": kernels, "runs": [{"tp": 16, "prompts": [
+            {"prompt_tokens": n, "mfu": m} for n, m in rows]}]})
+    (tmp_path / "prefill-h200-a.json").write_text(
+        doc("2026-12-02T10:00:00", "prefill", [(1024, 0.03), (32768, 0.115), (8192, 0.12)]))
+    (tmp_path / "prefill-h200-b.json").write_text(
+        doc("2026-12-02T11:00:00", "reference", [(8192, 0.025)]))
+    eff, notes = load_efficiency(tmp_path, cat)
+    assert eff.prefill_mfu == pytest.approx(0.115)
+    assert "read prefill-h200-a.json (prefill MFU 0.115)" in notes
+    assert "prefill-h200-a.json" in eff.sources["prefill_mfu"]
+    (tmp_path / "prefill-h200-a.json").unlink()
+    eff, _ = load_efficiency(tmp_path, cat)
+    assert eff.prefill_mfu == Efficiency.defaults().prefill_mfu
+
+
 def test_missing_bench_dir_gives_defaults(tmp_path):
     eff, notes = load_efficiency(tmp_path / "absent")
     assert eff == Efficiency.defaults() and notes == []
