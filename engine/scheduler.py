@@ -274,11 +274,12 @@ class Scheduler:
                     if prompt_left <= 0:
                         continue
                     n = min(n, prompt_left)
-                    prompt_left -= n
                 if not self._grow(req, req.num_cached + n, changed):
                     continue
                 chosen.append((req, n))
                 budget -= n
+                if req.in_prefill:
+                    prompt_left -= n
             chosen = [(r, n) for r, n in chosen if r in self.running]
             while admit and self.waiting and min(budget, prompt_left) > 0 \
                     and self.slots.num_free:
