@@ -23,6 +23,7 @@ so a divergence could never desynchronise the rollback.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,12 +116,18 @@ class KDARollback:
 class SpecRunner:
     """`run(plan)`: a SpecStepPlan -> SpecStepResult; a plain StepPlan -> logits, as
     ModelRunner.run (both also write the drafter's context rows). Drop-in for the runner a
-    RankWorker or LocalExecutor holds."""
+    RankWorker or LocalExecutor holds.
+
+    `timings`: None (served: no stage timing, no extra sync) or a dict that each speculative
+    `run` fills with its stages' seconds (`_stopwatch`; scripts/bench/spec.py)."""
+
+    STAGES = ("prepare", "draft", "verify", "accept")
 
     def __init__(self, runner: ModelRunner, drafter):
         self.runner, self.drafter = runner, drafter
         self.model, self.caches, self.device = runner.model, runner.caches, runner.device
         self._synthetic: tuple[tuple, SyntheticAcceptance] | None = None
+        self.timings: dict[str, float] | None = None
 
     def release(self, slots: list[int]) -> None:
         self.runner.release(slots)
@@ -140,16 +147,19 @@ class SpecRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan):
-        tokens = self.runner.prepare(plan)
         spec = plan.spec if isinstance(plan, SpecStepPlan) else []
+        lap = self._stopwatch(bool(spec))
+        tokens = self.runner.prepare(plan)
         rollback = None
         if spec:
+            lap("prepare")
             k = plan.num_drafts
             drafts, q = self._draft(plan, k)                                   # (B, k)
             at = torch.tensor([s.start + 1 + j for s in spec for j in range(k)],
                               device=tokens.device)
             tokens[at] = drafts.flatten().to(tokens.device)
             rollback = KDARollback({s.slot for s in spec})
+            lap("draft")
         hidden = self._target(tokens, plan, rollback)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
@@ -161,11 +171,32 @@ class SpecRunner:
                              device=hidden.device)
         vlogits = self.model.compute_logits(hidden.index_select(0, vrows)).float()
         vlogits = vlogits.view(len(spec), k + 1, -1)
+        lap("verify")
         emitted = self._agree(self._accept(plan, drafts, q, vlogits), k)
         if self.caches.kda is not None:
             for s, e in zip(spec, emitted):
                 rollback.rollback(self.caches.kda, s.slot, len(e))
+        lap("accept")
         return SpecStepResult(logits, emitted)
+
+    def _stopwatch(self, on: bool):
+        """lap(stage): with `timings` a dict and `on`, synchronize the device and store the
+        seconds since the previous lap (the first: since this call) under `stage`; otherwise
+        a no-op, so a served step never syncs here (benchmarks only)."""
+        if self.timings is None or not on:
+            return lambda stage: None
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        last = [time.perf_counter()]
+
+        def lap(stage: str) -> None:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            self.timings[stage] = now - last[0]
+            last[0] = now
+        return lap
 
     # ---- the three stages -----------------------------------------------------------------
     def _target(self, tokens: torch.Tensor, plan: StepPlan, observer) -> torch.Tensor:

@@ -12,7 +12,8 @@
 # cache on and off; PREFIX_ARGS), prefill (TTFT of 1k-128k prompts chunked at the budget,
 # mixed steps, first-run vs steady over random token counts, stock kernels per layer:
 # scripts/bench/prefill.py, JSON + PNG named prefill$PREFILL_TAG; PREFILL_ARGS, e.g. "--layers 8
-# --tps 16,8"), step (the
+# --tps 16,8"), spec (DSpark draft / verify / accept vs the graphed step at synthetic acceptance:
+# scripts/bench/spec.py; SPEC_ARGS, e.g. "--layers 93 --ks 3,5,7 --batches 1"), step (the
 # graphed step bench; with STEP_REF=DIR, a checkout of another commit, both interleaved in this
 # lease: A/B).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -70,6 +71,11 @@ for s in ${STEPS:-}; do
       ${PREFILL_ARGS:-} > "$OUT/prefill$PREFILL_TAG.log" 2>&1
     echo "prefill rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[prefill" "$OUT/prefill$PREFILL_TAG.log" | cut -c1-1500
     grep -E "Error|error" "$OUT/prefill$PREFILL_TAG.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
+  spec)
+    timeout "$(lim ${SPEC_S:-400})" python3 -m raydecode.scripts.bench.spec --commit "$COMMIT" \
+      --out "$OUT/spec.json" --png "$OUT/spec.png" ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1
+    echo "spec rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[spec" "$OUT/spec.log" | cut -c1-1500
+    grep -E "Error|error" "$OUT/spec.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
   step)
     B=${BATCHES:-1,4,16,64}
     for round in $(seq 1 "${ROUNDS:-2}"); do
