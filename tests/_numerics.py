@@ -44,3 +44,25 @@ def fresh_seed() -> int:
 
 
 __all__ = ["BF16_ULP", "TOL", "fresh_seed", "max_rel_err", "rel_err"]
+
+
+def random_kda_params_(layer, seed: int):
+    """A KDAAttention's parameters drawn in place (host generator, seeded) at models/k3.py
+    init_random_ scales: A_log in [0, 1.386), dt_bias around −1, conv weights × 0.5, norms
+    around 1, projections 1/sqrt(fan-in). -> the layer."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name == "A_log":
+                r = torch.rand(p.shape, generator=g) * 1.386
+            elif name == "dt_bias":
+                r = 0.5 * r - 1.0
+            elif "conv1d" in name:
+                r = 0.5 * r
+            elif "norm" in name:
+                r = 1.0 + 0.1 * r
+            else:
+                r = r / p.shape[-1] ** 0.5
+            p.copy_(r)
+    return layer

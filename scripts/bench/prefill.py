@@ -84,7 +84,7 @@ from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
 from raydecode.models.moe import MXFP4_PARAMS
 
-from .report_io import git_commit, report_header, write_report
+from .report_io import git_commit, int_list, report_header, run_saver, write_report
 from .step import BLOCK, build_model, layer_config, rank_vocab_rows
 
 SUMMARY_KEYS = ("mfu_8k_tp16", "ttft_s_8k_tp16", "stock_layer_kernels_tp16_b1")
@@ -520,16 +520,6 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _ints(flag: str, text: str, low: int) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        vals = []
-    if not vals or min(vals) < low:
-        raise SystemExit(f"{flag} {text}: expected comma-separated integers >= {low}")
-    return vals
-
-
 KERNEL_SETS = {
     "prefill": "fla-core chunk_kda (varlen), MLA decompress + flash SDPA, MoE 64-pair chunks",
     "reference": "kda_chunked loop, MLA absorbed fp32 einsums, MoE 16-pair chunks",
@@ -586,8 +576,8 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default=None, help="TTFT against prompt length (matplotlib)")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
-    args.prompts = _ints("--prompts", args.prompts, 1)
-    tps = _ints("--tps" if args.tps else "--tp", args.tps or str(args.tp), 1)
+    args.prompts = int_list("--prompts", args.prompts, 1)
+    tps = int_list("--tps" if args.tps else "--tp", args.tps or str(args.tp), 1)
     if args.prefill_budget < 1 or args.context < 1 or args.random_counts < 0 \
             or args.repeats < 1 or args.steps < 1 or args.max_seconds < 0:
         raise SystemExit(f"--prefill-budget {args.prefill_budget} --context {args.context} "
@@ -625,14 +615,7 @@ def main(argv=None) -> int:
     report["dense_bf16"] = rate
     print(f"[prefill] dense bf16 {rate['n']}^3: {rate['flops_per_s'] / 1e12:.1f} TFLOP/s",
           flush=True)
-    report["runs"] = []
-
-    def save(run: dict) -> None:
-        if not any(r is run for r in report["runs"]):
-            report["runs"].append(run)
-        report["summary"] = summarize(report["runs"])
-        if args.out:
-            write_report(report, args.out, t0)
+    save = run_saver(report, summarize, args.out, t0)
 
     for tp in tps:
         run_tp(args, cfg, tp, rate["flops_per_s"], scale, save)

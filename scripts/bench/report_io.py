@@ -46,3 +46,29 @@ def write_report(report: dict, path: str, t0: float | None = None) -> None:
 
 
 __all__ = ["report_header", "write_report"]
+
+
+def int_list(flag: str, text: str, low: int) -> list[int]:
+    """A flag's comma-separated integers, each ≥ low; SystemExit naming the flag otherwise."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < low:
+        raise SystemExit(f"{flag} {text}: expected comma-separated integers >= {low}")
+    return vals
+
+
+def run_saver(report: dict, summarize, path: str | None, t0: float):
+    """save(run): add `run` to report["runs"] (once), recompute report["summary"] with
+    `summarize(runs)` and rewrite the JSON at `path` (if any), so a bench cut short by its
+    time limit still leaves every finished run on disk."""
+    report["runs"] = []
+
+    def save(run: dict) -> None:
+        if not any(r is run for r in report["runs"]):
+            report["runs"].append(run)
+        report["summary"] = summarize(report["runs"])
+        if path:
+            write_report(report, path, t0)
+    return save

@@ -84,7 +84,7 @@ from raydecode.models.dspark import (DSPARK_PRESETS, DSparkConfig, DSparkDrafter
                                      check_num_drafts, load_dspark_config)
 from raydecode.models.k3 import K3ForCausalLM, make_caches
 
-from .report_io import git_commit, report_header, write_report
+from .report_io import git_commit, int_list, report_header, run_saver
 from .step import BLOCK, Bench, build_model, layer_config, rank_vocab_rows, run_batch
 
 SUMMARY_KEYS = ("spec_over_nonspec_k7_L6_b1_tp16", "spec_over_nonspec_k7_L6_b1_tp8")
@@ -391,16 +391,6 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _ints(flag: str, text: str, low: int) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        vals = []
-    if not vals or min(vals) < low:
-        raise SystemExit(f"{flag} {text}: expected comma-separated integers >= {low}")
-    return vals
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="k3", help="model config: k3 (default), tiny or a path")
@@ -429,10 +419,10 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default=None, help="effective tok/s against L per k (matplotlib)")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
-    tps = _ints("--tps" if args.tps else "--tp", args.tps or str(args.tp), 1)
-    args.ks = _ints("--ks", args.ks, 1)
-    args.batches = _ints("--batches", args.batches, 1)
-    args.accepts = _ints("--accepts", args.accepts, 0) if args.accepts else None
+    tps = int_list("--tps" if args.tps else "--tp", args.tps or str(args.tp), 1)
+    args.ks = int_list("--ks", args.ks, 1)
+    args.batches = int_list("--batches", args.batches, 1)
+    args.accepts = int_list("--accepts", args.accepts, 0) if args.accepts else None
     if args.context < 1 or args.steps < 1 or args.warmup < 0:
         raise SystemExit(f"--context {args.context} --steps {args.steps} --warmup "
                          f"{args.warmup}: expected context, steps >= 1 and warmup >= 0")
@@ -465,14 +455,7 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         from .layer import _env
         report["env"] = _env()
-    report["runs"] = []
-
-    def save(run: dict) -> None:
-        if not any(r is run for r in report["runs"]):
-            report["runs"].append(run)
-        report["summary"] = summarize(report["runs"])
-        if args.out:
-            write_report(report, args.out, t0)
+    save = run_saver(report, summarize, args.out, t0)
 
     for tp in tps:
         save(run_tp(args, cfg, tp, save))

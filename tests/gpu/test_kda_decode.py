@@ -21,7 +21,7 @@ import torch
 from raydecode.kernels import kda_decode as K
 from raydecode.kernels import kda_decode_triton as KT
 
-from _numerics import fresh_seed, rel_err
+from _numerics import fresh_seed, random_kda_params_, rel_err
 
 ON_GPU = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -350,23 +350,7 @@ def _random_layer(cfg, par, seed):
     """A KDAAttention (bf16, on DEV) with weights at models/k3.py init_random_ scales."""
     from raydecode.models.kda import KDAAttention
 
-    g = torch.Generator().manual_seed(seed)
-    layer = KDAAttention(cfg, 0, par, dtype=BF)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name == "A_log":
-                r = torch.rand(p.shape, generator=g) * 1.386
-            elif name == "dt_bias":
-                r = 0.5 * r - 1.0
-            elif "conv1d" in name:
-                r = 0.5 * r
-            elif "norm" in name:
-                r = 1.0 + 0.1 * r
-            else:
-                r = r / p.shape[-1] ** 0.5
-            p.copy_(r)
-    return layer.to(DEV)
+    return random_kda_params_(KDAAttention(cfg, 0, par, dtype=BF), seed).to(DEV)
 
 
 @gpu_only

@@ -17,7 +17,7 @@ import torch
 
 from raydecode.kernels import kda_prefill as KP
 
-from _numerics import TOL, fresh_seed, max_rel_err, rel_err
+from _numerics import TOL, fresh_seed, max_rel_err, random_kda_params_, rel_err
 
 
 def _fla_on_cuda() -> bool:
@@ -137,22 +137,7 @@ def _k3_layer(tp: int, seed: int):
 
     cfg = load_config("k3")
     layer = KDAAttention(cfg, 0, Parallel(0, tp), dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name == "A_log":
-                r = torch.rand(p.shape, generator=g) * 1.386
-            elif name == "dt_bias":
-                r = 0.5 * r - 1.0
-            elif "conv1d" in name:
-                r = 0.5 * r
-            elif "norm" in name:
-                r = 1.0 + 0.1 * r
-            else:
-                r = r / p.shape[-1] ** 0.5
-            p.copy_(r)
-    return cfg, layer.to(DEV)
+    return cfg, random_kda_params_(layer, seed).to(DEV)
 
 
 def test_layer_step_of_several_prefills_through_fla_equals_the_reference_loop(monkeypatch,
