@@ -90,17 +90,21 @@ def make_dspark_tensor(dcfg: DSparkConfig, name: str, seed: int = 0,
     shape, dtype = specs[name]
     g = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(b"dspark:" + name.encode()))
                                       % (1 << 63))
-    x = torch.randn(shape, generator=g)
-    owner = name.rsplit(".", 2)[-2]
+    return dspark_init_scale(name, torch.randn(shape, generator=g), shape[-1]).to(dtype)
+
+
+def dspark_init_scale(name: str, x: torch.Tensor, fan_in: int) -> torch.Tensor:
+    """A standard-normal draw `x` for the drafter tensor `name` at the checkpoint's scales:
+    norms 1 + 0.02·x, biases 0, the embedding and the Markov embedding x, every other weight
+    x / sqrt(fan_in) (fan_in: the full tensor's last dimension, not a TP slice's)."""
+    owner = name.rsplit(".", 2)[-2] if name.count(".") else ""
     if owner.endswith("norm"):
-        x = 1.0 + 0.02 * x
-    elif name.endswith("bias"):
-        x = torch.zeros(shape)
-    elif name in ("embed_tokens.weight", "markov_head.markov_w1.weight"):
-        pass
-    else:
-        x = x / math.sqrt(shape[-1])
-    return x.to(dtype)
+        return 1.0 + 0.02 * x
+    if name.endswith("bias"):
+        return torch.zeros_like(x)
+    if name in ("embed_tokens.weight", "markov_head.markov_w1.weight"):
+        return x
+    return x / math.sqrt(fan_in)
 
 
 def write_dspark_checkpoint(dcfg: DSparkConfig, out_dir: str | Path, seed: int = 0,
@@ -227,5 +231,6 @@ def load_drafter(spec: str | Path, target: torch.nn.Module, par: Parallel = Para
     return drafter.bind_target(target).eval()
 
 
-__all__ = ["dspark_tensor_specs", "make_dspark_tensor", "write_dspark_checkpoint",
+__all__ = ["dspark_tensor_specs", "dspark_init_scale", "make_dspark_tensor",
+           "write_dspark_checkpoint",
            "build_drafter", "load_drafter", "SKIPPED_PREFIXES"]

@@ -85,7 +85,7 @@ from raydecode.models.k3 import K3ForCausalLM, make_caches
 from raydecode.models.moe import MXFP4_PARAMS
 
 from .report_io import git_commit, int_list, report_header, run_saver, write_report
-from .step import BLOCK, build_model, layer_config, rank_vocab_rows
+from .step import BLOCK, build_model, device_sync, layer_config, rank_vocab_rows
 
 SUMMARY_KEYS = ("mfu_8k_tp16", "ttft_s_8k_tp16", "stock_layer_kernels_tp16_b1")
 FLOPS_METHOD = (
@@ -133,11 +133,6 @@ def chunk_flops(fm: dict, pos: int, n: int) -> float:
     return 2 * fm["active_params"] * n + 2 * fm["lm_head_params"] + mla + kda
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def dense_bf16_rate(device) -> dict:
     """FLOP/s of a square bf16 torch.matmul (8192 on CUDA, CUDA events; 256 elsewhere)."""
     dev = torch.device(device)
@@ -146,7 +141,7 @@ def dense_bf16_rate(device) -> dict:
     c = torch.empty_like(a)
     for _ in range(3):
         torch.matmul(a, b, out=c)
-    _sync(dev)
+    device_sync(dev)
     if dev.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -254,10 +249,10 @@ class PrefillRank:
              ) -> float:
         """Wall seconds of one served step (ModelRunner.execute: forward, sampling, sync)."""
         plan = self.plan(chunk, decodes, path, pos)
-        _sync(self.device)
+        device_sync(self.device)
         t0 = time.perf_counter()
         self.runner.execute(plan)
-        _sync(self.device)
+        device_sync(self.device)
         return time.perf_counter() - t0
 
     def prompt(self, ids: list[int], max_seconds: float = math.inf
@@ -270,7 +265,7 @@ class PrefillRank:
         sch.add(req)
         chunks, spent = [], 0.0
         while req.num_cached < len(ids):
-            _sync(self.device)
+            device_sync(self.device)
             t0 = time.perf_counter()
             plan = sch.schedule()                                  # one sequence: one chunk
             s = plan.batch.seqs[0]
@@ -281,7 +276,7 @@ class PrefillRank:
                 with torch.inference_mode():
                     logits = self.runner.logits(plan)
                     res = sample_isolated(logits, SamplingRows.greedy(len(plan.sample_rows)))
-                _sync(self.device)
+                device_sync(self.device)
                 sec = time.perf_counter() - t0
                 chunks.append((s.pos, s.length, sec))
                 spent += sec

@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import math
 import random
 import statistics
 import time
@@ -82,10 +81,12 @@ from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import ConfigError, K3Config, load_config
 from raydecode.models.dspark import (DSPARK_PRESETS, DSparkConfig, DSparkDrafter,
                                      check_num_drafts, load_dspark_config)
+from raydecode.models.dspark_checkpoint import dspark_init_scale
 from raydecode.models.k3 import K3ForCausalLM, make_caches
 
 from .report_io import git_commit, int_list, report_header, run_saver
-from .step import BLOCK, Bench, build_model, layer_config, rank_vocab_rows, run_batch
+from .step import (BLOCK, Bench, build_model, device_sync, layer_config, rank_vocab_rows,
+                   run_batch)
 
 SUMMARY_KEYS = ("spec_over_nonspec_k7_L6_b1_tp16", "spec_over_nonspec_k7_L6_b1_tp8")
 STAGES = SpecRunner.STAGES
@@ -120,19 +121,15 @@ def drafter_config(name: str, cfg: K3Config) -> DSparkConfig:
 @torch.no_grad()
 def build_drafter(dcfg: DSparkConfig, target: K3ForCausalLM, seed: int) -> DSparkDrafter:
     """The drafter shard of `target`'s rank (its Parallel, comm and dtype), random weights
-    drawn on its device at models/dspark_checkpoint.py's scales: norms 1 + 0.02·N(0, 1), the
-    Markov embedding N(0, 1), every other weight N(0, 1/fan_in); bound to the target."""
+    drawn on its device at models/dspark_checkpoint.py's scales (`dspark_init_scale`); bound
+    to the target."""
     dev = next(target.parameters()).device
     with torch.device(dev):
         drafter = DSparkDrafter(dcfg, target.par, target.comm, target.dtype)
     gen = torch.Generator(device=dev).manual_seed(seed)
     for name, p in drafter.named_parameters():
         x = torch.randn(p.shape, generator=gen, device=dev, dtype=torch.float32)
-        if name.rsplit(".", 2)[-2].endswith("norm"):
-            x = 1.0 + 0.02 * x
-        elif name != "markov_head.markov_w1.weight":
-            x = x / math.sqrt(p.full_shape[-1])
-        p.copy_(x)
+        p.copy_(dspark_init_scale(name, x, p.full_shape[-1]))
     return drafter.bind_target(target).eval()
 
 
@@ -208,20 +205,15 @@ class SpecRank:
         `staged`: SpecRunner.timings, syncs between its stages)."""
         plan = self.plan(k, L, path)
         self.runner.timings = {} if staged else None
-        _sync(self.device)
+        device_sync(self.device)
         t0 = time.perf_counter()
         res = self.runner.run(plan)
-        _sync(self.device)
+        device_sync(self.device)
         sec = time.perf_counter() - t0
         stages, self.runner.timings = self.runner.timings, None
         for q, e in zip(self.seqs.values(), res.emitted):
             q.pos, q.anchor, q.generated = q.pos + len(e), e[-1], q.generated + len(e)
         return sec, res.emitted, stages
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _ms(seconds: float) -> float:

@@ -91,6 +91,12 @@ def build_model(cfg: K3Config, tp: int, device, seed: int, options=None,
     return model, time.perf_counter() - t0
 
 
+def device_sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (CUDA); nothing to wait for elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def rank_vocab_rows(model: K3ForCausalLM) -> range:
     """The token ids whose embedding rows this rank holds. SoloRankComm's all-reduce is the
     identity, so any other id embeds as zeros (the rank owning it never adds its row) and
