@@ -123,11 +123,15 @@ class SpecRunner:
 
     STAGES = ("prepare", "draft", "verify", "accept")
 
-    def __init__(self, runner: ModelRunner, drafter):
+    def __init__(self, runner: ModelRunner, drafter, graphs=None):
         self.runner, self.drafter = runner, drafter
         self.model, self.caches, self.device = runner.model, runner.caches, runner.device
         self._synthetic: tuple[tuple, SyntheticAcceptance] | None = None
         self.timings: dict[str, float] | None = None
+        # engine/spec_graph.py SpecGraphs: speculative steps it accepts (`why_not` None) run
+        # graphed; None: every step eager
+        self.graphs = graphs
+        self.counts = {"graphed": 0, "eager": 0}
 
     def release(self, slots: list[int]) -> None:
         self.runner.release(slots)
@@ -145,9 +149,22 @@ class SpecRunner:
         return SpecStepResult(None, out.emitted, plain) if isinstance(out, SpecStepResult) \
             else plain
 
+    def why_eager(self, plan: StepPlan) -> str | None:
+        """None if `plan` (a SpecStepPlan) runs on the spec graphs, else why not."""
+        if self.graphs is None:
+            return "no spec graphs on this rank"
+        if not isinstance(plan, SpecStepPlan):
+            return "not a speculative step"
+        return self.graphs.why_not(plan)
+
     @torch.inference_mode()
     def run(self, plan: StepPlan):
         spec = plan.spec if isinstance(plan, SpecStepPlan) else []
+        if spec and self.why_eager(plan) is None:
+            self.counts["graphed"] += 1
+            return self._run_graphed(plan)
+        if spec:
+            self.counts["eager"] += 1
         lap = self._stopwatch(bool(spec))
         tokens = self.runner.prepare(plan)
         rollback = None
@@ -178,6 +195,27 @@ class SpecRunner:
                 rollback.rollback(self.caches.kda, s.slot, len(e))
         lap("accept")
         return SpecStepResult(logits, emitted)
+
+    def _run_graphed(self, plan: SpecStepPlan) -> SpecStepResult:
+        """The speculative step on engine/spec_graph.py's graphs: statics, graph D, the Markov
+        samples, graph V, acceptance and the KDA commit on the device; one host sync."""
+        lap = self._stopwatch(True)
+        g, k = self.graphs.prepare(plan)
+        lap("prepare")
+        base = self.graphs.draft_base(g)                                         # (n, k, V)
+        anchors = torch.tensor([plan.tokens[s.start] for s in plan.spec], dtype=torch.long,
+                               device=self.device)
+        drafts, q = self._markov(plan, base, anchors, k)
+        self.graphs.set_drafts(g, drafts)
+        lap("draft")
+        vlogits = self.graphs.verify_logits(g)                                   # (n, T, V)
+        lap("verify")
+        emitted, lengths = self._accept_device(plan, drafts, q, vlogits)
+        self.graphs.commit(g, lengths)
+        out = [e[:n] for e, n in zip(emitted.tolist(), lengths.tolist())]
+        out = self._agree(out, k)
+        lap("accept")
+        return SpecStepResult(vlogits.new_empty(0, vlogits.shape[-1]), out)
 
     def _stopwatch(self, on: bool):
         """lap(stage): with `timings` a dict and `on`, synchronize the device and store the
@@ -220,7 +258,12 @@ class SpecRunner:
         toks[:, 0] = anchors
         batch = StepBatch([SeqSlice(s.slot, i * k, k, s.pos) for i, s in enumerate(spec)])
         base = self.drafter.base_logits(self.drafter(toks.flatten(), batch, self.caches))
-        base = base.view(B, k, -1)
+        return self._markov(plan, base.view(B, k, -1), anchors, k)
+
+    def _markov(self, plan: SpecStepPlan, base: torch.Tensor, anchors: torch.Tensor, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """base (B, k, V) -> drafts (B, k) (rank 0's), q (B, k, V): left to right, each draft
+        sampled from base_j + the Markov bias of the previous token, on the device."""
         rows = self._rows(plan)
         drafts, qs, prev = [], [], anchors
         for j in range(k):
@@ -231,17 +274,22 @@ class SpecRunner:
             prev = tok
         return self._from_rank0(torch.stack(drafts, 1)), torch.stack(qs, 1)
 
-    def _accept(self, plan: SpecStepPlan, drafts: torch.Tensor, q: torch.Tensor,
-                logits: torch.Tensor) -> list[list[int]]:
-        """Every verifying sequence at once on the device (engine/spec_sampling.py); the
-        emitted ids are the step's one host sync of the speculative part."""
+    def _accept_device(self, plan: SpecStepPlan, drafts: torch.Tensor, q: torch.Tensor,
+                       logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every verifying sequence at once on the device (engine/spec_sampling.py) ->
+        (emitted (B, k+1), lengths (B,)) device tensors."""
         if plan.synthetic_length is not None:
             syn = self._synthetic_for(plan)
             a = torch.tensor([min(syn.accepted_drafts(), drafts.shape[1]) for _ in plan.spec],
                              device=drafts.device)
-            emitted, lengths = spec_sampling.synthetic(drafts, logits, a)
-        else:
-            emitted, lengths = spec_sampling.verify(drafts, q, logits, self._rows(plan))
+            return spec_sampling.synthetic(drafts, logits, a)
+        return spec_sampling.verify(drafts, q, logits, self._rows(plan))
+
+    def _accept(self, plan: SpecStepPlan, drafts: torch.Tensor, q: torch.Tensor,
+                logits: torch.Tensor) -> list[list[int]]:
+        """`_accept_device`; the emitted ids are the step's one host sync of the speculative
+        part."""
+        emitted, lengths = self._accept_device(plan, drafts, q, logits)
         return [e[:n] for e, n in zip(emitted.tolist(), lengths.tolist())]
 
     @staticmethod
@@ -288,6 +336,9 @@ class SpecShardSpec:
     block_size: int = 16
     seed: int = 0                        # random weights of a preset drafter
     decode: DecodeOptions | None = None  # the target's decode options; None: served defaults
+    # engine/spec_graph.py: speculative steps on CUDA graphs; None: auto (CUDA ranks whose
+    # model the graphs support), True: always (eager statics off CUDA), False: never
+    step_graphs: bool | None = None
 
 
 def resolve_drafter(draft: str | None, model: str) -> str:
@@ -314,15 +365,39 @@ def load_spec_runner(spec: SpecShardSpec, par, comm, device: str = "cpu") -> Spe
 
     from .loader import parse_dtype, resolve_checkpoint
 
+    from .step_graph import graph_cache_sizes, resolve
+
     dt = parse_dtype(spec.dtype)
     cfg, model = load_model(resolve_checkpoint(spec.model), par, comm, dt, device,
                             options=spec.decode)
     drafter = load_drafter(resolve_drafter(spec.draft, spec.model), model, par, comm, dt, device,
                            seed=spec.seed)
-    caches = make_caches(cfg, par, spec.num_slots, spec.num_blocks, spec.block_size, dt, device,
+    graphs = resolve(spec.step_graphs, device)
+    ns, nb = (graph_cache_sizes(spec.num_slots, spec.num_blocks) if graphs
+              else (spec.num_slots, spec.num_blocks))
+    caches = make_caches(cfg, par, ns, nb, spec.block_size, dt, device,
                          extra_mla_layers=drafter.cfg.num_layers)
-    return SpecRunner(ModelRunner(model, caches, device), drafter)
+    if not graphs:
+        return SpecRunner(ModelRunner(model, caches, device), drafter)
+    return graphed_spec_runner(model, caches, drafter, device, spec.num_slots, spec.num_blocks,
+                               auto=spec.step_graphs is None)
+
+
+def graphed_spec_runner(model, caches, drafter, device, num_slots: int, num_blocks: int,
+                        auto: bool = True, capture: bool | None = None,
+                        max_blocks: int | None = None) -> SpecRunner:
+    """A SpecRunner whose speculative steps run on engine/spec_graph.py's graphs, on caches
+    built with `graph_cache_sizes(num_slots, num_blocks)`. auto: where the model's fused step
+    is unsupported, the eager SpecRunner instead (no graphs)."""
+    from .spec_graph import SpecGraphs
+    from .step_graph import GraphedRunner
+
+    runner = GraphedRunner(model, caches, device, num_slots=num_slots, num_blocks=num_blocks,
+                           max_blocks=max_blocks, capture=capture)
+    if auto and not runner.support[0]:
+        return SpecRunner(ModelRunner(model, caches, device), drafter)
+    return SpecRunner(runner, drafter, SpecGraphs(runner, drafter))
 
 
 __all__ = ["SpecSeq", "SpecStepPlan", "SpecStepResult", "KDARollback", "SpecRunner",
-           "SpecShardSpec", "load_spec_runner", "resolve_drafter"]
+           "SpecShardSpec", "graphed_spec_runner", "load_spec_runner", "resolve_drafter"]

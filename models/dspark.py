@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydecode.kernels.mla_decode import mla_attention, mla_attention_reference
+
 from .cache import ModelCaches, StepBatch
 from .config import ConfigError, K3Config, check_keys, load_from_spec
 from .layers import Linear, RMSNorm, column_linear, replicated_linear, row_linear
@@ -471,6 +473,46 @@ class DSparkAttention(nn.Module):
         o = torch.einsum("thc,hvc->thv", o_lat, w_uv.float()).to(x.dtype)
         return self.comm.all_reduce(self.o_proj(o.reshape(T, self.heads * self.vdim)))
 
+    def forward_static(self, x: torch.Tensor, st, caches: ModelCaches) -> torch.Tensor:
+        """`forward` of a graph-shaped draft (engine/spec_graph.py VerifyStatics `st`: B
+        sequences of k block rows, x (B·k, H)) with no host value: positions, context tables
+        and lengths from `st`, the context attention through the paged split kernel
+        (kernels/mla_decode.py `mla_attention`; its reference off CUDA / bf16), the block
+        attention as one dense (B, k, h, k) softmax. The same math as `forward`."""
+        T, B, k = x.shape[0], st.seqs, st.verify - 1
+        positions = st.draft_positions
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.heads, -1)
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.vdim, self.kv_lora)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope].float(), w_uk.float())
+        q_abs = torch.cat([q_lat, self._rot(q[..., self.nope:], positions)], -1)  # (T, h, c+r)
+        block_rows = self.latent_rows(x, positions).float().view(B, k, -1)        # (B, k, c+r)
+        cache, row = caches.mla, caches.mla_index[self.key]
+        pool = cache.pool[row]
+        D = self.par.dcp_size
+        qa = self.comm.dcp_all_gather(q_abs, dim=1) if D > 1 else q_abs
+        if qa.is_cuda and pool.dtype == torch.bfloat16:
+            ctx = mla_attention(qa.to(torch.bfloat16).contiguous(), pool, st.draft_table,
+                                st.draft_ctx_lens, kv_lora=self.kv_lora, scale=self.scale)
+        else:
+            ctx = mla_attention_reference(qa, pool, st.draft_table, st.draft_ctx_lens,
+                                          kv_lora=self.kv_lora, scale=self.scale)
+        if D > 1:
+            outs = self.comm.dcp_all_gather(ctx[0].unsqueeze(0), dim=0)
+            lses = self.comm.dcp_all_gather(ctx[1].unsqueeze(0), dim=0)
+            mine = slice(self.par.dcp_rank * self.heads, (self.par.dcp_rank + 1) * self.heads)
+            ctx = merge_attn_partials(outs[:, :, mine], lses[:, :, mine])
+        s = torch.einsum("bqhd,bmd->bqhm", q_abs.view(B, k, self.heads, -1),
+                         block_rows) * self.scale                           # non-causal block
+        blk_lse = torch.logsumexp(s, -1)                                    # (B, k, h)
+        blk_o = torch.einsum("bqhm,bmc->bqhc", torch.exp(s - blk_lse.unsqueeze(-1)),
+                             block_rows[..., :self.kv_lora])
+        o_lat, _ = merge_attn_partials(
+            torch.stack([ctx[0], blk_o.reshape(T, self.heads, self.kv_lora)]),
+            torch.stack([ctx[1], blk_lse.reshape(T, self.heads)]))
+        o = torch.einsum("thc,hvc->thv", o_lat, w_uv.float()).to(x.dtype)
+        return self.comm.all_reduce(self.o_proj(o.reshape(T, self.heads * self.vdim)))
+
     def _context_partial(self, q_abs: torch.Tensor, batch: StepBatch, caches: ModelCaches
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of this rank's heads over each sequence's cached context (positions < pos),
@@ -519,8 +561,12 @@ class DSparkLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps, dtype)
         self.mlp = DSparkMLP(dcfg, par, comm, dtype)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, caches)
+    def forward(self, x: torch.Tensor, batch: StepBatch | None, caches: ModelCaches,
+                st=None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        a = self.self_attn(h, batch, caches) if st is None else \
+            self.self_attn.forward_static(h, st, caches)
+        x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -582,12 +628,30 @@ class DSparkDrafter(nn.Module):
             for s in batch.seqs:
                 caches.mla.write(row, s.slot, positions[s.start:s.end], rows[s.start:s.end])
 
-    def forward(self, tokens: torch.Tensor, batch: StepBatch, caches: ModelCaches) -> torch.Tensor:
+    def write_context_static(self, tapped: torch.Tensor, st, caches: ModelCaches) -> None:
+        """`write_context` of a graph-shaped verify step (VerifyStatics `st`: its rows'
+        positions, tables and local stores, −1 = another DCP rank's row, sent to the scratch
+        block): index_put on device indices, no host value."""
+        ctx = self.context_norm(self.context_proj(tapped.to(self.dtype)))
+        bs = caches.mla.block_size
+        local = st.store.long()
+        blk = st.table.long().gather(1, (local.clamp_min(0) // bs).unsqueeze(1)).squeeze(1)
+        blk = torch.where(local >= 0, blk, torch.full_like(blk, st.scratch.block))
+        off = local.clamp_min(0) % bs
+        for layer in self.layers:
+            attn = layer.self_attn
+            rows = attn.latent_rows(ctx, st.positions)
+            caches.mla.pool[caches.mla_index[attn.key]].index_put_((blk, off), rows.to(
+                caches.mla.pool.dtype))
+
+    def forward(self, tokens: torch.Tensor, batch: StepBatch | None, caches: ModelCaches,
+                st=None) -> torch.Tensor:
         """tokens (T,) = per sequence [anchor, mask × (k-1)], batch slices at the anchor positions
-        -> final hidden (T, H)."""
+        -> final hidden (T, H). st: a graph-shaped draft's statics (engine/spec_graph.py;
+        batch unused): every layer's `forward_static`."""
         x = self.target.model.embed_tokens(tokens).to(self.dtype)
         for layer in self.layers:
-            x = layer(x, batch, caches)
+            x = layer(x, batch, caches, st)
         return self.final_norm(x)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from torch import nn
 
 from raydecode.kernels import kda_decode as kda_decode_op
 from raydecode.kernels import kda_prefill as kda_prefill_op
+from raydecode.kernels import kda_verify as kda_verify_op
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .cache import ModelCaches, StepBatch
@@ -230,17 +231,7 @@ class KDAAttention(nn.Module):
         """One token per sequence through the fused op; the layer's cache rows are updated in
         place at the sequences' slots. -> o (T, h·d) in the model dtype (before o_proj)."""
         cache, row = caches.kda, caches.kda_index[self.layer_idx]
-        # proj (T, [q C | k C | v C | g C | b h | f_a d | pad]): the op's input layout
-        if hasattr(self, "g_proj"):     # one GEMV over the packed in_proj
-            proj = lin(x, self._in_proj())
-        else:                           # low-rank gate: six GEMVs and a cat
-            proj = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
-                              lin(x, self.v_proj.weight), self._out_gate(x, lin),
-                              lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight)], -1)
-        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-        conv_w = self._derived.get("conv_w", convs,
-                                   lambda: torch.cat(convs).squeeze(1))            # (3·h·d, W)
-        exp_a = self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
+        proj, conv_w, exp_a = self._fused_inputs(x, lin)
         if caches.statics is not None:     # graph-shaped step: the preallocated slots
             slots = caches.statics.slots                                           # (B,)
         else:
@@ -253,6 +244,34 @@ class KDAAttention(nn.Module):
             self.dt_bias, self.o_norm.weight, cache.rec[row], heads=self.heads,
             head_dim=self.dim, lower_bound=self.lower_bound, eps=self.o_norm.eps, slots=slots,
             splits=self.options.kda_splits)
+
+    def _verify(self, x: torch.Tensor, caches: ModelCaches, lin) -> torch.Tensor:
+        """A graph-shaped verify step (engine/spec_graph.py VerifyStatics: B sequences of T
+        rows, x (B·T, H)): kernels/kda_verify.py over the sequences' slots, the state after
+        each position into the statics' per-position rows of this layer; the slots are only
+        read (the accept step commits). -> o (B·T, h·d) before o_proj."""
+        st, cache, row = caches.statics, caches.kda, caches.kda_index[self.layer_idx]
+        proj, conv_w, exp_a = self._fused_inputs(x, lin)
+        return kda_verify_op.kda_verify(
+            proj, self.f_b_proj.weight, cache.conv[row], conv_w, exp_a, self.dt_bias,
+            self.o_norm.weight, cache.rec[row], st.pos_conv[row], st.pos_rec[row],
+            st.seq_slots, positions=st.verify, heads=self.heads, head_dim=self.dim,
+            lower_bound=self.lower_bound, eps=self.o_norm.eps)
+
+    def _fused_inputs(self, x: torch.Tensor, lin):
+        """(proj, conv_w, exp_a) of the fused decode / verify ops."""
+        # proj (T, [q C | k C | v C | g C | b h | f_a d | pad]): the op's input layout
+        if hasattr(self, "g_proj"):     # one GEMV over the packed in_proj
+            proj = lin(x, self._in_proj())
+        else:                           # low-rank gate: six GEMVs and a cat
+            proj = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
+                              lin(x, self.v_proj.weight), self._out_gate(x, lin),
+                              lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight)], -1)
+        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        conv_w = self._derived.get("conv_w", convs,
+                                   lambda: torch.cat(convs).squeeze(1))            # (3·h·d, W)
+        exp_a = self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
+        return proj, conv_w, exp_a
 
     def _store(self, cache, row: int, s, xs: torch.Tensor, S: torch.Tensor) -> None:
         """A sequence's slot after its tokens: the last W−1 conv inputs and the final state."""
@@ -281,6 +300,9 @@ class KDAAttention(nn.Module):
                 path: str = "stock") -> torch.Tensor:
         T, h, d, W = x.shape[0], self.heads, self.dim, self.width
         lin = linear_for(path, self.options)   # specialized: the same math on kernels/ GEMVs
+        if caches is not None and getattr(caches.statics, "verify", None):
+            o = self._verify(x, caches, lin)                                       # (B·T, h·d)
+            return self.comm.all_reduce(lin(o, self.o_proj.weight))
         if self._fused_decode_ok(x, batch, caches, path):
             o = self._fused_decode(x, batch, caches, lin)                          # (T, h·d)
             return self.comm.all_reduce(lin(o, self.o_proj.weight))

@@ -254,6 +254,19 @@ class MLAAttention(nn.Module):
         if gate is None:
             gate = lin(x, self.g_proj.weight)                               # (T, h·v)
         D = self.par.dcp_size
+        if D == 1 and getattr(st, "verify", None):
+            # a verify step (engine/spec_graph.py VerifyStatics): a sequence's T rows attend
+            # causally to each other, so every row is stored first (mla_prep; its q_n output
+            # unused), then the split kernel stores none (no_store) and reads them all from
+            # the pool; no pre-PDL tile read (the stores are the kernel just before)
+            mla_prep(qkv, self.q_a_layernorm.weight, self.kv_a_layernorm.weight, pool, table,
+                     store, q_lora=self.q_lora, kv_lora=c, eps=self.q_a_layernorm.eps)
+            q = lin(qkv[:, :self.q_lora], self._q_b_absorbed(), torch.float32)
+            return mla_decode_absorbed(qkv, q.view(T, h, c + self.rope),
+                                       self.kv_a_layernorm.weight, pool, table, st.no_store,
+                                       seq_lens, self._w_uv_t(), gate, q_lora=self.q_lora,
+                                       kv_lora=c, eps=self.q_a_layernorm.eps,
+                                       scale=self.scale, pre_tile=False)
         if D == 1 and self.options.mla_absorbed_q:   # q_abs from one GEMV; split, output
             q = lin(qkv[:, :self.q_lora], self._q_b_absorbed(), torch.float32)  # rounded once,
             q = q.view(T, h, c + self.rope)                                    # after the scale

@@ -17,16 +17,18 @@ models/dspark_checkpoint.py's scales, its context rows extra rows of the target'
 (as `load_spec_runner` builds them). With N < 93 layers its taps move to the same fractions
 of the N layers (⌊t·N/93⌋): every shape stays the published one.
 
-The step is the served one: engine/spec_runner.py `SpecRunner.run` over an eager ModelRunner
-(what `load_spec_runner` gives every rank of a speculating replica), fed a SpecStepPlan built
+The step is the served one: engine/spec_runner.py `SpecRunner.run` as `load_spec_runner`
+builds it (`--runners`: graphed = with engine/spec_graph.py's graphs, what a CUDA rank gets;
+eager = over an eager ModelRunner, the former served form), fed a SpecStepPlan built
 as `SpecEngine._speculate` builds it: B sequences, each a verify slice [anchor, k
 placeholders] at its position p with blocks for p … p+k, the path the envelope picks
 (specialized when k ∈ [3, 7] and B·(k+1) ≤ 64, else stock; `--verify-path` overrides).
 Acceptance is SYNTHETIC (`synthetic_length` = L + 1, benchmarks only): every step accepts
 exactly the first L drafts, then the target's token; the emitted tokens are meaningless. Each
 sequence then advances by L + 1 positions and its last emitted token is its next anchor.
-The verify step runs EAGER: GraphedRunner graphs plain decode steps only (its why_not:
-"speculative verification step") and speculating replicas hold no step graphs.
+Runner graphed: graph D (the drafter's pass and base logits) and graph V (the verify step)
+per (batch bucket, k), captured on a configuration's first step (a warm-up step); eager
+between them only the k Markov samples and, after V, the acceptance and the KDA commit.
 
 Timing: host wall time (time.perf_counter) between device syncs. The timed steps alternate:
 a plain step (no sync inside it: `step_ms`, the figure every ratio uses) and a staged step with
@@ -76,7 +78,8 @@ from raydecode.engine.cache import BlockAllocator, SlotAllocator
 from raydecode.engine.request import SamplingParams
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.spec_engine import MAX_VERIFY_TOKENS, verify_in_envelope
-from raydecode.engine.spec_runner import SpecRunner, SpecSeq, SpecStepPlan
+from raydecode.engine.spec_runner import SpecRunner, SpecSeq, SpecStepPlan, graphed_spec_runner
+from raydecode.engine.step_graph import graph_cache_sizes
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import ConfigError, K3Config, load_config
 from raydecode.models.dspark import (DSPARK_PRESETS, DSparkConfig, DSparkDrafter,
@@ -92,9 +95,13 @@ SUMMARY_KEYS = ("spec_over_nonspec_k7_L6_b1_tp16", "spec_over_nonspec_k7_L6_b1_t
 STAGES = SpecRunner.STAGES
 OFF_RANK = -1e4          # Markov bias of the ids this rank does not embed
 GREEDY = SamplingParams(temperature=0.0)
-VERIFY_NOTE = ("the verify step runs eagerly (SpecRunner over an eager ModelRunner): "
-               "GraphedRunner graphs plain decode steps only and speculating replicas hold "
-               "no step graphs; the baseline is the graphed decode step")
+RUNNERS = ("graphed", "eager")
+VERIFY_NOTE = ("runner 'graphed': engine/spec_graph.py (graph D: the drafter and its base "
+               "logits; graph V: the verify step through the decode kernels with per-position "
+               "KDA slots; Markov samples, acceptance and the KDA commit on the device, eager "
+               "between the two replays; on the CPU the same statics path eagerly); runner "
+               "'eager': SpecRunner over an eager ModelRunner (KDA rollback by recompute); "
+               "the baseline is the graphed decode step")
 ACCEPTANCE_NOTE = ("synthetic acceptance (benchmarks only): every step accepts exactly the "
                    "first L drafts (SpecStepPlan.synthetic_length = L + 1); emitted tokens "
                    "are meaningless")
@@ -159,13 +166,20 @@ class SpecRank:
     drafter's rows; B sequences from `context`, each advanced by what its steps emit."""
 
     def __init__(self, model: K3ForCausalLM, drafter: DSparkDrafter, device, num_slots: int,
-                 context: int, max_advance: int, seed: int = 0):
+                 context: int, max_advance: int, seed: int = 0, runner: str = "eager"):
         self.device, self.context = torch.device(device), context
         per_seq = -(-(context + max_advance) // BLOCK)
         num_blocks = num_slots * per_seq
-        caches = make_caches(model.cfg, model.par, num_slots, num_blocks, BLOCK, model.dtype,
+        ns, nb = (graph_cache_sizes(num_slots, num_blocks) if runner == "graphed"
+                  else (num_slots, num_blocks))
+        caches = make_caches(model.cfg, model.par, ns, nb, BLOCK, model.dtype,
                              device=device, extra_mla_layers=drafter.cfg.num_layers)
-        self.runner = SpecRunner(ModelRunner(model, caches, device), drafter)
+        if runner == "graphed":      # the served build (load_spec_runner) with step graphs
+            self.runner = graphed_spec_runner(model, caches, drafter, device, num_slots,
+                                              num_blocks, auto=False)
+        else:
+            self.runner = SpecRunner(ModelRunner(model, caches, device), drafter)
+        self.kind = runner
         self.slots, self.blocks = SlotAllocator(num_slots), BlockAllocator(num_blocks, BLOCK)
         self.vocab = rank_vocab_rows(model)
         self.rng = random.Random(seed)
@@ -226,6 +240,7 @@ def run_config(rank: SpecRank, B: int, k: int, L: int, path: str, steps: int,
                warmup: int) -> dict:
     """warmup + steps rounds of (plain step, staged step) at (B, k, L)."""
     rank.start(B)
+    counts0 = dict(rank.runner.counts)
     plain, staged, stages = [], [], {s: [] for s in STAGES}
     accepted = Counter()
     for i in range(warmup + steps):
@@ -242,8 +257,13 @@ def run_config(rank: SpecRank, B: int, k: int, L: int, path: str, steps: int,
                 plain.append(sec)
     step = statistics.median(plain)
     stage_ms = {s: _ms(statistics.median(v)) for s, v in stages.items()}
-    return {"batch": B, "k": k, "accepted": L, "synthetic": True, "synthetic_length": L + 1,
-            "path": path, "verify_tokens": B * (k + 1), "steps": steps, "warmup": warmup,
+    counts = {key: rank.runner.counts[key] - counts0.get(key, 0) for key in rank.runner.counts}
+    graphs = rank.runner.graphs
+    return {"runner": rank.kind, "batch": B, "k": k, "accepted": L, "synthetic": True,
+            "synthetic_length": L + 1, "path": path, "runner_counts": counts,
+            "graph_counts": dict(graphs.counts) if graphs is not None else None,
+            "capture_failed": dict((f"b{b} k{kk}", why) for (b, kk), why in
+                                   graphs.capture_failed.items()) if graphs is not None else None, "verify_tokens": B * (k + 1), "steps": steps, "warmup": warmup,
             "step_ms": _ms(step), "step_ms_min": _ms(min(plain)), "stage_ms": stage_ms,
             "stage_sum_ms": round(sum(stage_ms.values()), 4),
             "staged_step_ms": _ms(statistics.median(staged)),
@@ -289,8 +309,9 @@ def run_tp(args, cfg: K3Config, tp: int, save) -> dict:
     tag = f"TP{tp} {cfg.num_layers} layers"
     todo = [B for B in args.batches if any(B * (k + 1) <= MAX_VERIFY_TOKENS for k in args.ks)]
     kmax = max(args.ks)
-    rank = SpecRank(model, drafter, args.device, max(todo, default=1), args.context,
-                    2 * (args.warmup + args.steps + 1) * (kmax + 1), args.seed)
+    ranks = {name: SpecRank(model, drafter, args.device, max(todo, default=1), args.context,
+                            2 * (args.warmup + args.steps + 1) * (kmax + 1), args.seed, name)
+             for name in args.runners}
     variant = "graphed" if args.device == "cuda" else "specialized"
     bench = Bench(model, args.device, max(todo, default=1), args.context, (variant,))
     for B in args.batches:
@@ -315,14 +336,14 @@ def run_tp(args, cfg: K3Config, tp: int, save) -> dict:
             accepts = [a for a in args.accepts if a <= k] if args.accepts else range(1, k + 1)
             if not accepts:
                 print(f"[spec] {tag} b{B} k={k}: skipped, no L <= k in --accepts", flush=True)
-            for L in accepts:
-                row = run_config(rank, B, k, L, path, args.steps, args.warmup)
+            for name, L in ((n, a) for n in args.runners for a in accepts):
+                row = run_config(ranks[name], B, k, L, path, args.steps, args.warmup)
                 base = run["baseline"][str(B)]
                 row.update(nonspec_ms=base["ms"], nonspec_tok_s=base["tok_s"],
                            spec_over_nonspec=row["effective_tok_s"] / base["tok_s"])
                 run["rows"].append(row)
                 st = row["stage_ms"]
-                print(f"[spec] {tag} b{B} k={k} L={L} (synthetic, {path}): draft "
+                print(f"[spec] {tag} b{B} k={k} L={L} {name} (synthetic, {path}): draft "
                       f"{st['draft']:.2f} verify {st['verify']:.2f} accept {st['accept']:.2f} "
                       f"ms, step {row['step_ms']:.2f} ms, {row['effective_tok_s']:.1f} tok/s vs "
                       f"{variant} {base['ms']:.2f} ms {base['tok_s']:.1f} tok/s: "
@@ -330,7 +351,7 @@ def run_tp(args, cfg: K3Config, tp: int, save) -> dict:
                       + ("" if row["accepted_as_asked"] else
                          f" ACCEPTED {row['accepted_per_sequence_step']}"), flush=True)
                 save(run)
-    del rank, bench, drafter, model
+    del ranks, bench, drafter, model
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -340,9 +361,10 @@ def run_tp(args, cfg: K3Config, tp: int, save) -> dict:
 def summarize(runs: list[dict]) -> dict:
     """SUMMARY_KEYS: spec_over_nonspec of (b1, k7, L6) at TP16 / TP8; None where not run."""
     def ratio(tp: int):
-        return next((r["spec_over_nonspec"] for run in runs if run["tp"] == tp
-                     for r in run["rows"] if (r["batch"], r["k"], r["accepted"]) == (1, 7, 6)),
-                    None)
+        rows = [r for run in runs if run["tp"] == tp for r in run["rows"]
+                if (r["batch"], r["k"], r["accepted"]) == (1, 7, 6)]
+        rows.sort(key=lambda r: RUNNERS.index(r.get("runner", "eager")))   # graphed first
+        return rows[0]["spec_over_nonspec"] if rows else None
     return {"spec_over_nonspec_k7_L6_b1_tp16": ratio(16),
             "spec_over_nonspec_k7_L6_b1_tp8": ratio(8)}
 
@@ -406,6 +428,8 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-path", default="envelope",
                     choices=("envelope", "specialized", "stock"),
                     help="the verify step's path: the envelope's choice (default) or forced")
+    ap.add_argument("--runners", default="graphed", help="comma-separated speculative "
+                    f"runners: {', '.join(RUNNERS)} (the summary takes graphed where it ran)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--png", default=None, help="effective tok/s against L per k (matplotlib)")
@@ -415,6 +439,10 @@ def main(argv=None) -> int:
     args.ks = int_list("--ks", args.ks, 1)
     args.batches = int_list("--batches", args.batches, 1)
     args.accepts = int_list("--accepts", args.accepts, 0) if args.accepts else None
+    args.runners = [r.strip() for r in args.runners.split(",") if r.strip()]
+    if not args.runners or any(r not in RUNNERS for r in args.runners):
+        raise SystemExit(f"--runners {','.join(args.runners)}: expected a comma-separated "
+                         f"subset of {', '.join(RUNNERS)}")
     if args.context < 1 or args.steps < 1 or args.warmup < 0:
         raise SystemExit(f"--context {args.context} --steps {args.steps} --warmup "
                          f"{args.warmup}: expected context, steps >= 1 and warmup >= 0")
@@ -438,11 +466,12 @@ def main(argv=None) -> int:
         layers_total=total, context=args.context, ks=args.ks, accepts=args.accepts,
         batches=args.batches, steps=args.steps, warmup=args.warmup, seed=args.seed,
         verify_path=args.verify_path, drafter=args.draft, acceptance=ACCEPTANCE_NOTE,
-        synthetic=True, outputs_meaningless=True, verify_graphed=False,
+        synthetic=True, outputs_meaningless=True, runners=args.runners,
+        verify_graphed="graphed" in args.runners,
         verify_note=VERIFY_NOTE, stages=list(STAGES),
         summary_method="spec_over_nonspec of batch 1, k = 7, L = 6 at TP16 / TP8 (effective "
                        "tok/s 7 / step_ms over the graphed step's 1 / ms), at the run's layer "
-                       "count; null where not run",
+                       "count, the graphed runner's where it ran; null where not run",
         method=__doc__.split("\n\n", 2)[2])
     if args.device == "cuda":
         from .layer import _env

@@ -24,11 +24,12 @@ def test_spec_bench_cpu(tmp_path):
     assert spec.main(["--config", "tiny", "--device", "cpu", "--tp", "2", "--ks", "2,3",
                       "--accepts", "1,3", "--batches", "1,16,22", "--context", "24",
                       "--steps", str(steps), "--warmup", str(warmup), "--out", str(out),
-                      "--png", str(png)]) == 0
+                      "--png", str(png), "--runners", "graphed,eager"]) == 0
     rep = json.loads(out.read_text())
     assert tuple(rep["summary"]) == spec.SUMMARY_KEYS          # exactly the two, null here
     assert set(rep["summary"].values()) == {None}
-    assert rep["synthetic"] and rep["outputs_meaningless"] and not rep["verify_graphed"]
+    assert rep["synthetic"] and rep["outputs_meaningless"] and rep["verify_graphed"]
+    assert rep["runners"] == ["graphed", "eager"]
     assert "synthetic" in rep["acceptance"] and "eager" in rep["verify_note"]
     assert rep["layers"] == rep["layers_total"] == 6 and rep["gpu"] is None
     (run,) = rep["runs"]
@@ -38,12 +39,19 @@ def test_spec_bench_cpu(tmp_path):
     assert sorted((s["batch"], s["k"]) for s in run["skipped"]) == [(22, 2), (22, 3)]
     assert all(s["verify_tokens"] > 64 for s in run["skipped"])
     assert set(run["baseline"]) == {"1", "16"}
-    got = sorted((r["batch"], r["k"], r["accepted"]) for r in run["rows"])
-    assert got == [(1, 2, 1), (1, 3, 1), (1, 3, 3), (16, 2, 1), (16, 3, 1), (16, 3, 3)]
+    got = sorted((r["runner"], r["batch"], r["k"], r["accepted"]) for r in run["rows"])
+    cases = [(1, 2, 1), (1, 3, 1), (1, 3, 3), (16, 2, 1), (16, 3, 1), (16, 3, 3)]
+    assert got == sorted((n, *c) for n in ("eager", "graphed") for c in cases)
     for r in run["rows"]:
         B, k, L = r["batch"], r["k"], r["accepted"]
         assert r["verify_tokens"] == B * (k + 1) <= 64
         assert r["path"] == ("specialized" if k >= 3 else "stock")      # the envelope
+        # the spec graphs take the specialized verify steps (eager statics on the CPU); the
+        # stock path and the eager runner stay eager
+        graphed = r["runner"] == "graphed" and r["path"] == "specialized"
+        n = 2 * (warmup + steps)
+        assert r["runner_counts"] == ({"graphed": n, "eager": 0} if graphed else
+                                      {"graphed": 0, "eager": n})
         assert r["synthetic"] and r["synthetic_length"] == L + 1
         # every sequence of every step (plain and staged, warm-up included) accepted exactly L
         assert r["accepted_per_sequence_step"] == {str(L): B * 2 * (warmup + steps)}
