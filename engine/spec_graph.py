@@ -12,15 +12,16 @@ other plan runs the eager SpecRunner). Per step:
            length (rows < p_b). Padded sequences n … B-1 use scratch slots and the scratch
            block at PAD_POS, as the decode graphs' padded rows.
   draft    graph D: the drafter (models/dspark.py `forward_static`) over rows [anchor, mask ×
-           (k−1)] of every sequence and its base logits (B·k, V); then the k left-to-right
-           Markov samples on the device (engine/spec_sampling.py `draft_sample`), written into
-           the statics' token rows 1 … k.
+           (k−1)] of every sequence, its base logits, the k left-to-right Markov samples
+           (engine/spec_sampling.py: `greedy_drafts` when every row is greedy or the step is
+           synthetic, else `draft_sample_t` on the statics' sampling tensors), rank 0's drafts
+           written into the statics' token rows 1 … k. Graphs are keyed (B, k, greedy).
   verify   graph V: the target's specialized forward over the B·T rows with the drafter's
            taps: KDA layers through kernels/kda_verify.py (the slots only read, the state after
            every position into per-position rows), MLA layers store all rows first and attend
            causally (models/mla.py verify branch), the MoE at B·T tokens; the drafter context
            rows of every row (`write_context_static`); the lm_head of all rows.
-  accept   engine/spec_sampling.py on the device (greedy, probabilistic, synthetic), then
+  accept   engine/spec_sampling.py on the device (`accept_greedy`, `verify`, `synthetic`), then
            kernels/kda_verify.py `kda_verify_commit`: slot ← per-position row of the last kept
            position, every KDA layer at once; the emitted ids to the host (the step's sync).
 
@@ -39,7 +40,9 @@ import torch
 from raydecode.kernels import kda_verify as kda_verify_op
 from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
 
+from . import spec_sampling
 from .spec_engine import MAX_VERIFY_TOKENS
+from .spec_runner import rank0_value
 from .step_graph import PAD_POS, _PAD, ScratchRows, StepStatics, check_buckets
 
 SPEC_BUCKETS = (1, 2, 4, 8, 16)       # sequences per speculative step (B·(k+1) ≤ 64 bounds it)
@@ -72,7 +75,12 @@ class VerifyStatics(StepStatics):
         self.seq_slots = self._e64[:B]
         self.positions = self._e64[B:B + B * T]
         self._ctx = self._e64[B + B * T:]                 # rows < p_b on this rank (B,)
-        self.keep = torch.zeros(B, dtype=torch.int64, device=self.device)   # commit input
+        # the draft rows' sampling (SamplingRows.tensors' layout): [temperature, top_p],
+        # [top_k, seed, counter]; padded rows greedy
+        self.samp_f = torch.zeros(2, B, dtype=torch.float32, device=self.device)
+        self.samp_i = torch.zeros(3, B, dtype=torch.int64, device=self.device)
+        self._sf = torch.zeros(2, B, dtype=torch.float32, pin_memory=self._cuda)
+        self._si = torch.zeros(3, B, dtype=torch.int64, pin_memory=self._cuda)
         self.num_real = 0
 
     # the drafter's B·k rows, derived on the device (inside graph D)
@@ -83,9 +91,11 @@ class VerifyStatics(StepStatics):
         self.draft_table = self.table.view(B, T, W)[:, :k].reshape(B * k, W)
         self.draft_ctx_lens = self._ctx.view(B, 1).expand(B, k).reshape(B * k).to(torch.int32)
 
-    def fill_spec(self, spec: list, anchors: list[int], block_tables, step) -> None:
+    def fill_spec(self, spec: list, anchors: list[int], block_tables, step,
+                  sampling=None) -> None:
         """n ≤ B speculating sequences (engine/spec_runner.py SpecSeq) with their anchor
-        tokens; the rest padded. Draft token rows hold 0 until the draft stage writes them."""
+        tokens and (sampling: SamplingRows of the n) their draft sampling; the rest padded. Draft
+        token rows hold 0 until graph D writes them."""
         B, T, sc = self.seqs, self.verify, self.scratch
         n = len(spec)
         if not 1 <= n <= B:
@@ -117,6 +127,15 @@ class VerifyStatics(StepStatics):
         pos = [row[2] for row in rows]
         self._eh64.copy_(torch.tensor(seq_slots + pos + ctx, dtype=torch.int64))
         self._e64.copy_(self._eh64, non_blocking=self._cuda)
+        self._sf.zero_()
+        self._sf[1] = 1.0
+        self._si.zero_()
+        if sampling is not None:
+            sm = sampling
+            self._sf[:, :n] = torch.tensor([sm.temperature, sm.top_p], dtype=torch.float32)
+            self._si[:, :n] = torch.tensor([sm.top_k, sm.seed, sm.counter], dtype=torch.int64)
+        self.samp_f.copy_(self._sf, non_blocking=self._cuda)
+        self.samp_i.copy_(self._si, non_blocking=self._cuda)
         if self._cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -131,10 +150,11 @@ class VerifyStatics(StepStatics):
 @dataclass
 class _Graphs:
     statics: VerifyStatics
+    greedy: bool                           # drafts by argmax (every row greedy, synthetic)
     draft: "torch.cuda.CUDAGraph | None" = None
     verify: "torch.cuda.CUDAGraph | None" = None
-    base: torch.Tensor | None = None       # (B·k, V) fp32 drafter base logits (graph output)
-    logits: torch.Tensor | None = None     # (B·T, V) fp32 target logits (graph output)
+    drafts: tuple | None = None            # graph D's outputs: drafts (B, k), q (B, k, V)|None
+    logits: torch.Tensor | None = None     # (B·T, V) fp32 target logits (graph V's output)
 
 
 class SpecGraphs:
@@ -154,8 +174,8 @@ class SpecGraphs:
             N = MAX_VERIFY_TOKENS
             self.pos_conv = kda.conv.new_zeros(kda.conv.shape[0], N, *kda.conv.shape[2:])
             self.pos_rec = kda.rec.new_zeros(kda.rec.shape[0], N, *kda.rec.shape[2:])
-        self.graphs: dict[tuple[int, int], _Graphs] = {}
-        self.capture_failed: dict[tuple[int, int], str] = {}
+        self.graphs: dict[tuple[int, int, bool], _Graphs] = {}
+        self.capture_failed: dict[tuple[int, int, bool], str] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.counts = {"graphed": 0, "eager_statics": 0, "captured": 0}
 
@@ -179,12 +199,13 @@ class SpecGraphs:
         return None
 
     # ---- the step ------------------------------------------------------------------------------
-    def prepare(self, plan) -> tuple[_Graphs, int]:
-        """Cache ops, the statics filled, the bucket's graphs (None before their capture)."""
+    def prepare(self, plan, rows, greedy: bool) -> tuple[_Graphs, int]:
+        """Cache ops, the statics filled (rows: the draft sampling; greedy: every row takes
+        the argmax), the (bucket, k, greedy) graphs (None before their capture)."""
         self.runner.update_caches(plan)
         k = plan.num_drafts
         B = spec_bucket(len(plan.spec), k, self.buckets)
-        g = self.graphs.get((B, k))
+        g = self.graphs.get((B, k, greedy))
         if g is None:
             m = self.caches.mla
             st = VerifyStatics(
@@ -192,36 +213,34 @@ class SpecGraphs:
                 m.block_size if m is not None else 1, self.pos_conv, self.pos_rec,
                 m.dcp_rank if m is not None else 0, m.dcp_size if m is not None else 1,
                 self.device)
-            g = self.graphs[(B, k)] = _Graphs(st)
+            g = self.graphs[(B, k, greedy)] = _Graphs(st, greedy)
         tables = self.caches.mla.block_tables if self.caches.mla is not None else None
         g.statics.fill_spec(plan.spec, [plan.tokens[s.start] for s in plan.spec], tables,
-                            plan.step_id)
+                            plan.step_id, rows)
         return g, k
 
-    def draft_base(self, g: _Graphs) -> torch.Tensor:
-        """(n, k, V) fp32 base logits of the real sequences (graph D or its eager form)."""
+    def draft(self, g: _Graphs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Graph D (or its eager form): the drafter, its base logits, the k Markov samples,
+        the drafts written into the token rows -> drafts (n, k), q (n, k, V) or None (greedy)
+        of the real sequences."""
         st = g.statics
-        B, k = st.seqs, st.verify - 1
-        key = (B, k)
+        key = (st.seqs, st.verify - 1, g.greedy)
         if g.draft is not None:
             g.draft.replay()
             self.counts["graphed"] += 1
-            base = g.base
+            out = g.drafts
         elif not self.capture or key in self.capture_failed:
             self.counts["eager_statics"] += 1
-            base = self._draft_forward(st)
+            out = self._draft_forward(st, g.greedy)
         else:
-            base = self._warm_and_capture(g, "draft", self._draft_forward)
-        return base.view(B, k, -1)[:st.num_real]
-
-    def set_drafts(self, g: _Graphs, drafts: torch.Tensor) -> None:
-        st = g.statics
-        st.tokens.view(st.seqs, st.verify)[:st.num_real, 1:].copy_(drafts)
+            out = self._warm_and_capture(g, "draft", lambda s: self._draft_forward(s, g.greedy))
+        n = st.num_real
+        return out[0][:n], (None if out[1] is None else out[1][:n])
 
     def verify_logits(self, g: _Graphs) -> torch.Tensor:
         """(n, T, V) fp32 target logits of the real sequences' rows (graph V or eager)."""
         st = g.statics
-        key = (st.seqs, st.verify - 1)
+        key = (st.seqs, st.verify - 1, g.greedy)
         if g.verify is not None:
             g.verify.replay()
             logits = g.logits
@@ -243,15 +262,30 @@ class SpecGraphs:
                                         st.verify)
 
     # ---- forwards (captured) ---------------------------------------------------------------
-    def _draft_forward(self, st: VerifyStatics) -> torch.Tensor:
+    def _draft_forward(self, st: VerifyStatics, greedy: bool):
         B, T = st.seqs, st.verify
         k = T - 1
         st.draft_views()
+        rows = st.tokens.view(B, T)
         toks = torch.full((B, k), self.drafter.cfg.mask_token_id, dtype=torch.long,
                           device=st.tokens.device)
-        toks[:, 0] = st.tokens.view(B, T)[:, 0]
+        toks[:, 0] = rows[:, 0]
         hidden = self.drafter(toks.flatten(), None, self.caches, st=st)
-        return self.drafter.base_logits(hidden)                                  # (B·k, V)
+        base = self.drafter.base_logits(hidden).view(B, k, -1)                   # (B, k, V)
+        anchors, bias = rows[:, 0].clone(), self.drafter.markov_bias
+        if greedy:
+            drafts, q = spec_sampling.greedy_drafts(base, bias, anchors), None
+        else:
+            out, qs, prev = [], [], anchors
+            for j in range(k):
+                prev, qj = spec_sampling.draft_sample_t(base[:, j] + bias(prev), st.samp_f,
+                                                        st.samp_i, j)
+                out.append(prev)
+                qs.append(qj)
+            drafts, q = torch.stack(out, 1), torch.stack(qs, 1)
+        drafts = rank0_value(self.model, drafts)
+        rows[:, 1:].copy_(drafts)
+        return drafts, q
 
     def _verify_forward(self, st: VerifyStatics) -> torch.Tensor:
         self.caches.statics = st
@@ -268,14 +302,16 @@ class SpecGraphs:
         then the same forward captured (not executed). A failed capture keeps the bucket eager
         (`capture_failed`)."""
         st = g.statics
-        key = (st.seqs, st.verify - 1)
+        key = (st.seqs, st.verify - 1, g.greedy)
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             out = fn(st)
         cur.wait_stream(side)
-        out.record_stream(cur)
+        for t in (out if isinstance(out, tuple) else (out,)):
+            if t is not None:
+                t.record_stream(cur)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
@@ -285,7 +321,7 @@ class SpecGraphs:
             self.capture_failed[key] = f"{which}: {type(e).__name__}: {e}"
             return out
         if which == "draft":
-            g.draft, g.base = graph, res
+            g.draft, g.drafts = graph, res
         else:
             g.verify, g.logits = graph, res
         self.counts["captured"] += 1

@@ -197,20 +197,22 @@ class SpecRunner:
         return SpecStepResult(logits, emitted)
 
     def _run_graphed(self, plan: SpecStepPlan) -> SpecStepResult:
-        """The speculative step on engine/spec_graph.py's graphs: statics, graph D, the Markov
-        samples, graph V, acceptance and the KDA commit on the device; one host sync."""
+        """The speculative step on engine/spec_graph.py's graphs: statics, graph D (drafter
+        and Markov samples), graph V, acceptance and the KDA commit on the device; one host
+        sync."""
         lap = self._stopwatch(True)
-        g, k = self.graphs.prepare(plan)
+        rows = self._rows(plan)
+        greedy = plan.synthetic_length is not None or rows.all_greedy
+        g, k = self.graphs.prepare(plan, rows, greedy)
         lap("prepare")
-        base = self.graphs.draft_base(g)                                         # (n, k, V)
-        anchors = torch.tensor([plan.tokens[s.start] for s in plan.spec], dtype=torch.long,
-                               device=self.device)
-        drafts, q = self._markov(plan, base, anchors, k)
-        self.graphs.set_drafts(g, drafts)
+        drafts, q = self.graphs.draft(g)                              # (n, k), (n, k, V)|None
         lap("draft")
         vlogits = self.graphs.verify_logits(g)                                   # (n, T, V)
         lap("verify")
-        emitted, lengths = self._accept_device(plan, drafts, q, vlogits)
+        if plan.synthetic_length is None and greedy:
+            emitted, lengths = spec_sampling.accept_greedy(drafts, vlogits)
+        else:
+            emitted, lengths = self._accept_device(plan, drafts, q, vlogits)
         self.graphs.commit(g, lengths)
         out = [e[:n] for e, n in zip(emitted.tolist(), lengths.tolist())]
         out = self._agree(out, k)
@@ -307,10 +309,7 @@ class SpecRunner:
         return self._synthetic[1]
 
     def _from_rank0(self, t: torch.Tensor) -> torch.Tensor:
-        par, comm = self.model.par, self.model.comm
-        if par.tp_size == 1:
-            return t
-        return comm.all_reduce(t if par.tp_rank == 0 else torch.zeros_like(t))
+        return rank0_value(self.model, t)
 
     def _agree(self, emitted: list[list[int]], k: int) -> list[list[int]]:
         if self.model.par.tp_size == 1:
@@ -321,6 +320,15 @@ class SpecRunner:
             t[i, 1:1 + len(e)] = torch.tensor(e)
         t = self._from_rank0(t).tolist()
         return [row[1:1 + row[0]] for row in t]
+
+
+def rank0_value(model, t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `t` on every rank of the model's TP group (an all-reduce of it and zeros;
+    capturable); `t` itself at TP 1."""
+    par, comm = model.par, model.comm
+    if par.tp_size == 1:
+        return t
+    return comm.all_reduce(t if par.tp_rank == 0 else torch.zeros_like(t))
 
 
 # ---- building one rank's runner ----------------------------------------------------------------

@@ -35,8 +35,13 @@ def salted(seed: torch.Tensor, salt: int) -> torch.Tensor:
 def distributions(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """(B, L, V) logits of B rows' sequences -> (B, L, V) fp32 sampling distributions under each
     row's temperature / top-k / top-p (greedy rows: one-hot at the argmax)."""
+    return distributions_t(logits, *rows.tensors(logits.device))
+
+
+def distributions_t(logits: torch.Tensor, f: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """`distributions` on the rows' device tensors (SamplingRows.tensors: f (2, B) [temperature,
+    top_p], i (3, B) [top_k, seed, counter]): no host value, capturable."""
     B, L, V = logits.shape
-    f, i = rows.tensors(logits.device)
     temp = f[0]
     greedy = temp < GREEDY_EPS
     x = logits.float() / torch.where(greedy, torch.ones_like(temp), temp).view(B, 1, 1)
@@ -49,9 +54,8 @@ def distributions(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
 
 def _seeds_index(rows: SamplingRows, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(seeds (B,), first-draft output index n (B,), greedy (B,) bool) of the rows."""
-    _, i = rows.tensors(device)
-    greedy = torch.tensor([t < GREEDY_EPS for t in rows.temperature], device=device)
-    return i[1], i[2], greedy
+    f, i = rows.tensors(device)
+    return i[1], i[2], f[0] < GREEDY_EPS
 
 
 def draft_sample(logits: torch.Tensor, rows: SamplingRows, j: int
@@ -59,11 +63,37 @@ def draft_sample(logits: torch.Tensor, rows: SamplingRows, j: int
     """(B, V) logits of draft position j -> (tokens (B,), q (B, V)): each row samples its
     filtered distribution with its draft-stream noise at output index n + j (greedy rows take
     the argmax; their q is one-hot). rows.counter holds each row's n."""
-    seeds, n, greedy = _seeds_index(rows, logits.device)
-    q = distributions(logits.unsqueeze(1), rows).squeeze(1)
+    return draft_sample_t(logits, *rows.tensors(logits.device), j)
+
+
+def draft_sample_t(logits: torch.Tensor, f: torch.Tensor, i: torch.Tensor, j: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft_sample` on the rows' device tensors (`distributions_t`): capturable."""
+    seeds, n, greedy = i[1], i[2], f[0] < GREEDY_EPS
+    q = distributions_t(logits.unsqueeze(1), f, i).squeeze(1)
     V = logits.shape[-1]
     tok = (torch.log(q) + gumbel(salted(seeds, DRAFT_SALT), n + j, V, logits.device)).argmax(-1)
     return torch.where(greedy, logits.argmax(-1), tok), q
+
+
+def greedy_drafts(base: torch.Tensor, bias, anchors: torch.Tensor) -> torch.Tensor:
+    """Every row greedy: (B, k, V) base logits, bias(prev (B,)) -> (B, V) the Markov bias ->
+    drafts (B, k), d_j = argmax(base_j + bias(d_{j-1})), d_{-1} = the anchor. What
+    `draft_sample` gives greedy rows, without their one-hot q."""
+    drafts, prev = [], anchors
+    for j in range(base.shape[1]):
+        prev = (base[:, j] + bias(prev)).argmax(-1)
+        drafts.append(prev)
+    return torch.stack(drafts, 1)
+
+
+def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor):
+    """Every row greedy: accept while d_j = argmax p_j, then the argmax where the first draft
+    fails (or the bonus) -> as `verify`; the same tokens `verify` gives greedy rows."""
+    B, k = drafts.shape
+    best = target_logits.argmax(-1)                                          # (B, k+1)
+    a = torch.cumprod((drafts == best[:, :k]).to(torch.int64), dim=1).sum(1)
+    return synthetic(drafts, target_logits, a)
 
 
 def accepts(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
@@ -122,5 +152,6 @@ def synthetic(drafts: torch.Tensor, target_logits: torch.Tensor, accepted: torch
     return emitted, accepted + 1
 
 
-__all__ = ["DRAFT_SALT", "ACCEPT_SALT", "accepts", "distributions", "draft_sample", "residual",
-           "salted", "synthetic", "verify"]
+__all__ = ["DRAFT_SALT", "ACCEPT_SALT", "accepts", "distributions", "distributions_t",
+           "draft_sample", "draft_sample_t", "accept_greedy", "greedy_drafts", "residual", "salted",
+           "synthetic", "verify"]

@@ -53,7 +53,8 @@ from raydecode.kernels.mla_decode import mla_attention, mla_attention_reference
 
 from .cache import ModelCaches, StepBatch
 from .config import ConfigError, K3Config, check_keys, load_from_spec
-from .layers import Linear, RMSNorm, column_linear, replicated_linear, row_linear
+from .layers import (DerivedWeights, Linear, RMSNorm, column_linear, replicated_linear,
+                     row_linear)
 from .mla import merge_attn_partials, mla_absorbed_attention
 from .parallel import Comm, LocalComm, Parallel
 
@@ -578,10 +579,12 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.markov_w1 = Linear(rank, vocab, Parallel(), None, dtype)   # used as an embedding
         self.markov_w2 = Linear(rank, vocab, Parallel(), None, dtype)
+        self._derived = DerivedWeights()     # w2 in fp32, built once (not per draft position)
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
         e = F.embedding(prev, self.markov_w1.weight)                     # (B, r)
-        return F.linear(e.float(), self.markov_w2.weight.float())
+        w2 = self.markov_w2.weight
+        return F.linear(e.float(), self._derived.get("w2_f32", [w2], lambda: w2.float()))
 
 
 class DSparkDrafter(nn.Module):

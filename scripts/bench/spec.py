@@ -272,6 +272,25 @@ def run_config(rank: SpecRank, B: int, k: int, L: int, path: str, steps: int,
             "tokens_per_step": B * (L + 1), "effective_tok_s": B * (L + 1) / step}
 
 
+def profile_step(rank: SpecRank, B: int, k: int, L: int, warmup: int, steps: int = 3) -> dict:
+    """torch.profiler over `steps` plain speculative steps at (B, k, L) after `warmup`: the
+    ops by device time (CUDA) or host time, as a table (where a stage's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path = "specialized" if verify_in_envelope(B, k) else "stock"
+    rank.start(B)
+    for _ in range(warmup + 1):
+        rank.step(k, L, path, False)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rank.device.type == "cuda"
+                                     else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            rank.step(k, L, path, False)
+    key = "cuda_time_total" if rank.device.type == "cuda" else "cpu_time_total"
+    return {"runner": rank.kind, "batch": B, "k": k, "accepted": L, "steps": steps,
+            "sort": key, "table": prof.key_averages().table(sort_by=key, row_limit=40)}
+
+
 def baseline(bench: Bench, B: int, steps: int, warmup: int) -> dict:
     """The non-speculative decode step of B sequences (step.py run_batch; its first step
     captures the graph, so one more warm-up step)."""
@@ -351,6 +370,11 @@ def run_tp(args, cfg: K3Config, tp: int, save) -> dict:
                       + ("" if row["accepted_as_asked"] else
                          f" ACCEPTED {row['accepted_per_sequence_step']}"), flush=True)
                 save(run)
+    if args.profile and todo:
+        run["profile"] = profile_step(ranks[args.runners[0]], min(todo), kmax,
+                                      min(kmax, max(args.accepts or [kmax])), args.warmup)
+        print(run["profile"]["table"], flush=True)
+        save(run)
     del ranks, bench, drafter, model
     gc.collect()
     if args.device == "cuda":
@@ -430,6 +454,8 @@ def main(argv=None) -> int:
                     help="the verify step's path: the envelope's choice (default) or forced")
     ap.add_argument("--runners", default="graphed", help="comma-separated speculative "
                     f"runners: {', '.join(RUNNERS)} (the summary takes graphed where it ran)")
+    ap.add_argument("--profile", action="store_true", help="after each TP's rows: a "
+                    "torch.profiler table of three steps at the smallest batch, largest k")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--png", default=None, help="effective tok/s against L per k (matplotlib)")

@@ -11,9 +11,11 @@ import os
 import pytest
 import torch
 
-from raydecode.kernels import kda_decode as K
+from raydecode.kernels import kda_decode_triton as KT
 from raydecode.kernels import kda_verify as V
 from raydecode.kernels import kda_verify_triton as VT
+
+from raydecode.kernels._triton import sm_count
 
 from _numerics import fresh_seed, rel_err
 
@@ -79,7 +81,8 @@ def test_kernel_matches_reference(B, T, h, d, splits):
                                                         if ON_GPU else []))
 def test_accepted_state_equals_the_decode_kernel_one_token_at_a_time(B, T, h, d):
     """Per position j: pos_rec[b·T + j] == the slot after the decode kernel fed tokens 0 … j
-    (the split decode kernel: the same f_b reduction), ≤ 1e-5 relative; conv taps exact."""
+    (its split form at the verify kernel's split and warps: the same tiles, so the same
+    reductions), ≤ 1e-5 relative; conv taps exact."""
     seed = fresh_seed()
     S = B + 2
     x = _inputs(B, T, h, d, S, seed)
@@ -88,11 +91,14 @@ def test_accepted_state_equals_the_decode_kernel_one_token_at_a_time(B, T, h, d)
     seq = {k: v.clone() for k, v in x.items()}
     rows = x["proj"].view(B, T, -1) if x["proj"].is_contiguous() else \
         x["proj"].reshape(B, T, -1)
+    ns = VT.verify_splits(d, B, h, sm_count(DEV))
+    kw = dict(splits=ns, num_warps=VT.verify_warps(d, ns)) if ns > 1 else {}
     for j in range(T):
-        K.kda_decode(rows[:, j].contiguous(), seq["fb_w"], seq["conv_state"], seq["conv_w"],
-                     seq["exp_a"], seq["dt_bias"], seq["o_norm_w"], seq["rec_state"], heads=h,
-                     head_dim=d, lower_bound=LB, eps=EPS, slots=slots,
-                     splits=4 if d >= 64 else None)
+        out = torch.empty(B, h * d, device=DEV, dtype=BF)
+        KT.kda_decode_triton(rows[:, j].contiguous(), seq["fb_w"], seq["conv_state"],
+                             seq["conv_w"], seq["exp_a"], seq["dt_bias"], seq["o_norm_w"],
+                             seq["rec_state"], out, heads=h, head_dim=d, lower_bound=LB,
+                             eps=EPS, slots=slots, **kw)
         at = torch.arange(B, device=DEV) * T + j
         err = rel_err(pr[at], seq["rec_state"][slots])
         assert err <= TOL["seq_rec"], f"seed {seed} position {j}: state rel err {err:.2e}"
