@@ -436,9 +436,9 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
 def spec_runner_factory(spec) -> RunnerFactory:
     """RunnerFactory of a speculating replica: each rank loads its target shard, its drafter
     shard and caches with the drafter's MLA rows (engine.spec_runner.load_spec_runner).
-    spec: an engine.spec_runner.SpecShardSpec (picklable). No step graphs here: a SpecRunner
-    runs eagerly (its k+1-token verify steps are not graph-shaped), whatever
-    RAYDECODE_STEP_GRAPHS says."""
+    spec: an engine.spec_runner.SpecShardSpec (picklable); its step_graphs decides whether
+    the speculative steps run on engine/spec_graph.py's graphs (None: on CUDA ranks whose
+    model the graphs support)."""
     from raydecode.engine.spec_runner import load_spec_runner
 
     return functools.partial(load_spec_runner, spec)
