@@ -6,8 +6,8 @@ and β, as in kernels/kda_decode_triton.py's split form). It loads its (D, BV) s
 and keeps it in registers over the T = k + 1 positions of the sequence; per position j (flat
 row b·T + j of proj and out):
 
-    f_b, g, β        as the decode kernel, f_b accumulated over FB_CHUNK-wide column chunks
-                     (few registers: a (128, 8) program runs in one warp, `verify_warps`)
+    f_b, g, β        as the decode kernel (the whole (D, D) f_b tile summed along its rows:
+                     the split decode kernel's reduction, so both kernels round f_b alike)
     conv taps        tap w of position j is element j + w of [conv_state (W−1) | inputs 0..T−1]:
                      from the slot's conv state while j + w < W−1, else from proj row
                      b·T + j + w − (W−1): no register shifting, the slot is only read
@@ -64,7 +64,7 @@ if triton is not None:
             ob_ptr, cnt_ptr,
             NH, lower_bound, eps, scale,
             T: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-            BV: tl.constexpr, NS: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr):
+            BV: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1)
@@ -77,6 +77,7 @@ if triton is not None:
         chv = 2 * C + hh * D + jj
         cbase = conv_ptr + r * c_st
         S = tl.load(rec_ptr + r * r_st + hh * r_sh + i[:, None] * r_sk + jj[None, :] * r_sv)
+        wt = tl.load(fbw_ptr + ch[:, None] * fbw_sr + i[None, :] * fbw_sc)     # (D, D)
         dtb = tl.load(dtb_ptr + ch * dtb_s)
         ea = tl.load(expa_ptr + hh * expa_s)
         taps = tl.arange(0, WP)[None, :]
@@ -85,13 +86,8 @@ if triton is not None:
         row = b * NH + hh
         for j in tl.static_range(T):
             prow = prow0 + j * p_st
-            acc = tl.zeros((D,), tl.float32)                  # f_b in KB-wide chunks: few
-            for k0 in tl.static_range(0, D, KB):              # registers per thread
-                kk = k0 + tl.arange(0, KB)
-                fa = tl.load(prow + (4 * C + NH + kk) * p_sc).to(tl.float32)
-                wt = tl.load(fbw_ptr + ch[:, None] * fbw_sr + kk[None, :] * fbw_sc)
-                acc += tl.sum(wt.to(tl.float32) * fa[None, :], 1)
-            fb = _rne_bf16(acc)
+            fa = tl.load(prow + (4 * C + NH + i) * p_sc).to(tl.float32)
+            fb = _rne_bf16(tl.sum(wt.to(tl.float32) * fa[None, :], 1))
             g = lower_bound * tl.sigmoid(ea * (fb + dtb))
             beta = tl.sigmoid(tl.load(prow + (4 * C + hh) * p_sc).to(tl.float32))
             q, xq = _window(prow0, p_st, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch,
@@ -132,7 +128,6 @@ if triton is not None:
 
 
 VERIFY_WARPS = 4
-FB_CHUNK = 16             # f_b weight columns per chunk: a (D, 16) tile, 64 values per thread
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -157,11 +152,9 @@ def verify_splits(head_dim: int, seqs: int, heads: int, sms: int = H200_SMS) -> 
 
 
 def verify_warps(head_dim: int, splits: int) -> int:
-    """Warps per program: one per 16 value columns (at most VERIFY_WARPS), so a (128, 8)
-    state block runs in ONE warp and every reduction of the per-position chain (the f_b
-    chunks, the q / k norms, kᵀS' and qᵀS) is a warp shuffle, no CTA barrier; 32 fp32 state
-    values per thread at D = 128."""
-    return max(1, min(VERIFY_WARPS, head_dim // splits // 16))
+    """4 warps for (D, ≤ 32) state blocks, 8 above (64 fp32 state values per thread at D·BV
+    = 128·64)."""
+    return VERIFY_WARPS if head_dim // splits <= 32 else 2 * VERIFY_WARPS
 
 
 def kda_verify_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state,
@@ -184,7 +177,7 @@ def kda_verify_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, 
         rec_state, *rec_state.stride(), out, out.stride(0), out.stride(1), slots,
         pos_conv, *pos_conv.stride(), pos_rec, *pos_rec.stride(), ob, cnt,
         heads, float(lower_bound), float(eps), float(D) ** -0.5,
-        T=T, D=D, W=W, WP=triton.next_power_of_2(W), BV=D // ns, NS=ns, KB=min(D, FB_CHUNK),
+        T=T, D=D, W=W, WP=triton.next_power_of_2(W), BV=D // ns, NS=ns,
         num_warps=verify_warps(D, ns), **pdl_launch(out))
     return out
 
