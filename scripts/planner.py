@@ -157,13 +157,18 @@ def memory(cfg: K3Config, gpu: GPU, dep: Deployment) -> dict:
     # prefix caching: each snapshot slot is one sequence's KDA state, allocated at start (its
     # MLA blocks come out of the cache budget's block pool and are evicted under pressure)
     snapshots = dep.kda_snapshots * kda_seq
-    cache = usable - weights - drafter - workspace - snapshots
+    # DSpark's graphed verify step: per-position KDA state rows, one per verify token of the
+    # largest step (MAX_VERIFY_TOKENS = batch·(k+1) ≤ 64), allocated at build
+    # (engine/spec_graph.py, kernels/kda_verify.py)
+    spec_positions = SPEC_MAX_TOKENS * kda_seq if dep.dspark_k else 0.0
+    cache = usable - weights - drafter - workspace - snapshots - spec_positions
     per_seq = dep.context * kv_tok + kda_seq
     return {
         "hbm": gpu.hbm_bytes, "usable": usable, "reserved": gpu.hbm_bytes - usable,
         "weights_by_kind": w, "weights": weights,
         "weights_replicated": sum(w[k] for k in P.REPLICATED_IN_STOCK),
         "drafter": drafter, "workspace": workspace, "kda_snapshots": snapshots,
+        "spec_per_position_state": spec_positions,
         "cache_budget": cache,
         "kv_bytes_per_token": kv_tok, "kda_state_bytes_per_seq": kda_seq,
         "bytes_per_seq": per_seq, "cache_used": dep.batch * per_seq,
@@ -219,7 +224,9 @@ def check_fits(cfg: K3Config, gpu: GPU, dep: Deployment, mem: dict) -> None:
             f"weights {mem['weights'] / gb:.1f} GB + drafter {mem['drafter'] / gb:.1f} GB + "
             f"workspace {mem['workspace'] / gb:.1f} GB "
             + (f"+ {dep.kda_snapshots} KDA snapshots {mem['kda_snapshots'] / gb:.1f} GB "
-               if dep.kda_snapshots else "") + "per GPU exceed the usable "
+               if dep.kda_snapshots else "")
+            + (f"+ DSpark per-position KDA state {mem['spec_per_position_state'] / gb:.1f} GB "
+               if dep.dspark_k else "") + "per GPU exceed the usable "
             f"{mem['usable'] / gb:.1f} GB of {gpu.name} at --tp {dep.tp} (over by {over / gb:.1f} "
             f"GB); "
             f"use {tp_hint}, or a smaller --prefill-chunk if the workspace is the excess"
@@ -261,8 +268,16 @@ def speed(cfg: K3Config, gpu: GPU, eff: Efficiency, dep: Deployment, path: str, 
         if k else 0.0
     per_step = dep.acceptance if k else 1.0
     total = st.us + draft
+    ratio = eff.spec_step_ratio(k, seqs) if k and p == "specialized" else None
+    if ratio is not None:   # the measured graphed speculative step, over the modeled decode
+        plain = step_time(cfg, gpu, eff, p, dep.tp, dep.dcp, seqs, ctx, 1, dep.kv_dtype,
+                          dep.state_dtype)
+        total = plain.us * ratio
     out = {"requested": path, "runs_as": p, "batch": seqs, "context": ctx,
            "step_us": total, "target_step_us": st.us, "draft_us": draft,
+           "spec_step": (None if not k else "modeled: verify at batch·(k+1) + draft pass"
+                         if ratio is None else f"measured: {ratio:.3f} × the decode step "
+                         "(graphed spec step / graphed decode step, spec-*.json)"),
            "tokens_per_step_per_seq": per_step, "control_plane_us": st.control_plane_us,
            "host_us": st.host_us,
            # what a client sees between tokens: the step with its control plane and the

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -63,6 +64,16 @@ class Efficiency:
     # the channel (scheduling, plan, outputs, the step loop); (batch, µs) points from the
     # newest serve-*.json (served TPOT p50 − graphed step − its 1-rank channel), none: 0
     host: tuple = ()
+    # DSpark: (k, batch, spec step / non-speculative step) measured on the graphed
+    # speculative step against the graphed decode step of the same run (the newest all-layer
+    # spec-*.json, scripts/bench/spec.py); none: the modeled verify + draft pass
+    spec_ratio: tuple = ()
+
+    def spec_step_ratio(self, k: int, batch: int) -> float | None:
+        """The measured spec / non-spec step ratio at k drafts (linear in batch between the
+        measured batches, clamped at the ends); None when k was not measured."""
+        pts = sorted((b, r) for kk, b, r in self.spec_ratio if kk == k)
+        return _linear(pts, batch) if pts else None
 
     def host_us(self, batch: int) -> float:
         """µs of coordinator host work per step at `batch` sequences: linear between the
@@ -220,8 +231,38 @@ def load_efficiency(bench_dir: str | Path | None, catalog: dict[str, GPU] | None
         mfu = measured
         sources["prefill_mfu"] = (f"{d}/{pname} (the served prefill kernels' fraction of the "
                                   f"same run's dense bf16 GEMM rate, longest prompt)")
+    spec = eff.spec_ratio
+    spts, sname = _spec_points(d, notes)
+    if spts:
+        spec = spts
+        sources["spec_ratio"] = (f"{d}/{sname} (graphed speculative step / graphed decode step "
+                                 f"of the same run, median over the synthetic L, "
+                                 f"{len(spts)} (k, batch) points)")
     return replace(eff, curves=curves, alpha_us=alpha, sources=sources,
-                   control_plane=cp, host=host, prefill_mfu=mfu), notes
+                   control_plane=cp, host=host, prefill_mfu=mfu, spec_ratio=spec), notes
+
+
+def _spec_points(d: Path, notes: list[str]) -> tuple[tuple, str | None]:
+    """(k, batch, ratio) from the newest spec-*.json that ran every layer of its model with the
+    graphed runner (scripts/bench/spec.py; fewer layers weigh the drafter's fixed cost more):
+    per (k, batch) the median over its rows of step_ms / nonspec_ms; ((), None) without one."""
+    for f, doc in _newest_first(d, "spec-*.json", notes):
+        try:
+            if doc.get("layers") != doc.get("layers_total"):
+                continue
+            by: dict[tuple[int, int], list[float]] = {}
+            for r in doc["runs"][0]["rows"]:
+                if r.get("runner", "eager") == "graphed" and r.get("nonspec_ms"):
+                    by.setdefault((int(r["k"]), int(r["batch"])), []).append(
+                        float(r["step_ms"]) / float(r["nonspec_ms"]))
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            notes.append(f"skipped {f.name}: {type(e).__name__}: {e}")
+            continue
+        if by:
+            pts = tuple(sorted((k, b, statistics.median(v)) for (k, b), v in by.items()))
+            notes.append(f"read {f.name} ({len(pts)} DSpark (k, batch) step ratios)")
+            return pts, f.name
+    return (), None
 
 
 def _prefill_mfu(d: Path, notes: list[str]) -> tuple[float | None, str | None]:

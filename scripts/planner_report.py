@@ -36,6 +36,8 @@ def render(r: dict) -> str:
           _row("activation workspace", f"{m['workspace'] / GB:.2f}"),
           _row(f"KDA snapshots ×{d['kda_snapshots']} (prefix cache)",
                f"{m['kda_snapshots'] / GB:.2f}"),
+          _row("DSpark per-position KDA state",
+               f"{m.get('spec_per_position_state', 0.0) / GB:.2f}"),
           _row("reserved (1 - utilization)", f"{m['reserved'] / GB:.2f}"),
           _row("KV + KDA cache budget", f"{m['cache_budget'] / GB:.2f}"),
           _row(f"cache in use at batch {d['batch']}", f"{m['cache_used'] / GB:.2f}"),

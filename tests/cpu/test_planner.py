@@ -467,3 +467,38 @@ def test_planner_doc_anchor_table_is_the_planners_output(k3, cat):
     assert set(rows) == set(got)
     for k, v in got.items():
         assert rows[k] == round(v, 1), k
+
+
+def test_dspark_step_from_the_measured_spec_bench(k3, cat, tmp_path):
+    """A committed all-layer spec-*.json (graphed runner) sets the DSpark step: the modeled
+    decode step × the measured spec/non-spec step ratio (median over L, linear in batch);
+    a fewer-layer run or the eager runner's rows are not read."""
+    def doc(layers, runner, ratios, date):
+        rows = [{"runner": runner, "k": 7, "batch": b, "accepted": L,
+                 "step_ms": r * 10.0 + L * 0.01, "nonspec_ms": 10.0}
+                for b, r in ratios.items() for L in (1, 6, 7)]
+        return {"date": date, "layers": layers, "layers_total": 93, "runs": [{"rows": rows}]}
+    (tmp_path / "spec-a.json").write_text(json.dumps(doc(93, "graphed", {1: 2.0, 8: 4.0},
+                                                         "2026-12-01T00:00:00")))
+    (tmp_path / "spec-b.json").write_text(json.dumps(doc(24, "graphed", {1: 9.0},
+                                                         "2026-12-02T00:00:00")))
+    (tmp_path / "spec-c.json").write_text(json.dumps(doc(93, "eager", {1: 9.0},
+                                                         "2026-12-03T00:00:00")))
+    eff, notes = load_efficiency(tmp_path)
+    assert any("spec-a.json" in n for n in notes) and "spec-a.json" in eff.sources["spec_ratio"]
+    assert eff.spec_step_ratio(7, 1) == pytest.approx(2.006)         # the median, L = 6
+    assert eff.spec_step_ratio(7, 4) == pytest.approx(2.006 + 3 / 7 * 2.0)
+    assert eff.spec_step_ratio(5, 1) is None
+    g = gb300(cat)
+    dep = PL.Deployment(tp=16, dspark_k=7, acceptance=6.0, context=2048)
+    got = PL.speed(k3, g, eff, dep, "specialized", 1, detail=False)
+    plain = PL.speed(k3, g, eff, PL.Deployment(tp=16, context=2048), "specialized", 1,
+                     detail=False)
+    assert got["step_us"] == pytest.approx(plain["step_us"] * 2.006)
+    assert got["tok_s"] == pytest.approx(6 * 1e6 / got["step_us"])
+    assert got["spec_step"].startswith("measured: 2.006")
+    k5 = PL.speed(k3, g, eff, PL.Deployment(tp=16, dspark_k=5, acceptance=4.0, context=2048),
+                  "specialized", 1, detail=False)
+    assert k5["spec_step"].startswith("modeled")
+    assert PL.memory(k3, g, dep)["spec_per_position_state"] == pytest.approx(
+        64 * PL.memory(k3, g, dep)["kda_state_bytes_per_seq"])
