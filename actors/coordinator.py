@@ -212,7 +212,8 @@ def _spec_shard(config: DeployConfig, ecfg):
     return SpecShardSpec(model=config.model, draft=config.drafter,
                          dtype=config.resolved_dtype(), num_slots=ecfg.max_num_seqs,
                          num_blocks=ecfg.blocks, block_size=ecfg.block_size,
-                         decode=config.decode_options(), step_graphs=_step_graphs(config))
+                         decode=config.decode_options(), step_graphs=_step_graphs(config),
+                         num_drafts=config.speculative_config.num_speculative_tokens)
 
 
 def _model_config(spec: str):

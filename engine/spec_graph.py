@@ -27,9 +27,12 @@ other plan runs the eager SpecRunner). Per step:
 
 MLA rows at rejected positions stay in the pool and are overwritten by later steps, as on the
 eager path; the draft context rows likewise. Per-position rows: one shared buffer of
-MAX_VERIFY_TOKENS rows per KDA layer (`per_position_bytes`; the graphs replay one at a time).
-Captured lazily on a bucket's first step (an eager warm-up that is the step, then the
-capture) or at build (`capture_all`).
+MAX_VERIFY_TOKENS rows per KDA layer (kernels/kda_verify.py `per_position_bytes`; the graphs
+replay one at a time; `raydecode plan` counts them).
+Captured at build (`capture_all(k)`, load_spec_runner: every bucket at the replica's k, greedy
+and sampling, on idle scratch rows) or else on a (bucket, k, greedy)'s first step: an eager
+warm-up that is the step, then the capture. On the CPU the same statics path runs eagerly
+(tests/cpu/test_spec_graph.py).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from raydecode.kernels import kda_verify as kda_verify_op
-from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
+from raydecode.models.cache import SeqSlice, StepBatch
 
 from . import spec_sampling
 from .spec_engine import MAX_VERIFY_TOKENS
@@ -141,6 +144,30 @@ class VerifyStatics(StepStatics):
             self._copied.record()
         self.num_real = n
 
+    def fill_idle(self) -> None:
+        """Warm-up / capture rows: all B sequences on scratch slots at PAD_POS, the scratch
+        block as their table, greedy sampling (no live sequence is touched)."""
+        B, T, sc = self.seqs, self.verify, self.scratch
+        if B > sc.count:
+            raise RuntimeError(f"bucket {B} needs {B} idle slots; {sc.count} scratch exist")
+        slots = list(sc.slots[:B])
+        self._write([(0, slot, PAD_POS + j, _PAD) for slot in slots for j in range(T)], True,
+                    "idle")
+        D, r = self.dcp_size, self.dcp_rank
+        pos = [PAD_POS + j for _ in slots for j in range(T)]
+        self._eh64.copy_(torch.tensor(slots + pos + [(PAD_POS - 1 + D - r) // D] * B,
+                                      dtype=torch.int64))
+        self._e64.copy_(self._eh64, non_blocking=self._cuda)
+        self._sf.zero_()
+        self._sf[1] = 1.0
+        self._si.zero_()
+        self.samp_f.copy_(self._sf, non_blocking=self._cuda)
+        self.samp_i.copy_(self._si, non_blocking=self._cuda)
+        if self._cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.num_real = B
+
     def flat_batch(self) -> StepBatch:
         """What the target sees: B·T one-row slices (the fused ops read the statics)."""
         B, T = self.seqs, self.verify
@@ -198,13 +225,29 @@ class SpecGraphs:
             return "a KDA observer is set"
         return None
 
+    # ---- capture at build ---------------------------------------------------------------
+    def capture_all(self, k: int) -> list[tuple[int, int, bool]]:
+        """Before serving, at the replica's k: warm up and (CUDA) capture graphs D and V of
+        every bucket with bucket·(k+1) ≤ MAX_VERIFY_TOKENS, greedy and sampling, on idle rows
+        (scratch slots and the scratch block only), so no speculative step captures on the
+        request path. Collective at TP > 1 (every rank calls it). -> the keys now captured
+        (CPU: run eagerly once, none captured)."""
+        if not self.support[0]:
+            raise RuntimeError(f"spec graphs unsupported: {self.support[1]}")
+        done = []
+        for B in sorted((b for b in self.buckets if spec_bucket(b, k, self.buckets) == b),
+                        reverse=True):
+            for greedy in (True, False):
+                g = self._graphs_for(B, k, greedy)
+                g.statics.fill_idle()
+                self.draft(g)
+                self.verify_logits(g)
+                if g.draft is not None and g.verify is not None:
+                    done.append((B, k, greedy))
+        return done
+
     # ---- the step ------------------------------------------------------------------------------
-    def prepare(self, plan, rows, greedy: bool) -> tuple[_Graphs, int]:
-        """Cache ops, the statics filled (rows: the draft sampling; greedy: every row takes
-        the argmax), the (bucket, k, greedy) graphs (None before their capture)."""
-        self.runner.update_caches(plan)
-        k = plan.num_drafts
-        B = spec_bucket(len(plan.spec), k, self.buckets)
+    def _graphs_for(self, B: int, k: int, greedy: bool) -> _Graphs:
         g = self.graphs.get((B, k, greedy))
         if g is None:
             m = self.caches.mla
@@ -214,6 +257,15 @@ class SpecGraphs:
                 m.dcp_rank if m is not None else 0, m.dcp_size if m is not None else 1,
                 self.device)
             g = self.graphs[(B, k, greedy)] = _Graphs(st, greedy)
+        return g
+
+    def prepare(self, plan, rows, greedy: bool) -> tuple[_Graphs, int]:
+        """Cache ops, the statics filled (rows: the draft sampling; greedy: every row takes
+        the argmax), the (bucket, k, greedy) graphs (None before their capture)."""
+        self.runner.update_caches(plan)
+        k = plan.num_drafts
+        B = spec_bucket(len(plan.spec), k, self.buckets)
+        g = self._graphs_for(B, k, greedy)
         tables = self.caches.mla.block_tables if self.caches.mla is not None else None
         g.statics.fill_spec(plan.spec, [plan.tokens[s.start] for s in plan.spec], tables,
                             plan.step_id, rows)
@@ -328,12 +380,4 @@ class SpecGraphs:
         return out
 
 
-def per_position_bytes(cfg, par, dtype=torch.bfloat16) -> int:
-    """Bytes per rank of the shared per-position rows (MAX_VERIFY_TOKENS KDA slots)."""
-    from .step_graph import scratch_bytes
-
-    slot = scratch_bytes(cfg, par, 1, dtype)["per_kda_slot"]
-    return kda_verify_op.per_position_bytes(slot, MAX_VERIFY_TOKENS, 0)
-
-
-__all__ = ["SPEC_BUCKETS", "SpecGraphs", "VerifyStatics", "per_position_bytes", "spec_bucket"]
+__all__ = ["SPEC_BUCKETS", "SpecGraphs", "VerifyStatics", "spec_bucket"]

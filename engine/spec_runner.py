@@ -23,6 +23,7 @@ so a divergence could never desynchronise the rollback.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ from . import spec_sampling
 from .sampling import SamplingRows, StepResult, sample_isolated
 from .scheduler import StepPlan
 from .spec import SyntheticAcceptance
+
+log = logging.getLogger("raydecode.spec")
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,8 @@ class SpecRunner:
         else:
             emitted, lengths = self._accept_device(plan, drafts, q, vlogits)
         self.graphs.commit(g, lengths)
-        out = [e[:n] for e, n in zip(emitted.tolist(), lengths.tolist())]
+        host = torch.cat([lengths.view(-1, 1).to(emitted.dtype), emitted], 1).tolist()  # 1 sync
+        out = [row[1:1 + row[0]] for row in host]
         out = self._agree(out, k)
         lap("accept")
         return SpecStepResult(vlogits.new_empty(0, vlogits.shape[-1]), out)
@@ -347,6 +351,7 @@ class SpecShardSpec:
     # engine/spec_graph.py: speculative steps on CUDA graphs; None: auto (CUDA ranks whose
     # model the graphs support), True: always (eager statics off CUDA), False: never
     step_graphs: bool | None = None
+    num_drafts: int | None = None        # the replica's k: its spec graphs captured at build
 
 
 def resolve_drafter(draft: str | None, model: str) -> str:
@@ -387,8 +392,15 @@ def load_spec_runner(spec: SpecShardSpec, par, comm, device: str = "cpu") -> Spe
                          extra_mla_layers=drafter.cfg.num_layers)
     if not graphs:
         return SpecRunner(ModelRunner(model, caches, device), drafter)
-    return graphed_spec_runner(model, caches, drafter, device, spec.num_slots, spec.num_blocks,
-                               auto=spec.step_graphs is None)
+    runner = graphed_spec_runner(model, caches, drafter, device, spec.num_slots,
+                                 spec.num_blocks, auto=spec.step_graphs is None)
+    if runner.graphs is not None and spec.num_drafts:
+        try:                                # no capture on the request path
+            runner.graphs.capture_all(spec.num_drafts)
+        except Exception as e:  # noqa: BLE001 — a bucket not warmed captures on its first step
+            log.warning("spec graphs not captured at build (%s: %s); each bucket captures on "
+                        "its first speculative step", type(e).__name__, e)
+    return runner
 
 
 def graphed_spec_runner(model, caches, drafter, device, num_slots: int, num_blocks: int,

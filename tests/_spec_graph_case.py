@@ -32,8 +32,11 @@ class SpecializedDecode(LocalExecutor):
         return super().execute(plan)
 
 
-def run_case(device: str, k: int = 4, max_tokens: int = 40, capture: bool | None = None):
-    """-> (non-speculative ids, speculative ids, spec runner, engine)."""
+def run_case(device: str, k: int = 4, max_tokens: int = 40, capture: bool | None = None,
+             at_build: bool = False):
+    """-> (non-speculative ids, speculative ids, spec runner, engine). at_build: the spec
+    graphs of every bucket at k captured (CUDA; on the CPU warmed) before the first request,
+    as load_spec_runner does."""
     with torch.device(device):
         target = init_random_(K3ForCausalLM(load_config("tiny"), dtype=BF), seed=5)
     tok = load_tokenizer("tiny")
@@ -61,6 +64,8 @@ def run_case(device: str, k: int = 4, max_tokens: int = 40, capture: bool | None
                          extra_mla_layers=drafter.cfg.num_layers)
     runner = graphed_spec_runner(target, caches, drafter, device, ecfg.max_num_seqs,
                                  ecfg.blocks, auto=False, capture=capture)
+    if at_build:
+        runner.built = runner.graphs.capture_all(k)
     engine = SpecEngine(SpecializedDecode(runner), tok, ecfg, eos, SpecConfig(k, None))
     got = [o.output_ids for o in engine.generate(PROMPTS, params)]
     return ref, got, runner, engine

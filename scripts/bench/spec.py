@@ -39,8 +39,9 @@ a plain step (no sync inside it: `step_ms`, the figure every ratio uses) and a s
   verify   the target forward over the B·(k+1) tokens with the drafter's taps and the drafter
            context rows of every token, then the lm_head of the verify rows;
   accept   synthetic acceptance on the device, the emitted ids to the host (the step's sync),
-           every KDA layer's state of every sequence rolled back to the accepted prefix
-           (recomputed over L + 1 tokens; nothing to do when L = k).
+           every KDA layer's state of every sequence set to the accepted prefix (graphed: the
+           per-position slot of the last kept position copied in; eager: recomputed over
+           L + 1 tokens, nothing to do when L = k).
 Medians over `--steps` steps of each kind after `--warmup` of each.
 
 Per configuration: effective tok/s = B·(L+1) / step_ms; the baseline is the decode step of the
@@ -162,8 +163,9 @@ class _Seq:
 
 
 class SpecRank:
-    """A speculating rank's SpecRunner (eager ModelRunner + drafter) on caches holding the
-    drafter's rows; B sequences from `context`, each advanced by what its steps emit."""
+    """A speculating rank's SpecRunner (runner 'graphed': on engine/spec_graph.py's graphs, as
+    load_spec_runner builds a CUDA rank; 'eager': over an eager ModelRunner) on caches holding
+    the drafter's rows; B sequences from `context`, each advanced by what its steps emit."""
 
     def __init__(self, model: K3ForCausalLM, drafter: DSparkDrafter, device, num_slots: int,
                  context: int, max_advance: int, seed: int = 0, runner: str = "eager"):

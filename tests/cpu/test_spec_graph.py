@@ -4,7 +4,6 @@ attention, the drafter's static forward, the device acceptance and the KDA commi
 capture itself: tests/gpu/test_spec_graph_gpu.py."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from raydecode.engine.spec_graph import SPEC_BUCKETS, spec_bucket
@@ -23,6 +22,16 @@ def test_greedy_speculative_on_the_spec_graphs_equals_non_speculative():
     # high acceptance on the first prompt, rejections elsewhere: both the full-accept commit
     # (keep = k) and partial ones ran
     assert acc.accepted_at[0] > 0 and acc.emitted < acc.steps * (engine.spec.num_drafts + 1)
+
+
+def test_warm_up_at_build_touches_no_live_state():
+    """capture_all on idle scratch rows (on the CPU: the eager statics path once per bucket
+    and mode) before serving; the generation after it is unchanged."""
+    ref, got, runner, _ = run_case("cpu", k=4, max_tokens=24, at_build=True)
+    assert runner.built == []                                   # nothing captured off CUDA
+    buckets = [b for b in SPEC_BUCKETS if spec_bucket(b, 4) == b]
+    assert {(b, 4, gr) for b in buckets for gr in (True, False)} <= set(runner.graphs.graphs)
+    assert got == ref
 
 
 def test_buckets_respect_the_verify_envelope():
