@@ -97,9 +97,13 @@ class LocalReplicaExecutor(LocalExecutor):
 
     @property
     def decode_graphed(self) -> bool:
+        """Decode steps replay captured graphs: the step graphs, or a speculating runner's
+        spec graphs (either way a decode riding a prefill step would run eagerly)."""
         from raydecode.engine.step_graph import GraphedRunner
 
         r = self.runner
+        if getattr(r, "spec_graphed", False):
+            return True
         return isinstance(r, GraphedRunner) and bool(r.capture) and bool(r.graphs)
 
     @property
@@ -156,7 +160,11 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
             from raydecode.engine.spec_runner import load_spec_runner
             from raydecode.models.parallel import LocalComm, Parallel
 
-            return LocalReplicaExecutor(load_spec_runner(spec, Parallel(), LocalComm(), device))
+            from .rank_worker import prepare_runner
+
+            runner = load_spec_runner(spec, Parallel(), LocalComm(), device)
+            prepare_runner(runner, Parallel(), device)   # kernels, then the spec graphs
+            return LocalReplicaExecutor(runner)
         from raydecode.models.parallel import LocalComm, Parallel
 
         from .rank_worker import ShardSpec, load_runner, prepare_runner

@@ -74,20 +74,24 @@ class GroupReadiness:
     support: tuple[bool, str] = (False, "group not started")
     graph_buckets: frozenset[int] | None = None
     graph_failed: str | None = None          # why a rank lacks buckets ("rank r: ...")
+    spec_graphed: bool = False               # every rank replays captured spec graphs
 
     @classmethod
     def from_infos(cls, infos: list[dict]) -> "GroupReadiness":
         """infos: RankWorker.init_group / set_dcp answers, in rank order."""
         # every rank built the same model for the same TP: they agree; keep rank 0's answer
         support = tuple(infos[0]["specialized"])
+        spec = all(i.get("spec_graphed") for i in infos)
         got = [i.get("graph_buckets") for i in infos]
         if all(g is None for g in got):
-            return cls(support)
+            why = "; ".join(f"rank {i['rank']}: {i['graph_failed']}" for i in infos
+                            if i.get("graph_failed"))
+            return cls(support, None, why or None, spec)
         # a bucket counts only where every rank replays it (a rank reporting None has none)
         common = frozenset.intersection(*(frozenset(g or ()) for g in got))
         why = "; ".join(f"rank {i['rank']}: {i['graph_failed']}" for i in infos
                         if i.get("graph_failed"))
-        return cls(support, common, why or None)
+        return cls(support, common, why or None, spec)
 
     def specialized_ready(self, num_seqs: int) -> bool:
         """Graphs off: the specialized step exists. On: also num_seqs' bucket is captured."""
@@ -172,8 +176,10 @@ class RankGroupExecutor:
     # ---- the ReplicaExecutor protocol ----------------------------------------------------------
     @property
     def decode_graphed(self) -> bool:
-        """Every rank captured step graphs for at least one decode bucket."""
-        return bool(self.readiness.support[0] and self.readiness.graph_buckets)
+        """Every rank captured step graphs for at least one decode bucket, or (a speculating
+        replica) its spec graphs."""
+        r = self.readiness
+        return bool(r.support[0] and (r.graph_buckets or r.spec_graphed))
 
     def specialized_ready(self, num_seqs: int) -> bool:
         """The model's specialized step exists for this config and TP (the kernels were

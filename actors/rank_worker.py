@@ -102,7 +102,9 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
     load the kernels from the node's $RAYDECODE_KERNEL_CACHE (docs/KERNEL_CACHE.md), then with a
     GraphedRunner capture every bucket (collective at TP > 1: every rank's runner is graphed or
     none is, one ShardSpec). -> (specialized support (ok, why), kernel cache counts or None,
-    captured buckets or None (graphs off), why some or all buckets are not, or None). A model
+    captured buckets or None (graphs off), why some or all buckets are not, or None). A
+    speculating runner (engine/spec_runner.py) captures its spec graphs here instead
+    (`prepare_spec_graphs`: after the one-shot comm is connected). A model
     the graphs do not support captures nothing (the same check everywhere, before any
     collective); any other error propagates and fails the build."""
     support = getattr(runner.model, "specialized_support", (False, "model has no specialized "
@@ -117,7 +119,10 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
             "compiled": sum(e.get("action") == "compiled" for e in events),
             "loaded": sum(e.get("action") == "loaded" for e in events)}
     if not isinstance(runner, GraphedRunner):
-        return support, kernels, None, None
+        from raydecode.engine.spec_runner import prepare_spec_graphs
+
+        _, why = prepare_spec_graphs(runner)         # a speculating rank's spec graphs
+        return support, kernels, None, why
     if not runner.support[0]:
         return support, kernels, [], f"step graphs unsupported: {runner.support[1]}"
     ready = sorted(runner.capture_all())
@@ -287,7 +292,8 @@ class RankWorker:
         support, kernels, buckets, failed = prepare_runner(self.runner, self.par, self.device)
         return {"rank": self.par.tp_rank, "dcp_rank": self.par.dcp_rank, "device": self.device,
                 "specialized": support, "kernel_cache": kernels,
-                "graph_buckets": buckets, "graph_failed": failed}
+                "graph_buckets": buckets, "graph_failed": failed,
+                "spec_graphed": bool(getattr(self.runner, "spec_graphed", False))}
 
     def _connect_oneshot(self) -> None:
         """Collective over the TP group: the model's bf16 (T, hidden) all-reduces with

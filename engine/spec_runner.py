@@ -134,7 +134,15 @@ class SpecRunner:
         # engine/spec_graph.py SpecGraphs: speculative steps it accepts (`why_not` None) run
         # graphed; None: every step eager
         self.graphs = graphs
+        self.num_drafts: int | None = None   # the replica's k (spec graphs captured for it)
         self.counts = {"graphed": 0, "eager": 0}
+
+    @property
+    def spec_graphed(self) -> bool:
+        """Speculative steps replay captured graphs (CUDA, captured at build)."""
+        g = self.graphs
+        return g is not None and bool(g.capture) and any(
+            x.draft is not None and x.verify is not None for x in g.graphs.values())
 
     def release(self, slots: list[int]) -> None:
         self.runner.release(slots)
@@ -394,13 +402,29 @@ def load_spec_runner(spec: SpecShardSpec, par, comm, device: str = "cpu") -> Spe
         return SpecRunner(ModelRunner(model, caches, device), drafter)
     runner = graphed_spec_runner(model, caches, drafter, device, spec.num_slots,
                                  spec.num_blocks, auto=spec.step_graphs is None)
-    if runner.graphs is not None and spec.num_drafts:
-        try:                                # no capture on the request path
-            runner.graphs.capture_all(spec.num_drafts)
-        except Exception as e:  # noqa: BLE001 — a bucket not warmed captures on its first step
-            log.warning("spec graphs not captured at build (%s: %s); each bucket captures on "
-                        "its first speculative step", type(e).__name__, e)
+    runner.num_drafts = spec.num_drafts      # captured by prepare_spec_graphs at the build
     return runner
+
+
+def prepare_spec_graphs(runner) -> tuple[list | None, str | None]:
+    """Before serving (actors/rank_worker.py `prepare_runner`, after the rank's comm is
+    connected; collective at TP > 1): a SpecRunner with spec graphs captures every bucket at
+    its k (`SpecGraphs.capture_all`), so no speculative step captures on the request path.
+    -> (captured (bucket, k, greedy) keys, None) | (None, None) without spec graphs |
+    ([], why) when the capture raised (each bucket then captures on its first step)."""
+    g = getattr(runner, "graphs", None)
+    k = getattr(runner, "num_drafts", None)
+    if not isinstance(runner, SpecRunner) or g is None or not k:
+        return None, None
+    try:
+        done = g.capture_all(k)
+    except Exception as e:  # noqa: BLE001 — every bucket keeps its first-step capture
+        log.warning("spec graphs not captured at build (%s: %s); each bucket captures on its "
+                    "first speculative step", type(e).__name__, e)
+        return [], f"{type(e).__name__}: {e}"
+    failed = "; ".join(f"b{b} k{kk} {'greedy' if gr else 'sampled'}: {why}"
+                       for (b, kk, gr), why in sorted(g.capture_failed.items()))
+    return done, failed or None
 
 
 def graphed_spec_runner(model, caches, drafter, device, num_slots: int, num_blocks: int,
@@ -420,4 +444,5 @@ def graphed_spec_runner(model, caches, drafter, device, num_slots: int, num_bloc
 
 
 __all__ = ["SpecSeq", "SpecStepPlan", "SpecStepResult", "KDARollback", "SpecRunner",
-           "SpecShardSpec", "graphed_spec_runner", "load_spec_runner", "resolve_drafter"]
+           "SpecShardSpec", "graphed_spec_runner", "load_spec_runner", "prepare_spec_graphs",
+           "rank0_value", "resolve_drafter"]

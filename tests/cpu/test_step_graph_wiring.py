@@ -227,6 +227,26 @@ def test_readiness_takes_the_buckets_every_rank_captured():
     assert not any(unsupported.specialized_ready(k) for k in (1, 2, 8))
 
 
+def test_spec_graphs_count_as_graphed_decode_only_on_every_rank():
+    """A speculating group's ranks report spec_graphed (engine/spec_runner.py prepare_spec_
+    graphs at the build): the group then splits mixed steps as a graphed decode group does,
+    and only when every rank replays its spec graphs; decode buckets stay None (ready)."""
+    from raydecode.actors.rank_group import RankGroupExecutor
+
+    base = {"specialized": (True, "ok"), "graph_failed": None, "graph_buckets": None}
+    both = GroupReadiness.from_infos([dict(base, rank=i, spec_graphed=True) for i in (0, 1)])
+    one = GroupReadiness.from_infos([dict(base, rank=0, spec_graphed=True),
+                                     dict(base, rank=1, spec_graphed=False,
+                                          graph_failed="RuntimeError: no memory")])
+    assert both.spec_graphed and not one.spec_graphed
+    assert one.graph_failed == "rank 1: RuntimeError: no memory"
+    assert all(both.specialized_ready(k) for k in (1, 8, 64))
+    ex = RankGroupExecutor.__new__(RankGroupExecutor)
+    for r, want in ((both, True), (one, False)):
+        ex.readiness = r
+        assert ex.decode_graphed is want
+
+
 # ---- TP = 2 over gloo, two processes ----------------------------------------------------------
 
 def _tp2_rank(rank: int, replica_id: str, addr, infos) -> None:

@@ -17,6 +17,7 @@ def test_captured_greedy_speculative_equals_non_speculative():
     assert not runner.graphs.capture_failed, runner.graphs.capture_failed
     # every bucket of k = 4 (1, 2, 4, 8), greedy and sampling, captured at build: D and V each
     assert len(runner.built) == 8 and runner.graphs.counts["captured"] == 16
+    assert runner.spec_graphed            # what splits a speculating replica's mixed steps
     assert runner.counts["graphed"] > 0 and runner.counts["eager"] == 0
     for i, (r, g) in enumerate(zip(ref, got)):
         assert g == r, f"prompt {i}: first difference at {next(j for j, (a, b) in enumerate(zip(r, g)) if a != b)}"
