@@ -127,7 +127,13 @@ class VerifyStatics(StepStatics):
             seq_slots.append(slot)
             ctx.append((PAD_POS - 1 + D - r) // D)
         self._write(rows, block_tables is not None, step)
-        pos = [row[2] for row in rows]
+        self._stage(seq_slots, [row[2] for row in rows], ctx, sampling, n)
+
+    def _stage(self, seq_slots: list[int], pos: list[int], ctx: list[int], sampling,
+               n: int) -> None:
+        """After `_write` (which waited for the previous copy): the sequences' slots, the
+        rows' positions, the context lengths and the draft sampling of the first n
+        sequences (SamplingRows or None: greedy) through pinned staging to the device."""
         self._eh64.copy_(torch.tensor(seq_slots + pos + ctx, dtype=torch.int64))
         self._e64.copy_(self._eh64, non_blocking=self._cuda)
         self._sf.zero_()
@@ -154,19 +160,8 @@ class VerifyStatics(StepStatics):
         self._write([(0, slot, PAD_POS + j, _PAD) for slot in slots for j in range(T)], True,
                     "idle")
         D, r = self.dcp_size, self.dcp_rank
-        pos = [PAD_POS + j for _ in slots for j in range(T)]
-        self._eh64.copy_(torch.tensor(slots + pos + [(PAD_POS - 1 + D - r) // D] * B,
-                                      dtype=torch.int64))
-        self._e64.copy_(self._eh64, non_blocking=self._cuda)
-        self._sf.zero_()
-        self._sf[1] = 1.0
-        self._si.zero_()
-        self.samp_f.copy_(self._sf, non_blocking=self._cuda)
-        self.samp_i.copy_(self._si, non_blocking=self._cuda)
-        if self._cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        self.num_real = B
+        self._stage(slots, [PAD_POS + j for _ in slots for j in range(T)],
+                    [(PAD_POS - 1 + D - r) // D] * B, None, B)
 
     def flat_batch(self) -> StepBatch:
         """What the target sees: B·T one-row slices (the fused ops read the statics)."""
