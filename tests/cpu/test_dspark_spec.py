@@ -319,3 +319,72 @@ def test_cli_generate_with_dspark(capsys):
     assert "--num-draft 8" in (err := capsys.readouterr().err) and "accepted 1..7" in err
     assert main(["generate", "--model", "tiny", "--prompt", "Hi", "--num-draft", "3"]) == 2
     assert "only with --spec dspark" in capsys.readouterr().err
+
+
+# ---- the same test on the spec graphs (engine/spec_graph.py, sampling mode) -----------------------
+
+def _first_token_counts_graphed(tok, rounds=32, B=16, k=3):
+    """`_first_token_counts` through the graphed speculative step (bf16 target, the spec
+    graphs' statics path run eagerly on the CPU, the sampling-mode graph D: counter-based
+    draft sampling on device tensors, then `verify`): B ≤ 64 / (k+1) sequences per step."""
+    from raydecode.engine.spec_runner import graphed_spec_runner
+    from raydecode.engine.step_graph import graph_cache_sizes
+
+    target = load_model("tiny", dtype=torch.bfloat16)[1]
+    params = SamplingParams(temperature=1.0, top_k=4)
+    prompt, anchor = tok.encode(PROMPT), 200
+    P, V, r = len(prompt), target.cfg.vocab_size, 4
+    w1 = torch.zeros(V, r)
+    w1[anchor, 0] = 1.0
+    w2 = torch.full((V, r), 0.0)
+    drafter = markov_drafter(target, w1, w2)
+    ns, nb = graph_cache_sizes(B, B)
+    caches = make_caches(target.cfg, target.par, ns, nb, 32, torch.bfloat16,
+                         extra_mla_layers=drafter.cfg.num_layers)
+    runner = graphed_spec_runner(target, caches, drafter, "cpu", B, B, auto=False,
+                                 capture=False)
+    tables = {i: [i] for i in range(B)}
+    runner.run(StepPlan(0, StepBatch([SeqSlice(i, i * P, P, 0) for i in range(B)]), prompt * B,
+                        [i * P + P - 1 for i in range(B)], tables, list(range(B))))
+    conv, rec = caches.kda.conv.clone(), caches.kda.rec.clone()
+
+    def plan(rnd):
+        spec = [SpecSeq(f"{rnd}-{i}", i, i * (k + 1), P, params, seed=rnd * B + i)
+                for i in range(B)]
+        return SpecStepPlan(rnd + 1, StepBatch([SeqSlice(i, i * (k + 1), k + 1, P)
+                                                for i in range(B)]),
+                            ([anchor] + [0] * k) * B, [], {}, [], "specialized", spec=spec,
+                            num_drafts=k)
+    # p: the target distribution of the first emitted token, from the verify step's own row 0
+    # (causal: it does not depend on the drafts; bf16, so not the stock path's logits)
+    g, _ = runner.graphs.prepare(plan(-1), runner._rows(plan(-1)), False)
+    runner.graphs.draft(g)
+    logits = runner.graphs.verify_logits(g)[0, 0]
+    p = torch.softmax(filter_logits(logits.float(), params), -1)
+    support = p.argsort(descending=True)[:4]
+    with torch.no_grad():                         # the drafter's q on the support, as above
+        drafter.markov_head.markov_w2.weight[:, 0] = -30.0
+        drafter.markov_head.markov_w2.weight[support, 0] = torch.tensor(
+            [0.01, 0.01, 0.01, 0.97]).log().to(torch.bfloat16)
+    counts = torch.zeros(V)
+    for rnd in range(rounds):
+        caches.kda.conv.copy_(conv)
+        caches.kda.rec.copy_(rec)
+        for e in runner.run(plan(rnd)).emitted:
+            counts[e[0]] += 1
+    assert runner.counts == {"graphed": rounds, "eager": 0}
+    assert set(runner.graphs.graphs) == {(B, k, False)}      # the sampling-mode graphs
+    assert counts.sum() == counts[support].sum()
+    return counts[support], p[support]
+
+
+def test_rejection_sampling_on_the_spec_graphs_keeps_the_target_distribution(tok):
+    counts, p = _first_token_counts_graphed(tok)
+    assert _chi2(counts, p) < CHI2_DF3_P001
+
+
+def test_broken_acceptance_rule_fails_the_same_test_on_the_spec_graphs(tok, monkeypatch):
+    from raydecode.engine import spec_sampling
+    monkeypatch.setattr(spec_sampling, "residual", lambda p, q: p)
+    counts, p = _first_token_counts_graphed(tok)
+    assert _chi2(counts, p) > CHI2_DF3_P001
