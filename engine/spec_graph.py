@@ -46,7 +46,8 @@ from raydecode.models.cache import SeqSlice, StepBatch
 from . import spec_sampling
 from .spec_engine import MAX_VERIFY_TOKENS
 from .spec_runner import rank0_value
-from .step_graph import PAD_POS, _PAD, ScratchRows, StepStatics, check_buckets
+from .step_graph import (PAD_POS, _PAD, ScratchRows, StepStatics, check_buckets,
+                         warm_and_capture)
 
 SPEC_BUCKETS = (1, 2, 4, 8, 16)       # sequences per speculative step (B·(k+1) ≤ 64 bounds it)
 
@@ -323,13 +324,7 @@ class SpecGraphs:
         if greedy:
             drafts, q = spec_sampling.greedy_drafts(base, bias, anchors), None
         else:
-            out, qs, prev = [], [], anchors
-            for j in range(k):
-                prev, qj = spec_sampling.draft_sample_t(base[:, j] + bias(prev), st.samp_f,
-                                                        st.samp_i, j)
-                out.append(prev)
-                qs.append(qj)
-            drafts, q = torch.stack(out, 1), torch.stack(qs, 1)
+            drafts, q = spec_sampling.sample_drafts(base, bias, anchors, st.samp_f, st.samp_i)
         drafts = rank0_value(self.model, drafts)
         rows[:, 1:].copy_(drafts)
         return drafts, q
@@ -344,35 +339,20 @@ class SpecGraphs:
         finally:
             self.caches.statics = None
 
-    def _warm_and_capture(self, g: _Graphs, which: str, fn) -> torch.Tensor:
-        """As GraphedRunner._warm_and_capture: the eager run on a side stream IS this step;
-        then the same forward captured (not executed). A failed capture keeps the bucket eager
-        (`capture_failed`)."""
+    def _warm_and_capture(self, g: _Graphs, which: str, fn):
+        """engine/step_graph.py `warm_and_capture` of graph `which` ("draft" | "verify"): the
+        eager run IS this step; a failed capture keeps the key eager (`capture_failed`)."""
         st = g.statics
-        key = (st.seqs, st.verify - 1, g.greedy)
-        cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            out = fn(st)
-        cur.wait_stream(side)
-        for t in (out if isinstance(out, tuple) else (out,)):
-            if t is not None:
-                t.record_stream(cur)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                res = fn(st)
-        except Exception as e:     # noqa: BLE001 — the step ran (the warm-up): stay eager
-            self.capture_failed[key] = f"{which}: {type(e).__name__}: {e}"
-            return out
+        warm, graph, res, err = warm_and_capture(lambda: fn(st), self.device, self._pool)
+        if err is not None:
+            self.capture_failed[(st.seqs, st.verify - 1, g.greedy)] = f"{which}: {err}"
+            return warm
         if which == "draft":
             g.draft, g.drafts = graph, res
         else:
             g.verify, g.logits = graph, res
         self.counts["captured"] += 1
-        return out
+        return warm
 
 
 __all__ = ["SPEC_BUCKETS", "SpecGraphs", "VerifyStatics", "spec_bucket"]

@@ -272,21 +272,15 @@ class SpecRunner:
         toks[:, 0] = anchors
         batch = StepBatch([SeqSlice(s.slot, i * k, k, s.pos) for i, s in enumerate(spec)])
         base = self.drafter.base_logits(self.drafter(toks.flatten(), batch, self.caches))
-        return self._markov(plan, base.view(B, k, -1), anchors, k)
+        return self._markov(plan, base.view(B, k, -1), anchors)
 
-    def _markov(self, plan: SpecStepPlan, base: torch.Tensor, anchors: torch.Tensor, k: int
+    def _markov(self, plan: SpecStepPlan, base: torch.Tensor, anchors: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """base (B, k, V) -> drafts (B, k) (rank 0's), q (B, k, V): left to right, each draft
         sampled from base_j + the Markov bias of the previous token, on the device."""
-        rows = self._rows(plan)
-        drafts, qs, prev = [], [], anchors
-        for j in range(k):
-            tok, q = spec_sampling.draft_sample(base[:, j] + self.drafter.markov_bias(prev),
-                                                rows, j)
-            drafts.append(tok)
-            qs.append(q)
-            prev = tok
-        return self._from_rank0(torch.stack(drafts, 1)), torch.stack(qs, 1)
+        f, i = self._rows(plan).tensors(base.device)
+        drafts, q = spec_sampling.sample_drafts(base, self.drafter.markov_bias, anchors, f, i)
+        return self._from_rank0(drafts), q
 
     def _accept_device(self, plan: SpecStepPlan, drafts: torch.Tensor, q: torch.Tensor,
                        logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,6 +76,19 @@ def draft_sample_t(logits: torch.Tensor, f: torch.Tensor, i: torch.Tensor, j: in
     return torch.where(greedy, logits.argmax(-1), tok), q
 
 
+def sample_drafts(base: torch.Tensor, bias, anchors: torch.Tensor, f: torch.Tensor,
+                  i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, k, V) base logits, bias(prev (B,)) -> (B, V) the Markov bias, the rows' device
+    tensors f, i (`distributions_t`) -> drafts (B, k), q (B, k, V): left to right, draft j
+    sampled (`draft_sample_t`) from base_j + bias(d_{j-1}), d_{-1} = the anchor."""
+    drafts, qs, prev = [], [], anchors
+    for j in range(base.shape[1]):
+        prev, q = draft_sample_t(base[:, j] + bias(prev), f, i, j)
+        drafts.append(prev)
+        qs.append(q)
+    return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+
 def greedy_drafts(base: torch.Tensor, bias, anchors: torch.Tensor) -> torch.Tensor:
     """Every row greedy: (B, k, V) base logits, bias(prev (B,)) -> (B, V) the Markov bias ->
     drafts (B, k), d_j = argmax(base_j + bias(d_{j-1})), d_{-1} = the anchor. What
@@ -153,5 +166,5 @@ def synthetic(drafts: torch.Tensor, target_logits: torch.Tensor, accepted: torch
 
 
 __all__ = ["DRAFT_SALT", "ACCEPT_SALT", "accepts", "distributions", "distributions_t",
-           "draft_sample", "draft_sample_t", "accept_greedy", "greedy_drafts", "residual", "salted",
-           "synthetic", "verify"]
+           "draft_sample", "draft_sample_t", "accept_greedy", "greedy_drafts", "residual",
+           "salted", "sample_drafts", "synthetic", "verify"]

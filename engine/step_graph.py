@@ -420,28 +420,42 @@ class GraphedRunner(ModelRunner):
             self.caches.statics = None
 
     def _warm_and_capture(self, B: int, st: StepStatics, batch: StepBatch) -> torch.Tensor:
-        """Eager run on a side stream (JIT, lazy handles; it IS the step: caches advance once),
-        then capture the same forward (recorded, not executed) into the shared pool."""
-        cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            logits = self._forward(st, batch)
-        cur.wait_stream(side)
-        logits.record_stream(cur)          # allocated on `side`, read on `cur` by the caller
-        torch.cuda.synchronize(self.device)
-        g = torch.cuda.CUDAGraph()
-        try:   # thread_local: other threads (NCCL watchdog, Ray) may query CUDA meanwhile
-            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._forward(st, batch)
-        except Exception as e:     # the step itself ran (the warm-up): this bucket stays eager
-            self.capture_failed[B] = f"{type(e).__name__}: {e}"
+        """`warm_and_capture` of this bucket's forward: the warm-up IS the step (caches
+        advance once); a failed capture leaves the bucket eager (`capture_failed`)."""
+        logits, g, out, err = warm_and_capture(lambda: self._forward(st, batch), self.device,
+                                               self._pool)
+        if err is not None:
+            self.capture_failed[B] = err
             return logits
         self.graphs[B] = _Captured(g, out)
         self.counts["captured"] += 1
         return logits
 
 
+def warm_and_capture(fn, device, pool):
+    """Eager run of fn() on a side stream (JIT, lazy handles; the caller's step), then the
+    same fn captured (recorded, not executed) into `pool`. -> (eager outputs, graph, captured
+    outputs, None), or (eager outputs, None, None, "Type: message") when the capture raised.
+    The outputs: a tensor or a tuple of tensors / None."""
+    cur = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        warm = fn()
+    cur.wait_stream(side)
+    for t in (warm if isinstance(warm, tuple) else (warm,)):
+        if t is not None:
+            t.record_stream(cur)       # allocated on `side`, read on `cur` by the caller
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    try:   # thread_local: other threads (NCCL watchdog, Ray) may query CUDA meanwhile
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+    except Exception as e:     # noqa: BLE001 — the step itself ran (the warm-up)
+        return warm, None, None, f"{type(e).__name__}: {e}"
+    return warm, g, out, None
+
+
 __all__ = ["BUCKETS", "ENV", "PAD_POS", "GraphedRunner", "ScratchRows", "StepStatics",
            "bucket_for", "check_buckets", "enabled", "graph_cache_sizes", "graph_support",
-           "max_padding", "scratch_bytes"]
+           "max_padding", "scratch_bytes", "warm_and_capture"]

@@ -48,8 +48,7 @@ def kda_verify_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_
     idx = slots.long()
     cs = conv_state.index_select(0, idx)          # copies: the slots stay untouched
     rs = rec_state.index_select(0, idx)
-    rows = proj.view(B, T, proj.shape[1]) if proj.is_contiguous() else \
-        proj.reshape(B, T, proj.shape[1])
+    rows = proj.reshape(B, T, proj.shape[1])
     res = []
     for j in range(T):
         res.append(_dec.kda_decode_reference(

@@ -32,23 +32,42 @@ class SpecializedDecode(LocalExecutor):
         return super().execute(plan)
 
 
+def plain_greedy(target, tok, ecfg, prompts, params, device="cpu", capture=None):
+    """Greedy ids of `prompts` through a non-speculative GraphedRunner (specialized decode)."""
+    ns, nb = graph_cache_sizes(ecfg.max_num_seqs, ecfg.blocks)
+    plain = GraphedRunner(target, make_caches(target.cfg, target.par, ns, nb, ecfg.block_size,
+                                              BF, device=device), device,
+                          num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks, capture=capture)
+    return [o.output_ids for o in LLMEngine(SpecializedDecode(plain), tok, ecfg,
+                                            (target.cfg.eos_token_id,)).generate(prompts, params)]
+
+
+def spec_engine_on_graphs(target, drafter, tok, ecfg, k, device="cpu", capture=None,
+                          at_build=False):
+    """-> (SpecEngine, its SpecRunner on engine/spec_graph.py's graphs). at_build: the spec
+    graphs of every bucket at k captured (CUDA; on the CPU warmed) before the first request,
+    as the rank build does (`runner.built`: the keys captured)."""
+    ns, nb = graph_cache_sizes(ecfg.max_num_seqs, ecfg.blocks)
+    caches = make_caches(target.cfg, target.par, ns, nb, ecfg.block_size, BF, device=device,
+                         extra_mla_layers=drafter.cfg.num_layers)
+    runner = graphed_spec_runner(target, caches, drafter, device, ecfg.max_num_seqs,
+                                 ecfg.blocks, auto=False, capture=capture)
+    if at_build:
+        runner.built = runner.graphs.capture_all(k)
+    return SpecEngine(SpecializedDecode(runner), tok, ecfg, (target.cfg.eos_token_id,),
+                      SpecConfig(k, None)), runner
+
+
 def run_case(device: str, k: int = 4, max_tokens: int = 40, capture: bool | None = None,
              at_build: bool = False):
-    """-> (non-speculative ids, speculative ids, spec runner, engine). at_build: the spec
-    graphs of every bucket at k captured (CUDA; on the CPU warmed) before the first request,
-    as load_spec_runner does."""
+    """-> (non-speculative ids, speculative ids, spec runner, engine); at_build as
+    `spec_engine_on_graphs`."""
     with torch.device(device):
         target = init_random_(K3ForCausalLM(load_config("tiny"), dtype=BF), seed=5)
     tok = load_tokenizer("tiny")
     ecfg = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=8)
-    ns, nb = graph_cache_sizes(ecfg.max_num_seqs, ecfg.blocks)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    eos = (target.cfg.eos_token_id,)
-    plain = GraphedRunner(target, make_caches(target.cfg, target.par, ns, nb, ecfg.block_size,
-                                              BF, device=device), device,
-                          num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks, capture=capture)
-    ref = [o.output_ids for o in LLMEngine(SpecializedDecode(plain), tok, ecfg, eos)
-           .generate(PROMPTS, params)]
+    ref = plain_greedy(target, tok, ecfg, PROMPTS, params, device, capture)
     V = target.cfg.vocab_size
     w2 = torch.zeros(V, V)
     for prev, nxt in zip(ref[0], ref[0][1:]):
@@ -60,12 +79,7 @@ def run_case(device: str, k: int = 4, max_tokens: int = 40, capture: bool | None
         "final_norm.weight": torch.zeros(dcfg.hidden_size),
         "markov_head.markov_w1.weight": torch.eye(V), "markov_head.markov_w2.weight": w2},
         dtype=BF, device=device)
-    caches = make_caches(target.cfg, target.par, ns, nb, ecfg.block_size, BF, device=device,
-                         extra_mla_layers=drafter.cfg.num_layers)
-    runner = graphed_spec_runner(target, caches, drafter, device, ecfg.max_num_seqs,
-                                 ecfg.blocks, auto=False, capture=capture)
-    if at_build:
-        runner.built = runner.graphs.capture_all(k)
-    engine = SpecEngine(SpecializedDecode(runner), tok, ecfg, eos, SpecConfig(k, None))
+    engine, runner = spec_engine_on_graphs(target, drafter, tok, ecfg, k, device, capture,
+                                           at_build)
     got = [o.output_ids for o in engine.generate(PROMPTS, params)]
     return ref, got, runner, engine

@@ -70,18 +70,14 @@ def _tp2_rank(rank: int, world: int, port: int) -> None:
     ranks sent to the scratch block, MLA rows stored on their owner before the attention)."""
     import torch.distributed as dist
 
-    from raydecode.engine.engine import EngineConfig, LLMEngine
+    from raydecode.engine.engine import EngineConfig
     from raydecode.engine.loader import load_tokenizer
     from raydecode.engine.request import SamplingParams
-    from raydecode.engine.spec_engine import SpecConfig, SpecEngine
-    from raydecode.engine.spec_runner import graphed_spec_runner
-    from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
     from raydecode.models.dspark_checkpoint import load_drafter
-    from raydecode.models.k3 import make_caches
     from raydecode.models.parallel import Parallel, TorchComm
     from raydecode.models.weights import load_model
 
-    from _spec_graph_case import BF, PROMPTS, SpecializedDecode
+    from _spec_graph_case import BF, PROMPTS, plain_greedy, spec_engine_on_graphs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -89,24 +85,15 @@ def _tp2_rank(rank: int, world: int, port: int) -> None:
     try:
         tok = load_tokenizer("tiny")
         ecfg = EngineConfig(max_num_seqs=2, max_model_len=256, block_size=8)
-        ns, nb = graph_cache_sizes(2, ecfg.blocks)
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         for dcp in (1, 2):
             par = Parallel(rank, world, dcp)
             comm = TorchComm(par)
             model = load_model("tiny", par, comm, BF)[1]
-            eos = (model.cfg.eos_token_id,)
-            plain = GraphedRunner(model, make_caches(model.cfg, par, ns, nb, 8, BF), "cpu",
-                                  num_slots=2, num_blocks=ecfg.blocks, capture=False)
-            ref = LLMEngine(SpecializedDecode(plain), tok, ecfg, eos).generate(
-                PROMPTS[:1], params)[0].output_ids
+            ref = plain_greedy(model, tok, ecfg, PROMPTS[:1], params)[0]
             drafter = load_drafter("tiny", model, par, comm, BF, "cpu")
-            caches = make_caches(model.cfg, par, ns, nb, 8, BF,
-                                 extra_mla_layers=drafter.cfg.num_layers)
-            runner = graphed_spec_runner(model, caches, drafter, "cpu", 2, ecfg.blocks,
-                                         auto=False, capture=False)
-            got = SpecEngine(SpecializedDecode(runner), tok, ecfg, eos, SpecConfig(3, None)
-                             ).generate(PROMPTS[:1], params)[0].output_ids
+            engine, runner = spec_engine_on_graphs(model, drafter, tok, ecfg, 3)
+            got = engine.generate(PROMPTS[:1], params)[0].output_ids
             assert got == ref, (rank, dcp, ref, got)
             assert runner.counts["graphed"] > 0 and runner.counts["eager"] == 0, runner.counts
     finally:
