@@ -457,5 +457,5 @@ def warm_and_capture(fn, device, pool):
 
 
 __all__ = ["BUCKETS", "ENV", "PAD_POS", "GraphedRunner", "ScratchRows", "StepStatics",
-           "bucket_for", "check_buckets", "enabled", "graph_cache_sizes", "graph_support",
+           "bucket_for", "check_buckets", "graph_cache_sizes", "graph_support",
            "max_padding", "scratch_bytes", "warm_and_capture"]
