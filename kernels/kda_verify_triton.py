@@ -1,30 +1,46 @@
-"""Triton kernel of the KDA verify step (kernels/kda_verify.py has the math and contract).
+"""Triton kernels of the KDA verify step (kernels/kda_verify.py has the math and contract).
 
-Grid (B, heads, NS): program js of (sequence b, head hh) owns value columns
-[js·BV, (js+1)·BV) of the head's state, BV = D / NS (columns of S are independent given q, k, g
-and β, as in kernels/kda_decode_triton.py's split form). It loads its (D, BV) state block once
-and keeps it in registers over the T = k + 1 positions of the sequence; per position j (flat
-row b·T + j of proj and out):
+Two launches, so that the T = k + 1 positions' state-independent work runs in parallel and
+only the recurrence is sequential:
 
-    f_b, g, β        as the decode kernel (the whole (D, D) f_b tile summed along its rows:
-                     the split decode kernel's reduction, so both kernels round f_b alike)
+`_kda_verify_prep_kernel`, grid (B·T, heads): program (n = b·T + j, hh) computes what position
+j of sequence b needs besides the state, exactly as the decode kernel computes it for one
+token:
+
+    f_b, g, β        the whole (D, D) f_b tile summed along its rows (the split decode
+                     kernel's reduction and warp count, so both round f_b alike); e^g
     conv taps        tap w of position j is element j + w of [conv_state (W−1) | inputs 0..T−1]:
                      from the slot's conv state while j + w < W−1, else from proj row
-                     b·T + j + w − (W−1): no register shifting, the slot is only read
+                     b·T + j + w − (W−1); the slot is only read
+    q, k, v          SiLU conv outputs (bf16-rounded), q and k L2-normalized
+    per position     the conv window after position j (taps 1..W−1) → pos_conv[n] (all 3·D
+                     channels of head hh); [e^g | q | k | v] fp32 → a scratch row (n, hh), β
+                     → a scratch scalar
+
+`_kda_verify_chain_kernel`, grid (B, heads, NS): program js of (b, hh) owns value columns
+[js·BV, (js+1)·BV) of the head's state, BV = D / NS (columns of S are independent given q, k,
+g and β). It loads its (D, BV) state block once, keeps it in registers over the T positions,
+and per position reads the scratch row and applies
+
     delta rule       S' = e^g ⊙_rows S;  u = β (v − kᵀS');  S ← S' + k uᵀ;  o = scale · qᵀS
-    per position     S → pos_rec[b·T + j, hh, :, cols]; the conv window after position j
-                     (taps 1..W−1) → pos_conv[b·T + j] (v: every program its columns; q, k:
-                     program 0); o columns (fp32) → a scratch row (b, hh, j)
+    per position     S → pos_rec[n, hh, :, cols]; o columns (fp32) → an o scratch row (b, hh, j)
 
 After the last position: a CTA barrier and one acq_rel arrival on the head's counter; the head's
 last program reads the T × D o values back (.cg) and writes the gated RMSNorm outputs of the T
-rows, then resets the counter (graph replays need no memset). The slot's conv and recurrent
-state are never written: the accept step copies the accepted position's slot into it
-(kernels/kda_verify.py `kda_verify_commit`).
+rows, then resets the counter (graph replays need no memset). The chain has no (D, D) tile and
+two reductions over D per position, so small state blocks run on one warp: every reduction a
+warp shuffle, no CTA barrier inside the chain (`chain_warps`).
+
+PDL: each kernel requests what the kernel launched just before it cannot be writing before
+its wait — the prep kernel its f_b weights, conv weights and gate constants (the in_proj GEMV
+before it writes only proj), the chain kernel its state block (the prep kernel writes only the
+scratch and pos_conv). The slot's conv and recurrent state are never written: the accept step
+copies the accepted position's slot into it (kernels/kda_verify.py `kda_verify_commit`).
 
 Bytes per call (K3 TP16: heads 6, D 128, W 4), B sequences of T positions: state read B·6·64
 KiB, per-position state written B·T·6·64 KiB, conv 13.5 KiB read + T·13.5 KiB written per
-sequence, f_b weights 192 KiB (L2 across positions), proj/out ≈ 8 KiB per row. No host sync; no
+sequence, f_b weights 192 KiB (L2 across programs), proj/out ≈ 8 KiB per row, scratch 12 KiB
+per row written once and read by the NS programs of each head (L2). No host sync; no
 allocation after a shape's first call (the scratch): capturable in a CUDA graph.
 """
 from __future__ import annotations
@@ -33,7 +49,7 @@ import torch
 
 from raydecode.kernels._triton import (H200_SMS, available, pdl_enter, pdl_launch, sm_count,
                                        tl, triton)
-from raydecode.kernels.kda_decode_triton import split_count
+from raydecode.kernels.kda_decode_triton import SPLIT_WARPS, split_count
 
 if triton is not None:
     from raydecode.kernels.kda_decode_triton import _l2, _rne_bf16
@@ -55,61 +71,83 @@ if triton is not None:
         return _rne_bf16(y * tl.sigmoid(y)), xs
 
     @triton.jit
-    def _kda_verify_kernel(
+    def _kda_verify_prep_kernel(
             proj_ptr, p_st, p_sc, fbw_ptr, fbw_sr, fbw_sc,
             conv_ptr, c_st, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
-            expa_ptr, expa_s, dtb_ptr, dtb_s, onw_ptr, onw_s,
-            rec_ptr, r_st, r_sh, r_sk, r_sv, out_ptr, o_st, o_sc, slot_ptr,
-            pc_ptr, pc_st, pc_sc, pc_sw, pr_ptr, pr_st, pr_sh, pr_sk, pr_sv,
-            ob_ptr, cnt_ptr,
-            NH, lower_bound, eps, scale,
+            expa_ptr, expa_s, dtb_ptr, dtb_s, slot_ptr,
+            pc_ptr, pc_st, pc_sc, pc_sw, x_ptr, beta_ptr,
+            NH, lower_bound,
             T: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-            BV: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
-        b = tl.program_id(0).to(tl.int64)
+            PDL: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1)
-        js = tl.program_id(2)
-        r = tl.load(slot_ptr + b).to(tl.int64)
+        b = n // T
+        j = n % T
         C = NH * D
         i = tl.arange(0, D)
-        jj = js * BV + tl.arange(0, BV)
         ch = hh * D + i
-        chv = 2 * C + hh * D + jj
-        cbase = conv_ptr + r * c_st
-        S = tl.load(rec_ptr + r * r_st + hh * r_sh + i[:, None] * r_sk + jj[None, :] * r_sv)
         wt = tl.load(fbw_ptr + ch[:, None] * fbw_sr + i[None, :] * fbw_sc)     # (D, D)
         dtb = tl.load(dtb_ptr + ch * dtb_s)
         ea = tl.load(expa_ptr + hh * expa_s)
+        r = tl.load(slot_ptr + b).to(tl.int64)
+        pdl_enter(PDL)
+        cbase = conv_ptr + r * c_st
+        prow0 = proj_ptr + b * T * p_st
+        prow = prow0 + j * p_st
+        fa = tl.load(prow + (4 * C + NH + i) * p_sc).to(tl.float32)
+        fb = _rne_bf16(tl.sum(wt.to(tl.float32) * fa[None, :], 1))
+        g = lower_bound * tl.sigmoid(ea * (fb + dtb))
+        beta = tl.sigmoid(tl.load(prow + (4 * C + hh) * p_sc).to(tl.float32))
+        q, xq = _window(prow0, p_st, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch,
+                        j, W, WP)
+        k, xk = _window(prow0, p_st, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch + C,
+                        j, W, WP)
+        v, xv = _window(prow0, p_st, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
+                        ch + 2 * C, j, W, WP)
         taps = tl.arange(0, WP)[None, :]
         keep = (taps >= 1) & (taps < W)                       # window taps 1..W−1 -> 0..W−2
-        prow0 = proj_ptr + b * T * p_st
+        pcb = pc_ptr + n * pc_st
+        tl.store(pcb + ch[:, None] * pc_sc + (taps - 1) * pc_sw, xq, mask=keep)
+        tl.store(pcb + (ch + C)[:, None] * pc_sc + (taps - 1) * pc_sw, xk, mask=keep)
+        tl.store(pcb + (ch + 2 * C)[:, None] * pc_sc + (taps - 1) * pc_sw, xv, mask=keep)
+        xrow = x_ptr + (n * NH + hh) * 4 * D
+        tl.store(xrow + i, tl.exp(g))
+        tl.store(xrow + D + i, _l2(q))
+        tl.store(xrow + 2 * D + i, _l2(k))
+        tl.store(xrow + 3 * D + i, v)
+        tl.store(beta_ptr + n * NH + hh, beta)
+
+    @triton.jit
+    def _kda_verify_chain_kernel(
+            proj_ptr, p_st, p_sc, onw_ptr, onw_s,
+            rec_ptr, r_st, r_sh, r_sk, r_sv, out_ptr, o_st, o_sc, slot_ptr,
+            pr_ptr, pr_st, pr_sh, pr_sk, pr_sv, x_ptr, beta_ptr, ob_ptr, cnt_ptr,
+            NH, eps, scale,
+            T: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
+            PDL: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        hh = tl.program_id(1)
+        js = tl.program_id(2)
+        i = tl.arange(0, D)
+        jj = js * BV + tl.arange(0, BV)
+        r = tl.load(slot_ptr + b).to(tl.int64)
+        S = tl.load(rec_ptr + r * r_st + hh * r_sh + i[:, None] * r_sk + jj[None, :] * r_sv)
+        pdl_enter(PDL)
         row = b * NH + hh
         for j in tl.static_range(T):
-            prow = prow0 + j * p_st
-            fa = tl.load(prow + (4 * C + NH + i) * p_sc).to(tl.float32)
-            fb = _rne_bf16(tl.sum(wt.to(tl.float32) * fa[None, :], 1))
-            g = lower_bound * tl.sigmoid(ea * (fb + dtb))
-            beta = tl.sigmoid(tl.load(prow + (4 * C + hh) * p_sc).to(tl.float32))
-            q, xq = _window(prow0, p_st, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch,
-                            j, W, WP)
-            k, xk = _window(prow0, p_st, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
-                            ch + C, j, W, WP)
-            v, xv = _window(prow0, p_st, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, chv,
-                            j, W, WP)
-            q = _l2(q)
-            k = _l2(k)
-            Sp = S * tl.exp(g)[:, None]                       # Diag(e^g) S
+            n = b * T + j                                     # flat row of this position
+            xrow = x_ptr + (n * NH + hh) * 4 * D
+            eg = tl.load(xrow + i)
+            q = tl.load(xrow + D + i)
+            k = tl.load(xrow + 2 * D + i)
+            v = tl.load(xrow + 3 * D + jj)
+            beta = tl.load(beta_ptr + n * NH + hh)
+            Sp = S * eg[:, None]                              # Diag(e^g) S
             u = beta * (v - tl.sum(k[:, None] * Sp, 0))       # (BV,)
             S = Sp + k[:, None] * u[None, :]
             ob = scale * tl.sum(q[:, None] * S, 0)            # (BV,) o columns, fp32
-            n = b * T + j                                     # flat row of this position
             tl.store(pr_ptr + n * pr_st + hh * pr_sh + i[:, None] * pr_sk + jj[None, :] * pr_sv,
                      S)
-            pcb = pc_ptr + n * pc_st
-            tl.store(pcb + chv[:, None] * pc_sc + (taps - 1) * pc_sw, xv, mask=keep)
-            if js == 0:
-                tl.store(pcb + ch[:, None] * pc_sc + (taps - 1) * pc_sw, xq, mask=keep)
-                tl.store(pcb + (ch + C)[:, None] * pc_sc + (taps - 1) * pc_sw, xk, mask=keep)
             tl.store(ob_ptr + (row * T + j) * D + jj, ob)
         tl.debug_barrier()                                    # every thread's stores, then
         done = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")   # one release
@@ -117,8 +155,10 @@ if triton is not None:
             # last program of the head: every o column of every position is stored
             tl.store(cnt_ptr + row, 0)                        # ready for the next launch
             onw = tl.load(onw_ptr + i * onw_s)
+            C = NH * D
+            ch = hh * D + i
             for j in tl.static_range(T):
-                prow = prow0 + j * p_st
+                prow = proj_ptr + (b * T + j) * p_st
                 o = tl.load(ob_ptr + (row * T + j) * D + i, cache_modifier=".cg")
                 rn = tl.rsqrt(tl.sum(o * o, 0) / D + eps)
                 gate = tl.sigmoid(tl.load(prow + (3 * C + ch) * p_sc).to(tl.float32))
@@ -127,59 +167,67 @@ if triton is not None:
                          y.to(out_ptr.dtype.element_ty))
 
 
-VERIFY_WARPS = 4
-_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+STATE_PER_THREAD = 32      # fp32 state values per thread the chain kernel aims for
+_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def _scratch(device: torch.device, rows: int, T: int, head_dim: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o values (rows·T, D) fp32, arrival counters (rows,) int32 zeroed once) for rows =
-    B·heads; made at a shape's first (eager) call, outside any capture; the kernel leaves the
-    counters at zero. One launch at a time per (device, shape)."""
-    key = (device, rows, T, head_dim)
+def _scratch(device: torch.device, seqs: int, T: int, heads: int, head_dim: int
+             ) -> tuple[torch.Tensor, ...]:
+    """(per-position rows [e^g | q | k | v] (B·T·heads, 4·D) fp32, β (B·T·heads,) fp32, o values
+    (B·heads·T, D) fp32, arrival counters (B·heads,) int32 zeroed once); made at a shape's
+    first (eager) call, outside any capture; the chain kernel leaves the counters at zero. One
+    launch at a time per (device, shape): a step runs its KDA layers in order on one stream."""
+    key = (device, seqs, T, heads, head_dim)
     if key not in _SCRATCH:
-        _SCRATCH[key] = (torch.empty(rows * T, head_dim, dtype=torch.float32, device=device),
-                         torch.zeros(rows, dtype=torch.int32, device=device))
+        rows = seqs * T * heads
+        f32 = dict(dtype=torch.float32, device=device)
+        _SCRATCH[key] = (torch.empty(rows, 4 * head_dim, **f32), torch.empty(rows, **f32),
+                         torch.empty(rows, head_dim, **f32),
+                         torch.zeros(seqs * heads, dtype=torch.int32, device=device))
     return _SCRATCH[key]
 
 
 def verify_splits(head_dim: int, seqs: int, heads: int, sms: int = H200_SMS) -> int:
-    """Programs per head: the decode kernel's `split_count` for B·heads programs; where that
-    is 1 (many sequences), 2 for head_dim ≥ 64, so a program's state block stays (D, ≤ 64)
-    next to the (D, D) f_b tile in registers."""
+    """Chain programs per head: the decode kernel's `split_count` for B·heads programs; where
+    that is 1 (many sequences), 2 for head_dim ≥ 64."""
     ns = split_count(head_dim, seqs * heads, sms)
     return 2 if ns == 1 and head_dim >= 64 else ns
 
 
-def verify_warps(head_dim: int, splits: int) -> int:
-    """4 warps for (D, ≤ 32) state blocks, 8 above (64 fp32 state values per thread at D·BV
-    = 128·64)."""
-    return VERIFY_WARPS if head_dim // splits <= 32 else 2 * VERIFY_WARPS
+def chain_warps(head_dim: int, splits: int) -> int:
+    """Warps of a chain program: STATE_PER_THREAD state values per thread (D·BV / 32 / warps),
+    at least one warp, at most 8."""
+    return max(1, min(8, head_dim * (head_dim // splits) // (32 * STATE_PER_THREAD)))
 
 
 def kda_verify_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state,
                       out, pos_conv, pos_rec, slots, *, positions: int, heads: int,
                       head_dim: int, lower_bound: float, eps: float,
-                      splits: int | None = None) -> torch.Tensor:
+                      splits: int | None = None, warps: int | None = None) -> torch.Tensor:
     """Launch on validated inputs (kda_verify.py `_check`): writes out, pos_conv and pos_rec
-    rows [0, B·T); the slots' state is read only."""
+    rows [0, B·T); the slots' state is read only. `splits` / `warps` override the chain
+    kernel's `verify_splits` / `chain_warps` (sweeps)."""
     B, T, D, W = slots.shape[0], positions, head_dim, conv_w.shape[1]
     if B == 0:
         return out
     ns = splits or verify_splits(D, B, heads, sm_count(str(proj.device)))
     if D % ns:
         raise ValueError(f"splits = {ns}: expected a divisor of head_dim = {D}, or None")
-    ob, cnt = _scratch(proj.device, B * heads, T, D)
-    _kda_verify_kernel[(B, heads, ns)](
+    xs, beta, ob, cnt = _scratch(proj.device, B, T, heads, D)
+    pdl = pdl_launch(out)
+    _kda_verify_prep_kernel[(B * T, heads)](
         proj, proj.stride(0), proj.stride(1), fb_w, fb_w.stride(0), fb_w.stride(1),
         conv_state, *conv_state.stride(), conv_w, conv_w.stride(0), conv_w.stride(1),
-        exp_a, exp_a.stride(0), dt_bias, dt_bias.stride(0), o_norm_w, o_norm_w.stride(0),
+        exp_a, exp_a.stride(0), dt_bias, dt_bias.stride(0), slots,
+        pos_conv, *pos_conv.stride(), xs, beta, heads, float(lower_bound),
+        T=T, D=D, W=W, WP=triton.next_power_of_2(W), num_warps=SPLIT_WARPS, **pdl)
+    _kda_verify_chain_kernel[(B, heads, ns)](
+        proj, proj.stride(0), proj.stride(1), o_norm_w, o_norm_w.stride(0),
         rec_state, *rec_state.stride(), out, out.stride(0), out.stride(1), slots,
-        pos_conv, *pos_conv.stride(), pos_rec, *pos_rec.stride(), ob, cnt,
-        heads, float(lower_bound), float(eps), float(D) ** -0.5,
-        T=T, D=D, W=W, WP=triton.next_power_of_2(W), BV=D // ns, NS=ns,
-        num_warps=verify_warps(D, ns), **pdl_launch(out))
+        pos_rec, *pos_rec.stride(), xs, beta, ob, cnt, heads, float(eps), float(D) ** -0.5,
+        T=T, D=D, BV=D // ns, NS=ns, num_warps=warps or chain_warps(D, ns), **pdl)
     return out
 
 
-__all__ = ["VERIFY_WARPS", "available", "kda_verify_triton", "verify_splits", "verify_warps"]
+__all__ = ["STATE_PER_THREAD", "available", "chain_warps", "kda_verify_triton",
+           "verify_splits"]

@@ -13,7 +13,8 @@
 # mixed steps, first-run vs steady over random token counts, stock kernels per layer:
 # scripts/bench/prefill.py, JSON + PNG named prefill$PREFILL_TAG; PREFILL_ARGS, e.g. "--layers 8
 # --tps 16,8"), spec (DSpark draft / verify / accept vs the graphed step at synthetic acceptance:
-# scripts/bench/spec.py; SPEC_ARGS, e.g. "--layers 93 --ks 3,5,7 --batches 1"), step (the
+# scripts/bench/spec.py; SPEC_ARGS, e.g. "--layers 93 --ks 3,5,7 --batches 1"), kverify (the KDA
+# verify kernels vs the decode kernel per position: scripts/bench/kda_verify.py; KVERIFY_ARGS), step (the
 # graphed step bench; with STEP_REF=DIR, a checkout of another commit, both interleaved in this
 # lease: A/B).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -71,6 +72,11 @@ for s in ${STEPS:-}; do
       ${PREFILL_ARGS:-} > "$OUT/prefill$PREFILL_TAG.log" 2>&1
     echo "prefill rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[prefill" "$OUT/prefill$PREFILL_TAG.log" | cut -c1-1500
     grep -E "Error|error" "$OUT/prefill$PREFILL_TAG.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
+  kverify)
+    timeout "$(lim ${KVERIFY_S:-200})" python3 -m raydecode.scripts.bench.kda_verify --commit "$COMMIT" \
+      --out "$OUT/kda-verify.json" ${KVERIFY_ARGS:-} > "$OUT/kda-verify.log" 2>&1
+    echo "kda-verify rc=$? t=$(( $(date +%s) - T0 ))"; grep "^h=" "$OUT/kda-verify.log" | cut -c1-120
+    grep -E "Error|error" "$OUT/kda-verify.log" | cut -c1-300 | tail -8 ;;
   spec)
     timeout "$(lim ${SPEC_S:-400})" python3 -m raydecode.scripts.bench.spec --commit "$COMMIT" \
       --out "$OUT/spec.json" --png "$OUT/spec.png" ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1
