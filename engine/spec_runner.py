@@ -224,10 +224,11 @@ class SpecRunner:
             emitted, lengths = spec_sampling.accept_greedy(drafts, vlogits)
         else:
             emitted, lengths = self._accept_device(plan, drafts, q, vlogits)
-        self.graphs.commit(g, lengths)
-        host = torch.cat([lengths.view(-1, 1).to(emitted.dtype), emitted], 1).tolist()  # 1 sync
-        out = [row[1:1 + row[0]] for row in host]
-        out = self._agree(out, k)
+        # rank 0's acceptance on every rank (a no-op at TP 1) before the commit, so every
+        # rank keeps the same KDA positions; then the step's one host sync
+        res = self._from_rank0(torch.cat([lengths.view(-1, 1).to(emitted.dtype), emitted], 1))
+        self.graphs.commit(g, res[:, 0])
+        out = [row[1:1 + row[0]] for row in res.tolist()]
         lap("accept")
         return SpecStepResult(vlogits.new_empty(0, vlogits.shape[-1]), out)
 
@@ -318,13 +319,10 @@ class SpecRunner:
         return rank0_value(self.model, t)
 
     def _agree(self, emitted: list[list[int]], k: int) -> list[list[int]]:
-        if self.model.par.tp_size == 1:
+        if self.model.par.tp_size == 1 or not emitted:
             return emitted
-        t = torch.zeros(len(emitted), k + 2, dtype=torch.long, device=self.device)
-        for i, e in enumerate(emitted):
-            t[i, 0] = len(e)
-            t[i, 1:1 + len(e)] = torch.tensor(e)
-        t = self._from_rank0(t).tolist()
+        rows = [[len(e), *e] + [0] * (k + 1 - len(e)) for e in emitted]
+        t = self._from_rank0(torch.tensor(rows, dtype=torch.long, device=self.device)).tolist()
         return [row[1:1 + row[0]] for row in t]
 
 

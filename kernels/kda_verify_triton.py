@@ -29,7 +29,7 @@ After the last position: a CTA barrier and one acq_rel arrival on the head's cou
 last program reads the T × D o values back (.cg) and writes the gated RMSNorm outputs of the T
 rows, then resets the counter (graph replays need no memset). The chain has no (D, D) tile and
 two reductions over D per position, so small state blocks run on one warp: every reduction a
-warp shuffle, no CTA barrier inside the chain (`chain_warps`).
+warp shuffle, no CTA barrier inside the chain (`chain_config`).
 
 PDL: each kernel requests what the kernel launched just before it cannot be writing before
 its wait — the prep kernel its f_b weights, conv weights and gate constants (the in_proj GEMV
@@ -47,9 +47,8 @@ from __future__ import annotations
 
 import torch
 
-from raydecode.kernels._triton import (H200_SMS, available, pdl_enter, pdl_launch, sm_count,
-                                       tl, triton)
-from raydecode.kernels.kda_decode_triton import SPLIT_WARPS, split_count
+from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
+from raydecode.kernels.kda_decode_triton import SPLIT_WARPS
 
 if triton is not None:
     from raydecode.kernels.kda_decode_triton import _l2, _rne_bf16
@@ -167,7 +166,6 @@ if triton is not None:
                          y.to(out_ptr.dtype.element_ty))
 
 
-STATE_PER_THREAD = 32      # fp32 state values per thread the chain kernel aims for
 _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
@@ -187,17 +185,16 @@ def _scratch(device: torch.device, seqs: int, T: int, heads: int, head_dim: int
     return _SCRATCH[key]
 
 
-def verify_splits(head_dim: int, seqs: int, heads: int, sms: int = H200_SMS) -> int:
-    """Chain programs per head: the decode kernel's `split_count` for B·heads programs; where
-    that is 1 (many sequences), 2 for head_dim ≥ 64."""
-    ns = split_count(head_dim, seqs * heads, sms)
-    return 2 if ns == 1 and head_dim >= 64 else ns
-
-
-def chain_warps(head_dim: int, splits: int) -> int:
-    """Warps of a chain program: STATE_PER_THREAD state values per thread (D·BV / 32 / warps),
-    at least one warp, at most 8."""
-    return max(1, min(8, head_dim * (head_dim // splits) // (32 * STATE_PER_THREAD)))
+def chain_config(head_dim: int, seqs: int, heads: int) -> tuple[int, int]:
+    """(splits, warps) of the chain kernel for B·heads = seqs·heads (sequence, head) pairs:
+    8 value columns per program (splits = D / 8) on one warp up to 12 pairs, then 16 columns
+    on two warps up to 24 and on one warp above: the fastest variant at every K3 shape of the
+    H200 sweep (bench/results/kda-verify-h200-2026-12-03.json: heads 6 and 12, B 1..8, T 8).
+    One warp holds a (128, 8) block as 32 values per thread, every reduction a warp shuffle;
+    wider blocks or more warps add CTA barriers to the chain."""
+    pairs = seqs * heads
+    cols = min(head_dim, 8 if pairs <= 12 else 16)
+    return head_dim // cols, (2 if 12 < pairs <= 24 else 1)
 
 
 def kda_verify_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state,
@@ -206,11 +203,12 @@ def kda_verify_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, 
                       splits: int | None = None, warps: int | None = None) -> torch.Tensor:
     """Launch on validated inputs (kda_verify.py `_check`): writes out, pos_conv and pos_rec
     rows [0, B·T); the slots' state is read only. `splits` / `warps` override the chain
-    kernel's `verify_splits` / `chain_warps` (sweeps)."""
+    kernel's `chain_config` (sweeps)."""
     B, T, D, W = slots.shape[0], positions, head_dim, conv_w.shape[1]
     if B == 0:
         return out
-    ns = splits or verify_splits(D, B, heads, sm_count(str(proj.device)))
+    ns, nw = chain_config(D, B, heads)
+    ns, nw = splits or ns, warps or nw
     if D % ns:
         raise ValueError(f"splits = {ns}: expected a divisor of head_dim = {D}, or None")
     xs, beta, ob, cnt = _scratch(proj.device, B, T, heads, D)
@@ -225,9 +223,8 @@ def kda_verify_triton(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, 
         proj, proj.stride(0), proj.stride(1), o_norm_w, o_norm_w.stride(0),
         rec_state, *rec_state.stride(), out, out.stride(0), out.stride(1), slots,
         pos_rec, *pos_rec.stride(), xs, beta, ob, cnt, heads, float(eps), float(D) ** -0.5,
-        T=T, D=D, BV=D // ns, NS=ns, num_warps=warps or chain_warps(D, ns), **pdl)
+        T=T, D=D, BV=D // ns, NS=ns, num_warps=nw, **pdl)
     return out
 
 
-__all__ = ["STATE_PER_THREAD", "available", "chain_warps", "kda_verify_triton",
-           "verify_splits"]
+__all__ = ["available", "chain_config", "kda_verify_triton"]

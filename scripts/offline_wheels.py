@@ -1,6 +1,8 @@
 """Python wheels for an offline GPU host, shipped in parts no larger than a transfer allows.
 
     python -m raydecode.scripts.offline_wheels stage OUT [--python 3.12] [--part-mb 40] [--set serve]
+        (sets: kernels, ray, schema, serve; `--set serve --set schema`: an in-process OpenAI
+        server (actors/serve.py LocalServer) and the openai client, without Ray)
     python -m raydecode.scripts.offline_wheels install PARTDIR [--stash /root/wheel-stash]
         [--target /root/site]                       # on the host, after each part, in order
 
@@ -31,15 +33,18 @@ SETS = {
                 "nvidia-cutlass-dsl-libs-core==4.8.1", "nvidia-cutlass-dsl-libs-cu13==4.8.1",
                 "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5",
                 "fla-core==0.6.0", "einops==0.8.2", "packaging==26.4"],
-    "ray": ["ray==2.60.0", "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1",
-            "referencing==0.37.0", "rpds-py==2026.9.1"],
+    "ray": ["ray==2.60.0"],
+    # the request tools' JSON Schema check (actors/openai_api.py)
+    "schema": ["jsonschema==4.26.0", "jsonschema-specifications==2025.9.1",
+               "referencing==0.37.0", "rpds-py==2026.9.1", "attrs==26.1.0"],
     # Ray Serve's HTTP side, the deployment config's pydantic and the official openai client
     "serve": ["fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "pydantic==2.14.4",
               "pydantic-core==2.50.5", "annotated-types==0.8.0", "annotated-doc==0.0.7",
               "typing-inspection==0.4.5", "typing-extensions==4.16.0",
               "opentelemetry-api==1.45.2", "grpcio==1.85.1", "grpcio-reflection==1.85.1", "openai==3.57.0",
               "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.4", "jiter==0.19.0",
-              "sniffio==1.3.1"],
+              "sniffio==1.3.1", "anyio==4.16.0", "click==8.5.1", "h11==0.16.0", "idna==3.20",
+              "prometheus-client==0.26.0"],
 }
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64"]

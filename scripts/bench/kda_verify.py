@@ -129,10 +129,10 @@ def shape_row(args, ref_mod, h: int, B: int, T: int, hbm: float) -> dict:
     n = max(2, math.ceil(args.rotate_mb * 10**6 / one))
     xs = _inputs(B, T, h, torch.Generator(device="cuda").manual_seed(args.seed + B), n)
     calls = max(n, args.min_calls)
-    ns = VT.verify_splits(D, B, h, sm_count("cuda:0"))
+    ns, nw = VT.chain_config(D, B, h)
     row = {"heads": h, "seqs": B, "positions": T, "copies": n, "calls": calls,
            "bytes": parts, "bytes_per_call": nbytes, "roofline_us": nbytes / hbm * 1e6,
-           "auto": {"splits": ns, "warps": VT.chain_warps(D, ns)}, "variants": {}}
+           "auto": {"splits": ns, "warps": nw}, "variants": {}}
     fns = {}
     for v in args.variants:
         cell = row["variants"][v] = {"launch": variant_kwargs(v), "us_rounds": []}

@@ -276,7 +276,8 @@ def run_config(rank: SpecRank, B: int, k: int, L: int, path: str, steps: int,
 
 def profile_step(rank: SpecRank, B: int, k: int, L: int, warmup: int, steps: int = 3) -> dict:
     """torch.profiler over `steps` plain speculative steps at (B, k, L) after `warmup`: the
-    ops by device time (CUDA) or host time, as a table (where a stage's time goes)."""
+    ops by device time (CUDA) or host time, as a table (where a stage's time goes), and by
+    their own host time (`host_table`: what the host spends between the graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
     path = "specialized" if verify_in_envelope(B, k) else "stock"
@@ -289,8 +290,10 @@ def profile_step(rank: SpecRank, B: int, k: int, L: int, warmup: int, steps: int
         for _ in range(steps):
             rank.step(k, L, path, False)
     key = "cuda_time_total" if rank.device.type == "cuda" else "cpu_time_total"
+    avg = prof.key_averages()
     return {"runner": rank.kind, "batch": B, "k": k, "accepted": L, "steps": steps,
-            "sort": key, "table": prof.key_averages().table(sort_by=key, row_limit=40)}
+            "sort": key, "table": avg.table(sort_by=key, row_limit=40),
+            "host_table": avg.table(sort_by="self_cpu_time_total", row_limit=40)}
 
 
 def baseline(bench: Bench, B: int, steps: int, warmup: int) -> dict:
