@@ -9,10 +9,10 @@ the model on CUDA in bf16, its step graphs captured at build), the tiny K3 check
   prompt's non-speculative continuation (drafts mostly accepted there, partly rejected on the
   other prompts).
 The `openai` client's greedy completions (`return_token_ids`) of three prompts are equal token
-for token (on the GPU the verify kernels round as the decode kernels do; the CPU's bf16
-reference ops do not, and meet a tie at the first prompt's 17th token, so the CPU twin is fp32:
-tests/cpu/test_serve_dspark.py); a failure names the reference's top-2 logprob gap where the
-streams part. The speculating replica ran its steps on the spec graphs (no eager speculative step,
+for token, except that a stream may part where the reference's top-2 logprobs tie (gap < TIE:
+the H200 run at c942ca4 parted at token 38 of the third prompt, gap 0.000); at least 3/4 of
+the tokens are compared. (The CPU's bf16 reference ops meet a non-tie difference at the first
+prompt's 17th token, so the CPU twin is fp32: tests/cpu/test_serve_dspark.py.) The speculating replica ran its steps on the spec graphs (no eager speculative step,
 no capture failure) and accepted drafts. Needs CUDA and the serve wheels (fastapi, uvicorn,
 openai)."""
 from __future__ import annotations
@@ -33,6 +33,8 @@ from raydecode.models.dspark_checkpoint import write_dspark_checkpoint  # noqa: 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 NAME, K, N_TOKENS = "tiny-k3-gpu", 4, 40
+TIE = 0.01            # nats: top-2 logprobs this close are a tie within the lm_head's
+                      # fp32 accumulation (1-row decode and (k+1)-row verify GEMMs differ)
 PROMPTS = ["The river ran past the old mill", "def f(x):", "one two three"]
 
 
@@ -98,8 +100,12 @@ def test_graphed_speculative_replica_streams_the_non_speculative_tokens(tmp_path
     assert not spec.graphs.capture_failed, spec.graphs.capture_failed
     assert core.engine.acceptance.accepted_at[0] > 0          # drafts were accepted
     assert spec.counts["graphed"] > 0 and spec.counts["eager"] == 0, spec.counts
+    equal = 0
     for i, ((_, r, gaps), (_, g, _)) in enumerate(zip(ref, got)):
         assert len(r) == len(g) == N_TOKENS
-        j = next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), None)
-        assert j is None, (f"prompt {i}: first difference at token {j}, where the reference's "
-                           f"top-2 logprob gap is {gaps[j]:.3f}")
+        j = next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), N_TOKENS)
+        assert j == N_TOKENS or gaps[j] < TIE, (
+            f"prompt {i}: first difference at token {j}, where the reference's top-2 logprob "
+            f"gap is {gaps[j]:.4f} ≥ {TIE}: not a tie")
+        equal += j
+    assert equal >= len(PROMPTS) * N_TOKENS * 3 // 4, f"{equal} tokens equal before a tie"
