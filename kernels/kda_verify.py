@@ -18,7 +18,7 @@ suffix never touched the slot.
 
 Layers (STYLE §6): `kda_verify_reference` is the PyTorch reference (kda_decode_reference per
 position on a copy of the slots' state), `kda_verify` the public op and dispatch point (the
-Triton kernel of kernels/kda_verify_triton.py on CUDA bf16, else the reference).
+two Triton kernels of kernels/kda_verify_triton.py on CUDA bf16, else the reference).
 
 Memory: per-position slots cost T times a KDA slot per verifying sequence (K3: 28.1 MB per
 slot at TP16, 56.2 MB at TP8; k = 7, 8 sequences: 1.8 GB / 3.6 GB per rank), counted by
@@ -101,8 +101,8 @@ def kda_verify(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_sta
                lower_bound: float, eps: float, out: torch.Tensor | None = None,
                splits: int | None = None) -> torch.Tensor:
     """The public op (module docstring) -> out (B·T, heads·head_dim); per-position rows
-    [0, B·T) of pos_conv / pos_rec written, the slots' state unchanged. On CUDA bf16: one
-    kernel, no host sync (capturable after an eager warm-up)."""
+    [0, B·T) of pos_conv / pos_rec written, the slots' state unchanged. On CUDA bf16: two
+    kernels, no host sync (capturable after an eager warm-up)."""
     _check(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state, pos_conv,
            pos_rec, slots, positions, heads, head_dim, out)
     kw = dict(positions=positions, heads=heads, head_dim=head_dim, lower_bound=lower_bound,
