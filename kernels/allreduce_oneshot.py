@@ -1,4 +1,5 @@
-"""One-shot all-reduce + residual add + RMSNorm over peer buffers, for the decode step (issue #6).
+"""One-shot (and two-shot) all-reduce + residual add + RMSNorm over peer buffers, for the decode
+step (issues #6, 32).
 
 The TP all-reduce of a decode activation (T ≤ 64 rows of H = 7168 bf16) is latency-bound; a ring
 costs 2(N−1) dependent steps. One-shot: every rank puts its partial in its own registered buffer
@@ -15,9 +16,16 @@ The plain all-reduce is the same kernel without residual and norm: round(acc), s
 `allreduce_reference`; it is what `OneShotComm.all_reduce` runs for the model's bf16 (T, H)
 activations (models call `comm.all_reduce`), everything else goes to the wrapped comm.
 
-Layers: `PeerBuffers` owns this rank's registered memory (buffer, flags, device epoch), opens the
-peers' copies with legacy CUDA IPC, launches the kernel and tears it all down in a fixed order
-(`close`). `OneShotComm` is the Comm-style adapter a model shard calls; it falls back to an
+Two forms of the same op, one epoch counter: the one-shot kernel (every rank pulls every peer's
+whole row) below `two_shot_min_tokens` rows, the two-shot kernel (kernels/
+allreduce_twoshot_triton.py: each rank reduces its H/N column slice and pushes it to every
+peer, 2/N of the one-shot's NVLink bytes for a second barrier) from there on; their
+new_residual is bit-identical, so the choice (`PeerBuffers.uses_two_shot`, by T only, the same
+on every rank) changes no token.
+
+Layers: `PeerBuffers` owns this rank's registered memory (partial and gather slots, flags,
+device epoch), opens the peers' copies with legacy CUDA IPC, launches the kernels and tears it
+all down in a fixed order (`close`). `OneShotComm` is the Comm-style adapter a model shard calls; it falls back to an
 all-gather + the reference (bit-identical to the kernel's spec) when the group is one rank, not
 all on CUDA, or not all pairwise P2P-capable. The choice is made once, collectively, and is the
 same on every rank (DESIGN §6).
@@ -39,6 +47,7 @@ from typing import Sequence
 import torch
 
 from raydecode.kernels import allreduce_oneshot_triton as _tri
+from raydecode.kernels import allreduce_twoshot_triton as _two
 
 BUFFER_DTYPE = torch.bfloat16
 # the connect-time self-test's wait bound: the ranks just met in a collective, so a broken
@@ -169,25 +178,43 @@ class PeerBuffers:
 
     def __init__(self, rank: int, buffers: list[torch.Tensor], flags: list[torch.Tensor],
                  state: torch.Tensor, max_tokens: int, hidden: int, *,
+                 gathers: list[torch.Tensor] | None = None,
+                 exts: list[torch.Tensor] | None = None,
+                 two_shot_min_tokens: int | None = _two.TWO_SHOT_MIN_TOKENS,
                  collective: bool = False, group=None):
         self.rank, self.world = rank, len(buffers)
         self.max_tokens, self.hidden = max_tokens, hidden
         self.buffer, self.flags, self.state = buffers[rank], flags[rank], state
         self.device = state.device
         self.group, self._collective, self.closed = group, collective, False
+        # the two-shot form (kernels/allreduce_twoshot_triton.py): every rank's gather buffer
+        # and ext words; without them (or hidden not a multiple of the world) one-shot only
+        two = gathers is not None and exts is not None and hidden % self.world == 0
+        self.gather = gathers[rank] if two else None
+        nmt = self.world * max_tokens
+        self.flags2 = exts[rank][:nmt].view(self.world, max_tokens) if two else None
+        # aux[s, t, q]: the fp32 bits of rank q's slice sum of squares of row t, slot s
+        self.aux = exts[rank][nmt:].view(2, max_tokens, -1) if two else None
+        self.two_shot_min_tokens = two_shot_min_tokens if two else None
         # the only references to the peers' tensors (mapped memory for `create`): close drops them
-        self._peer_tensors = [t for q, t in enumerate(buffers + flags) if q % self.world != rank]
-        self.buf_addrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64,
-                                      device=self.device)
-        self.flag_addrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64,
-                                       device=self.device)
+        every = buffers + flags + ((gathers + exts) if two else [])
+        self._peer_tensors = [t for q, t in enumerate(every) if q % self.world != rank]
+        self._own_two = (gathers[rank], exts[rank]) if two else ()
+        addrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64,  # noqa
+                                        device=self.device)
+        self.buf_addrs, self.flag_addrs = addrs(buffers), addrs(flags)
+        self.gat_addrs = addrs(gathers) if two else None
+        self.ext_addrs = addrs(exts) if two else None
 
     @staticmethod
     def _alloc(world: int, max_tokens: int, hidden: int, device):
+        """(partial slots, phase-1 flags, state, gather slots, ext words) of one rank."""
         buf = torch.zeros(2, max_tokens, hidden, dtype=BUFFER_DTYPE, device=device)
         flags = torch.zeros(world, max_tokens, dtype=torch.int64, device=device)
         state = torch.zeros(4, dtype=torch.int64, device=device)
-        return buf, flags, state
+        gat = torch.zeros(2, max_tokens, hidden, dtype=BUFFER_DTYPE, device=device)
+        ext = torch.zeros(_two.ext_words(world, max_tokens), dtype=torch.int64, device=device)
+        return buf, flags, state, gat, ext
 
     @staticmethod
     def _check_size(max_tokens: int, hidden: int, device: torch.device) -> None:
@@ -207,7 +234,9 @@ class PeerBuffers:
         cls._check_size(max_tokens, hidden, device)
         parts = [cls._alloc(world, max_tokens, hidden, device) for _ in range(world)]
         bufs, flags = [p[0] for p in parts], [p[1] for p in parts]
-        return [cls(r, bufs, flags, parts[r][2], max_tokens, hidden) for r in range(world)]
+        gats, exts = [p[3] for p in parts], [p[4] for p in parts]
+        return [cls(r, bufs, flags, parts[r][2], max_tokens, hidden, gathers=gats, exts=exts)
+                for r in range(world)]
 
     @classmethod
     def create(cls, group, max_tokens: int, hidden: int,
@@ -230,9 +259,10 @@ class PeerBuffers:
             raise ValueError(f"PeerBuffers need a CUDA device, got {device}")
         cls._check_size(max_tokens, hidden, device)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        buf, flags, state = cls._alloc(world, max_tokens, hidden, device)
+        buf, flags, state, gat, ext = cls._alloc(world, max_tokens, hidden, device)
         torch.cuda.synchronize(device)     # zeroed before any peer can publish into `flags`
-        shares = [None if q == rank else (reduce_tensor(buf)[1], reduce_tensor(flags)[1])
+        mine = (buf, flags, gat, ext)
+        shares = [None if q == rank else tuple(reduce_tensor(t)[1] for t in mine)
                   for q in range(world)]
         handles = [None] * world           # handles[p][q]: producer p's share for receiver q
         dist.all_gather_object(handles, shares, group=group)
@@ -243,11 +273,12 @@ class PeerBuffers:
             args[6] = device.index if device.index is not None else torch.cuda.current_device()
             return rebuild_cuda_tensor(*args)
 
-        bufs = [buf if q == rank else _open(handles[q][rank][0]) for q in range(world)]
-        flgs = [flags if q == rank else _open(handles[q][rank][1]) for q in range(world)]
+        opened = [[mine[i] if q == rank else _open(handles[q][rank][i]) for q in range(world)]
+                  for i in range(len(mine))]
         torch.cuda.synchronize(device)
         dist.barrier(group=group)          # every rank mapped everything before any call
-        return cls(rank, bufs, flgs, state, max_tokens, hidden, collective=True, group=group)
+        return cls(rank, opened[0], opened[1], state, max_tokens, hidden, gathers=opened[2],
+                   exts=opened[3], collective=True, group=group)
 
     def close(self, group=None) -> None:
         """Unmap the peers' memory and free this rank's, in an order that is safe for every
@@ -292,12 +323,15 @@ class PeerBuffers:
             fenced = True
         finally:
             self._peer_tensors = self.buf_addrs = self.flag_addrs = None  # 2
+            self.gat_addrs = self.ext_addrs = None
             gc.collect()
             try:
                 if fenced:
                     fence()                                             # 3
             finally:
                 self.buffer = self.flags = self.state = None            # 4
+                self.gather = self.flags2 = self.aux = None
+                self._own_two = ()
                 gc.collect()
                 if cuda:
                     torch.cuda.ipc_collect()
@@ -324,9 +358,11 @@ class PeerBuffers:
                                  w: torch.Tensor | None, eps: float, *,
                                  new_residual: torch.Tensor | None = None,
                                  out: torch.Tensor | None = None,
-                                 max_spins: int = _tri.DEFAULT_MAX_SPINS):
-        """One call of the protocol -> (new_residual, normed or None). Every rank of the group
-        must make the same sequence of calls with the same T. No host sync; capturable."""
+                                 max_spins: int = _tri.DEFAULT_MAX_SPINS,
+                                 two_shot: bool | None = None):
+        """One call of the protocol -> (new_residual, normed or None), one-shot or two-shot
+        (`uses_two_shot`). Every rank of the group must make the same sequence of calls with
+        the same T (and so picks the same form). No host sync; capturable."""
         self._live()
         check_inputs(partial, residual, w, self.hidden, self.max_tokens, BUFFER_DTYPE)
         self._check_kernel(residual)
@@ -337,13 +373,12 @@ class PeerBuffers:
             new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
         if w is not None and out is None:
             out = torch.empty_like(new_residual)
-        _tri.oneshot_triton(self.buf_addrs, self.flag_addrs, self.state, self.rank,
-                            self.max_tokens, partial, residual, w, eps, new_residual, out,
-                            max_spins)
+        self._launch(partial, residual, w, eps, new_residual, out, max_spins, two_shot)
         return new_residual, (out if w is not None else None)
 
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None,
-                   max_spins: int = _tri.DEFAULT_MAX_SPINS) -> torch.Tensor:
+                   max_spins: int = _tri.DEFAULT_MAX_SPINS,
+                   two_shot: bool | None = None) -> torch.Tensor:
         """One call of the protocol without residual and norm: x (T, H) bf16 -> (T, H)
         round(Σ_q fp32(x_q)) in rank order (`allreduce_reference`), identical on every rank,
         written to `out` (rows stride 1) or a new tensor. Same call-sequence contract as
@@ -359,16 +394,36 @@ class PeerBuffers:
             raise ValueError(f"out of shape {tuple(out.shape)} {out.dtype} stride "
                              f"{out.stride()}; expected {tuple(x.shape)} {x.dtype} with "
                              "stride-1 rows")
-        _tri.oneshot_triton(self.buf_addrs, self.flag_addrs, self.state, self.rank,
-                            self.max_tokens, x, None, None, 0.0, out, None, max_spins)
+        self._launch(x, None, None, 0.0, out, None, max_spins, two_shot)
         return out
+
+    def uses_two_shot(self, T: int, two_shot: bool | None = None) -> bool:
+        """The form a call of T rows runs: two_shot True / False forces it (True raises where
+        the buffers have no two-shot form); None: two-shot from `two_shot_min_tokens` rows."""
+        if two_shot is None:
+            return self.two_shot_min_tokens is not None and T >= self.two_shot_min_tokens
+        if two_shot and self.gather is None:
+            raise ValueError(f"two_shot=True: these buffers have no two-shot form (hidden "
+                             f"{self.hidden} over {self.world} ranks needs a multiple of the "
+                             "world, and buffers from create / local_group)")
+        return bool(two_shot)
+
+    def _launch(self, partial, residual, w, eps, new_residual, out, max_spins, two_shot):
+        if self.uses_two_shot(new_residual.shape[0], two_shot):
+            _two.twoshot_triton(self.buf_addrs, self.flag_addrs, self.gat_addrs,
+                                self.ext_addrs, self.state, self.rank, self.max_tokens,
+                                partial, residual, w, eps, new_residual, out, max_spins)
+        else:
+            _tri.oneshot_triton(self.buf_addrs, self.flag_addrs, self.state, self.rank,
+                                self.max_tokens, partial, residual, w, eps, new_residual, out,
+                                max_spins)
 
     def check_timeouts(self) -> None:
         """Host sync: raise if any wait of this rank gave up (a peer never published)."""
         self._live()
         ep = int(self.state[2])
         if ep:
-            raise RuntimeError(f"one-shot all-reduce: rank {self.rank} of {self.world} timed "
+            raise RuntimeError(f"peer all-reduce: rank {self.rank} of {self.world} timed "
                                f"out waiting for its peers at epoch {ep}")
 
 
@@ -436,33 +491,58 @@ class OneShotComm:
         peers = PeerBuffers.create(self.group, max_tokens, hidden, device)
         votes = [None] * self.world
         dist.all_gather_object(votes, self._self_test(peers), group=self.group)
-        if all(votes):
+        if all(v[0] for v in votes):
             self.peers = peers
+            if not all(v[1] for v in votes):       # the two-shot failed somewhere: one-shot
+                peers.two_shot_min_tokens = None
         else:
             peers.close()
         return self
 
-    def _self_test(self, peers: PeerBuffers) -> bool:
-        """One call on fresh buffers (it also compiles the kernel before any step or graph
-        capture): rank q contributes q + 1 everywhere, so every element must be
-        N(N+1)/2 (exact in bf16 for N ≤ 32) and no wait may have timed out. Never raises:
-        a failure on any rank keeps every rank on the base comm (with a warning)."""
-        try:
-            x = torch.full((1, peers.hidden), float(peers.rank + 1), dtype=BUFFER_DTYPE,
-                           device=peers.device)
-            y = peers.all_reduce(x, max_spins=SELF_TEST_MAX_SPINS)
-            torch.cuda.synchronize(peers.device)
-            peers.check_timeouts()
-            want = self.world * (self.world + 1) // 2
-            if bool((y == want).all()):
-                return True
-            why = f"got {y.float().unique()[:4].tolist()}, expected {want}"
-        except Exception as e:           # a compile or launch error: fall back, never hang
-            why = f"{type(e).__name__}: {e}"
+    def _self_test(self, peers: PeerBuffers) -> tuple[bool, bool]:
+        """(one-shot ok, two-shot ok): one call of each form on fresh buffers (they also
+        compile the kernels before any step or graph capture): rank q contributes q + 1
+        everywhere, so every element must be N(N+1)/2 (exact in bf16 for N ≤ 32) and no wait
+        may have timed out; the two-shot call (T = min(max_tokens, two_shot_min_tokens) rows,
+        with residual and norm) must also give the one-shot's norm. Never raises: a failure
+        on any rank keeps every rank on the base comm (one-shot) or off the two-shot (with a
+        warning)."""
         import warnings
-        warnings.warn(f"one-shot all-reduce self-test failed on rank {peers.rank} ({why}); "
-                      "every rank keeps the base comm", RuntimeWarning, stacklevel=3)
-        return False
+
+        want = self.world * (self.world + 1) // 2
+        results = []
+        for two in (False, True):
+            if two and peers.two_shot_min_tokens is None:
+                results.append(False)
+                break
+            try:
+                T = min(peers.max_tokens, peers.two_shot_min_tokens) if two else 1
+                x = torch.full((T, peers.hidden), float(peers.rank + 1), dtype=BUFFER_DTYPE,
+                               device=peers.device)
+                if two:
+                    zero = torch.zeros_like(x)
+                    w = torch.ones(peers.hidden, device=peers.device)
+                    y, normed = peers.all_reduce_residual_norm(
+                        x, zero, w, 1e-6, max_spins=SELF_TEST_MAX_SPINS, two_shot=True)
+                else:
+                    y = peers.all_reduce(x, max_spins=SELF_TEST_MAX_SPINS, two_shot=False)
+                    normed = None
+                torch.cuda.synchronize(peers.device)
+                peers.check_timeouts()
+                ok = bool((y == want).all()) and (normed is None or bool(
+                    ((normed.float() - 1.0).abs() <= 2 ** -7).all()))
+                why = "" if ok else f"got {y.float().unique()[:4].tolist()}, expected {want}"
+            except Exception as e:       # a compile or launch error: fall back, never hang
+                ok, why = False, f"{type(e).__name__}: {e}"
+            if not ok:
+                warnings.warn(f"{'two' if two else 'one'}-shot all-reduce self-test failed on "
+                              f"rank {peers.rank} ({why}); every rank keeps "
+                              f"{'the one-shot' if two else 'the base comm'}", RuntimeWarning,
+                              stacklevel=3)
+            results.append(ok)
+            if not ok:
+                break
+        return (results + [False, False])[0], (results + [False, False])[1]
 
     @classmethod
     def create(cls, base, group, max_tokens: int, hidden: int, device: torch.device | str,

@@ -1,8 +1,9 @@
 """Python wheels for an offline GPU host, shipped in parts no larger than a transfer allows.
 
     python -m raydecode.scripts.offline_wheels stage OUT [--python 3.12] [--part-mb 40] [--set serve]
-        (sets: kernels, ray, schema, serve; `--set serve --set schema`: an in-process OpenAI
-        server (actors/serve.py LocalServer) and the openai client, without Ray)
+        (sets: fla, kernels, ray, schema, serve; `--set serve --set schema`: an in-process
+        OpenAI server (actors/serve.py LocalServer) and the openai client, without Ray;
+        `--set fla`: the prefill kernels' fla-core)
     python -m raydecode.scripts.offline_wheels install PARTDIR [--stash /root/wheel-stash]
         [--target /root/site]                       # on the host, after each part, in order
 
@@ -27,12 +28,13 @@ import tempfile
 import zipfile
 
 SETS = {
-    # the decode kernels (CuTe DSL) and the KDA prefill's fla-core (pure Python over the
-    # host's Triton; einops its declared dependency, packaging one it imports undeclared)
+    # the decode kernels (CuTe DSL)
     "kernels": ["nvidia-cutlass-dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1",
                 "nvidia-cutlass-dsl-libs-core==4.8.1", "nvidia-cutlass-dsl-libs-cu13==4.8.1",
-                "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5",
-                "fla-core==0.6.0", "einops==0.8.2", "packaging==26.4"],
+                "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5"],
+    # the KDA prefill's fla-core (pure Python over the host's Triton; einops its declared
+    # dependency, packaging one it imports undeclared)
+    "fla": ["fla-core==0.6.0", "einops==0.8.2", "packaging==26.4"],
     "ray": ["ray==2.60.0"],
     # the request tools' JSON Schema check (actors/openai_api.py)
     "schema": ["jsonschema==4.26.0", "jsonschema-specifications==2025.9.1",

@@ -1,20 +1,25 @@
-"""One-shot all-reduce + residual + RMSNorm vs NCCL all-reduce + separate residual add / RMSNorm
-(needs ≥ 2 GPUs of one host; TP = every visible GPU, one spawned process per GPU).
+"""One-/two-shot all-reduce + residual + RMSNorm vs NCCL all-reduce + separate residual add /
+RMSNorm (needs ≥ 2 GPUs of one host; TP = every visible GPU, one spawned process per GPU).
 
-    python -m raydecode.scripts.bench.allreduce [--out OUT.json] [--ts 1,8,64] [--commit SHA]
+    python -m raydecode.scripts.bench.allreduce [--out OUT.json] [--ts 1,2,4,8,16,32,64]
+        [--commit SHA]
 
 Method: for each T, rank 0..N−1 hold random (T, 7168) bf16 partials; the one-shot results are
 first checked against the references (all partials gathered, fp32 sum in rank order: the plain
-sum and the new residual bit for bit, normed ≤ 4e-3 relative) on every rank, then each variant
+sum and the new residual bit for bit, normed ≤ 4e-3 relative; both forms) on every rank, then
+each variant
 runs inside a CUDA graph of CALLS back-to-back calls; µs per call = median over replays / CALLS
 (ranks start each replay after a barrier, so only the first call of a replay absorbs their
 skew). Variants:
   oneshot            the fused kernel (kernels/allreduce_oneshot_triton.py), PDL on
   oneshot_allreduce  the same kernel without residual and norm (OneShotComm.all_reduce, what the
-                     model's TP all-reduces run)
+                     model's TP all-reduces run below 32 rows)
+  twoshot            the two-shot fused kernel (kernels/allreduce_twoshot_triton.py: reduce-
+                     scatter + all-gather through peer writes, two barriers)
+  twoshot_allreduce  the same without residual and norm (what 32 rows and more run)
   nccl               dist.all_reduce alone (in place)
   nccl_add_rmsnorm   dist.all_reduce + residual add + F.rms_norm (the stock sequence)
-Bytes: one-shot pulls (N−1)·T·H·2 bytes per rank over NVLink; the ring's bus bytes are
+Bytes: one-shot pulls (N−1)·T·H·2 bytes per rank over NVLink; the two-shot and the ring move
 2(N−1)/N·T·H·2. GB/s = those bytes / time. NVLS / multicast stay off (NCCL_NVLS_ENABLE=0).
 Writes JSON (GPU, commit, date, NCCL version, shapes, µs, bytes, GB/s) to bench/results/.
 Teardown: every graph is destroyed where it was timed, then PeerBuffers.close (collective:
@@ -40,7 +45,8 @@ H = 7168
 EPS = 1e-6
 CALLS = 20
 REPLAYS = 30
-VARIANTS = ("oneshot", "oneshot_allreduce", "nccl", "nccl_add_rmsnorm")
+VARIANTS = ("oneshot", "oneshot_allreduce", "twoshot", "twoshot_allreduce", "nccl",
+            "nccl_add_rmsnorm")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -94,24 +100,28 @@ def _bench_T(T: int, rank: int, world: int, pb, dist) -> dict:
     parts = [torch.empty_like(partial) for _ in range(world)]
     dist.all_gather(parts, partial)
     ref_new, ref_h = AR.allreduce_residual_norm_reference(parts, residual, w, EPS)
-    new, h = pb.all_reduce_residual_norm(partial, residual, w, EPS)
-    summed = pb.all_reduce(partial)
-    torch.cuda.synchronize()
-    pb.check_timeouts()
-    if not torch.equal(new, ref_new) or _rel(h, ref_h) > 4e-3:
-        raise RuntimeError(f"rank {rank} T={T}: one-shot result differs from the reference "
-                           f"(normed rel {_rel(h, ref_h):.2e})")
-    if not torch.equal(summed, AR.allreduce_reference(parts)):
-        raise RuntimeError(f"rank {rank} T={T}: one-shot all-reduce differs from the reference")
+    for two in (False, True):
+        form = "two-shot" if two else "one-shot"
+        new, h = pb.all_reduce_residual_norm(partial, residual, w, EPS, two_shot=two)
+        summed = pb.all_reduce(partial, two_shot=two)
+        torch.cuda.synchronize()
+        pb.check_timeouts()
+        if not torch.equal(new, ref_new) or _rel(h, ref_h) > 4e-3:
+            raise RuntimeError(f"rank {rank} T={T}: {form} result differs from the reference "
+                               f"(normed rel {_rel(h, ref_h):.2e})")
+        if not torch.equal(summed, AR.allreduce_reference(parts)):
+            raise RuntimeError(f"rank {rank} T={T}: {form} all-reduce differs from the "
+                               "reference")
 
     new_o, h_o, s_o = (torch.empty_like(residual) for _ in range(3))
     x = partial.clone()
 
-    def oneshot():
-        pb.all_reduce_residual_norm(partial, residual, w, EPS, new_residual=new_o, out=h_o)
+    def oneshot(two=False):
+        pb.all_reduce_residual_norm(partial, residual, w, EPS, new_residual=new_o, out=h_o,
+                                    two_shot=two)
 
-    def oneshot_allreduce():
-        pb.all_reduce(partial, out=s_o)
+    def oneshot_allreduce(two=False):
+        pb.all_reduce(partial, out=s_o, two_shot=two)
 
     def nccl():
         dist.all_reduce(x)
@@ -122,11 +132,15 @@ def _bench_T(T: int, rank: int, world: int, pb, dist) -> dict:
         F.rms_norm(y, (H,), w, EPS)
 
     times = {k: _graph_us(fn, dist) for k, fn in
-             (("oneshot", oneshot), ("oneshot_allreduce", oneshot_allreduce), ("nccl", nccl),
+             (("oneshot", oneshot), ("oneshot_allreduce", oneshot_allreduce),
+              ("twoshot", lambda: oneshot(True)),
+              ("twoshot_allreduce", lambda: oneshot_allreduce(True)), ("nccl", nccl),
               ("nccl_add_rmsnorm", nccl_add_rmsnorm))}
     pb.check_timeouts()
     size = T * H * 2
     moved = {"oneshot": (world - 1) * size, "oneshot_allreduce": (world - 1) * size,
+             "twoshot": 2 * (world - 1) * size // world,
+             "twoshot_allreduce": 2 * (world - 1) * size // world,
              "nccl": 2 * (world - 1) * size // world,
              "nccl_add_rmsnorm": 2 * (world - 1) * size // world}
     row = {"T": T, "H": H, "bytes_per_rank_activation": size, "checked": True}
@@ -136,6 +150,8 @@ def _bench_T(T: int, rank: int, world: int, pb, dist) -> dict:
                   "GBps": moved[k] / (med * 1e-6) / 1e9}
     row["speedup_vs_nccl_add_rmsnorm"] = row["nccl_add_rmsnorm"]["us_median"] / \
         row["oneshot"]["us_median"]
+    row["twoshot_speedup_vs_nccl_add_rmsnorm"] = row["nccl_add_rmsnorm"]["us_median"] / \
+        row["twoshot"]["us_median"]
     return row
 
 
@@ -171,7 +187,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             json.dump(report, f, indent=1)
         for r in rows:
             print(f"T={r['T']:3d}  oneshot {r['oneshot']['us_median']:7.2f} µs  "
-                  f"oneshot-ar {r['oneshot_allreduce']['us_median']:7.2f} µs  nccl "
+                  f"oneshot-ar {r['oneshot_allreduce']['us_median']:7.2f} µs  "
+                  f"twoshot {r['twoshot']['us_median']:7.2f} µs  nccl "
                   f"{r['nccl']['us_median']:7.2f} µs  nccl+add+norm "
                   f"{r['nccl_add_rmsnorm']['us_median']:7.2f} µs  "
                   f"({r['speedup_vs_nccl_add_rmsnorm']:.2f}×)")
@@ -191,7 +208,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="", help="JSON file (default bench/results/"
                     "allreduce-<gpu>-tp<N>-<date>.json)")
-    ap.add_argument("--ts", default="1,8,64", help="comma-separated token counts T")
+    ap.add_argument("--ts", default="1,2,4,8,16,32,64", help="comma-separated token counts T "
+                    "(T·7168·2 bytes: 14 KB to 917 KB)")
     ap.add_argument("--commit", default="", help="git commit of the benchmarked tree "
                     "(default: git rev-parse HEAD)")
     args = ap.parse_args(argv)

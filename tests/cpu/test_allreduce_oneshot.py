@@ -213,6 +213,76 @@ def test_sim_all_reduce_matches_reference(world, T, H):
             assert torch.equal(pb.buffer[e & 1, :T], xs[p]), f"{msg}: slot {e & 1} of {p}"
 
 
+def _ss_bits(x: torch.Tensor) -> torch.Tensor:
+    """(…, HS) bf16 -> the int64 word the two-shot kernel pushes: fp32 bits of Σ fp32(x)²."""
+    return x.float().square().sum(-1).view(torch.int32).to(torch.int64)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel: Triton + TRITON_INTERPRET=1")
+@pytest.mark.parametrize("world,T,H", [(2, 3, 64), (4, 2, 48), (3, 1, 24)])  # 24/3: unaligned
+def test_sim_two_shot_matches_reference_and_pushes_its_slice(world, T, H):
+    """Simulated ranks, two-shot kernel under the interpreter, one rank at a time: before
+    rank r's call its peers' partials are in their slots, every flag is preset (no wait
+    blocks), and its gather row holds the peers' reduced slices and their sums of squares
+    (what their kernels push); its own slice is NaN. Epoch 1 uses exact values (k/8: sums
+    exact even under the interpreter's truncation); epochs 2, 3 normal values. Checks: new
+    residual = the reference (bit-exact at epoch 1, ≤ 1 ulp after), the norm ≤ 2 ulps, the
+    same as the one-shot's spec; rank r pushed its slice and its sum of squares into every
+    rank's gather row and aux lane r, and flags2[r, :T] = e everywhere."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    pbs = AR.PeerBuffers.local_group(world, 4, H, "cpu")
+    assert all(pb.gather is not None for pb in pbs)
+    HS = H // world
+    for e in (1, 2, 3):
+        if e == 1:
+            xs = [(torch.randint(-31, 32, (T, H), generator=g) / 8).to(BF) for _ in range(world)]
+            res = (torch.randint(-31, 32, (T, H), generator=g) / 8).to(BF)
+        else:
+            xs = [torch.randn(T, H, generator=g).to(BF) for _ in range(world)]
+            res = (2 * torch.randn(T, H, generator=g)).to(BF)
+        w = 1 + 0.1 * torch.randn(H, generator=g)
+        ref_new, ref_norm = AR.allreduce_residual_norm_reference(xs, res, w, EPS)
+        s, msg = e & 1, f"seed {seed} epoch {e}"
+        for r, pb in enumerate(pbs):
+            for p in pbs:
+                p.flags.fill_(UNSET)
+                p.flags2.fill_(UNSET)
+            _sim_prefill(pbs, r, xs)
+            pb.gather[s, :T] = ref_new
+            pb.gather[s, :T, r * HS:(r + 1) * HS] = float("nan")
+            for q in range(world):
+                pb.aux[s, :T, q] = -1 if q == r else _ss_bits(ref_new[:, q * HS:(q + 1) * HS])
+            new, normed = pb.all_reduce_residual_norm(xs[r], res, w, EPS, two_shot=True)
+            m = f"{msg} rank {r}"
+            if e == 1:
+                assert torch.equal(new, ref_new), m
+            else:
+                assert float(_ulps(new, ref_new).max()) <= 1.0, m
+            assert float(_ulps(normed, ref_norm).max()) <= 2.0, m
+            mine = new[:, r * HS:(r + 1) * HS]
+            for q, p in enumerate(pbs):
+                assert torch.equal(p.gather[s, :T, r * HS:(r + 1) * HS], mine), f"{m} -> {q}"
+                got = p.aux[s, :T, r].to(torch.int32).view(torch.float32)
+                assert torch.allclose(got, mine.float().square().sum(-1), rtol=1e-5), m
+                assert torch.equal(p.flags2[r, :T], torch.full((T,), e)), f"{m}: flags2 of {q}"
+            assert pb.state.tolist()[:3] == [e, 0, 0], f"{m}: epoch/arrivals/timeout"
+
+
+def test_two_shot_form_choice_and_limits():
+    """`uses_two_shot`: from two_shot_min_tokens rows; forced either way; buffers without the
+    two-shot form (a hidden size the world does not divide, or raw buffers) name why."""
+    pbs = AR.PeerBuffers.local_group(2, 64, 32, "cpu")
+    pb = pbs[0]
+    assert pb.two_shot_min_tokens == 32
+    assert not pb.uses_two_shot(31) and pb.uses_two_shot(32) and pb.uses_two_shot(64)
+    assert pb.uses_two_shot(1, True) and not pb.uses_two_shot(64, False)
+    odd = AR.PeerBuffers.local_group(3, 4, 32, "cpu")[0]            # 32 % 3 != 0
+    assert odd.gather is None and not odd.uses_two_shot(4)
+    with pytest.raises(ValueError, match="two_shot=True.*hidden 32 over 3 ranks"):
+        odd.uses_two_shot(4, True)
+
+
 def test_world_one_is_the_reference():
     partials, residual, w = _inputs(1, 3, 32, seed=2)
     comm = AR.OneShotComm(LocalComm(), world=1, max_tokens=4, hidden=32)

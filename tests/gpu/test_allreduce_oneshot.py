@@ -2,8 +2,9 @@
 reference (kernels/allreduce_oneshot.py).
 
 (i)   N simulated ranks in ONE process (N buffers on one device, flags preset so no wait
-      blocks, the kernel run once per rank index): the math, the slot parity, the flag cells
-      each rank publishes, the device epoch, the timeout path. CPU under the interpreter
+      blocks, the kernel run once per rank index): the one-shot's math, the slot parity, the
+      flag cells each rank publishes, the device epoch, the timeout path (both forms; the
+      two-shot's simulated protocol: tests/cpu/test_allreduce_oneshot.py). CPU under the interpreter
       (`TRITON_INTERPRET=1 python -m pytest tests/gpu/test_allreduce_oneshot.py -q`, small
       shapes) or compiled on one GPU (adds the K3 shapes: H = 7168, TP8 and TP16 ranks).
 (ii)  2 processes on ONE GPU, CUDA IPC between them, the real protocol (the two contexts are
@@ -12,7 +13,8 @@ reference (kernels/allreduce_oneshot.py).
       with new inputs.
 (iii) the same on 2 GPUs (real NVLink P2P), skipped with fewer than 2 peer-capable GPUs.
       (ii) and (iii) interleave the plain all-reduce (no residual, no norm) with the fused
-      calls (they share the epochs) and end with the collective PeerBuffers.close().
+      calls, and each fused call with the other form (two-shot from 32 rows, kernels/
+      allreduce_twoshot_triton.py; they share the epochs: same new_residual bits) and end with the collective PeerBuffers.close().
 (iv)  OneShotComm over a NCCL TorchComm on 2 GPUs: one rank disabling it turns it off on all;
       bf16 (…, H) all-reduces of 1..64 rows take the kernel and equal the reference bit for bit
       on every rank, fp32 / other widths / more rows go to NCCL and equal dist.all_reduce,
@@ -124,7 +126,7 @@ def test_simulated_ranks(world, T, H):
             new = res if e == 3 else _nan(T, H, SIM_DEV)        # e = 3: residual in place
             h = _nan(T, H, SIM_DEV)
             pb.all_reduce_residual_norm(partials[r] if copy else None, res, w, EPS,
-                                        new_residual=new, out=h)
+                                        new_residual=new, out=h, two_shot=False)
             outs.append((new, h))
             for q in later:          # NaN again: each rank's own kernel must copy its rows
                 pbs[q].buffer[e & 1, :T] = float("nan")
@@ -162,7 +164,7 @@ def test_simulated_ranks_plain_all_reduce(world, T, H):
         for r, pb in enumerate(pbs):
             for q, other in enumerate(pbs):          # the others' copies, simulated; own NaN
                 other.buffer[e & 1, :T] = float("nan") if q == r else partials[q]
-            outs.append(pb.all_reduce(partials[r], out=_nan(T, H, SIM_DEV)))
+            outs.append(pb.all_reduce(partials[r], out=_nan(T, H, SIM_DEV), two_shot=False))
         msg = f"seed {seed} epoch {e}"
         for r, y in enumerate(outs):
             _check_new(y, ref, f"{msg} rank {r}")
@@ -173,14 +175,17 @@ def test_simulated_ranks_plain_all_reduce(world, T, H):
             assert bool((ref[:, 0] == 1).all()), msg     # 2^30 − 2^30 + 0… + 1 in rank order
 
 
-def test_wait_times_out_and_is_reported():
-    """A peer that never publishes: the wait gives up after max_spins, records the epoch."""
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_wait_times_out_and_is_reported(two_shot):
+    """A peer that never publishes: the wait (both of the two-shot's) gives up after
+    max_spins and records the epoch."""
     world, T, H = 2, 2, 32
     pbs = AR.PeerBuffers.local_group(world, 4, H, SIM_DEV)
     partials, residual, w = _case(world, T, H, fresh_seed(), SIM_DEV)
     pbs[1].buffer[1, :T] = partials[1]
     pbs[0].flags[1].fill_(0)                         # rank 1 never published to rank 0
-    pbs[0].all_reduce_residual_norm(partials[0], residual, w, EPS, max_spins=20)
+    pbs[0].all_reduce_residual_norm(partials[0], residual, w, EPS, max_spins=20,
+                                    two_shot=two_shot)
     assert pbs[0].state.tolist()[:3] == [1, 0, 1]
     with pytest.raises(RuntimeError, match="rank 0 of 2 timed out .* epoch 1"):
         pbs[0].check_timeouts()
@@ -232,6 +237,13 @@ def _ipc_worker(rank, world, port, seed, same_gpu, epochs):
             pb.next_input_slot_sync(T).copy_(partials[rank])
             pb.all_reduce_residual_norm(None, residual, w, EPS, new_residual=new, out=h)
         check(new, h, ref_new, ref_h, f"seed {seed} epoch {e} rank {rank} T {T}")
+        other = not pb.uses_two_shot(T)              # the other form: same new_residual bits
+        new2, h2 = _nan(T, H, dev), _nan(T, H, dev)
+        pb.all_reduce_residual_norm(partials[rank], residual, w, EPS, new_residual=new2,
+                                    out=h2, two_shot=other)
+        check(new2, h2, ref_new, ref_h, f"seed {seed} epoch {e} rank {rank} T {T} "
+                                        f"{'two' if other else 'one'}-shot")
+        assert rel_err(h2, h) <= TOL_OWN_NORM, f"seed {seed} epoch {e}: forms' norms"
         s = pb.all_reduce(partials[rank], out=_nan(T, H, dev))      # plain, the next epoch
         torch.cuda.synchronize()
         pb.check_timeouts()
@@ -251,7 +263,7 @@ def _ipc_worker(rank, world, port, seed, same_gpu, epochs):
         new.fill_(float("nan")), h.fill_(float("nan"))
         g.replay()
         check(new, h, ref_new, ref_h, f"seed {seed} graph replay {k} rank {rank}")
-    assert int(pb.state[0]) == 2 * epochs + 5, "one epoch per call, replays included"
+    assert int(pb.state[0]) == 3 * epochs + 5, "one epoch per call, replays included"
     g.reset()
     g = None                                         # the graph launches the kernel: first
     gc.collect()
