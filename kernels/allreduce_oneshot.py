@@ -25,9 +25,9 @@ on every rank) changes no token.
 
 Layers: `PeerBuffers` owns this rank's registered memory (partial and gather slots, flags,
 device epoch), opens the peers' copies with legacy CUDA IPC, launches the kernels and tears it
-all down in a fixed order (`close`). `OneShotComm` is the Comm-style adapter a model shard calls; it falls back to an
-all-gather + the reference (bit-identical to the kernel's spec) when the group is one rank, not
-all on CUDA, or not all pairwise P2P-capable. The choice is made once, collectively, and is the
+all down in a fixed order (`close`). `OneShotComm` is the Comm-style adapter a model shard
+calls; it falls back to an all-gather + the reference (bit-identical to the kernel's spec)
+when the group is one rank, not all on CUDA, or not all pairwise P2P-capable. The choice is made once, collectively, and is the
 same on every rank (DESIGN §6).
 
 IPC choice: `torch.multiprocessing.reductions.reduce_tensor` / `rebuild_cuda_tensor`, i.e.
@@ -199,7 +199,6 @@ class PeerBuffers:
         # the only references to the peers' tensors (mapped memory for `create`): close drops them
         every = buffers + flags + ((gathers + exts) if two else [])
         self._peer_tensors = [t for q, t in enumerate(every) if q % self.world != rank]
-        self._own_two = (gathers[rank], exts[rank]) if two else ()
         addrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64,  # noqa
                                         device=self.device)
         self.buf_addrs, self.flag_addrs = addrs(buffers), addrs(flags)
@@ -331,7 +330,6 @@ class PeerBuffers:
             finally:
                 self.buffer = self.flags = self.state = None            # 4
                 self.gather = self.flags2 = self.aux = None
-                self._own_two = ()
                 gc.collect()
                 if cuda:
                     torch.cuda.ipc_collect()
@@ -504,7 +502,8 @@ class OneShotComm:
         compile the kernels before any step or graph capture): rank q contributes q + 1
         everywhere, so every element must be N(N+1)/2 (exact in bf16 for N ≤ 32) and no wait
         may have timed out; the two-shot call (T = min(max_tokens, two_shot_min_tokens) rows,
-        with residual and norm) must also give the one-shot's norm. Never raises: a failure
+        zero residual, unit norm weight) must also give a normed row of ones (within a bf16
+        step). Never raises: a failure
         on any rank keeps every rank on the base comm (one-shot) or off the two-shot (with a
         warning)."""
         import warnings
@@ -542,7 +541,8 @@ class OneShotComm:
             results.append(ok)
             if not ok:
                 break
-        return (results + [False, False])[0], (results + [False, False])[1]
+        results += [False] * (2 - len(results))
+        return results[0], results[1]
 
     @classmethod
     def create(cls, base, group, max_tokens: int, hidden: int, device: torch.device | str,
