@@ -356,6 +356,26 @@ def random_counts(rank: PrefillRank, buckets: list[int], decodes: int, count: in
             "jit_compiles_after_warmup": compiled[0], "rows": rows}
 
 
+def first_run_profile(rank: PrefillRank, tokens: int, top: int = 15) -> dict:
+    """torch.profiler (host + device) over the first and the second prefill step of a token
+    count the rank has not met: their wall ms and the host's top ops by self time, so what
+    only a first run pays (allocator growth, cuDNN plans, cuBLAS heuristics) shows as the
+    difference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rank.device.type == "cuda"
+                                     else [])
+    out = {"tokens": tokens}
+    for name in ("first", "second"):
+        with profile(activities=acts) as prof:
+            t = rank.step(tokens, 0)
+        ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+        out[name] = {"ms": _ms(t), "host_top_ops": [
+            {"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+             "calls": e.count} for e in ev]}
+    return out
+
+
 def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float) -> dict:
     """Mixed step vs decode-only (stock, graphed) vs the split schedule, interleaved."""
     t = {"mixed": [], "decode_stock": [], "chunk_alone": []}
@@ -443,6 +463,15 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
           f"{rc['max_first_over_steady']} within 2x {rc['within_2x']} jit compiles "
           f"{rc['jit_compiles_after_warmup']}", flush=True)
     save(run)
+    if args.profile_first_run:
+        met = {r["tokens"] for r in rc["rows"]} | set(buckets)
+        n = next(x for x in range(args.prefill_budget - 1, 0, -7) if x not in met)
+        run["first_run_profile"] = fp = first_run_profile(rank, n)
+        print(f"[prefill] {tag} first-run profile at {n} tokens: first {fp['first']['ms']} ms, "
+              f"second {fp['second']['ms']} ms; first's top host ops "
+              f"{[(o['op'], o['self_cpu_ms']) for o in fp['first']['host_top_ops'][:6]]}",
+              flush=True)
+        save(run)
     mx = mixed_case(rank, args.mixed_decodes, args.steps, scale)
     run["mixed"] = mx
     print(f"[prefill] {tag} mixed {args.mixed_decodes} decodes + {args.prefill_budget}: "
@@ -553,6 +582,8 @@ def main(argv=None) -> int:
                     help="position of the decoders and of the counts' / mixed steps' chunk")
     ap.add_argument("--random-counts", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3, help="runs per bucket's steady state")
+    ap.add_argument("--profile-first-run", action="store_true", help="after the random counts: "
+                    "profile the first and second prefill step of an unmet token count")
     ap.add_argument("--steps", type=int, default=5, help="interleaved rounds of the mixed case")
     ap.add_argument("--max-seconds", type=float, default=60.0,
                     help="per prompt (then its chunks but the last are skipped and "
