@@ -80,6 +80,25 @@ if triton is not None:
         return tl.sum(((seen >= ep) | ~pm).to(tl.int32), 0)
 
     @triton.jit
+    def _barrier(flag_addrs, off, rank, t, MT, ep, max_spins, state_ptr, N: tl.constexpr,
+                 NP: tl.constexpr):
+        """Push flags_q[off + rank·MT + t] ← ep to every q (release, sys), then poll the local
+        flags[off + q·MT + t] until all reach ep (acquire, sys), at most max_spins polls; a
+        timeout records ep in state[2]."""
+        pp = tl.arange(0, NP)
+        pm = pp < N
+        peer = tl.load(flag_addrs + pp, mask=pm, other=0).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(peer + off + rank * MT + t, tl.zeros_like(pp).to(tl.int64) + ep,
+                       mask=pm, sem="release", scope="sys")
+        mine = tl.load(flag_addrs + rank).to(tl.pointer_type(tl.int64)) + off + pp * MT + t
+        ready = _published(mine, pp, pm, ep)
+        spins = max_spins * 0
+        while (ready < NP) & (spins < max_spins):
+            ready = _published(mine, pp, pm, ep)
+            spins += 1
+        tl.atomic_max(state_ptr + 2, ep, mask=ready < NP, sem="relaxed", scope="gpu")
+
+    @triton.jit
     def _oneshot_kernel(buf_addrs, flag_addrs, state_ptr, src_ptr, src_st, res_ptr, res_st,
                         w_ptr, newres_ptr, newres_st, out_ptr, out_st, H, MT, rank, eps,
                         max_spins, N: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -106,18 +125,7 @@ if triton is not None:
         tl.atomic_xchg(state_ptr + 1, 0, mask=last, sem="relaxed", scope="gpu")
         tl.atomic_xchg(state_ptr, ep, mask=last, sem="relaxed", scope="gpu")
         # (b) push flags_q[rank, t] = ep to every q, then poll the local flags_rank[:, t]
-        pp = tl.arange(0, NP)
-        pm = pp < N
-        peer_flags = tl.load(flag_addrs + pp, mask=pm, other=0).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(peer_flags + (rank * MT + t), tl.zeros_like(pp).to(tl.int64) + ep,
-                       mask=pm, sem="release", scope="sys")
-        mine = tl.load(flag_addrs + rank).to(tl.pointer_type(tl.int64)) + pp * MT + t
-        ready = _published(mine, pp, pm, ep)
-        spins = max_spins * 0
-        while (ready < NP) & (spins < max_spins):
-            ready = _published(mine, pp, pm, ep)
-            spins += 1
-        tl.atomic_max(state_ptr + 2, ep, mask=ready < NP, sem="relaxed", scope="gpu")
+        _barrier(flag_addrs, 0, rank, t, MT, ep, max_spins, state_ptr, N, NP)
         tl.debug_barrier()          # every thread's peer loads after the acquiring thread
         # (c) fp32 sum in rank order, identical on every rank
         acc = tl.zeros((BLOCK_H,), tl.float32)

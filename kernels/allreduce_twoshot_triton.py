@@ -64,26 +64,7 @@ from raydecode.kernels.allreduce_oneshot_triton import DEFAULT_MAX_SPINS
 TWO_SHOT_MIN_TOKENS = 32     # rows from which `PeerBuffers` picks this form (the model's)
 
 if triton is not None:
-    from raydecode.kernels.allreduce_oneshot_triton import _published
-
-    @triton.jit
-    def _barrier(flag_addrs, off, rank, t, MT, ep, max_spins, state_ptr, N: tl.constexpr,
-                 NP: tl.constexpr):
-        """Push flags_q[off + rank·MT + t] ← ep to every q (release, sys), then poll the local
-        flags[off + q·MT + t] until all reach ep (acquire, sys), at most max_spins polls; a
-        timeout records ep in state[2]."""
-        pp = tl.arange(0, NP)
-        pm = pp < N
-        peer = tl.load(flag_addrs + pp, mask=pm, other=0).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(peer + off + rank * MT + t, tl.zeros_like(pp).to(tl.int64) + ep,
-                       mask=pm, sem="release", scope="sys")
-        mine = tl.load(flag_addrs + rank).to(tl.pointer_type(tl.int64)) + off + pp * MT + t
-        ready = _published(mine, pp, pm, ep)
-        spins = max_spins * 0
-        while (ready < NP) & (spins < max_spins):
-            ready = _published(mine, pp, pm, ep)
-            spins += 1
-        tl.atomic_max(state_ptr + 2, ep, mask=ready < NP, sem="relaxed", scope="gpu")
+    from raydecode.kernels.allreduce_oneshot_triton import _barrier
 
     @triton.jit
     def _twoshot_kernel(buf_addrs, flag_addrs, gat_addrs, ext_addrs, state_ptr, src_ptr,

@@ -39,7 +39,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from raydecode.scripts.bench.report_io import git_commit
+from raydecode.scripts.bench.report_io import default_out, git_commit
 
 H = 7168
 EPS = 1e-6
@@ -225,10 +225,7 @@ def main(argv=None) -> int:
     for k, v in ENV.items():
         os.environ[k] = v                         # inherited by the spawned ranks
     args.commit = args.commit or git_commit()
-    if not args.out:
-        slug = torch.cuda.get_device_name().split()[-1].lower()
-        day = datetime.date.today().isoformat()
-        args.out = os.path.join("bench", "results", f"allreduce-{slug}-tp{n}-{day}.json")
+    args.out = args.out or default_out("allreduce", f"-tp{n}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -18,9 +18,7 @@ with the HBM read bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import os
 import re
 import statistics
 import sys
@@ -33,7 +31,7 @@ from raydecode.kernels import kda_decode_triton as KT
 from raydecode.kernels._triton import sm_count
 
 from .layer_timing import GraphTimer, hbm_read_bandwidth
-from .report_io import git_commit, report_header, write_report
+from .report_io import default_out, git_commit, report_header, write_report
 
 VARIANTS = ("single", "auto", "split2", "split4", "split8", "split16", "split16w8", "split8w8")
 DEFAULT_VARIANTS = "single,auto,split8,split16,split16w8"
@@ -261,10 +259,7 @@ def main(argv=None) -> int:
         print("kda_decode bench: needs a CUDA GPU and Triton", file=sys.stderr)
         return 2
     args.commit = args.commit or git_commit()
-    if not args.out:
-        slug = torch.cuda.get_device_name().split()[-1].lower()
-        day = datetime.date.today().isoformat()
-        args.out = os.path.join("bench", "results", f"kda-decode-{slug}-{day}.json")
+    args.out = args.out or default_out("kda-decode")
     run(args)
     return 0
 

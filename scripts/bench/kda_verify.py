@@ -22,10 +22,8 @@ Bytes per call (`call_bytes`) against the HBM read bandwidth measured in the sam
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import math
-import os
 import re
 import statistics
 import sys
@@ -40,7 +38,7 @@ from raydecode.kernels._triton import sm_count
 
 from .kda_decode import LB, EPS, W, k3_inputs, parse_ints
 from .layer_timing import GraphTimer, hbm_read_bandwidth
-from .report_io import git_commit, report_header, write_report
+from .report_io import default_out, git_commit, report_header, write_report
 
 D = 128
 TOL = {"out": 2e-3, "rec": 2.5e-4}            # tests/gpu/test_kda_verify_gpu.py TOL
@@ -237,10 +235,7 @@ def main(argv=None) -> int:
         print("kda_verify bench: needs a CUDA GPU and Triton", file=sys.stderr)
         return 2
     args.commit = args.commit or git_commit()
-    if not args.out:
-        slug = torch.cuda.get_device_name().split()[-1].lower()
-        day = datetime.date.today().isoformat()
-        args.out = os.path.join("bench", "results", f"kda-verify-{slug}-{day}.json")
+    args.out = args.out or default_out("kda-verify")
     run(args)
     return 0
 

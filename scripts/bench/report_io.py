@@ -45,7 +45,15 @@ def write_report(report: dict, path: str, t0: float | None = None) -> None:
         json.dump(report, f, indent=1)
 
 
-__all__ = ["report_header", "write_report"]
+def default_out(prefix: str, suffix: str = "") -> str:
+    """bench/results/<prefix>-<gpu>[<suffix>]-<UTC date>.json, e.g. kda-verify-h200-2026-12-03
+    (gpu: the last word of the device name, lower case)."""
+    slug = torch.cuda.get_device_name().split()[-1].lower()
+    day = datetime.date.today().isoformat()
+    return os.path.join("bench", "results", f"{prefix}-{slug}{suffix}-{day}.json")
+
+
+__all__ = ["default_out", "report_header", "write_report"]
 
 
 def int_list(flag: str, text: str, low: int) -> list[int]:

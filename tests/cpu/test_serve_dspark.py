@@ -22,7 +22,6 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import load_file, save_file
 
 from raydecode.actors import envelope as env
 from raydecode.actors.config import DeployConfigError, check_speculative, parse_deploy_config
@@ -32,9 +31,9 @@ from raydecode.cli import main as cli
 from raydecode.commands.serve import check_servable
 from raydecode.engine.loader import build_local_engine
 from raydecode.engine.request import SamplingParams
-from raydecode.models.dspark import load_dspark_config, parse_dspark_config
-from raydecode.models.dspark_checkpoint import write_dspark_checkpoint
+from raydecode.models.dspark import load_dspark_config
 
+from _matched_drafter import matched_drafter as matched_drafter_checkpoint
 from _net import free_port
 
 torch.set_num_threads(1)
@@ -84,24 +83,9 @@ def reference():
 @pytest.fixture(scope="module")
 def matched_drafter(tmp_path_factory, reference):
     """A DSpark checkpoint folder (tiny layout, Markov rank = vocab) matched to MATCHED."""
-    ref = reference
-    prompt_ids, out_ids, _ = ref[0]
-    raw = load_dspark_config("tiny").raw | {"markov_rank": 512}
-    dcfg = parse_dspark_config(raw, name="tiny-matched")
-    folder = write_dspark_checkpoint(dcfg, tmp_path_factory.mktemp("dspark-matched"))
-    ids, V = prompt_ids + out_ids, dcfg.vocab_size
-    w2 = torch.zeros(V, V)
-    for prev, nxt in zip(ids, ids[1:]):
-        w2[:, prev] = 0.0
-        w2[nxt, prev] = 20.0
-    new = {"final_norm.weight": torch.zeros(dcfg.hidden_size),
-           "markov_head.markov_w1.weight": torch.eye(V), "markov_head.markov_w2.weight": w2}
-    for f in folder.glob("*.safetensors"):
-        ts = load_file(str(f))
-        if set(ts) & set(new):
-            ts.update({n: t.to(ts[n].dtype) for n, t in new.items() if n in ts})
-            save_file(ts, str(f), metadata={"format": "pt"})
-    return folder
+    prompt_ids, out_ids, _ = reference[0]
+    return matched_drafter_checkpoint(tmp_path_factory.mktemp("dspark-matched"),
+                                      prompt_ids + out_ids)
 
 
 @pytest.fixture(scope="module")

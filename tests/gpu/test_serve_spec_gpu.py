@@ -23,13 +23,11 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
-
 from raydecode.actors.config import parse_deploy_config  # noqa: E402
 from raydecode.actors.serve import LocalServer  # noqa: E402
 from raydecode.engine.loader import load_tokenizer  # noqa: E402
-from raydecode.models.dspark import load_dspark_config, parse_dspark_config  # noqa: E402
-from raydecode.models.dspark_checkpoint import write_dspark_checkpoint  # noqa: E402
+
+from _matched_drafter import matched_drafter  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 NAME, K, N_TOKENS = "tiny-k3-gpu", 4, 40
@@ -69,31 +67,11 @@ def _complete(cfg, logprobs: bool):
         srv.stop()
 
 
-def _matched_drafter(folder, ids: list[int]):
-    """A DSpark checkpoint (tiny layout, Markov rank = vocab) whose drafts follow `ids`."""
-    raw = load_dspark_config("tiny").raw
-    dcfg = parse_dspark_config(raw | {"markov_rank": raw["vocab_size"]}, name="tiny-matched")
-    path = write_dspark_checkpoint(dcfg, folder)
-    V = dcfg.vocab_size
-    w2 = torch.zeros(V, V)
-    for prev, nxt in zip(ids, ids[1:]):
-        w2[:, prev] = 0.0
-        w2[nxt, prev] = 20.0
-    new = {"final_norm.weight": torch.zeros(dcfg.hidden_size),
-           "markov_head.markov_w1.weight": torch.eye(V), "markov_head.markov_w2.weight": w2}
-    for f in path.glob("*.safetensors"):
-        ts = load_file(str(f))
-        if set(ts) & set(new):
-            ts.update({n: t.to(ts[n].dtype) for n, t in new.items() if n in ts})
-            save_file(ts, str(f), metadata={"format": "pt"})
-    return path
-
-
 def test_graphed_speculative_replica_streams_the_non_speculative_tokens(tmp_path):
     ref, core = _complete(_cfg(), True)
     plain = core._path_exec.inner.runner
     assert plain.counts["graphed"] > 0, plain.counts             # decode on the step graphs
-    drafter = _matched_drafter(tmp_path / "dspark", ref[0][0] + ref[0][1])
+    drafter = matched_drafter(tmp_path / "dspark", ref[0][0] + ref[0][1])
     got, core = _complete(_cfg(speculative_config={
         "method": "dspark", "num_speculative_tokens": K, "model": str(drafter)}), False)
     spec = core._path_exec.inner.runner
