@@ -99,6 +99,24 @@ if triton is not None:
         tl.atomic_max(state_ptr + 2, ep, mask=ready < NP, sem="relaxed", scope="gpu")
 
     @triton.jit
+    def _copy_and_arrive(buf_addrs, rank, row, offs, m, src_ptr, t, src_st, state_ptr, ep,
+                         COPY: tl.constexpr, ALIGNED: tl.constexpr):
+        """(a) of a call: COPY puts partial row t into this rank's slot row `row`; then a CTA
+        barrier (every store and state load before any release) and the arrival count: the
+        last program of the grid publishes ep as the epoch of the last call (every program has
+        read the old one)."""
+        if COPY:
+            own = tl.load(buf_addrs + rank).to(tl.pointer_type(tl.bfloat16))
+            if ALIGNED:
+                own = tl.multiple_of(own, 16)
+            tl.store(own + row + offs, tl.load(src_ptr + t * src_st + offs, mask=m), mask=m)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        last = arrived == tl.num_programs(0) - 1
+        tl.atomic_xchg(state_ptr + 1, 0, mask=last, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(state_ptr, ep, mask=last, sem="relaxed", scope="gpu")
+
+    @triton.jit
     def _oneshot_kernel(buf_addrs, flag_addrs, state_ptr, src_ptr, src_st, res_ptr, res_st,
                         w_ptr, newres_ptr, newres_st, out_ptr, out_st, H, MT, rank, eps,
                         max_spins, N: tl.constexpr, NP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -106,24 +124,14 @@ if triton is not None:
                         ALIGNED: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
-        n_rows = tl.num_programs(0)
         offs = tl.arange(0, BLOCK_H)
         m = offs < H
         ep = tl.load(state_ptr) + 1                            # this call's epoch (int64)
         row = ((ep & 1) * MT + t) * H                          # row t of slot ep & 1
         if ALIGNED:                 # H % 8 == 0 and 16-byte-aligned bases: 16-byte accesses
             row = tl.multiple_of(row, 8)
-        if COPY:
-            own = tl.load(buf_addrs + rank).to(tl.pointer_type(tl.bfloat16))
-            if ALIGNED:
-                own = tl.multiple_of(own, 16)
-            tl.store(own + row + offs, tl.load(src_ptr + t * src_st + offs, mask=m), mask=m)
-        tl.debug_barrier()          # all stores (and state loads) of the CTA before the release
-        # the last program to arrive publishes the epoch for the next call; all have read it
-        arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        last = arrived == n_rows - 1
-        tl.atomic_xchg(state_ptr + 1, 0, mask=last, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(state_ptr, ep, mask=last, sem="relaxed", scope="gpu")
+        _copy_and_arrive(buf_addrs, rank, row, offs, m, src_ptr, t, src_st, state_ptr, ep,
+                         COPY, ALIGNED)
         # (b) push flags_q[rank, t] = ep to every q, then poll the local flags_rank[:, t]
         _barrier(flag_addrs, 0, rank, t, MT, ep, max_spins, state_ptr, N, NP)
         tl.debug_barrier()          # every thread's peer loads after the acquiring thread

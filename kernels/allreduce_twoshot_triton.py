@@ -64,7 +64,7 @@ from raydecode.kernels.allreduce_oneshot_triton import DEFAULT_MAX_SPINS
 TWO_SHOT_MIN_TOKENS = 32     # rows from which `PeerBuffers` picks this form (the model's)
 
 if triton is not None:
-    from raydecode.kernels.allreduce_oneshot_triton import _barrier
+    from raydecode.kernels.allreduce_oneshot_triton import _barrier, _copy_and_arrive
 
     @triton.jit
     def _twoshot_kernel(buf_addrs, flag_addrs, gat_addrs, ext_addrs, state_ptr, src_ptr,
@@ -75,7 +75,6 @@ if triton is not None:
                         PDL: tl.constexpr):
         pdl_enter(PDL)
         t = tl.program_id(0).to(tl.int64)
-        n_rows = tl.num_programs(0)
         offs = tl.arange(0, BLOCK_H)
         m = offs < H
         ep = tl.load(state_ptr) + 1                            # this call's epoch (int64)
@@ -83,14 +82,8 @@ if triton is not None:
         row = (s * MT + t) * H                                 # row t of slot s
         if ALIGNED:                 # HS % 8 == 0 and 16-byte-aligned bases
             row = tl.multiple_of(row, 8)
-        if COPY:
-            own = tl.load(buf_addrs + rank).to(tl.pointer_type(tl.bfloat16))
-            tl.store(own + row + offs, tl.load(src_ptr + t * src_st + offs, mask=m), mask=m)
-        tl.debug_barrier()          # all stores (and state loads) of the CTA before the release
-        arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        last = arrived == n_rows - 1
-        tl.atomic_xchg(state_ptr + 1, 0, mask=last, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(state_ptr, ep, mask=last, sem="relaxed", scope="gpu")
+        _copy_and_arrive(buf_addrs, rank, row, offs, m, src_ptr, t, src_st, state_ptr, ep,
+                         COPY, ALIGNED)
         # (b) barrier 1: every rank's partial row t is published
         _barrier(flag_addrs, 0, rank, t, MT, ep, max_spins, state_ptr, N, NP)
         tl.debug_barrier()
