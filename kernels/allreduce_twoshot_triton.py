@@ -129,10 +129,10 @@ if triton is not None:
 
 def ext_words(world: int, max_tokens: int) -> int:
     """int64 words of a rank's ext buffer: flags2 (N, MT) + aux (2, MT, NP)."""
-    return world * max_tokens + 2 * max_tokens * max(2, triton_next_pow2(world))
+    return world * max_tokens + 2 * max_tokens * max(2, _next_pow2(world))
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
