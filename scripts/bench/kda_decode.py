@@ -31,7 +31,7 @@ from raydecode.kernels import kda_decode_triton as KT
 from raydecode.kernels._triton import sm_count
 
 from .layer_timing import GraphTimer, hbm_read_bandwidth
-from .report_io import default_out, git_commit, report_header, write_report
+from .report_io import gpu_bench_main, report_header, write_report
 
 VARIANTS = ("single", "auto", "split2", "split4", "split8", "split16", "split16w8", "split8w8")
 DEFAULT_VARIANTS = "single,auto,split8,split16,split16w8"
@@ -254,14 +254,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available() or KT.triton is None:
-        print("kda_decode bench: needs a CUDA GPU and Triton", file=sys.stderr)
-        return 2
-    args.commit = args.commit or git_commit()
-    args.out = args.out or default_out("kda-decode")
-    run(args)
-    return 0
+    return gpu_bench_main(parse_args(argv), run, "kda_decode", "kda-decode", KT)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from raydecode.kernels._triton import sm_count
 
 from .kda_decode import LB, EPS, W, k3_inputs, parse_ints
 from .layer_timing import GraphTimer, hbm_read_bandwidth
-from .report_io import default_out, git_commit, report_header, write_report
+from .report_io import gpu_bench_main, report_header, write_report
 
 D = 128
 TOL = {"out": 2e-3, "rec": 2.5e-4}            # tests/gpu/test_kda_verify_gpu.py TOL
@@ -230,14 +230,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available() or VT.triton is None:
-        print("kda_verify bench: needs a CUDA GPU and Triton", file=sys.stderr)
-        return 2
-    args.commit = args.commit or git_commit()
-    args.out = args.out or default_out("kda-verify")
-    run(args)
-    return 0
+    return gpu_bench_main(parse_args(argv), run, "kda_verify", "kda-verify", VT)
 
 
 if __name__ == "__main__":

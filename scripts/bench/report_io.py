@@ -53,7 +53,22 @@ def default_out(prefix: str, suffix: str = "") -> str:
     return os.path.join("bench", "results", f"{prefix}-{slug}{suffix}-{day}.json")
 
 
-__all__ = ["default_out", "report_header", "write_report"]
+def gpu_bench_main(args, run, name: str, prefix: str, triton_module) -> int:
+    """The shared tail of a GPU kernel bench's main(): 2 with a message without CUDA or Triton
+    (`triton_module.triton` None), else --commit / --out defaults (`git_commit`,
+    `default_out(prefix)`), run(args), 0."""
+    import sys
+
+    if not torch.cuda.is_available() or getattr(triton_module, "triton", None) is None:
+        print(f"{name} bench: needs a CUDA GPU and Triton", file=sys.stderr)
+        return 2
+    args.commit = args.commit or git_commit()
+    args.out = args.out or default_out(prefix)
+    run(args)
+    return 0
+
+
+__all__ = ["default_out", "gpu_bench_main", "report_header", "write_report"]
 
 
 def int_list(flag: str, text: str, low: int) -> list[int]:
