@@ -214,7 +214,7 @@ class SpecRunner:
         lap = self._stopwatch(True)
         rows = self._rows(plan)
         greedy = plan.synthetic_length is not None or rows.all_greedy
-        g, k = self.graphs.prepare(plan, rows, greedy)
+        g, _ = self.graphs.prepare(plan, rows, greedy)
         lap("prepare")
         drafts, q = self.graphs.draft(g)                              # (n, k), (n, k, V)|None
         lap("draft")

@@ -18,6 +18,8 @@ from raydecode.models.dspark import load_dspark_config, parse_dspark_config
 from raydecode.models.dspark_checkpoint import build_drafter
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 
+from _matched_drafter import matched_tensors
+
 BF = torch.bfloat16
 PROMPTS = ["The river ran past the old mill", "def f(x):", "one two three"]
 
@@ -68,17 +70,10 @@ def run_case(device: str, k: int = 4, max_tokens: int = 40, capture: bool | None
     ecfg = EngineConfig(max_num_seqs=4, max_model_len=256, block_size=8)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ref = plain_greedy(target, tok, ecfg, PROMPTS, params, device, capture)
-    V = target.cfg.vocab_size
-    w2 = torch.zeros(V, V)
-    for prev, nxt in zip(ref[0], ref[0][1:]):
-        w2[:, prev] = 0.0
-        w2[nxt, prev] = 20.0
-    dcfg = parse_dspark_config(load_dspark_config("tiny").raw | {"markov_rank": V},
-                               name="tiny-markov")
-    drafter = build_drafter(dcfg, target, tensors={
-        "final_norm.weight": torch.zeros(dcfg.hidden_size),
-        "markov_head.markov_w1.weight": torch.eye(V), "markov_head.markov_w2.weight": w2},
-        dtype=BF, device=device)
+    dcfg = parse_dspark_config(load_dspark_config("tiny").raw
+                               | {"markov_rank": target.cfg.vocab_size}, name="tiny-markov")
+    drafter = build_drafter(dcfg, target, tensors=matched_tensors(dcfg, ref[0]), dtype=BF,
+                            device=device)
     engine, runner = spec_engine_on_graphs(target, drafter, tok, ecfg, k, device, capture,
                                            at_build)
     got = [o.output_ids for o in engine.generate(PROMPTS, params)]

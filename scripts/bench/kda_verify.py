@@ -36,7 +36,7 @@ from raydecode.kernels import kda_verify as V
 from raydecode.kernels import kda_verify_triton as VT
 from raydecode.kernels._triton import sm_count
 
-from .kda_decode import LB, EPS, W, k3_inputs, parse_ints
+from .kda_decode import EPS, LB, W, _rel, k3_inputs, parse_ints
 from .layer_timing import GraphTimer, hbm_read_bandwidth
 from .report_io import gpu_bench_main, report_header, write_report
 
@@ -111,8 +111,8 @@ def check(variant: str, ref_mod, B: int, T: int, h: int, seed: int) -> dict:
     except Exception as e:            # recorded; the other variants still run
         return {"error": f"launch failed: {e!r}"}
     V.kda_verify_reference(**want, positions=T, heads=h, head_dim=D, lower_bound=LB, eps=EPS)
-    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa
-    res = {"out_rel": rel(x["out"], want["out"]), "rec_rel": rel(x["pos_rec"], want["pos_rec"]),
+    res = {"out_rel": _rel(x["out"], want["out"]),
+           "rec_rel": _rel(x["pos_rec"], want["pos_rec"]),
            "conv_equal": bool(torch.equal(x["pos_conv"], want["pos_conv"]))}
     bad = [f"{k} rel {res[k + '_rel']:.2e} > {TOL[k]:.1e}" for k in TOL
            if not res[k + "_rel"] <= TOL[k]]
