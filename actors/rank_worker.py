@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from raydecode.engine.plan_codec import decode_plan, encode_result, error_frame
-from raydecode.engine.runner import ModelRunner
+from raydecode.engine.runner import ModelRunner, freeze_host_heap
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_channel import ChannelAddress, ChannelClient, ChannelClosed
@@ -118,16 +118,21 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
         kernels = None if events is None else {
             "compiled": sum(e.get("action") == "compiled" for e in events),
             "loaded": sum(e.get("action") == "loaded" for e in events)}
-    if not isinstance(runner, GraphedRunner):
-        from raydecode.engine.spec_runner import prepare_spec_graphs
+    try:
+        if not isinstance(runner, GraphedRunner):
+            from raydecode.engine.spec_runner import prepare_spec_graphs
 
-        _, why = prepare_spec_graphs(runner)         # a speculating rank's spec graphs
-        return support, kernels, None, why
-    if not runner.support[0]:
-        return support, kernels, [], f"step graphs unsupported: {runner.support[1]}"
-    ready = sorted(runner.capture_all())
-    failed = "; ".join(f"bucket {b}: {why}" for b, why in sorted(runner.capture_failed.items()))
-    return support, kernels, ready, failed or None
+            _, why = prepare_spec_graphs(runner)         # a speculating rank's spec graphs
+            return support, kernels, None, why
+        if not runner.support[0]:
+            return support, kernels, [], f"step graphs unsupported: {runner.support[1]}"
+        ready = sorted(runner.capture_all())
+        failed = "; ".join(f"bucket {b}: {why}"
+                           for b, why in sorted(runner.capture_failed.items()))
+        return support, kernels, ready, failed or None
+    finally:     # a GPU rank's built heap out of every later GC pass (engine/runner.py);
+        if str(device).startswith("cuda"):    # CPU ranks (tests, in-process) keep the GC whole
+            freeze_host_heap()
 
 
 def _granted_gpu() -> bool:

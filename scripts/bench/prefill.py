@@ -325,35 +325,106 @@ def warm_up(rank: PrefillRank, buckets: list[int], decodes: int) -> dict:
     return first
 
 
+class StepProbe:
+    """What a step paid besides its kernels: milliseconds in Python's cyclic GC (gc.callbacks)
+    and, on CUDA, the caching allocator's new segments (cudaMalloc) and alloc retries (a
+    retry frees the cache: a device sync and fresh mallocs) during the block."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.gc_s, self._t = 0.0, None
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.gc_s += time.perf_counter() - self._t
+            self._t = None
+
+    def _alloc(self) -> tuple[int, int]:
+        if not self.cuda:
+            return 0, 0
+        st = torch.cuda.memory_stats()
+        return st.get("segment.all.allocated", 0), st.get("num_alloc_retries", 0)
+
+    @contextlib.contextmanager
+    def measure(self, into: dict):
+        g0, (s0, r0) = self.gc_s, self._alloc()
+        yield
+        s1, r1 = self._alloc()
+        into.update(gc_ms=_ms(self.gc_s - g0), new_segments=s1 - s0, alloc_retries=r1 - r0)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._cb)
+
+
+GC_MODES = ("live", "frozen")
+
+
 def random_counts(rank: PrefillRank, buckets: list[int], decodes: int, count: int,
-                  repeats: int, seed: int, max_seconds: float) -> dict:
-    """Steady state per bucket, then `count` random token counts run twice per kind."""
-    rng = random.Random(seed)
-    counts = [rng.randint(1, rank.budget) for _ in range(count)]
+                  repeats: int, seed: int, max_seconds: float,
+                  gc_modes: tuple[str, ...] = ("frozen",)) -> dict:
+    """Steady state per bucket, then per GC mode `count` random token counts (seeded; a new
+    draw per mode, so each mode's first runs are first runs) run twice per kind. Mode "live":
+    the GC as the process left it; "frozen": engine/runner.py `freeze_host_heap` first (what a
+    served rank does after its build). Each first run records its GC time and allocator
+    growth (StepProbe). The acceptance figures (max_first_over_steady, within_2x) are the last
+    mode's; every mode's are under `modes`."""
+    from raydecode.engine.runner import freeze_host_heap
     kinds = (("prefill", 0), ("mixed", decodes))
-    rows = []
-    with jit_compiles() as compiled:
-        steady = {k: {b: statistics.median(rank.step(b, d) for _ in range(repeats))
-                      for b in buckets} for k, d in kinds}
-        t0 = time.perf_counter()
-        for n in counts:                      # --max-seconds bounds this part (truncated)
-            if time.perf_counter() - t0 > max_seconds:
-                break
-            b = next(x for x in buckets if x >= n)
-            row = {"tokens": n, "bucket": b}
-            for k, d in kinds:
-                first, later = rank.step(n, d), rank.step(n, d)
-                row[k] = {"first_ms": _ms(first), "later_ms": _ms(later),
-                          "first_over_steady": round(first / steady[k][b], 3),
-                          "later_over_steady": round(later / steady[k][b], 3)}
-            rows.append(row)
-    worst = {k: max((r[k]["first_over_steady"] for r in rows), default=None) for k, _ in kinds}
-    return {"counts_run": len(rows), "counts_asked": count, "truncated": len(rows) < count,
+    probe = StepProbe(rank.device)
+    modes = {}
+    try:
+        with jit_compiles() as compiled:
+            steady = {k: {b: statistics.median(rank.step(b, d) for _ in range(repeats))
+                          for b in buckets} for k, d in kinds}
+            for m_i, mode in enumerate(gc_modes):
+                if mode not in GC_MODES:
+                    raise ValueError(f"GC mode {mode!r}: expected one of {GC_MODES}")
+                if mode == "frozen":
+                    freeze_host_heap()
+                rng = random.Random(seed + m_i)
+                counts = [rng.randint(1, rank.budget) for _ in range(count)]
+                rows, t0 = [], time.perf_counter()
+                for n in counts:                 # --max-seconds bounds each mode (truncated)
+                    if time.perf_counter() - t0 > max_seconds:
+                        break
+                    b = next(x for x in buckets if x >= n)
+                    row = {"tokens": n, "bucket": b}
+                    for k, d in kinds:
+                        cell = {}
+                        with probe.measure(cell):
+                            first = rank.step(n, d)
+                        later = rank.step(n, d)
+                        cell.update(first_ms=_ms(first), later_ms=_ms(later),
+                                    first_over_steady=round(first / steady[k][b], 3),
+                                    later_over_steady=round(later / steady[k][b], 3))
+                        row[k] = cell
+                    rows.append(row)
+                worst = {k: max((r[k]["first_over_steady"] for r in rows), default=None)
+                         for k, _ in kinds}
+                over = [r for r in rows if any(r[k]["first_over_steady"] > 2.0 for k, _ in kinds)]
+                modes[mode] = {
+                    "counts_run": len(rows), "counts_asked": count,
+                    "truncated": len(rows) < count, "max_first_over_steady": worst,
+                    "within_2x": all(w <= 2.0 for w in worst.values()) if rows else None,
+                    "over_2x": len(over),
+                    "over_2x_gc_ms": [max(r[k]["gc_ms"] for k, _ in kinds) for r in over],
+                    "over_2x_new_segments": [sum(r[k]["new_segments"] for k, _ in kinds)
+                                             for r in over],
+                    "gc_ms_total": round(sum(r[k]["gc_ms"] for r in rows for k, _ in kinds), 3),
+                    "rows": rows}
+    finally:
+        probe.close()
+    last = modes[gc_modes[-1]]
+    return {"counts_run": last["counts_run"], "counts_asked": count,
+            "truncated": last["truncated"], "gc_modes": list(gc_modes),
             "steady_ms": {k: {b: _ms(t) for b, t in v.items()}
                           for k, v in steady.items()},
-            "max_first_over_steady": worst,
-            "within_2x": all(w <= 2.0 for w in worst.values()) if rows else None,
-            "jit_compiles_after_warmup": compiled[0], "rows": rows}
+            "max_first_over_steady": last["max_first_over_steady"],
+            "within_2x": last["within_2x"],
+            "jit_compiles_after_warmup": compiled[0], "modes": modes}
 
 
 def first_run_profile(rank: PrefillRank, tokens: int, top: int = 15) -> dict:
@@ -369,8 +440,10 @@ def first_run_profile(rank: PrefillRank, tokens: int, top: int = 15) -> dict:
     for name in ("first", "second"):
         with profile(activities=acts) as prof:
             t = rank.step(tokens, 0)
-        ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-        out[name] = {"ms": _ms(t), "host_top_ops": [
+        avg = prof.key_averages()
+        ev = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:top]
+        dev_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in avg)
+        out[name] = {"ms": _ms(t), "device_busy_ms": round(dev_us / 1e3, 3), "host_top_ops": [
             {"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
              "calls": e.count} for e in ev]}
     return out
@@ -457,18 +530,23 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
     run["warmup_first_ms"] = warm_up(rank, buckets, args.mixed_decodes)
     save(run)
     rc = random_counts(rank, buckets, args.mixed_decodes, args.random_counts, args.repeats,
-                       args.seed, args.max_seconds)
+                       args.seed, args.max_seconds, tuple(args.gc_modes.split(",")))
     run["random_counts"] = rc
-    print(f"[prefill] {tag} counts {rc['counts_run']}/{rc['counts_asked']}: max first/steady "
-          f"{rc['max_first_over_steady']} within 2x {rc['within_2x']} jit compiles "
-          f"{rc['jit_compiles_after_warmup']}", flush=True)
+    for mode, m in rc["modes"].items():
+        print(f"[prefill] {tag} counts (GC {mode}) {m['counts_run']}/{m['counts_asked']}: max "
+              f"first/steady {m['max_first_over_steady']} within 2x {m['within_2x']} "
+              f"over 2x {m['over_2x']} (their GC ms {m['over_2x_gc_ms']}, new segments "
+              f"{m['over_2x_new_segments']}) GC ms total {m['gc_ms_total']}", flush=True)
+    print(f"[prefill] {tag} jit compiles after warm-up {rc['jit_compiles_after_warmup']}",
+          flush=True)
     save(run)
     if args.profile_first_run:
-        met = {r["tokens"] for r in rc["rows"]} | set(buckets)
+        met = {r["tokens"] for m in rc["modes"].values() for r in m["rows"]} | set(buckets)
         n = next(x for x in range(args.prefill_budget - 1, 0, -7) if x not in met)
         run["first_run_profile"] = fp = first_run_profile(rank, n)
         print(f"[prefill] {tag} first-run profile at {n} tokens: first {fp['first']['ms']} ms, "
-              f"second {fp['second']['ms']} ms; first's top host ops "
+              f"second {fp['second']['ms']} ms (device busy {fp['second']['device_busy_ms']} "
+              f"ms); first's top host ops "
               f"{[(o['op'], o['self_cpu_ms']) for o in fp['first']['host_top_ops'][:6]]}",
               flush=True)
         save(run)
@@ -497,6 +575,7 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
               f"{run['stock_kernels_b1']['kernels']} in the step)", flush=True)
         save(run)
     del rank, model
+    gc.unfreeze()           # a "frozen" random-counts mode froze this rank's heap
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -582,6 +661,9 @@ def main(argv=None) -> int:
                     help="position of the decoders and of the counts' / mixed steps' chunk")
     ap.add_argument("--random-counts", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3, help="runs per bucket's steady state")
+    ap.add_argument("--gc-modes", default="frozen", help="comma-separated GC modes the random "
+                    "counts run in, in order: live (as the process left it), frozen "
+                    "(engine/runner.py freeze_host_heap first, as a served rank)")
     ap.add_argument("--profile-first-run", action="store_true", help="after the random counts: "
                     "profile the first and second prefill step of an unmet token count")
     ap.add_argument("--steps", type=int, default=5, help="interleaved rounds of the mixed case")

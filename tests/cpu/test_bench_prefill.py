@@ -24,6 +24,7 @@ def test_prefill_bench_cpu(tmp_path):
     assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "2",
                          "--prompts", "64,160", "--prefill-budget", "32", "--mixed-decodes", "3",
                          "--context", "24", "--random-counts", "4", "--repeats", "2",
+                         "--gc-modes", "live,frozen",
                          "--steps", "2", "--out", str(out), "--png", str(png)]) == 0
     rep = json.loads(out.read_text())
     # the three keys, null here: no TP16 run (tiny has 4 heads) and no CUDA kernel count
@@ -48,19 +49,28 @@ def test_prefill_bench_cpu(tmp_path):
         assert p["prefill_tok_s"] == pytest.approx(p["prompt_tokens"] / p["ttft_s"])
     rc = run["random_counts"]
     assert rc["counts_run"] == 4 and not rc["truncated"] and rc["jit_compiles_after_warmup"] is None
+    assert rc["gc_modes"] == ["live", "frozen"] and list(rc["modes"]) == ["live", "frozen"]
     buckets = [1, 2, 4, 8, 16, 32]
     for kind in ("prefill", "mixed"):
         assert sorted(int(b) for b in rc["steady_ms"][kind]) == buckets
         assert set(run["warmup_first_ms"][kind]) == {str(b) for b in buckets}
-    for r in rc["rows"]:
-        assert 1 <= r["tokens"] <= 32
-        assert r["bucket"] == min(b for b in buckets if b >= r["tokens"])
-        for kind in ("prefill", "mixed"):
-            steady = rc["steady_ms"][kind][str(r["bucket"])]
-            assert r[kind]["first_over_steady"] == pytest.approx(r[kind]["first_ms"] / steady,
-                                                                 abs=2e-3)
-    assert rc["max_first_over_steady"]["mixed"] == max(r["mixed"]["first_over_steady"]
-                                                        for r in rc["rows"])
+    for mode in rc["modes"].values():
+        assert mode["counts_run"] == 4
+        for r in mode["rows"]:
+            assert 1 <= r["tokens"] <= 32
+            assert r["bucket"] == min(b for b in buckets if b >= r["tokens"])
+            for kind in ("prefill", "mixed"):
+                steady = rc["steady_ms"][kind][str(r["bucket"])]
+                assert r[kind]["first_over_steady"] == pytest.approx(
+                    r[kind]["first_ms"] / steady, abs=2e-3)
+                assert r[kind]["gc_ms"] >= 0 and r[kind]["new_segments"] == 0   # CPU: none
+        over = [r for r in mode["rows"] if max(r[k]["first_over_steady"]
+                                               for k in ("prefill", "mixed")) > 2.0]
+        assert mode["over_2x"] == len(over) == len(mode["over_2x_gc_ms"])
+    # the top-level figures are the last mode's
+    assert rc["max_first_over_steady"] == rc["modes"]["frozen"]["max_first_over_steady"]
+    assert rc["max_first_over_steady"]["mixed"] == max(
+        r["mixed"]["first_over_steady"] for r in rc["modes"]["frozen"]["rows"])
     mx = run["mixed"]
     assert mx["decodes"] == 3 and mx["chunk_tokens"] == 32
     assert mx["mixed_over_decode_stock"] == pytest.approx(
