@@ -37,7 +37,7 @@ def run_forced(model: K3ForCausalLM, prompt: list[int], n: int,
     dev = next(model.parameters()).device
     blocks = -(-(len(prompt) + n + 1) // BLOCK)
     caches = make_caches(model.cfg, model.par, 1, blocks, BLOCK, model.dtype, device=dev)
-    runner = ModelRunner(model, caches)
+    runner = ModelRunner(model, caches, dev)
     sch = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=budget,
                                     num_blocks=blocks, block_size=BLOCK))
     req = Request(list(prompt), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))

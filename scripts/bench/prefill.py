@@ -442,8 +442,16 @@ def first_run_profile(rank: PrefillRank, tokens: int, top: int = 15) -> dict:
             t = rank.step(tokens, 0)
         avg = prof.key_averages()
         ev = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:top]
-        dev_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in avg)
-        out[name] = {"ms": _ms(t), "device_busy_ms": round(dev_us / 1e3, 3), "host_top_ops": [
+        # the kernels themselves (an op's own entry also carries its kernels' device time)
+        cuda = torch.autograd.DeviceType.CUDA
+        dev = [e for e in avg if getattr(e, "device_type", None) == cuda
+               and (getattr(e, "self_device_time_total", 0) or 0) > 0]
+        dev_us = sum(e.self_device_time_total for e in dev)
+        top_dev = sorted(dev, key=lambda e: -e.self_device_time_total)[:top]
+        out[name] = {"ms": _ms(t), "device_busy_ms": round(dev_us / 1e3, 3),
+                     "device_top_ops": [
+            {"op": e.key[:90], "device_ms": round(e.self_device_time_total / 1e3, 3),
+             "calls": e.count} for e in top_dev], "host_top_ops": [
             {"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
              "calls": e.count} for e in ev]}
     return out
@@ -546,7 +554,8 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         run["first_run_profile"] = fp = first_run_profile(rank, n)
         print(f"[prefill] {tag} first-run profile at {n} tokens: first {fp['first']['ms']} ms, "
               f"second {fp['second']['ms']} ms (device busy {fp['second']['device_busy_ms']} "
-              f"ms); first's top host ops "
+              f"ms; top: {[(o['op'][:40], o['device_ms']) for o in fp['second']['device_top_ops']]}"
+              f"); first's top host ops "
               f"{[(o['op'], o['self_cpu_ms']) for o in fp['first']['host_top_ops'][:6]]}",
               flush=True)
         save(run)
