@@ -18,9 +18,17 @@ from __future__ import annotations
 
 import torch
 
+from raydecode.kernels._triton import available as _tri_available
 from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
 
 from .layers import RMSNorm, rms_norm_fp32
+
+
+def attnres_fusable(x: torch.Tensor) -> bool:
+    """Whether the fused mix + norm op runs a kernel on this stream's tensors (CUDA + Triton:
+    kernels/attnres_norm.py); elsewhere it would run its PyTorch reference, which the stock
+    path's own mix already is."""
+    return x.is_cuda and _tri_available(x)
 
 
 def attn_res_mix(values: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
@@ -42,13 +50,17 @@ class AttnResStream:
     output in `pending` and the next `mix_norm` adds it to the prefix, mixes and normalises in
     the one fused op of kernels/attnres_norm.py."""
 
-    def __init__(self, embedding: torch.Tensor, capacity: int = 0, cute: bool = True):
+    def __init__(self, embedding: torch.Tensor, capacity: int = 0, cute: bool = True,
+                 fused: bool = False):
         """capacity > 0: room for that many snapshots in one (T, capacity, H) tensor; each
         snapshot is slot j of it (`blocks[j]` a view), so the blocks form one strided view
         the fused mix + norm reads without a stack copy (the specialized step:
         DecodeOptions.attnres_bank). Past the capacity, or with 0, snapshots are the prefix
         tensors themselves. cute: `mix_norm` may use the CuTe kernel (DecodeOptions
-        .attnres_cute; False: Triton)."""
+        .attnres_cute; False: Triton). fused: the layers drive this stream through `mix_norm`
+        and `defer` (the specialized step; the stock step where `attnres_fusable`), else
+        through `mix_then_norm` and `add`."""
+        self.fused = fused
         if capacity < 0:
             raise ValueError(f"AttnRes bank capacity {capacity}; expected ≥ 0 snapshots")
         self.cute = cute

@@ -25,7 +25,7 @@ from torch import nn
 
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
-from .attnres import AttnResStream
+from .attnres import AttnResStream, attnres_fusable
 from .cache import KDAStateCache, MLALatentCache, ModelCaches, SeqSlice, StepBatch
 from .config import K3Config
 from .decode_plan import BUCKETS, DecodePlan, resolve_plan
@@ -64,7 +64,7 @@ class K3DecoderLayer(nn.Module):
     def forward(self, bank: AttnResStream, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock"):
         ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        if path == "specialized":   # residual add + AttnRes mix + norm fused (kernels/)
+        if path == "specialized" or bank.fused:   # residual add + AttnRes mix + norm fused
             h = bank.mix_norm(self.self_attention_res_norm, self.self_attention_res_proj.weight,
                               self.input_layernorm, snapshot=self.starts_block)
             bank.defer(self.self_attn(h, batch, caches, path), new_block=self.starts_block)
@@ -94,12 +94,21 @@ class K3Model(nn.Module):
         self.output_attn_res_norm = RMSNorm(H, eps, dtype)
         self.output_attn_res_proj = replicated_linear(H, 1, dtype)
 
+    # the stock path's AttnRes on CUDA with Triton: the fused residual-add + mix + norm op of
+    # kernels/attnres_norm.py (the specialized step's, Triton form at any T; same roundings as
+    # the PyTorch mix, which stays the CPU path and the reference). False: the PyTorch mix.
+    stock_fused_attnres: bool = True
+
     def forward(self, tokens: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock", taps: tuple[int, ...] = ()):
-        # specialized: the snapshots in one bank tensor (DecodeOptions.attnres_bank)
-        cap = self.num_blocks if path == "specialized" and self.options.attnres_bank else 0
-        bank = AttnResStream(self.embed_tokens(tokens), capacity=cap,
-                             cute=self.options.attnres_cute)
+        emb = self.embed_tokens(tokens)
+        fused = path == "specialized" or (self.stock_fused_attnres and attnres_fusable(emb))
+        # fused: the snapshots in one bank tensor (DecodeOptions.attnres_bank); the stock
+        # path's fused mix uses the Triton kernel (cute only where the specialized step runs)
+        cap = self.num_blocks if fused and self.options.attnres_bank else 0
+        bank = AttnResStream(emb, capacity=cap,
+                             cute=self.options.attnres_cute and path == "specialized",
+                             fused=fused)
         tapped = []
         for i, layer in enumerate(self.layers):
             layer(bank, batch, caches, path)

@@ -106,7 +106,25 @@ class MoEGate(nn.Module):
                                                  torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # (T, H) -> fp32 logits (T, E)
-        return F.linear(x.float(), self.weight.float())
+        return linear_fp32_out(x, self.weight)
+
+
+_MM_OUT_DTYPE = [True]     # cleared when this torch build has no mm(..., out_dtype=) for it
+
+
+def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (T, K) · w (N, K)ᵀ -> fp32 (T, N), products exact and summed in fp32. For bf16 / fp16
+    CUDA operands one tensor-core GEMM with fp32 output (`torch.mm(..., out_dtype=)`, cuBLAS),
+    instead of upcasting both operands to fp32 and running the fp32 GEMM without tensor cores
+    (the K3 router at a 2,048-token prefill chunk: 3.6 ms of 39 per 8 layers on an H200).
+    Elsewhere, and where this torch build lacks the op, the fp32 upcast (the CPU reference)."""
+    half = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+    if half and x.is_cuda and _MM_OUT_DTYPE[0] and x.dim() == 2:
+        try:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE[0] = False
+    return F.linear(x.float(), w.float())
 
 
 # ---- routed experts ------------------------------------------------------------------------
