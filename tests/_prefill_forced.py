@@ -71,22 +71,41 @@ def _prompts(ids: range, seed: int) -> list[list[int]]:
     return [[rng.randrange(ids.start, ids.stop) for _ in range(n)] for n in PROMPT_LENS]
 
 
+@torch.no_grad()
+def pin_routing_(model: K3ForCausalLM, seed: int = 0) -> K3ForCausalLM:
+    """Make every MoE layer's expert selection independent of the token: the selection-only
+    correction bias becomes a random permutation of 0, 2, 4, … (gaps of 2 ≫ the sigmoid
+    scores' range (0, 1)), so top-k always picks the same k experts while the routing weights
+    (the uncorrected scores) stay the model's. Without it a random-weight model's logits are
+    discontinuous in its inputs: a summation-order difference of 1e-6 flips a near-tie
+    selection somewhere among prompt × layers × top-k choices and moves that token's output by
+    O(1) (measured: fp32 paths 1–20 % apart on the logits). Pinned, two numerically different
+    but correct paths agree to their rounding, and a real bug still shows as O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("e_score_correction_bias"):
+            ramp = 2.0 * torch.randperm(p.numel(), generator=gen).float()
+            p.copy_(ramp.to(p.device, p.dtype))
+    return model
+
+
 def tiny_model(device: str, dtype: torch.dtype = torch.bfloat16
                ) -> tuple[K3ForCausalLM, list[list[int]]]:
-    """The tiny K3 config in `dtype`, random weights (seed 5), and three random prompts."""
+    """The tiny K3 config in `dtype`, random weights (seed 5), routing pinned
+    (`pin_routing_`), and three random prompts."""
     with torch.device(device):
         model = init_random_(K3ForCausalLM(load_config("tiny"), dtype=dtype), seed=5)
-    return model, _prompts(range(model.cfg.vocab_size), 11)
+    return pin_routing_(model), _prompts(range(model.cfg.vocab_size), 11)
 
 
 def k3_slice(device: str, layers: int = 4, dtype: torch.dtype = torch.bfloat16
              ) -> tuple[K3ForCausalLM, list[list[int]]]:
-    """K3's first `layers` layers at rank 0's TP16 shapes (solo rank, random weights) and three
-    prompts on the rank's vocab rows (any other id embeds as zeros on a solo rank)."""
+    """K3's first `layers` layers at rank 0's TP16 shapes (solo rank, random weights, routing
+    pinned: `pin_routing_`) and three prompts on the rank's vocab rows (any other id embeds as zeros on a solo rank)."""
     from raydecode.scripts.bench.step import build_model, layer_config, rank_vocab_rows
 
     model, _ = build_model(layer_config("k3", layers), 16, device, seed=3, dtype=dtype)
-    return model, _prompts(rank_vocab_rows(model), 12)
+    return pin_routing_(model), _prompts(rank_vocab_rows(model), 12)
 
 
 @torch.no_grad()
