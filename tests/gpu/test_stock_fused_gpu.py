@@ -4,20 +4,24 @@
   to fp32 summation order, and this torch build runs it (no silent fallback);
 - the stock step's AttnRes through the fused residual-add + mix + norm op (K3Model
   `stock_fused_attnres`, kernels/attnres_norm.py Triton) gives the logits the PyTorch mix gives,
-  over a chunked prefill and decode steps with caches (fp32: to summation order; bf16: within
-  the rounding of one bf16 ulp per sublayer)."""
+  over a chunked prefill and decode steps with caches. The KDA prefill runs its fp32 reference
+  here (fla's TF32 dots would turn the two mixes' 1e-7 summation-order difference into ~1e-2 on
+  the logits: measured 0.4–0.9 % on an H200), so fp32 compares to summation order; bf16 is
+  held to the bf16 noise check against the fp32 ground truth (tests/_prefill_forced.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from raydecode.kernels import kda_prefill
 from raydecode.models import moe as moe_mod
 from raydecode.models.attnres import attnres_fusable
 from raydecode.models.k3 import K3Model
 
-from _prefill_forced import rel, run_forced, tiny_model
+from _prefill_forced import rel, run_forced, tiny_model, upcast_, within_bf16_noise
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+N = 8
 
 
 @pytest.mark.parametrize("T", [1, 37, 2048])
@@ -34,12 +38,31 @@ def test_router_fp32_out_gemm_is_the_fp32_product(T):
     assert rel(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_stock_fused_attnres_gives_the_pytorch_mix_logits(dtype, tol, monkeypatch):
-    model, prompts = tiny_model("cuda", dtype)
+def _both(model, prompt, monkeypatch, forced=None):
+    """(fused, plain) forced runs of the stock path: AttnRes fused, then the PyTorch mix."""
+    fused = run_forced(model, prompt, N, forced=forced)
+    with monkeypatch.context() as m:
+        m.setattr(K3Model, "stock_fused_attnres", False)
+        plain = run_forced(model, prompt, N, forced=fused.tokens)
+    return fused, plain
+
+
+def test_stock_fused_attnres_gives_the_pytorch_mix_logits_fp32(monkeypatch):
+    monkeypatch.setattr(kda_prefill, "available", lambda *ts: False)   # no TF32 in the loop
+    model, prompts = tiny_model("cuda", torch.float32)
     assert attnres_fusable(model.lm_head.weight), "no Triton: the stock mix would stay PyTorch"
-    fused = run_forced(model, prompts[0], 8)
-    monkeypatch.setattr(K3Model, "stock_fused_attnres", False)
-    plain = run_forced(model, prompts[0], 8, forced=fused.tokens)
+    fused, plain = _both(model, prompts[0], monkeypatch)
     errs = [rel(a, b) for a, b in zip(fused.rows, plain.rows)]
-    assert max(errs) <= tol, errs
+    assert max(errs) <= 1e-4, errs
+
+
+def test_stock_fused_attnres_bf16_is_within_the_bf16_noise(monkeypatch):
+    monkeypatch.setattr(kda_prefill, "available", lambda *ts: False)
+    model, prompts = tiny_model("cuda", torch.bfloat16)
+    fused, plain = _both(model, prompts[0], monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(K3Model, "stock_fused_attnres", False)
+        truth = run_forced(upcast_(model), prompts[0], N, forced=fused.tokens)
+    e_fused = [rel(a, b) for a, b in zip(fused.rows, truth.rows)]
+    e_plain = [rel(a, b) for a, b in zip(plain.rows, truth.rows)]
+    assert within_bf16_noise(e_fused, e_plain), (e_fused, e_plain)
