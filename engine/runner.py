@@ -8,7 +8,7 @@ import gc
 
 import torch
 
-from raydecode.models.cache import ModelCaches
+from raydecode.models.cache import ModelCaches, host_to_device
 
 from .sampling import SamplingRows, StepResult, sample_isolated
 from .scheduler import StepPlan
@@ -37,7 +37,7 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> torch.Tensor:
         self.update_caches(plan)
-        return torch.tensor(plan.tokens, dtype=torch.long, device=self.device)
+        return host_to_device(torch.tensor(plan.tokens, dtype=torch.long), self.device)
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
@@ -45,7 +45,7 @@ class ModelRunner:
         buffer the next step rewrites (graphed runners): read it before the next step."""
         tokens = self.prepare(plan)
         hidden = self.model(tokens, plan.batch, self.caches, path=plan.path)   # (T, H)
-        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
+        rows = host_to_device(torch.tensor(plan.sample_rows, dtype=torch.long), self.device)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
 
     def run(self, plan: StepPlan) -> torch.Tensor:

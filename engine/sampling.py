@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raydecode.models.cache import host_to_device
+
 from .request import SamplingParams
 
 GREEDY_EPS = 1e-5           # temperature below this (SamplingParams refuses 0 < T < 0.01) = argmax
@@ -83,11 +85,7 @@ class SamplingRows:
         """(2, R) float32 [temperature, top_p] and (3, R) int64 [top_k, seed, counter]."""
         f = torch.tensor([self.temperature, self.top_p], dtype=torch.float32)
         i = torch.tensor([self.top_k, self.seed, self.counter], dtype=torch.int64)
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            return (f.pin_memory().to(dev, non_blocking=True),
-                    i.pin_memory().to(dev, non_blocking=True))
-        return f, i
+        return host_to_device(f, device), host_to_device(i, device)   # no host sync on CUDA
 
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "counter", "logprobs")

@@ -63,8 +63,10 @@ class StepBatch:
         return all(s.length == 1 for s in self.seqs)
 
     def positions(self, device=None) -> torch.Tensor:
-        """(T,) absolute position of every flat token."""
-        return torch.cat([torch.arange(s.pos, s.pos + s.length) for s in self.seqs]).to(device)
+        """(T,) absolute position of every flat token (built on the host, one non-blocking
+        copy: no host sync)."""
+        host = torch.cat([torch.arange(s.pos, s.pos + s.length) for s in self.seqs])
+        return host_to_device(host, device)
 
     @staticmethod
     def decode(slots: list[int], positions: list[int]) -> "StepBatch":
@@ -79,6 +81,7 @@ class MLALatentCache:
                                 device=device)
         self.block_size, self.dcp_rank, self.dcp_size = block_size, dcp_rank, dcp_size
         self.block_tables: dict[int, list[int]] = {}   # slot -> block ids (set by the engine)
+        self._index_memo: dict[tuple, torch.Tensor] = {}   # `_rows_index`, by table contents
 
     def copy_block(self, src: int, dst: int) -> None:
         """Every layer's rows of block src into block dst (this rank's DCP share of both)."""
@@ -92,28 +95,59 @@ class MLALatentCache:
         d, r = self.dcp_size, self.dcp_rank
         return (n_tokens - r + d - 1) // d if n_tokens > r else 0
 
-    def _index(self, slot: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        table = torch.tensor(self.block_tables[slot], dtype=torch.long, device=local.device)
-        blk = local // self.block_size
-        if blk.numel() and int(blk.max()) >= len(self.block_tables[slot]):
+    def _rows_index(self, slot: int, first: int, count: int, device) -> torch.Tensor:
+        """Pool rows (block · block_size + offset, flat over a layer's (blocks · block_size)
+        rows) of this rank's local positions first .. first + count − 1 of `slot`, as an int64
+        index on `device`: built on the host from the block table with tensor ops, one pinned
+        non-blocking copy (no host sync); memoized on the table's contents, so the MLA layers
+        of a step share one build and one copy. RuntimeError past the slot's blocks."""
+        table, bs = self.block_tables[slot], self.block_size
+        if count and (first + count - 1) // bs >= len(table):
             raise RuntimeError(f"slot {slot}: position beyond its {len(table)} cache blocks")
-        return table[blk], local % self.block_size
+        key = (first, count, bs, str(device), tuple(table))
+        hit = self._index_memo.get(key)
+        if hit is not None:
+            return hit
+        b0, b1 = first // bs, (first + count - 1) // bs + 1 if count else first // bs
+        blocks = torch.tensor(table[b0:b1], dtype=torch.long)
+        rows = (blocks[:, None] * bs + torch.arange(bs)).flatten()
+        idx = host_to_device(rows[first - b0 * bs:first - b0 * bs + count], device)
+        if len(self._index_memo) >= 8:
+            self._index_memo.pop(next(iter(self._index_memo)))
+        self._index_memo[key] = idx
+        return idx
 
-    def write(self, layer: int, slot: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store rows (n, latent_dim) at absolute positions (n,), keeping this rank's share."""
-        mine = positions % self.dcp_size == self.dcp_rank
-        if not bool(mine.any()):
+    def write(self, layer: int, slot: int, pos: int, rows: torch.Tensor) -> None:
+        """Store rows (n, latent_dim) of positions pos .. pos + n − 1, keeping this rank's
+        share (position p lives on DCP rank p mod D, at local row p // D). The index comes
+        from the host table: no host sync."""
+        D, r, n = self.dcp_size, self.dcp_rank, rows.shape[0]
+        i0 = (r - pos) % D                        # the chunk's first row this rank stores
+        count = len(range(i0, n, D))
+        if not count:
             return
-        b, o = self._index(slot, positions[mine] // self.dcp_size)
-        self.pool[layer, b, o] = rows[mine].to(self.pool.dtype)
+        idx = self._rows_index(slot, (pos + i0) // D, count, rows.device)
+        pool = self.pool[layer].view(-1, self.pool.shape[-1])
+        pool.index_copy_(0, idx, rows[i0::D].to(self.pool.dtype))
 
     def read(self, layer: int, slot: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows among the first n_tokens positions: (rows (m, latent_dim),
-        absolute positions (m,)), in position order."""
+        absolute positions (m,)), in position order. No host sync."""
         m = self.local_len(n_tokens)
+        idx = self._rows_index(slot, 0, m, self.pool.device)
+        rows = self.pool[layer].view(-1, self.pool.shape[-1]).index_select(0, idx)
         local = torch.arange(m, device=self.pool.device)
-        b, o = self._index(slot, local)
-        return self.pool[layer, b, o], local * self.dcp_size + self.dcp_rank
+        return rows, local * self.dcp_size + self.dcp_rank
+
+
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device`: on CUDA through pinned memory, non-blocking (a plain
+    copy from pageable memory synchronizes the stream: the host would wait for every queued
+    kernel, so host and device stop overlapping); elsewhere a plain `.to`."""
+    device = torch.device(device) if device is not None else t.device
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class KDAStateCache:

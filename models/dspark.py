@@ -629,7 +629,7 @@ class DSparkDrafter(nn.Module):
             rows = attn.latent_rows(ctx, positions)
             row = caches.mla_index[attn.key]
             for s in batch.seqs:
-                caches.mla.write(row, s.slot, positions[s.start:s.end], rows[s.start:s.end])
+                caches.mla.write(row, s.slot, s.pos, rows[s.start:s.end])
 
     def write_context_static(self, tapped: torch.Tensor, st, caches: ModelCaches) -> None:
         """`write_context` of a graph-shaped verify step (VerifyStatics `st`: its rows'

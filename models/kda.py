@@ -41,7 +41,7 @@ from raydecode.kernels import kda_prefill as kda_prefill_op
 from raydecode.kernels import kda_verify as kda_verify_op
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
-from .cache import ModelCaches, StepBatch
+from .cache import ModelCaches, StepBatch, host_to_device
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, pack_rows_,
                      replicated_linear, rms_norm, row_linear)
@@ -143,10 +143,7 @@ def slot_index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """(T,) int64 state rows on `device`, built once per batch composition (every KDA layer of
     a step and every step with the same sequences reuse it; never written). On CUDA the copy
     goes through pinned memory, non-blocking: no host sync."""
-    idx = torch.tensor(slots, dtype=torch.int64)
-    if device.type == "cuda":
-        return idx.pin_memory().to(device, non_blocking=True)
-    return idx.to(device)
+    return host_to_device(torch.tensor(slots, dtype=torch.int64), device)
 
 
 class ShortConv(nn.Module):

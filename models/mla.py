@@ -48,7 +48,7 @@ from raydecode.kernels.mla_decode import (absorbed_q_weight, folded_q_b_weight, 
 from raydecode.kernels.mla_prefill import mla_prefill_into, resolve_impl
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
-from .cache import MLALatentCache, ModelCaches, SeqSlice, StepBatch
+from .cache import MLALatentCache, ModelCaches, SeqSlice, StepBatch, host_to_device
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
                      row_linear)
@@ -135,8 +135,7 @@ def decode_meta(batch: StepBatch, cache: MLALatentCache, device
     flat = [b for t in tables for b in t + [0] * (width - len(t))]
     flat += [s.pos // D if s.pos % D == r else -1 for s in order] + lens
     host = torch.tensor(flat, dtype=torch.int32)               # [table | store | seq_lens]
-    dev = (host.pin_memory().to(device, non_blocking=True)     # no host sync on CUDA
-           if torch.device(device).type == "cuda" else host.to(device))
+    dev = host_to_device(host, device)                         # no host sync on CUDA
     out = (dev[:T * width].view(T, width), dev[T * width:T * width + T], dev[T * width + T:])
     _META_MEMO[0] = (weakref.ref(batch), key, out)
     return out
@@ -341,12 +340,14 @@ class MLAAttention(nn.Module):
         (the partials need the all-gathers) and the reference (the CPU and fp32 by default:
         as before, bit for bit) keep the absorbed fp32 math of `_latent_attention`."""
         cache, layer = caches.mla, caches.mla_index[self.layer_idx]
-        positions = batch.positions(q.device)
         for s in batch.seqs:
-            cache.write(layer, s.slot, positions[s.start:s.end], rows[s.start:s.end])
+            cache.write(layer, s.slot, s.pos, rows[s.start:s.end])
         sdpa = self.par.dcp_size == 1 and resolve_impl(self.prefill_impl, q) == "sdpa"
         if not (sdpa and any(s.length > 1 for s in batch.seqs)):
-            return self._latent_attention(q, batch.seqs, positions, cache, layer)
+            return self._latent_attention(q, batch.seqs, batch.positions(q.device), cache,
+                                          layer)
+        decodes = any(s.length == 1 for s in batch.seqs)        # a mixed step's decode rows
+        positions = batch.positions(q.device) if decodes else None
         out = q.new_empty(q.shape[0], self.heads, self.vdim)                 # (T, h, v)
         for s in batch.seqs:
             sl = slice(s.start, s.end)
