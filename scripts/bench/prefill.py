@@ -4,7 +4,8 @@ counts, and the stock decode step's kernels per layer.
 
     python -m raydecode.scripts.bench.prefill [--config k3] [--tps 16,8] [--layers 0]
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
-        [--context 1024] [--random-counts 50] [--max-seconds 60] [--graphed 1]
+        [--context 1024] [--random-counts 50] [--gc-modes frozen] [--max-seconds 60]
+        [--graphed 1] [--profile-first-run] [--module-loading lazy|eager]
         [--out bench/results/prefill-….json] [--png bench/results/prefill-….png] [--commit SHA]
 
 The rank is scripts/bench/step.py's: one GPU plays rank 0 of TP `--tp` (`SoloRankComm`: the
@@ -25,7 +26,11 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             decoders), each time against the steady state of its bucket (the smallest bucket
             ≥ the count: median of `--repeats` runs after the warm-up). Acceptance: every
             first run ≤ 2× steady. The Triton JIT specializations compiled after the warm-up
-            are counted (Triton's cache hook) where Triton has one.
+            are counted (Triton's cache hook) where Triton has one. Per `--gc-modes` (live:
+            the GC as the process left it; frozen: engine/runner.py `freeze_host_heap` first,
+            as a served GPU rank after its build) a fresh draw of counts, each first run with
+            the ms it spent in Python's GC and the caching allocator's new segments and
+            retries (`StepProbe`); the top-level figures are the last mode's.
   mixed     `--mixed-decodes` sequences decoding at --context plus one chunk of the budget at
             --context: the step time is the decoders' TPOT during mixed steps; against the
             decode-only step of the same sequences (stock; graphed, as served) and the split
@@ -39,6 +44,10 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             run `--max-seconds`, its chunks but the last are skipped (their block tables still
             applied) and their time extrapolated: seconds per token linear in the chunk's mean
             position, least squares over the chunks run ("extrapolated": true).
+  profile   with --profile-first-run: torch.profiler over the first and the second prefill
+            step of an unmet count: wall ms, the device's kernel time (`device_busy_ms`: the
+            kernels' own events; below the wall time, the step is host-bound) and the top
+            kernels and host ops.
   kernels   CUDA: the kernels one stock decode step at batch 1 launches (torch.profiler),
             divided by the layers. GraphedRunner graphs decode-only specialized steps only, so
             the stock step is counted eager ("graphed": false); the count includes the step's
@@ -67,6 +76,7 @@ import argparse
 import contextlib
 import gc
 import math
+import os
 import random
 import statistics
 import time
@@ -673,6 +683,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-modes", default="frozen", help="comma-separated GC modes the random "
                     "counts run in, in order: live (as the process left it), frozen "
                     "(engine/runner.py freeze_host_heap first, as a served rank)")
+    ap.add_argument("--module-loading", default=None, choices=("lazy", "eager"),
+                    help="CUDA_MODULE_LOADING for this process (set before CUDA starts; "
+                         "default: the environment's, LAZY in CUDA 12+): with lazy loading a "
+                         "kernel variant's module loads on its first launch, e.g. the cuBLAS "
+                         "kernel a new GEMM shape picks — a first-run cost per new variant")
     ap.add_argument("--profile-first-run", action="store_true", help="after the random counts: "
                     "profile the first and second prefill step of an unmet token count")
     ap.add_argument("--steps", type=int, default=5, help="interleaved rounds of the mixed case")
@@ -705,6 +720,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--mixed-decodes {args.mixed_decodes}: expected 1..64 (the largest "
                          "graph bucket)")
     use_kernels(args.kernels)
+    if args.module_loading:
+        if torch.cuda.is_initialized():
+            raise SystemExit("--module-loading: CUDA is already initialized in this process")
+        os.environ["CUDA_MODULE_LOADING"] = args.module_loading.upper()
     try:
         cfg = layer_config(args.config, args.layers)
     except ValueError as e:
@@ -719,6 +738,7 @@ def main(argv=None) -> int:
                  f"measured ones × {scale:.4g}; MFU is the run's own" if scale != 1 else
                  "all layers run"),
         kernels=args.kernels, prefill_budget=args.prefill_budget, context=args.context,
+        cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING", "default (LAZY)"),
         mixed_decodes=args.mixed_decodes, random_counts=args.random_counts,
         max_seconds=args.max_seconds, seed=args.seed, flops_method=FLOPS_METHOD,
         summary_method="from the TP16 run: the 8192-token prompt's MFU and TTFT (all layers), "
