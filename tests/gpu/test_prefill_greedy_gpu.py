@@ -43,6 +43,10 @@ N_TOKENS = 24
 
 
 def _model(which: str, dtype: torch.dtype):
+    """The case's model and prompts on CUDA (skips without fla-core: the KDA prefill kernel
+    would be the reference, and both paths the same)."""
+    if kda_prefill._chunk_kda() is None:
+        pytest.skip("fla-core is not installed: the KDA prefill kernel would be the reference")
     return tiny_model("cuda", dtype) if which == "tiny" else k3_slice("cuda", dtype=dtype)
 
 
@@ -58,8 +62,6 @@ def _reference_runs(model, prompts, monkeypatch, forced=None):
 
 @pytest.mark.parametrize("which", ["tiny", "k3-slice"])
 def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, monkeypatch):
-    if _fla_missing():
-        pytest.skip("fla-core is not installed: the KDA prefill kernel would be the reference")
     model, prompts = _model(which, torch.float32)
     refs = _reference_runs(model, prompts, monkeypatch)
     total = ties = 0
@@ -82,8 +84,6 @@ def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, monkeypa
 
 @pytest.mark.parametrize("which", ["tiny", "k3-slice"])
 def test_gpu_prefill_bf16_is_within_the_bf16_reference_noise(which, monkeypatch):
-    if _fla_missing():
-        pytest.skip("fla-core is not installed: the KDA prefill kernel would be the reference")
     model, prompts = _model(which, torch.bfloat16)
     ref16 = _reference_runs(model, prompts, monkeypatch)
     got16 = [run_forced(model, p, N_TOKENS, forced=r.tokens) for p, r in zip(prompts, ref16)]
@@ -96,7 +96,3 @@ def test_gpu_prefill_bf16_is_within_the_bf16_reference_noise(which, monkeypatch)
                f"{sum(e_got) / len(e_got):.2e}; bf16 reference first {e_ref[0]:.2e} mean "
                f"{sum(e_ref) / len(e_ref):.2e}")
         assert within_bf16_noise(e_got, e_ref), msg
-
-
-def _fla_missing() -> bool:
-    return kda_prefill._chunk_kda() is None
