@@ -34,6 +34,7 @@ from raydecode.engine.sampling import StepResult
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.spec import AcceptanceStats
 from raydecode.engine.spec_engine import SpecEngine
+from raydecode.kernels.settings import pad_prefill as pad_prefill_setting
 
 from . import envelope
 from .config import DeployConfig, check_speculative, parse_deploy_config
@@ -173,7 +174,8 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
                           num_slots=ecfg.max_num_seqs, num_blocks=ecfg.blocks,
                           block_size=ecfg.block_size, max_model_len=ecfg.max_model_len,
                           step_graphs=_step_graphs(config), decode=config.decode_options(),
-                          num_snapshots=ecfg.num_snapshots)
+                          num_snapshots=ecfg.num_snapshots, pad_prefill=pad_prefill_setting(),
+                          prefill_budget=ecfg.max_num_batched_tokens)
         runner = load_runner(shard, Parallel(), LocalComm(), device)
         prepare_runner(runner, Parallel(), device)       # kernels, then the step graphs
         return LocalReplicaExecutor(runner)
@@ -196,6 +198,7 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
         domain_verified=verified, num_cpus_per_rank=rank_cpus, max_model_len=ecfg.max_model_len,
         step_graphs=_step_graphs(config), decode=config.decode_options(),
         oneshot_allreduce=config.decode.oneshot_allreduce, num_snapshots=ecfg.num_snapshots,
+        prefill_budget=ecfg.max_num_batched_tokens,
         # a speculating replica's SpecRunner stays eager: no step graphs (rank_group.py)
         runner_factory=None if spec is None else spec_runner_factory(spec))
     ex.kda_snapshot_slots = ecfg.num_snapshots        # what every rank allocated

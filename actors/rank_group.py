@@ -33,6 +33,7 @@ from raydecode.engine.plan_codec import decode_result, encode_plan, stop_frame
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_channel import ChannelClosed, ChannelServer, RankRaised, RankSilent
 from raydecode.engine.step_graph import bucket_for, setting as step_graphs_setting
+from raydecode.kernels.settings import pad_prefill as pad_prefill_setting
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from raydecode.models.specialized import check_path
 
@@ -407,7 +408,8 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
                              step_graphs: bool | None = None,
                              decode: DecodeOptions = DEFAULT_OPTIONS,
                              oneshot_allreduce: bool = True,
-                             num_snapshots: int = 0) -> RankGroupExecutor:
+                             num_snapshots: int = 0,
+                             prefill_budget: int | None = None) -> RankGroupExecutor:
     """A started TP group of `tp` rank actors for `model` (preset or checkpoint folder).
 
     Each rank loads only its shard and owns caches for num_slots sequences and num_blocks
@@ -422,7 +424,9 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
     bounds their block-table width. A runner_factory ignores both (SpecRunner stays eager).
     decode / oneshot_allreduce: the deployment's `decode:` section (every rank's model is built
     with these options; the one-shot all-reduce on or off). num_snapshots: KDA snapshot slots
-    per rank, for the coordinator's prefix cache."""
+    per rank, for the coordinator's prefix cache. prefill_budget: the step token budget; with
+    RAYDECODE_PAD_PREFILL=1 on this driver each rank pads its stock steps to their token bucket
+    and warms every bucket up to it at build."""
     from raydecode.models.parallel import Parallel
 
     Parallel(0, tp, dcp)          # validates tp >= 1 and dcp | tp with a clear message
@@ -431,7 +435,8 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
     spec = ShardSpec(model=str(model), dtype=dtype, num_slots=num_slots, num_blocks=num_blocks,
                      block_size=block_size, max_model_len=max_model_len,
                      step_graphs=step_graphs_setting() if step_graphs is None else step_graphs,
-                     decode=decode, num_snapshots=num_snapshots)
+                     decode=decode, num_snapshots=num_snapshots,
+                     pad_prefill=pad_prefill_setting(), prefill_budget=prefill_budget)
     opts = GroupOptions(tp_size=tp, dcp_size=dcp, step_timeout_s=step_timeout_s,
                         init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
                         num_cpus_per_rank=num_cpus_per_rank, placement=placement,

@@ -55,6 +55,8 @@ class ShardSpec:
     step_graphs: bool | None = None    # GraphedRunner + capture at build; None: auto (resolve)
     decode: DecodeOptions = DEFAULT_OPTIONS   # the deployment's `decode:` section
     num_snapshots: int = 0             # KDA snapshot slots (prefix caching)
+    pad_prefill: bool = False          # stock steps padded to their token bucket (GraphedRunner)
+    prefill_budget: int | None = None  # the step token budget: the padded buckets warmed at build
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -89,7 +91,8 @@ def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> Mode
         return ModelRunner(shard.model, shard.caches, device)
     runner = GraphedRunner(shard.model, shard.caches, device, num_slots=spec.num_slots,
                            num_blocks=spec.num_blocks, max_blocks=spec.max_blocks(par.dcp_size),
-                           buckets=spec.graph_buckets)
+                           buckets=spec.graph_buckets, pad_prefill=spec.pad_prefill)
+    runner.prefill_budget = spec.prefill_budget
     if spec.step_graphs is None and not runner.support[0]:
         # auto: a model the graphs do not support runs the eager specialized step (with '1'
         # it captures nothing and runs stock, DESIGN §3); the scratch rows stay unused
@@ -127,6 +130,8 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
         if not runner.support[0]:
             return support, kernels, [], f"step graphs unsupported: {runner.support[1]}"
         ready = sorted(runner.capture_all())
+        if runner.pad_prefill and getattr(runner, "prefill_budget", None):
+            runner.warm_prefill(runner.prefill_budget)   # every padded stock step's shape once
         failed = "; ".join(f"bucket {b}: {why}"
                            for b, why in sorted(runner.capture_failed.items()))
         return support, kernels, ready, failed or None

@@ -30,6 +30,7 @@ lm_head GEMV reads the same weights at B = 1..64) and the first T returned.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -253,6 +254,28 @@ def graph_support(model, caches: ModelCaches) -> tuple[bool, str]:
     return True, "ok"
 
 
+PAD_MAX = 8192           # the largest padded stock step (tokens); above it a step runs as is
+
+
+def prefill_bucket(tokens: int, cap: int = PAD_MAX) -> int | None:
+    """The token bucket a padded stock step of `tokens` runs in: the next power of two up to
+    256, then the next multiple of 256, up to `cap`; None above `cap` (the step runs as is).
+    Padding costs ≤ 2× tokens below 256 (where the step is host-bound) and < 256 tokens
+    above (≤ 12.5 % from 2,048)."""
+    if tokens < 1:
+        raise ValueError(f"{tokens} tokens: a step has at least one")
+    b = 1 << (tokens - 1).bit_length() if tokens <= 256 else -(-tokens // 256) * 256
+    return b if b <= cap else None
+
+
+def prefill_buckets(budget: int, cap: int = PAD_MAX) -> list[int]:
+    """Every bucket a step of 1..budget tokens pads to (what the build warms)."""
+    top = min(budget, cap)
+    return sorted({prefill_bucket(t, cap) for t in (*(1 << i for i in range(9)),
+                                                    *range(256, top + 256, 256))
+                   if t <= top} | ({prefill_bucket(top, cap)} if top >= 1 else set()))
+
+
 @dataclass
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
@@ -272,7 +295,7 @@ class GraphedRunner(ModelRunner):
 
     def __init__(self, model, caches: ModelCaches, device="cpu", *, num_slots: int,
                  num_blocks: int, max_blocks: int | None = None, buckets=BUCKETS,
-                 capture: bool | None = None):
+                 capture: bool | None = None, pad_prefill: bool | None = None):
         super().__init__(model, caches, device)
         self.buckets = check_buckets(buckets)
         need_slots, need_blocks = graph_cache_sizes(num_slots, num_blocks, self.buckets)
@@ -303,7 +326,10 @@ class GraphedRunner(ModelRunner):
         self.graphs: dict[int, _Captured] = {}
         self.capture_failed: dict[int, str] = {}     # bucket -> why (it then runs eagerly)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.counts = {"graphed": 0, "eager_statics": 0, "plain": 0, "captured": 0}
+        self.counts = {"graphed": 0, "eager_statics": 0, "plain": 0, "captured": 0,
+                       "padded": 0}
+        # stock steps padded to `prefill_bucket` (None: RAYDECODE_PAD_PREFILL, default off)
+        self.pad_prefill = settings.pad_prefill() if pad_prefill is None else bool(pad_prefill)
 
     # ---- which steps -------------------------------------------------------------------------
     def why_not(self, plan: StepPlan) -> str | None:
@@ -341,7 +367,7 @@ class GraphedRunner(ModelRunner):
         replay of the bucket rewrites (the sampler reads it first, in stream order)."""
         if self.why_not(plan) is not None:
             self.counts["plain"] += 1
-            return super().logits(plan)
+            return self._stock_logits(plan)
         self.update_caches(plan)
         T, B = plan.num_seqs, bucket_for(plan.num_seqs, self.buckets)
         st = self._statics(B)
@@ -395,6 +421,59 @@ class GraphedRunner(ModelRunner):
                     self.caches.kda.reset(s)
             if not self.capture or B in self.graphs:
                 done.append(B)
+        return done
+
+    # ---- padded stock steps ----------------------------------------------------------------
+    def pad_of(self, plan: StepPlan) -> int | None:
+        """The bucket this step pads to, or None (padding off, not the stock path, nothing to
+        pad, above PAD_MAX, or a KDA observer: speculative rollback reads every sequence in
+        turn)."""
+        if (not self.pad_prefill or plan.path != "stock" or not self.scratch.count
+                or self.caches.kda_observer is not None):
+            return None
+        T = plan.batch.num_tokens
+        b = prefill_bucket(T) if T >= 1 else None
+        return b if b is not None and b > T else None
+
+    def _stock_logits(self, plan: StepPlan, bucket: int | None = None) -> torch.Tensor:
+        """ModelRunner.logits of the plan, padded to its bucket where `pad_of` says (or to
+        `bucket`): the pad tokens are one more sequence, at position 0 on the first scratch
+        KDA slot (a sequence start ignores the slot's contents) with every position's MLA
+        row on the scratch block (its rows overwrite each other: only the pad tokens read
+        them). The real sequences, their caches and sample rows are the unpadded step's;
+        the per-token work (projections, experts, norms) runs at the bucket's shape."""
+        b = self.pad_of(plan) if bucket is None else bucket
+        if b is None:
+            return super().logits(plan)
+        T, pad = plan.batch.num_tokens, self.scratch.slots[0]
+        padded = dataclasses.replace(
+            plan, batch=StepBatch(list(plan.batch.seqs) + [SeqSlice(pad, T, b - T, 0)]),
+            tokens=list(plan.tokens) + [0] * (b - T))
+        mla = self.caches.mla
+        if mla is not None:
+            blocks = -(-b // mla.block_size)
+            mla.block_tables[pad] = [self.scratch.block] * blocks
+        try:
+            out = super().logits(padded)
+        finally:
+            if mla is not None:
+                mla.block_tables.pop(pad, None)
+        self.counts["padded"] += 1
+        return out
+
+    @torch.inference_mode()
+    def warm_prefill(self, budget: int) -> list[int]:
+        """Startup, with padding on: one stock step of every bucket a step of 1..budget tokens
+        pads to, all pad tokens (the scratch sequence alone), so the first request of each
+        shape meets warm kernels, cuBLAS heuristics and allocator blocks. -> the buckets run
+        ([] with padding off)."""
+        if not self.pad_prefill or not self.scratch.count:
+            return []
+        done = []
+        for b in prefill_buckets(budget):
+            plan = StepPlan(0, StepBatch([]), [], [b - 1], {}, [], "stock")
+            self._stock_logits(plan, bucket=b)
+            done.append(b)
         return done
 
     # ---- internals -------------------------------------------------------------------------
@@ -456,6 +535,7 @@ def warm_and_capture(fn, device, pool):
     return warm, g, out, None
 
 
-__all__ = ["BUCKETS", "ENV", "PAD_POS", "GraphedRunner", "ScratchRows", "StepStatics",
-           "bucket_for", "check_buckets", "graph_cache_sizes", "graph_support",
-           "max_padding", "scratch_bytes", "warm_and_capture"]
+__all__ = ["BUCKETS", "ENV", "PAD_MAX", "PAD_POS", "GraphedRunner", "ScratchRows",
+           "StepStatics", "bucket_for", "check_buckets", "graph_cache_sizes", "graph_support",
+           "max_padding", "prefill_bucket", "prefill_buckets", "scratch_bytes",
+           "warm_and_capture"]

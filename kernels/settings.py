@@ -89,6 +89,10 @@ _ALL = (
             "deployment does not say (decode.step_graphs)",
             "'1' (graphs on), '0' (off) or unset (auto: on for CUDA ranks whose model the "
             "graphs support)", _tristate),
+    Setting("RAYDECODE_PAD_PREFILL", "0", "'1': a CUDA rank's stock steps run padded to their "
+            "token bucket (engine/step_graph.py `prefill_bucket`: one shape per bucket, warmed "
+            "at the build), the pad tokens a scratch sequence", "'0' (off) or '1' (on)",
+            _strict_bool),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
             _flag),
@@ -146,6 +150,10 @@ def rank_threads() -> int:
 
 def step_graphs() -> bool | None:
     return get("RAYDECODE_STEP_GRAPHS")
+
+
+def pad_prefill() -> bool:
+    return get("RAYDECODE_PAD_PREFILL")
 
 
 def oneshot_allreduce() -> bool:

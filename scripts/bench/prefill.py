@@ -88,7 +88,7 @@ from raydecode.engine.request import Request, SamplingParams
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.sampling import SamplingRows, sample_isolated
 from raydecode.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes
+from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes, prefill_buckets
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
@@ -209,7 +209,8 @@ class PrefillRank:
     (they stay there: each step rewrites the same row; the timing does not read values)."""
 
     def __init__(self, model: K3ForCausalLM, device, max_prompt: int, budget: int,
-                 decodes: int, context: int, seed: int = 0, graphed: bool = True):
+                 decodes: int, context: int, seed: int = 0, graphed: bool = True,
+                 pad: bool = False):
         self.model, self.device = model, torch.device(device)
         self.budget, self.context = budget, context
         self.prompt_blocks = -(-max(max_prompt, context + budget) // BLOCK)
@@ -218,7 +219,8 @@ class PrefillRank:
         ns, nb = graph_cache_sizes(num_slots, num_blocks)
         caches = make_caches(model.cfg, model.par, ns, nb, BLOCK, model.dtype, device=device)
         self.runner = GraphedRunner(model, caches, device, num_slots=num_slots,
-                                    num_blocks=num_blocks, max_blocks=per_decoder)
+                                    num_blocks=num_blocks, max_blocks=per_decoder,
+                                    pad_prefill=pad)
         slots, blocks = SlotAllocator(num_slots), BlockAllocator(num_blocks, BLOCK)
         self.slot = slots.allocate()
         blocks.ensure(self.slot, self.prompt_blocks * BLOCK)
@@ -312,8 +314,12 @@ def ttft_of(chunks: list[tuple[int, int, float | None]]) -> tuple[float, dict | 
                          "skipped_s": est}
 
 
-def buckets_for(budget: int) -> list[int]:
-    """Prefill step buckets: the powers of two below the budget, and the budget."""
+def buckets_for(budget: int, pad: bool = False) -> list[int]:
+    """Prefill step buckets: the powers of two below the budget, and the budget; with `pad`
+    the token buckets the runner pads its stock steps to (engine/step_graph.py
+    `prefill_buckets`)."""
+    if pad:
+        return prefill_buckets(budget)
     return [1 << i for i in range(budget.bit_length()) if 1 << i < budget] + [budget]
 
 
@@ -543,8 +549,9 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
     run = {"tp": tp, "build_s": round(build_s, 1), "flops_model": flop_model(model)}
     tag = f"TP{tp} L={cfg.num_layers}"
     rank = PrefillRank(model, args.device, max(args.prompts), args.prefill_budget,
-                       args.mixed_decodes, args.context, args.seed, bool(args.graphed))
-    buckets = buckets_for(args.prefill_budget)
+                       args.mixed_decodes, args.context, args.seed, bool(args.graphed),
+                       bool(args.pad_prefill))
+    buckets = buckets_for(args.prefill_budget, bool(args.pad_prefill))
     run["warmup_first_ms"] = warm_up(rank, buckets, args.mixed_decodes)
     save(run)
     rc = random_counts(rank, buckets, args.mixed_decodes, args.random_counts, args.repeats,
@@ -683,6 +690,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-modes", default="frozen", help="comma-separated GC modes the random "
                     "counts run in, in order: live (as the process left it), frozen "
                     "(engine/runner.py freeze_host_heap first, as a served rank)")
+    ap.add_argument("--pad-prefill", type=int, choices=(0, 1), default=0,
+                    help="1: the runner pads every stock step to its token bucket "
+                         "(engine/step_graph.py prefill_bucket; the buckets of the counts' "
+                         "steady state become those); 0: steps run at their own token count")
     ap.add_argument("--module-loading", default=None, choices=("lazy", "eager"),
                     help="CUDA_MODULE_LOADING for this process (set before CUDA starts; "
                          "default: the environment's, LAZY in CUDA 12+): with lazy loading a "
@@ -739,6 +750,7 @@ def main(argv=None) -> int:
                  "all layers run"),
         kernels=args.kernels, prefill_budget=args.prefill_budget, context=args.context,
         cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING", "default (LAZY)"),
+        pad_prefill=bool(args.pad_prefill),
         mixed_decodes=args.mixed_decodes, random_counts=args.random_counts,
         max_seconds=args.max_seconds, seed=args.seed, flops_method=FLOPS_METHOD,
         summary_method="from the TP16 run: the 8192-token prompt's MFU and TTFT (all layers), "

@@ -157,3 +157,27 @@ def test_ttft_extrapolation_and_buckets():
 def test_bad_flags_exit_with_the_value(argv, match):
     with pytest.raises(SystemExit, match=match):
         prefill.main(["--config", "tiny", "--device", "cpu"] + argv)
+
+
+def test_prefill_bench_padded_steps_cpu(tmp_path):
+    """--pad-prefill 1: the counts' buckets are the runner's padded token buckets, and the
+    prompts' chunks run padded."""
+    from raydecode.engine.step_graph import prefill_bucket
+    args = ["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "40",
+            "--prefill-budget", "24", "--mixed-decodes", "2", "--context", "8",
+            "--random-counts", "3", "--repeats", "1", "--steps", "1"]
+    reps = []
+    for pad in ("0", "1"):
+        out = tmp_path / f"prefill-{pad}.json"
+        assert prefill.main(args + ["--pad-prefill", pad, "--out", str(out)]) == 0
+        reps.append(json.loads(out.read_text()))
+    off, on = reps
+    assert on["pad_prefill"] is True and off["pad_prefill"] is False
+    rc = on["runs"][0]["random_counts"]
+    # a 17..24-token step runs padded to 32: the steady state is measured at 32
+    assert sorted(int(b) for b in rc["steady_ms"]["prefill"]) == [1, 2, 4, 8, 16, 32]
+    for r in rc["modes"]["frozen"]["rows"]:
+        assert r["bucket"] == prefill_bucket(r["tokens"])
+    # (the padded step's values: tests/cpu/test_pad_prefill.py; here bf16 near ties may flip)
+    p_on, p_off = on["runs"][0]["prompts"][0], off["runs"][0]["prompts"][0]
+    assert p_on["chunks_run"] == p_off["chunks_run"] == p_on["chunks_total"] == 2

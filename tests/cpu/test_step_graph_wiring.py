@@ -24,7 +24,8 @@ from raydecode.engine.cache import BlockAllocator, SlotAllocator
 from raydecode.engine.engine import EngineConfig
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
-from raydecode.engine.step_graph import ENV, GraphedRunner, setting
+from raydecode.engine.step_graph import (ENV, GraphedRunner, prefill_bucket, prefill_buckets,
+                                         setting)
 from raydecode.models.cache import SeqSlice, StepBatch
 
 from _numerics import max_rel_err
@@ -49,10 +50,12 @@ def num_blocks(dcp: int) -> int:
                         dcp_size=dcp).blocks
 
 
-def spec(step_graphs: bool | None, dcp: int = 1) -> ShardSpec:
+def spec(step_graphs: bool | None, dcp: int = 1, pad_budget: int | None = None) -> ShardSpec:
+    """pad_budget: stock steps padded to their token bucket, buckets up to it warmed."""
     return ShardSpec(model="tiny", dtype="bfloat16", num_slots=SLOTS,
                      num_blocks=num_blocks(dcp), block_size=BS, max_model_len=MAX_LEN,
-                     step_graphs=step_graphs)
+                     step_graphs=step_graphs, pad_prefill=pad_budget is not None,
+                     prefill_budget=pad_budget)
 
 
 def script(dcp: int, seed: int = 0) -> list[StepPlan]:
@@ -181,15 +184,32 @@ def test_tp1_worker_graphs_on_equal_off():
     info_off, off, _, steps_off = run_tp1(False, plans)
     check_equal(on, off, plans, "TP1")
     n, k = len(plans), N_SPECIALIZED      # CUDA: captured at build, then every step replays
-    assert counts == ({"graphed": k, "eager_statics": 0, "plain": n - k, "captured": 4}
+    assert counts == ({"graphed": k, "eager_statics": 0, "plain": n - k, "captured": 4, "padded": 0}
                       if ON_CUDA else
-                      {"graphed": 0, "eager_statics": k, "plain": n - k, "captured": 0})
+                      {"graphed": 0, "eager_statics": k, "plain": n - k, "captured": 0, "padded": 0})
     assert steps == steps_off == {"stock": n - k, "specialized": k}
     on_ready = GroupReadiness.from_infos([info_on])
     off_ready = GroupReadiness.from_infos([info_off])
     assert on_ready.graph_buckets == {1, 2, 4, 8} and off_ready.graph_buckets is None
     assert [on_ready.specialized_ready(k) for k in (1, 3, 5, 8, 9, 64)] == [True] * 4 + [False] * 2
     assert all(off_ready.specialized_ready(k) for k in (1, 5, 9, 64, 65, 1000))
+
+
+def test_tp1_worker_padded_stock_steps_equal_unpadded():
+    """ShardSpec.pad_prefill: the rank warms every padded bucket up to the budget at build,
+    then its stock steps run padded (engine/step_graph.py) with the unpadded logits."""
+    plans = script(1)
+    with tp1_worker(spec(True, pad_budget=64)) as (w, info):
+        warmed = w.runner.counts["padded"]
+        assert w.runner.pad_prefill and warmed == len(prefill_buckets(64))
+        padded = drive(w, plans)
+        stepped = w.runner.counts["padded"] - warmed
+    _, plain, _, _ = run_tp1(True, plans)
+    check_equal(padded, plain, plans, "TP1 padded")
+    # every stock step not already at its bucket was padded
+    want = sum(1 for p in plans if p.path == "stock"
+               and prefill_bucket(p.batch.num_tokens) != p.batch.num_tokens)
+    assert stepped == want > 0
 
 
 def test_auto_setting_graphs_only_cuda_ranks():

@@ -1,0 +1,113 @@
+"""Padded stock steps (engine/step_graph.py `GraphedRunner` with pad_prefill): a stock step
+padded to its token bucket by one scratch sequence gives the unpadded step's logits and real
+caches, for a chunk at position 0, a continued chunk beside a new sequence, and a mixed step
+with a decode row; the padding ran (the scratch rows changed), its table is gone after the
+step, and the build's warm-up runs every bucket without touching a real slot. On the CPU the
+tiny model in fp32 (what the CUDA rank runs at the bucket's shapes is the same code)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydecode.engine.runner import ModelRunner
+from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.step_graph import (GraphedRunner, PAD_MAX, graph_cache_sizes,
+                                         prefill_bucket, prefill_buckets)
+from raydecode.kernels import settings
+from raydecode.models.cache import SeqSlice, StepBatch
+from raydecode.models.config import load_config
+from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
+
+torch.set_num_threads(1)
+NS, NB, BS = 4, 40, 16
+SENTINEL = 3.0
+TABLES = {0: list(range(0, 12)), 1: list(range(12, 24))}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_random_(K3ForCausalLM(load_config("tiny"), dtype=torch.float32), seed=7)
+
+
+def _runners(model):
+    ns, nb = graph_cache_sizes(NS, NB)
+    caches = [make_caches(model.cfg, model.par, ns, nb, BS, torch.float32) for _ in range(2)]
+    for c in caches:
+        c.kda.conv.fill_(SENTINEL)
+        c.kda.rec.fill_(SENTINEL)
+        c.mla.pool.fill_(SENTINEL)
+    plain = ModelRunner(model, caches[0])
+    padded = GraphedRunner(model, caches[1], num_slots=NS, num_blocks=NB, pad_prefill=True)
+    return plain, padded
+
+
+def _plan(step: int, seqs: list[SeqSlice], V: int, tables=None) -> StepPlan:
+    g = torch.Generator().manual_seed(step)
+    n = sum(s.length for s in seqs)
+    toks = torch.randint(0, V, (n,), generator=g).tolist()
+    return StepPlan(step, StepBatch(seqs), toks, [s.start + s.length - 1 for s in seqs],
+                    tables or {}, [])
+
+
+def _real(c):
+    """The real slots' and blocks' contents."""
+    return (c.kda.rec[:, :NS], c.kda.conv[:, :NS], c.mla.pool[:, :NB])
+
+
+def test_prefill_bucket_shapes():
+    assert [prefill_bucket(t) for t in (1, 3, 200, 256, 257, 2047, 2049)] == \
+        [1, 4, 256, 256, 512, 2048, 2304]
+    assert prefill_bucket(PAD_MAX + 1) is None
+    assert prefill_buckets(700) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768]
+    with pytest.raises(ValueError, match="0 tokens"):
+        prefill_bucket(0)
+
+
+def test_padded_stock_steps_equal_the_unpadded_ones(model):
+    plain, padded = _runners(model)
+    V = model.cfg.vocab_size
+    steps = [[SeqSlice(0, 0, 37, 0)],                                   # 37 -> 64
+             [SeqSlice(0, 0, 100, 37), SeqSlice(1, 100, 20, 0)],        # 120 -> 128
+             [SeqSlice(0, 0, 1, 137), SeqSlice(1, 1, 50, 20)]]          # mixed: 51 -> 64
+    scratch = padded.scratch.slots[0]
+    for i, seqs in enumerate(steps):
+        plan = _plan(i + 1, seqs, V, TABLES if i == 0 else None)
+        before = padded.caches.kda.rec[:, scratch].clone()
+        want = plain.logits(plan)
+        got = padded.logits(plan)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (i, (got - want).abs().max())
+        for a, b in zip(_real(plain.caches), _real(padded.caches)):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), i
+        assert not torch.equal(padded.caches.kda.rec[:, scratch], before)   # the pad ran
+        assert scratch not in padded.caches.mla.block_tables
+    assert padded.counts["padded"] == 3
+
+
+def test_a_step_at_its_bucket_or_with_padding_off_runs_as_is(model):
+    plain, padded = _runners(model)
+    plan = _plan(1, [SeqSlice(0, 0, 64, 0)], model.cfg.vocab_size, TABLES)
+    assert padded.pad_of(plan) is None                  # 64 tokens: already a bucket
+    padded.logits(plan)
+    assert padded.counts["padded"] == 0
+    off = GraphedRunner(model, plain.caches, num_slots=NS, num_blocks=NB, pad_prefill=False)
+    assert off.pad_of(_plan(2, [SeqSlice(0, 0, 5, 64)], model.cfg.vocab_size)) is None
+
+
+def test_warm_prefill_runs_every_bucket_on_scratch_rows_only(model):
+    _, padded = _runners(model)
+    real = [t.clone() for t in _real(padded.caches)]
+    assert padded.warm_prefill(300) == prefill_buckets(300)
+    assert all(torch.equal(a, b) for a, b in zip(real, _real(padded.caches)))
+    assert not padded.caches.mla.block_tables
+    assert padded.counts["padded"] == len(prefill_buckets(300))
+
+
+def test_pad_prefill_setting_is_strict(monkeypatch):
+    monkeypatch.setenv("RAYDECODE_PAD_PREFILL", "yes")
+    with pytest.raises(ValueError, match="RAYDECODE_PAD_PREFILL='yes'"):
+        settings.pad_prefill()
+    monkeypatch.setenv("RAYDECODE_PAD_PREFILL", "1")
+    assert settings.pad_prefill() is True
+    monkeypatch.delenv("RAYDECODE_PAD_PREFILL")
+    assert settings.pad_prefill() is False
