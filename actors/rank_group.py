@@ -33,8 +33,8 @@ from raydecode.engine.plan_codec import decode_result, encode_plan, stop_frame
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_channel import ChannelClosed, ChannelServer, RankRaised, RankSilent
 from raydecode.engine.step_graph import bucket_for, setting as step_graphs_setting
-from raydecode.kernels.settings import pad_prefill as pad_prefill_setting
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
+from raydecode.kernels.settings import pad_prefill as pad_prefill_setting
 from raydecode.models.specialized import check_path
 
 from .rank_worker import RankWorker, RunnerFactory, ShardSpec, load_runner

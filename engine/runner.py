@@ -78,4 +78,3 @@ def freeze_host_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
-

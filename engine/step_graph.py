@@ -270,10 +270,8 @@ def prefill_bucket(tokens: int, cap: int = PAD_MAX) -> int | None:
 
 def prefill_buckets(budget: int, cap: int = PAD_MAX) -> list[int]:
     """Every bucket a step of 1..budget tokens pads to (what the build warms)."""
-    top = min(budget, cap)
-    return sorted({prefill_bucket(t, cap) for t in (*(1 << i for i in range(9)),
-                                                    *range(256, top + 256, 256))
-                   if t <= top} | ({prefill_bucket(top, cap)} if top >= 1 else set()))
+    buckets = {prefill_bucket(t, cap) for t in range(1, min(budget, cap) + 1)}
+    return sorted(b for b in buckets if b is not None)
 
 
 @dataclass
