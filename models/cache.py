@@ -74,6 +74,12 @@ class StepBatch:
                           for i, (s, p) in enumerate(zip(slots, positions))])
 
 
+# `MLALatentCache._rows_index` keeps at most this many memoized indices (int64 on the device,
+# 32 MB): every sequence of a step (64 decoders of a mixed step, each read by every MLA layer)
+# stays memoized through the step.
+INDEX_MEMO_ELEMS = 1 << 22
+
+
 class MLALatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
                  dtype: torch.dtype, device=None, dcp_rank: int = 0, dcp_size: int = 1):
@@ -82,6 +88,7 @@ class MLALatentCache:
         self.block_size, self.dcp_rank, self.dcp_size = block_size, dcp_rank, dcp_size
         self.block_tables: dict[int, list[int]] = {}   # slot -> block ids (set by the engine)
         self._index_memo: dict[tuple, torch.Tensor] = {}   # `_rows_index`, by table contents
+        self._memo_elems = 0                                # their indices, oldest evicted first
 
     def copy_block(self, src: int, dst: int) -> None:
         """Every layer's rows of block src into block dst (this rank's DCP share of both)."""
@@ -99,8 +106,9 @@ class MLALatentCache:
         """Pool rows (block · block_size + offset, flat over a layer's (blocks · block_size)
         rows) of this rank's local positions first .. first + count − 1 of `slot`, as an int64
         index on `device`: built on the host from the block table with tensor ops, one pinned
-        non-blocking copy (no host sync); memoized on the table's contents, so the MLA layers
-        of a step share one build and one copy. RuntimeError past the slot's blocks."""
+        non-blocking copy (no host sync); memoized on the table's contents (INDEX_MEMO_ELEMS),
+        so the MLA layers of a step share one build and one copy per sequence. RuntimeError
+        past the slot's blocks."""
         table, bs = self.block_tables[slot], self.block_size
         if count and (first + count - 1) // bs >= len(table):
             raise RuntimeError(f"slot {slot}: position beyond its {len(table)} cache blocks")
@@ -112,9 +120,10 @@ class MLALatentCache:
         blocks = torch.tensor(table[b0:b1], dtype=torch.long)
         rows = (blocks[:, None] * bs + torch.arange(bs)).flatten()
         idx = host_to_device(rows[first - b0 * bs:first - b0 * bs + count], device)
-        if len(self._index_memo) >= 8:
-            self._index_memo.pop(next(iter(self._index_memo)))
         self._index_memo[key] = idx
+        self._memo_elems += count
+        while self._memo_elems > INDEX_MEMO_ELEMS and len(self._index_memo) > 1:
+            self._memo_elems -= self._index_memo.pop(next(iter(self._index_memo))).numel()
         return idx
 
     def write(self, layer: int, slot: int, pos: int, rows: torch.Tensor) -> None:

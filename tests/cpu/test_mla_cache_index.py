@@ -66,3 +66,19 @@ def test_a_position_past_the_slot_blocks_is_refused():
         c.write(0, 3, 10, torch.zeros(3, W))      # rows 10..12: block 3 does not exist
     with pytest.raises(RuntimeError, match="beyond its 3 cache blocks"):
         c.read(0, 3, 13)
+
+
+def test_the_memo_keeps_a_step_of_many_sequences_and_stays_bounded(monkeypatch):
+    import raydecode.models.cache as cache_mod
+    c = MLALatentCache(1, 200, BS, W, torch.float32)
+    for s in range(64):
+        c.block_tables[s] = [3 * s, 3 * s + 1, 3 * s + 2]
+    first = [c.read(0, s, 10)[0] for s in range(64)]
+    assert len(c._index_memo) == 64 and c._memo_elems == 640      # one per sequence
+    again = [c._rows_index(s, 0, 10, "cpu") for s in range(64)]
+    assert all(a is c._index_memo[k] for a, k in zip(again, c._index_memo))   # all hits
+    assert all(torch.equal(a, b) for a, b in zip(first, (c.read(0, s, 10)[0] for s in range(64))))
+    monkeypatch.setattr(cache_mod, "INDEX_MEMO_ELEMS", 100)
+    c.read(0, 0, 12)                                                # a new key past the cap
+    assert c._memo_elems <= 100 and len(c._index_memo) <= 10
+    assert c._memo_elems == sum(t.numel() for t in c._index_memo.values())
