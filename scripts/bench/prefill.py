@@ -727,6 +727,10 @@ def main(argv=None) -> int:
                          f"--random-counts {args.random_counts} --repeats {args.repeats} "
                          f"--steps {args.steps} --max-seconds {args.max_seconds}: expected "
                          "budget, context, repeats, steps >= 1 and counts, seconds >= 0")
+    bad = [m for m in args.gc_modes.split(",") if m not in GC_MODES]
+    if bad or not args.gc_modes:
+        raise SystemExit(f"--gc-modes {args.gc_modes!r}: expected a comma-separated list of "
+                         f"{', '.join(GC_MODES)}")
     if not 1 <= args.mixed_decodes <= 64:
         raise SystemExit(f"--mixed-decodes {args.mixed_decodes}: expected 1..64 (the largest "
                          "graph bucket)")

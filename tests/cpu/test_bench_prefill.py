@@ -181,3 +181,8 @@ def test_prefill_bench_padded_steps_cpu(tmp_path):
     # (the padded step's values: tests/cpu/test_pad_prefill.py; here bf16 near ties may flip)
     p_on, p_off = on["runs"][0]["prompts"][0], off["runs"][0]["prompts"][0]
     assert p_on["chunks_run"] == p_off["chunks_run"] == p_on["chunks_total"] == 2
+
+
+def test_prefill_bench_refuses_an_unknown_gc_mode():
+    with pytest.raises(SystemExit, match="--gc-modes 'live,tepid'"):
+        prefill.main(["--config", "tiny", "--device", "cpu", "--gc-modes", "live,tepid"])
