@@ -107,7 +107,8 @@ def tiny_model(device: str, dtype: torch.dtype = torch.bfloat16
 def k3_slice(device: str, layers: int = 4, dtype: torch.dtype = torch.bfloat16
              ) -> tuple[K3ForCausalLM, list[list[int]]]:
     """K3's first `layers` layers at rank 0's TP16 shapes (solo rank, random weights, routing
-    pinned: `pin_routing_`) and three prompts on the rank's vocab rows (any other id embeds as zeros on a solo rank)."""
+    pinned: `pin_routing_`) and three prompts on the rank's vocab rows (any other id embeds
+    as zeros on a solo rank)."""
     from raydecode.scripts.bench.step import build_model, layer_config, rank_vocab_rows
 
     model, _ = build_model(layer_config("k3", layers), 16, device, seed=3, dtype=dtype)
