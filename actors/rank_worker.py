@@ -91,8 +91,8 @@ def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> Mode
         return ModelRunner(shard.model, shard.caches, device)
     runner = GraphedRunner(shard.model, shard.caches, device, num_slots=spec.num_slots,
                            num_blocks=spec.num_blocks, max_blocks=spec.max_blocks(par.dcp_size),
-                           buckets=spec.graph_buckets, pad_prefill=spec.pad_prefill)
-    runner.prefill_budget = spec.prefill_budget
+                           buckets=spec.graph_buckets, pad_prefill=spec.pad_prefill,
+                           prefill_budget=spec.prefill_budget)
     if spec.step_graphs is None and not runner.support[0]:
         # auto: a model the graphs do not support runs the eager specialized step (with '1'
         # it captures nothing and runs stock, DESIGN §3); the scratch rows stay unused
@@ -130,7 +130,7 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
         if not runner.support[0]:
             return support, kernels, [], f"step graphs unsupported: {runner.support[1]}"
         ready = sorted(runner.capture_all())
-        if runner.pad_prefill and getattr(runner, "prefill_budget", None):
+        if runner.pad_prefill and runner.prefill_budget:
             runner.warm_prefill(runner.prefill_budget)   # every padded stock step's shape once
         failed = "; ".join(f"bucket {b}: {why}"
                            for b, why in sorted(runner.capture_failed.items()))

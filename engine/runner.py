@@ -72,9 +72,9 @@ def freeze_host_heap() -> int:
     """After a rank's build (weights, caches, graphs, warm-up): collect once and move every
     object alive now into the GC's permanent generation (`gc.freeze`), so a later collection
     (which the step's many small allocations trigger every few steps) walks only what the
-    steps allocate, not the model's thousands of modules, parameters and graph records. A
-    full collection over the built heap takes tens of ms on a rank host: on a step it lands as
-    an intermittent stall. -> objects frozen."""
+    steps allocate, not the model's thousands of modules, parameters and graph records
+    (measured on an H200 rank, 8 K3 layers: 5.6 ms of GC over 100 first runs of prefill steps
+    live, 1.6 ms frozen; bench/results/gc-prefill-h200-2026-12-03.json). -> objects frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -293,7 +293,8 @@ class GraphedRunner(ModelRunner):
 
     def __init__(self, model, caches: ModelCaches, device="cpu", *, num_slots: int,
                  num_blocks: int, max_blocks: int | None = None, buckets=BUCKETS,
-                 capture: bool | None = None, pad_prefill: bool | None = None):
+                 capture: bool | None = None, pad_prefill: bool | None = None,
+                 prefill_budget: int | None = None):
         super().__init__(model, caches, device)
         self.buckets = check_buckets(buckets)
         need_slots, need_blocks = graph_cache_sizes(num_slots, num_blocks, self.buckets)
@@ -326,8 +327,10 @@ class GraphedRunner(ModelRunner):
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.counts = {"graphed": 0, "eager_statics": 0, "plain": 0, "captured": 0,
                        "padded": 0}
-        # stock steps padded to `prefill_bucket` (None: RAYDECODE_PAD_PREFILL, default off)
+        # stock steps padded to `prefill_bucket` (None: RAYDECODE_PAD_PREFILL, default off);
+        # prefill_budget: the step token budget, whose buckets `warm_prefill` runs at build
         self.pad_prefill = settings.pad_prefill() if pad_prefill is None else bool(pad_prefill)
+        self.prefill_budget = prefill_budget
 
     # ---- which steps -------------------------------------------------------------------------
     def why_not(self, plan: StepPlan) -> str | None:

@@ -34,7 +34,10 @@ from raydecode.kernels import attnres_norm_triton as _tri
 from raydecode.kernels._cute import cute_available
 
 
-def _use_triton(prefix: torch.Tensor) -> bool:
+def triton_serves(prefix: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs for a stream on `prefix`'s device (CUDA + Triton); the
+    ops' fallback after the CuTe kernel, and the stock path's test for fusing (models/
+    attnres.py `attnres_fusable`)."""
     return prefix.is_cuda and _tri.available(prefix)
 
 
@@ -88,7 +91,7 @@ def attnres_mix_norm(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps
                               out_eps)
         if h is not None:
             return h
-    if _use_triton(prefix):
+    if triton_serves(prefix):
         return _tri.mix_norm_triton(blocks, prefix, res_norm_w, res_proj_w, out_norm_w,
                                     res_eps, out_eps)
     return attnres_mix_norm_reference(blocks, prefix, res_norm_w, res_proj_w, out_norm_w,
@@ -117,7 +120,7 @@ def attnres_add_mix_norm(blocks, prefix, out, res_norm_w, res_proj_w, out_norm_w
                               out_eps, out=out, new_prefix=np_)
         if h is not None:
             return np_, h
-    if _use_triton(prefix):
+    if triton_serves(prefix):
         np_ = new_prefix if new_prefix is not None else torch.empty_like(prefix)
         h = _tri.mix_norm_triton(blocks, prefix, res_norm_w, res_proj_w, out_norm_w, res_eps,
                                  out_eps, out=out, new_prefix=np_)
@@ -136,4 +139,4 @@ def _into(p: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
 
 
 __all__ = ["attnres_mix_norm", "attnres_add_mix_norm", "attnres_mix_norm_reference",
-           "attnres_add_mix_norm_reference"]
+           "attnres_add_mix_norm_reference", "triton_serves"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from raydecode.kernels._triton import available as _tri_available
-from raydecode.kernels.attnres_norm import attnres_add_mix_norm, attnres_mix_norm
+from raydecode.kernels.attnres_norm import (attnres_add_mix_norm, attnres_mix_norm,
+                                            triton_serves)
 
 from .layers import RMSNorm, rms_norm_fp32
 
@@ -28,7 +28,7 @@ def attnres_fusable(x: torch.Tensor) -> bool:
     """Whether the fused mix + norm op runs a kernel on this stream's tensors (CUDA + Triton:
     kernels/attnres_norm.py); elsewhere it would run its PyTorch reference, which the stock
     path's own mix already is."""
-    return x.is_cuda and _tri_available(x)
+    return triton_serves(x)
 
 
 def attn_res_mix(values: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,

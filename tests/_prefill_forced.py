@@ -126,11 +126,6 @@ def upcast_(model: K3ForCausalLM) -> K3ForCausalLM:
     return model
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖."""
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def within_bf16_noise(e_got: list[float], e_ref: list[float]) -> bool:
     """The bf16 check: per-position relative logit errors against the fp32 ground truth of the
     path under test (e_got) within 2× the bf16 reference path's (e_ref) + 2e-3, for the first

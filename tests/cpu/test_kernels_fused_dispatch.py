@@ -35,7 +35,7 @@ def test_attnres_ops_fall_back_to_reference_on_cpu():
     p, h = A.attnres_add_mix_norm(blocks, pre, out, wr, wp, wo, 1e-6, 1e-5)
     rp, rh = A.attnres_add_mix_norm_reference(blocks, pre, out, wr, wp, wo, 1e-6, 1e-5)
     assert torch.equal(p, rp) and torch.equal(h, rh)
-    assert not A._use_triton(pre)
+    assert not A.triton_serves(pre)
 
 
 def test_attnres_bad_shapes_are_named():

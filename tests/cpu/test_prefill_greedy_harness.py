@@ -12,7 +12,8 @@ import torch
 
 from raydecode.models import kda as kda_mod
 
-from _prefill_forced import (TIE_FP32, TOL_FP32, rel, run_forced, tiny_model, upcast_,
+from _numerics import rel_err
+from _prefill_forced import (TIE_FP32, TOL_FP32, run_forced, tiny_model, upcast_,
                              within_bf16_noise)
 
 torch.set_num_threads(1)
@@ -44,7 +45,7 @@ def test_a_lost_state_hand_over_fails_the_fp32_checks(monkeypatch):
     got = run_forced(model, prompts[0], N, forced=ref.tokens)
     wrong = [j for j, (a, b, gap) in enumerate(zip(got.argmax, ref.tokens, ref.gaps))
              if gap >= TIE_FP32 and a != b]
-    first = rel(got.first_logits, ref.first_logits)
+    first = rel_err(got.first_logits, ref.first_logits)
     assert wrong and first > TOL_FP32, (f"a broken prefill: first-token logits rel "
                                         f"{first:.2e}, non-tie positions differing: {wrong}")
 
@@ -59,8 +60,8 @@ def test_the_bf16_noise_check_passes_the_reference_and_fails_a_broken_prefill(br
             _forget_states(m)
         got16 = run_forced(model, prompts[0], N, forced=ref16.tokens)
     truth = run_forced(upcast_(model), prompts[0], N, forced=ref16.tokens)
-    e_ref = [rel(a, b) for a, b in zip(ref16.rows, truth.rows)]
-    e_got = [rel(a, b) for a, b in zip(got16.rows, truth.rows)]
+    e_ref = [rel_err(a, b) for a, b in zip(ref16.rows, truth.rows)]
+    e_got = [rel_err(a, b) for a, b in zip(got16.rows, truth.rows)]
     assert min(e_ref) > 0                        # bf16 is noisy: the bound is not vacuous
     assert within_bf16_noise(e_got, e_ref) is not broken, (e_got[0], e_ref[0])
 
@@ -74,6 +75,6 @@ def test_a_reordered_but_correct_prefill_passes_the_fp32_checks():
         if isinstance(m, kda_mod.KDAAttention):
             m.chunk_size = 16
     got = run_forced(model, prompts[0], N, forced=ref.tokens)
-    assert rel(got.first_logits, ref.first_logits) <= TOL_FP32
+    assert rel_err(got.first_logits, ref.first_logits) <= TOL_FP32
     assert all(a == b for a, b, gap in zip(got.argmax, ref.tokens, ref.gaps) if gap >= TIE_FP32)
-    assert 0 < rel(got.first_logits, ref.first_logits)        # it did run other sums
+    assert 0 < rel_err(got.first_logits, ref.first_logits)        # it did run other sums

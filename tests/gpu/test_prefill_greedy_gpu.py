@@ -35,7 +35,8 @@ from raydecode.kernels import kda_prefill, moe_mxfp4
 from raydecode.models.mla import MLAAttention
 from raydecode.scripts.bench.prefill import use_kernels
 
-from _prefill_forced import (TIE_FP32, TOL_FP32, k3_slice, rel, run_forced, tiny_model,
+from _numerics import rel_err
+from _prefill_forced import (TIE_FP32, TOL_FP32, k3_slice, run_forced, tiny_model,
                              upcast_, within_bf16_noise)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -70,7 +71,7 @@ def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, monkeypa
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             got = run_forced(model, p, N_TOKENS, forced=ref.tokens)
             msg = f"{which} fp32 prompt {i}"
-            first = rel(got.first_logits, ref.first_logits)
+            first = rel_err(got.first_logits, ref.first_logits)
             assert first <= TOL_FP32, f"{msg}: first-token logits rel err {first:.2e} > {TOL_FP32}"
             for j, (a, b, gap) in enumerate(zip(got.argmax, ref.tokens, ref.gaps)):
                 total += 1
@@ -90,8 +91,8 @@ def test_gpu_prefill_bf16_is_within_the_bf16_reference_noise(which, monkeypatch)
     upcast_(model)                                    # the same weights, fp32: ground truth
     truth = _reference_runs(model, prompts, monkeypatch, forced=ref16)
     for i, (r16, g16, t) in enumerate(zip(ref16, got16, truth)):
-        e_ref = [rel(a, b) for a, b in zip(r16.rows, t.rows)]
-        e_got = [rel(a, b) for a, b in zip(g16.rows, t.rows)]
+        e_ref = [rel_err(a, b) for a, b in zip(r16.rows, t.rows)]
+        e_got = [rel_err(a, b) for a, b in zip(g16.rows, t.rows)]
         msg = (f"{which} bf16 prompt {i}: kernel path vs fp32 first {e_got[0]:.2e} mean "
                f"{sum(e_got) / len(e_got):.2e}; bf16 reference first {e_ref[0]:.2e} mean "
                f"{sum(e_ref) / len(e_ref):.2e}")

@@ -18,7 +18,8 @@ from raydecode.models import moe as moe_mod
 from raydecode.models.attnres import attnres_fusable
 from raydecode.models.k3 import K3Model
 
-from _prefill_forced import rel, run_forced, tiny_model, upcast_, within_bf16_noise
+from _numerics import rel_err
+from _prefill_forced import run_forced, tiny_model, upcast_, within_bf16_noise
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 N = 8
@@ -33,9 +34,9 @@ def test_router_fp32_out_gemm_is_the_fp32_product(T):
     assert moe_mod._MM_OUT_DTYPE[0], "torch.mm(..., out_dtype=float32) is not in this build"
     want = x.double() @ w.double().t()
     assert got.dtype == torch.float32 and got.shape == (T, 896)
-    assert rel(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
     ref = torch.nn.functional.linear(x.float(), w.float())         # the upcast it replaces
-    assert rel(got, ref) < 1e-5
+    assert rel_err(got, ref) < 1e-5
 
 
 def _both(model, prompt, monkeypatch, forced=None):
@@ -52,7 +53,7 @@ def test_stock_fused_attnres_gives_the_pytorch_mix_logits_fp32(monkeypatch):
     model, prompts = tiny_model("cuda", torch.float32)
     assert attnres_fusable(model.lm_head.weight), "no Triton: the stock mix would stay PyTorch"
     fused, plain = _both(model, prompts[0], monkeypatch)
-    errs = [rel(a, b) for a, b in zip(fused.rows, plain.rows)]
+    errs = [rel_err(a, b) for a, b in zip(fused.rows, plain.rows)]
     assert max(errs) <= 1e-4, errs
 
 
@@ -63,6 +64,6 @@ def test_stock_fused_attnres_bf16_is_within_the_bf16_noise(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(K3Model, "stock_fused_attnres", False)
         truth = run_forced(upcast_(model), prompts[0], N, forced=fused.tokens)
-    e_fused = [rel(a, b) for a, b in zip(fused.rows, truth.rows)]
-    e_plain = [rel(a, b) for a, b in zip(plain.rows, truth.rows)]
+    e_fused = [rel_err(a, b) for a, b in zip(fused.rows, truth.rows)]
+    e_plain = [rel_err(a, b) for a, b in zip(plain.rows, truth.rows)]
     assert within_bf16_noise(e_fused, e_plain), (e_fused, e_plain)
