@@ -26,11 +26,14 @@ What fla-core 0.6.0 requires (read from its source) and how the call meets it:
   bf16 inputs would in addition round the per-chunk states to bf16.
 - flags: use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel off (ours
   are applied before: our L2 norm is x·rsqrt(Σx² + 1e-6)); scale passed explicitly.
-- `cu_seqlens_cpu`: the host copy; without it fla builds its chunk index with a
-  data-dependent repeat_interleave on the device, a host sync.
-- chunk_kda's dispatcher prefers a `flash_kda` (CUTLASS) or TileLang backend when those
-  packages are installed; FlashKDA accepts only bf16 with every *_in_kernel flag on, so with
-  our fp32 call the Triton kernels run (the offline wheel set ships neither package).
+- the chunk index: chunk_kda builds it from `cu_seqlens_cpu` and copies it to the device from
+  pageable memory, which waits for the stream (a host sync per new batch composition). We
+  call the forward under it, `fla.ops.kda.chunk_fwd.chunk_kda_fwd` (what chunk_kda runs for
+  these flags: no norm, gate or sigmoid in the kernel, no backward kept), with the chunk index
+  and chunk offsets built on the host and sent through pinned memory (`_varlen_index`).
+- chunk_kda's dispatcher would prefer a `flash_kda` (CUTLASS) or TileLang backend when those
+  packages are installed; FlashKDA accepts only bf16 with every *_in_kernel flag on, so our
+  fp32 call would run the Triton kernels anyway, which chunk_kda_fwd runs directly.
 
 Compiles (the request path must not JIT after warm-up): every Triton kernel of fla's forward
 (chunk-local cumsum, token-parallel intra, inter + solve, w/u recompute, state recurrence,
@@ -51,6 +54,7 @@ from collections.abc import Sequence
 import torch
 
 MAX_HEAD_DIM = 256          # fla's chunk_kda asserts K ≤ 256
+CHUNK = 64                  # fla's chunk size (its default; 32 or 64 allowed)
 WARMUP_TOKENS = 256         # engine/scheduler.py's default step budget (max_num_batched_tokens)
 
 
@@ -76,20 +80,50 @@ def _use_fla(q, k, v, g, beta, states) -> bool:
             and available(q, k, v, g, beta, states))
 
 
+@functools.cache
+def _chunk_kda_fwd():
+    """fla's forward pass under chunk_kda (`fla.ops.kda.chunk_fwd.chunk_kda_fwd`, fla-core
+    0.6.0): it takes the chunk index the public entry point builds with a pageable host-to-
+    device copy (a stream sync, once per new batch composition), so `_fla_prefill` passes one
+    built on the host and copied through pinned memory. None where fla does not import."""
+    if _chunk_kda() is None:
+        return None
+    try:
+        from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+    except Exception:  # a later fla that moved it: the public entry point still works
+        return None
+    return chunk_kda_fwd
+
+
 @functools.lru_cache(maxsize=64)
-def _cu_seqlens(bounds: tuple[int, ...], device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(host, device) int64 copies of cu_seqlens, built once per batch composition: every KDA
-    layer of a step passes the same tensors, so fla's identity-keyed caches (its chunk index)
-    hit from the second layer on. The device copy goes through pinned memory: no host sync."""
+def _varlen_index(bounds: tuple[int, ...], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens host, cu_seqlens, chunk_indices, chunk_offsets) for one batch composition,
+    the last three on the device, int64, built on the host and sent as one pinned
+    non-blocking copy: no host sync. chunk_indices (NT, 2) holds (sequence, chunk within it)
+    per CHUNK-token chunk, chunk_offsets (N+1,) each sequence's first chunk — the layout fla's
+    kernels read (`fla.ops.utils.index` prepare_chunk_indices / prepare_chunk_offsets). Every
+    KDA layer of a step passes the same tensors (memoized on the bounds), so fla's
+    identity-keyed caches hit too."""
     host = torch.tensor(bounds, dtype=torch.int64)
+    chunks = [-(-(b - a) // CHUNK) for a, b in zip(bounds, bounds[1:])]
+    index = [(n, i) for n, c in enumerate(chunks) for i in range(c)]
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + c)
+    flat = torch.tensor(list(bounds) + [x for row in index for x in row] + offsets,
+                        dtype=torch.int64)
     if device.type == "cuda":
-        return host, host.pin_memory().to(device, non_blocking=True)
-    return host, host.to(device)
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    n1, nt = len(bounds), len(index)
+    return (host, flat[:n1], flat[n1:n1 + 2 * nt].view(nt, 2),
+            flat[n1 + 2 * nt:])
 
 
 def kda_prefill_reference(q, k, v, g, beta, scale: float, states: torch.Tensor,
-                          cu_seqlens: torch.Tensor, chunk_size: int = 64
+                          cu_seqlens: torch.Tensor, chunk_size: int = CHUNK
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op in PyTorch: models/kda.py `kda_chunked` per sequence. -> (o (T, h, dv),
     final states (N, h, dk, dv)), fp32 (fp64 for fp64 inputs); `states` is not modified."""
@@ -108,13 +142,22 @@ def kda_prefill_reference(q, k, v, g, beta, scale: float, states: torch.Tensor,
 
 def _fla_prefill(q, k, v, g, beta, scale: float, states: torch.Tensor,
                  cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's chunk_kda on the packed batch (module docstring): fp32 in, o (T, h, dv) fp32 and
-    the final states (N, h, dk, dv) fp32 out. No host sync, no compile after `warmup`."""
-    host, dev = _cu_seqlens(tuple(cu_seqlens.tolist()), q.device)
+    """fla's chunked KDA forward on the packed batch (module docstring): fp32 in, o (T, h, dv)
+    fp32 and the final states (N, h, dk, dv) fp32 out. No host sync, no compile after
+    `warmup`."""
+    host, dev, chunk_indices, chunk_offsets = _varlen_index(tuple(cu_seqlens.tolist()),
+                                                            q.device)
     f32 = [t.float().unsqueeze(0) for t in (q, k, v, g, beta)]                 # (1, T, ...)
-    o, final = _chunk_kda()(*f32, scale=scale, initial_state=states.float().contiguous(),
-                            output_final_state=True, cu_seqlens=dev, cu_seqlens_cpu=host)
-    return o[0], final
+    s0 = states.float().contiguous()
+    fwd = _chunk_kda_fwd()
+    if fwd is None:
+        o, final = _chunk_kda()(*f32, scale=scale, initial_state=s0, output_final_state=True,
+                                cu_seqlens=dev, cu_seqlens_cpu=host)
+        return o[0], final
+    out = fwd(*f32, scale=scale, initial_state=s0, output_final_state=True, cu_seqlens=dev,
+              cu_seqlens_cpu=host, chunk_indices=chunk_indices, chunk_size=CHUNK,
+              chunk_offsets=chunk_offsets)
+    return out[0][0], out[1]
 
 
 def _check(q, k, v, g, beta, scale, states, cu_seqlens) -> None:

@@ -24,7 +24,10 @@ BLOCK = 16
 # the AttnRes summation order were 0.4–0.9 % apart on the logits with fla in the loop (3e-6 on
 # the CPU, no TF32). A lost state hand-over moves them by ≥ 0.1 (tests/cpu/
 # test_prefill_greedy_harness.py).
-TIE_FP32 = 0.05      # top-2 gap below which an fp32 argmax may flip
+# Gaps are in units of the logit row's standard deviation (the tiny model's rows: σ ≈ 1.0 on
+# the CPU): the paths' noise is relative to the logits' scale, and an absolute 0.05 bound
+# called all 72 positions of the K3 slice (random weights, narrow logits) ties on the H200.
+TIE_FP32 = 0.1       # top-2 gap (in σ of the row) below which an fp32 argmax may flip
 TOL_FP32 = 2e-2      # first-token logits ‖Δ‖ / ‖ref‖, fp32 kernel path vs fp32 reference
 PROMPT_LENS = (200, 131, 97)
 
@@ -33,7 +36,7 @@ PROMPT_LENS = (200, 131, 97)
 class Forced:
     tokens: list[int] = field(default_factory=list)     # what was emitted (forced or argmax)
     argmax: list[int] = field(default_factory=list)     # what each step's logits picked
-    gaps: list[float] = field(default_factory=list)     # top-2 logit gap of each step
+    gaps: list[float] = field(default_factory=list)     # top-2 gap / row std, per step
     first_logits: torch.Tensor | None = None            # the prefill's last row
     rows: list[torch.Tensor] = field(default_factory=list)   # every position's logits (CPU)
 
@@ -65,7 +68,7 @@ def run_forced(model: K3ForCausalLM, prompt: list[int], n: int,
             out.rows.append(row.cpu())
             tok = a if forced is None else forced[len(req.output_ids)]
             out.argmax.append(a)
-            out.gaps.append(float(top.values[0] - top.values[1]))
+            out.gaps.append(float((top.values[0] - top.values[1]) / row.std()))
             out.tokens.append(tok)
             req.output_ids.append(tok)
     sch.finish(req)

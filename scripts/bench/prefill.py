@@ -6,6 +6,7 @@ counts, and the stock decode step's kernels per layer.
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
         [--context 1024] [--random-counts 50] [--gc-modes frozen] [--max-seconds 60]
         [--graphed 1] [--profile-first-run] [--module-loading lazy|eager]
+        [--sweep-budgets 4096,8192]
         [--out bench/results/prefill-….json] [--png bench/results/prefill-….png] [--commit SHA]
 
 The rank is scripts/bench/step.py's: one GPU plays rank 0 of TP `--tp` (`SoloRankComm`: the
@@ -48,6 +49,9 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             step of an unmet count: wall ms, the device's kernel time (`device_busy_ms`: the
             kernels' own events; below the wall time, the step is host-bound) and the top
             kernels and host ops.
+  sweep     with --sweep-budgets: the prompts again at each of those step budgets (one warm
+            step of the budget's chunk first), with the mixed step's time at that chunk: the
+            trade-off the deployment's default budget is set from.
   kernels   CUDA: the kernels one stock decode step at batch 1 launches (torch.profiler),
             divided by the layers. GraphedRunner graphs decode-only specialized steps only, so
             the stock step is counted eager ("graphed": false); the count includes the step's
@@ -518,6 +522,35 @@ def prompt_case(rank: PrefillRank, tokens: int, fm: dict, rate: float, max_secon
             "chunk_ms": [None if t is None else round(t * 1e3, 3) for *_, t in chunks]}
 
 
+def budget_sweep(rank: PrefillRank, args, fm: dict, rate: float, scale: float, tag: str
+                 ) -> list[dict]:
+    """The prompts again at each `--sweep-budgets` step budget (the scheduler's
+    max_num_batched_tokens), after one warm step of that budget's chunk alone and mixed; per
+    budget and prompt the TTFT and MFU, and the mixed step's time at that chunk (what 63
+    decoders would wait per step if a prompt took the whole budget while they decode)."""
+    rows, base = [], rank.budget
+    try:
+        for B in args.sweep_budgets:
+            rank.budget = B
+            rank.step(B, 0, pos=0)
+            rank.step(B, args.mixed_decodes)
+            mixed = _ms(statistics.median(rank.step(B, args.mixed_decodes)
+                                          for _ in range(args.repeats)))
+            for P in args.prompts:
+                row = prompt_case(rank, P, fm, rate, args.max_seconds, scale)
+                rows.append({"budget": B, "prompt_tokens": P, "ttft_s": row["ttft_s"],
+                             "ttft_s_all_layers": row["ttft_s_all_layers"], "mfu": row["mfu"],
+                             "chunks_total": row["chunks_total"],
+                             "extrapolated": row["extrapolated"], "chunk_ms": row["chunk_ms"],
+                             "mixed_step_ms": mixed})
+                print(f"[prefill] {tag} budget {B} prompt {P}: TTFT {row['ttft_s']:.3f} s MFU "
+                      f"{row['mfu']:.3f}; mixed step ({args.mixed_decodes} decodes + {B}) "
+                      f"{mixed:.1f} ms", flush=True)
+    finally:
+        rank.budget = base
+    return rows
+
+
 def stock_kernels(rank: PrefillRank) -> dict:
     """CUDA kernels one stock decode step at batch 1 launches (eager), per layer."""
     from torch.profiler import ProfilerActivity, profile
@@ -548,7 +581,8 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         raise SystemExit(f"--tp {tp}: {e}")
     run = {"tp": tp, "build_s": round(build_s, 1), "flops_model": flop_model(model)}
     tag = f"TP{tp} L={cfg.num_layers}"
-    rank = PrefillRank(model, args.device, max(args.prompts), args.prefill_budget,
+    room = max([*args.prompts, *(args.context + b for b in args.sweep_budgets)])
+    rank = PrefillRank(model, args.device, room, args.prefill_budget,
                        args.mixed_decodes, args.context, args.seed, bool(args.graphed),
                        bool(args.pad_prefill))
     buckets = buckets_for(args.prefill_budget, bool(args.pad_prefill))
@@ -593,6 +627,9 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
               f"{row['tflop_s']:.1f} TFLOP/s MFU {row['mfu']:.3f} chunks "
               f"{row['chunks_run']}/{row['chunks_total']}"
               + (" extrapolated" if row["extrapolated"] else ""), flush=True)
+        save(run)
+    if args.sweep_budgets:
+        run["budget_sweep"] = budget_sweep(rank, args, run["flops_model"], rate, scale, tag)
         save(run)
     if rank.device.type == "cuda":
         run["stock_kernels_b1"] = stock_kernels(rank)
@@ -685,6 +722,9 @@ def main(argv=None) -> int:
                     help="decoding sequences of the mixed steps (1..64)")
     ap.add_argument("--context", type=int, default=1024,
                     help="position of the decoders and of the counts' / mixed steps' chunk")
+    ap.add_argument("--sweep-budgets", default="", help="comma-separated step budgets the "
+                    "prompts run again at, after the main cases (e.g. 4096,8192): TTFT, MFU and "
+                    "the mixed step's time per budget")
     ap.add_argument("--random-counts", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=3, help="runs per bucket's steady state")
     ap.add_argument("--gc-modes", default="frozen", help="comma-separated GC modes the random "
@@ -720,6 +760,11 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
     args.prompts = int_list("--prompts", args.prompts, 1)
+    args.sweep_budgets = int_list("--sweep-budgets", args.sweep_budgets, 1) \
+        if args.sweep_budgets else []
+    if args.sweep_budgets and args.pad_prefill:
+        raise SystemExit(f"--sweep-budgets {args.sweep_budgets} with --pad-prefill 1: the "
+                         "padded runner's buckets end at --prefill-budget; sweep unpadded")
     tps = int_list("--tps" if args.tps else "--tp", args.tps or str(args.tp), 1)
     if args.prefill_budget < 1 or args.context < 1 or args.random_counts < 0 \
             or args.repeats < 1 or args.steps < 1 or args.max_seconds < 0:

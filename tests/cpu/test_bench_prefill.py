@@ -186,3 +186,29 @@ def test_prefill_bench_padded_steps_cpu(tmp_path):
 def test_prefill_bench_refuses_an_unknown_gc_mode():
     with pytest.raises(SystemExit, match="--gc-modes 'live,tepid'"):
         prefill.main(["--config", "tiny", "--device", "cpu", "--gc-modes", "live,tepid"])
+
+
+def test_prefill_bench_budget_sweep_cpu(tmp_path):
+    """--sweep-budgets: every prompt again at each budget, chunked at that budget, with the
+    mixed step's time at that chunk; the main cases keep --prefill-budget."""
+    out = tmp_path / "sweep.json"
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "40,70",
+                         "--prefill-budget", "16", "--sweep-budgets", "32,64",
+                         "--mixed-decodes", "2", "--context", "8", "--random-counts", "0",
+                         "--repeats", "1", "--steps", "1", "--graphed", "0",
+                         "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert [p["chunks_total"] for p in run["prompts"]] == [3, 5]          # at 16
+    sweep = run["budget_sweep"]
+    assert [(r["budget"], r["prompt_tokens"]) for r in sweep] == [(32, 40), (32, 70), (64, 40),
+                                                                 (64, 70)]
+    assert [r["chunks_total"] for r in sweep] == [2, 3, 1, 2]
+    for r in sweep:
+        assert r["ttft_s"] == pytest.approx(sum(r["chunk_ms"]) / 1e3, rel=1e-3)
+        assert r["mfu"] > 0 and r["mixed_step_ms"] > 0
+
+
+def test_prefill_bench_refuses_a_padded_sweep():
+    with pytest.raises(SystemExit, match=r"--sweep-budgets \[64\] with --pad-prefill 1"):
+        prefill.main(["--config", "tiny", "--device", "cpu", "--sweep-budgets", "64",
+                      "--pad-prefill", "1"])

@@ -181,3 +181,20 @@ def test_varlen_path_packs_the_multi_token_sequences_into_one_call(monkeypatch):
 
 def test_varlen_path_keeps_the_per_sequence_loop_under_an_observer(monkeypatch):
     assert _step_vs_alone(monkeypatch, varlen=True, observer=True) == []
+
+
+@pytest.mark.parametrize("bounds", [(0, 1), (0, 64), (0, 65, 66, 300), (0, 17, 81, 145, 146)])
+def test_varlen_index_is_fla_layout_built_on_the_host(bounds):
+    """The chunk index handed to fla's forward: one (sequence, chunk) row per 64-token chunk
+    of each sequence in order, each sequence's first chunk in the offsets (the layout
+    fla.ops.utils.index builds with a device copy), all four tensors int64."""
+    host, dev, index, offsets = KP._varlen_index(bounds, torch.device("cpu"))
+    assert host.tolist() == dev.tolist() == list(bounds)
+    want, first = [], [0]
+    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        c = (b - a + KP.CHUNK - 1) // KP.CHUNK
+        want += [[n, i] for i in range(c)]
+        first.append(first[-1] + c)
+    assert index.tolist() == want and offsets.tolist() == first
+    assert {t.dtype for t in (host, dev, index, offsets)} == {torch.int64}
+    assert KP._varlen_index(bounds, torch.device("cpu"))[2] is index     # memoized per bounds
