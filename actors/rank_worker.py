@@ -127,11 +127,13 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
 
             _, why = prepare_spec_graphs(runner)         # a speculating rank's spec graphs
             return support, kernels, None, why
+        ready = sorted(runner.capture_all()) if runner.support[0] else []
+        # every stock step's token bucket once (CUDA: its kernels' first runs; CPU ranks only
+        # where padding needs it), graphs or not: the stock path serves prefill either way
+        if runner.prefill_budget and (runner.pad_prefill or str(device).startswith("cuda")):
+            runner.warm_prefill(runner.prefill_budget)
         if not runner.support[0]:
             return support, kernels, [], f"step graphs unsupported: {runner.support[1]}"
-        ready = sorted(runner.capture_all())
-        if runner.pad_prefill and runner.prefill_budget:
-            runner.warm_prefill(runner.prefill_budget)   # every padded stock step's shape once
         failed = "; ".join(f"bucket {b}: {why}"
                            for b, why in sorted(runner.capture_failed.items()))
         return support, kernels, ready, failed or None

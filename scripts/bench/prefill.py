@@ -92,7 +92,8 @@ from raydecode.engine.request import Request, SamplingParams
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.sampling import SamplingRows, sample_isolated
 from raydecode.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes, prefill_buckets
+from raydecode.engine.step_graph import (GraphedRunner, graph_cache_sizes, prefill_buckets,
+                                         unpadded_buckets)
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
@@ -324,7 +325,7 @@ def buckets_for(budget: int, pad: bool = False) -> list[int]:
     `prefill_buckets`)."""
     if pad:
         return prefill_buckets(budget)
-    return [1 << i for i in range(budget.bit_length()) if 1 << i < budget] + [budget]
+    return unpadded_buckets(budget)
 
 
 # ---- the cases ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_graph import (GraphedRunner, PAD_MAX, graph_cache_sizes,
-                                         prefill_bucket, prefill_buckets)
+                                         prefill_bucket, prefill_buckets, unpadded_buckets)
 from raydecode.kernels import settings
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -101,6 +101,45 @@ def test_warm_prefill_runs_every_bucket_on_scratch_rows_only(model):
     assert all(torch.equal(a, b) for a, b in zip(real, _real(padded.caches)))
     assert not padded.caches.mla.block_tables
     assert padded.counts["padded"] == len(prefill_buckets(300))
+
+
+def _unpadded(model) -> GraphedRunner:
+    ns, nb = graph_cache_sizes(NS, NB)
+    caches = make_caches(model.cfg, model.par, ns, nb, BS, torch.float32)
+    caches.kda.rec.fill_(SENTINEL)
+    caches.mla.pool.fill_(SENTINEL)
+    return GraphedRunner(model, caches, num_slots=NS, num_blocks=NB, pad_prefill=False)
+
+
+def test_unpadded_warm_up_runs_the_powers_of_two_and_the_budget_on_scratch_rows(model):
+    plain = _unpadded(model)
+    assert unpadded_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert unpadded_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256] and unpadded_buckets(1) == [1]
+    with pytest.raises(ValueError, match="budget 0"):
+        unpadded_buckets(0)
+    real = [t.clone() for t in _real(plain.caches)]
+    assert plain.warm_prefill(300) == unpadded_buckets(300)
+    assert all(torch.equal(a, b) for a, b in zip(real, _real(plain.caches)))
+    assert not plain.caches.mla.block_tables and plain.counts["padded"] == 10
+
+
+def test_prepare_runner_warms_stock_buckets_on_cuda_or_padded_only(model, monkeypatch):
+    from raydecode.actors import rank_worker
+    from raydecode.kernels import aot
+    from raydecode.models.parallel import Parallel
+    plain, (_, padded) = _unpadded(model), _runners(model)
+    monkeypatch.setattr(aot, "prepare_kernel_cache", lambda *a, **kw: None)
+    warmed = []
+    monkeypatch.setattr(GraphedRunner, "capture_all", lambda self: [])
+    monkeypatch.setattr(GraphedRunner, "warm_prefill", lambda self, b: warmed.append(
+        (self.pad_prefill, b)) or [])
+    monkeypatch.setattr(rank_worker, "freeze_host_heap", lambda: 0)
+    for r in (plain, padded):
+        r.prefill_budget = 300
+        rank_worker.prepare_runner(r, Parallel(), "cpu")
+    assert warmed == [(True, 300)]          # a CPU rank warms only what padding needs
+    rank_worker.prepare_runner(plain, Parallel(), "cuda:0")
+    assert warmed[-1] == (False, 300)
 
 
 def test_pad_prefill_setting_is_strict(monkeypatch):
