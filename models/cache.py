@@ -120,10 +120,7 @@ class MLALatentCache:
         blocks = torch.tensor(table[b0:b1], dtype=torch.long)
         rows = (blocks[:, None] * bs + torch.arange(bs)).flatten()
         idx = host_to_device(rows[first - b0 * bs:first - b0 * bs + count], device)
-        self._index_memo[key] = idx
-        self._memo_elems += count
-        while self._memo_elems > INDEX_MEMO_ELEMS and len(self._index_memo) > 1:
-            self._memo_elems -= self._index_memo.pop(next(iter(self._index_memo))).numel()
+        self._remember(key, idx)
         return idx
 
     def write(self, layer: int, slot: int, pos: int, rows: torch.Tensor) -> None:
@@ -138,6 +135,87 @@ class MLALatentCache:
         idx = self._rows_index(slot, (pos + i0) // D, count, rows.device)
         pool = self.pool[layer].view(-1, self.pool.shape[-1])
         pool.index_copy_(0, idx, rows[i0::D].to(self.pool.dtype))
+
+    def write_seqs(self, layer: int, seqs, rows: torch.Tensor) -> None:
+        """`write` of every sequence of a step (SeqSlice: slot, start, length, pos; rows
+        (T, latent_dim) the step's): the one-token ones as one index_copy_ (a decode step of D
+        sequences: one copy, not D), the others one `write` each. No host sync."""
+        singles = [x for x in seqs if x.length == 1]
+        for x in seqs:
+            if x.length != 1:
+                self.write(layer, x.slot, x.pos, rows[x.start:x.end])
+        if len(singles) < 2:
+            for x in singles:
+                self.write(layer, x.slot, x.pos, rows[x.start:x.end])
+            return
+        dst, src = self._singles_index(singles, rows.device)
+        if dst.numel():
+            pool = self.pool[layer].view(-1, self.pool.shape[-1])
+            pool.index_copy_(0, dst, rows.index_select(0, src).to(self.pool.dtype))
+
+    def _singles_index(self, seqs, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool rows, step rows) of the one-token sequences whose position this DCP rank
+        stores, built on the host, one pinned copy, memoized like `_rows_index` (a step's MLA
+        layers share it)."""
+        key = ("singles", str(device), tuple((x.slot, x.pos, x.start) for x in seqs))
+        hit = self._index_memo.get(key)
+        if hit is None:
+            D, r, bs = self.dcp_size, self.dcp_rank, self.block_size
+            dst, src = [], []
+            for x in seqs:
+                if x.pos % D != r:
+                    continue
+                local, table = x.pos // D, self.block_tables[x.slot]
+                if local // bs >= len(table):
+                    raise RuntimeError(f"slot {x.slot}: position beyond its {len(table)} "
+                                       "cache blocks")
+                dst.append(table[local // bs] * bs + local % bs)
+                src.append(x.start)
+            hit = host_to_device(torch.tensor(dst + src, dtype=torch.long), device)
+            self._remember(key, hit)
+        n = hit.numel() // 2
+        return hit[:n], hit[n:]
+
+    def gather_singles(self, layer: int, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """DCP 1: the cached rows of one-token sequences at positions 0 .. pos, padded to the
+        longest: (rows (D, L, latent_dim) in the pool dtype, lengths (D,) int64; row j of
+        sequence i is valid iff j < lengths[i], padding reads row 0 of the pool). The index is
+        built on the host (one pinned copy, memoized like `_rows_index`: the step's other MLA
+        layers reuse it)."""
+        if self.dcp_size != 1:
+            raise RuntimeError("gather_singles: DCP > 1 splits a sequence's rows over ranks")
+        bs, lens = self.block_size, [x.pos + 1 for x in seqs]
+        L = max(lens)
+        key = ("gather", str(self.pool.device),
+               tuple((x.slot, n, tuple(self.block_tables[x.slot][:-(-n // bs)]))
+                     for x, n in zip(seqs, lens)))
+        hit = self._index_memo.get(key)
+        if hit is None:
+            nb = -(-L // bs)
+            tabs = []
+            for x, n in zip(seqs, lens):
+                t = self.block_tables[x.slot][:-(-n // bs)]
+                if len(t) * bs < n:
+                    raise RuntimeError(f"slot {x.slot}: position beyond its {len(t)} cache "
+                                       "blocks")
+                tabs.append(t + [0] * (nb - len(t)))
+            rows = (torch.tensor(tabs, dtype=torch.long)[:, :, None] * bs
+                    + torch.arange(bs)).view(len(seqs), -1)[:, :L]
+            valid = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
+            rows = torch.where(valid, rows, 0)
+            hit = host_to_device(torch.cat([rows.flatten(), torch.tensor(lens)]),
+                                 self.pool.device)
+            self._remember(key, hit)
+        D = len(seqs)
+        idx, n = hit[:D * L], hit[D * L:]
+        pool = self.pool[layer].view(-1, self.pool.shape[-1])
+        return pool.index_select(0, idx).view(D, L, -1), n
+
+    def _remember(self, key: tuple, idx: torch.Tensor) -> None:
+        self._index_memo[key] = idx
+        self._memo_elems += idx.numel()
+        while self._memo_elems > INDEX_MEMO_ELEMS and len(self._index_memo) > 1:
+            self._memo_elems -= self._index_memo.pop(next(iter(self._index_memo))).numel()
 
     def read(self, layer: int, slot: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows among the first n_tokens positions: (rows (m, latent_dim),

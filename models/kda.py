@@ -293,6 +293,33 @@ class KDAAttention(nn.Module):
             if cache is not None:
                 self._store(cache, row, s, packed[i][1], S[i])
 
+    def _decode_rows(self, seqs: list, qkv_in: torch.Tensor, conv_w: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor, cache,
+                     row: int) -> None:
+        """The step's one-token continuations (pos > 0) as one batched update, the per-sequence
+        loop's math on a (D, ...) batch: the conv over each slot's last W−1 inputs and the new
+        one, the L2 norms, one `kda_recurrent` step per sequence, their rows of o (T, h, d)
+        written and each slot stored. A mixed or stock decode step of D sequences then
+        launches a fixed number of kernels instead of ~30 per sequence."""
+        h, d = self.heads, self.dim
+        dev = qkv_in.device
+        slots = slot_index(tuple(s.slot for s in seqs), dev)                      # (D,)
+        rows = slot_index(tuple(s.start for s in seqs), dev)                      # (D,)
+        tail = cache.conv[row].index_select(0, slots)                             # (D, C, W−1)
+        xs = torch.cat([tail.transpose(1, 2).to(qkv_in.dtype),
+                        qkv_in.index_select(0, rows).unsqueeze(1)], 1)            # (D, W, C)
+        y = F.silu((xs.float().transpose(1, 2) * conv_w.float()).sum(-1))         # (D, C)
+        y = y.to(qkv_in.dtype).float()                                            # model dtype
+        q, k, v = (t.reshape(len(seqs), h, d) for t in y.split(h * d, dim=-1))
+        q, k = l2_normalize(q), l2_normalize(k)
+        gd, bd = g.index_select(0, rows).float(), beta.index_select(0, rows).float()
+        S = cache.rec[row].index_select(0, slots) * gd.exp().unsqueeze(-1)        # Diag(e^g) S
+        pred = torch.einsum("bhc,bhcv->bhv", k, S)                                # kᵀS
+        S = S + torch.einsum("bhc,bhv->bhcv", bd.unsqueeze(-1) * k, v - pred)
+        o.index_copy_(0, rows, self.scale * torch.einsum("bhc,bhcv->bhv", q, S))
+        cache.conv[row].index_copy_(0, slots, xs[:, 1:].transpose(1, 2).to(cache.conv.dtype))
+        cache.rec[row].index_copy_(0, slots, S.to(cache.rec.dtype))
+
     def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock") -> torch.Tensor:
         T, h, d, W = x.shape[0], self.heads, self.dim, self.width
@@ -322,9 +349,13 @@ class KDAAttention(nn.Module):
         # keeps this loop (the observer reads each one's S0 view and q, k, v, g, β in turn)
         varlen = observer is None and kda_prefill_op.available(x)
         packed = []                              # (seq, xs, q, k, v, S0) for the varlen call
+        singles = []                             # one-token continuations: `_decode_rows`
         o = x.new_empty(T, h, d, dtype=torch.float32)
         for s in batch.seqs:
             sl = slice(s.start, s.end)
+            if s.length == 1 and s.pos > 0 and cache is not None and observer is None:
+                singles.append(s)
+                continue
             if cache is None or s.pos == 0:   # a sequence start ignores stale slot contents
                 tail = qkv_in.new_zeros(W - 1, qkv_in.shape[1])
                 S0 = x.new_zeros(h, d, d, dtype=torch.float32)
@@ -349,6 +380,8 @@ class KDAAttention(nn.Module):
                 self._store(cache, row, s, xs, S)
         if packed:
             self._prefill_packed(packed, g, beta, o, cache, row)
+        if singles:
+            self._decode_rows(singles, qkv_in, conv_w, g, beta, o, cache, row)
         gate = torch.sigmoid(self._out_gate(x, lin).float()).view(T, h, d)
         o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)
         return self.comm.all_reduce(lin(o.reshape(T, h * d), self.o_proj.weight))

@@ -87,6 +87,24 @@ def mla_absorbed_attention(q_abs: torch.Tensor, rows: torch.Tensor, row_pos: tor
     return torch.einsum("thm,mc->thc", p, r[:, :kv_lora_rank]), lse
 
 
+SINGLES_ROWS = 1 << 17     # cached rows one batched gather of decode rows holds (fp32: 302 MB
+                           # at K3's 576-wide latent)
+
+
+def singles_groups(seqs: list[SeqSlice], max_rows: int = SINGLES_ROWS) -> list[list[SeqSlice]]:
+    """One-token sequences split, in order, into groups whose padded gather (count × the
+    longest position + 1) stays within max_rows (a sequence longer than that alone)."""
+    groups, cur, longest = [], [], 0
+    for s in seqs:
+        n = max(longest, s.pos + 1)
+        if cur and n * (len(cur) + 1) > max_rows:
+            groups.append(cur)
+            cur, n = [], s.pos + 1
+        cur.append(s)
+        longest = n
+    return groups + [cur] if cur else groups
+
+
 def merge_attn_partials(outs: torch.Tensor, lses: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of P attention partials over disjoint key sets.
@@ -340,8 +358,7 @@ class MLAAttention(nn.Module):
         (the partials need the all-gathers) and the reference (the CPU and fp32 by default:
         as before, bit for bit) keep the absorbed fp32 math of `_latent_attention`."""
         cache, layer = caches.mla, caches.mla_index[self.layer_idx]
-        for s in batch.seqs:
-            cache.write(layer, s.slot, s.pos, rows[s.start:s.end])
+        cache.write_seqs(layer, batch.seqs, rows)
         sdpa = self.par.dcp_size == 1 and resolve_impl(self.prefill_impl, q) == "sdpa"
         if not (sdpa and any(s.length > 1 for s in batch.seqs)):
             return self._latent_attention(q, batch.seqs, batch.positions(q.device), cache,
@@ -356,10 +373,32 @@ class MLAAttention(nn.Module):
                 mla_prefill_into(out[sl], q[sl], r, s.pos, self.kv_b_proj.weight,
                                  nope=self.nope, vdim=self.vdim, kv_lora=self.kv_lora,
                                  scale=self.scale)
-            else:       # a decode row of a mixed step: the absorbed math
-                out[sl] = self._latent_attention(q[sl], [s._replace(start=0)], positions[sl],
-                                                 cache, layer)
+        if decodes:     # a mixed step's decode rows, together: the absorbed math
+            dec = [s for s in batch.seqs if s.length == 1]
+            at = host_to_device(torch.tensor([s.start for s in dec], dtype=torch.long),
+                                q.device)
+            res = self._latent_attention(q.index_select(0, at),
+                                         [s._replace(start=i) for i, s in enumerate(dec)],
+                                         positions.index_select(0, at), cache, layer)
+            out.index_copy_(0, at, res.to(out.dtype))
         return out
+
+    def _attend_singles(self, q_abs, seqs: list[SeqSlice], cache: MLALatentCache, layer: int,
+                        o_lat: torch.Tensor, lse: torch.Tensor) -> None:
+        """`mla_absorbed_attention` of one-token sequences (each query at its position sees
+        the sequence's rows 0 .. pos) as one padded batch: their rows of o_lat and lse
+        written."""
+        at = host_to_device(torch.tensor([s.start for s in seqs], dtype=torch.long),
+                            q_abs.device)
+        rows, lens = cache.gather_singles(layer, seqs)                   # (D, L, c + rope)
+        r = rows.float()
+        s = torch.einsum("bhd,bld->bhl", q_abs.index_select(0, at).float(), r) * self.scale
+        valid = torch.arange(r.shape[1], device=r.device)[None, :] < lens[:, None]
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        l = torch.logsumexp(s, dim=-1)                                  # (D, h)
+        p = torch.exp(s - torch.where(torch.isfinite(l), l, 0.0).unsqueeze(-1))
+        o_lat.index_copy_(0, at, torch.einsum("bhl,blc->bhc", p, r[..., :self.kv_lora]))
+        lse.index_copy_(0, at, l)
 
     def _latent_attention(self, q, seqs: list[SeqSlice], positions, cache: MLALatentCache,
                           layer: int) -> torch.Tensor:
@@ -373,11 +412,17 @@ class MLAAttention(nn.Module):
             q_abs = self.comm.dcp_all_gather(q_abs, dim=1)
         o_lat = q_abs.new_zeros(q_abs.shape[0], q_abs.shape[1], self.kv_lora)
         lse = q_abs.new_full(q_abs.shape[:2], float("-inf"))
+        # DCP 1: the one-token sequences batched (`_attend_singles`), the others one by one
+        singles = [s for s in seqs if s.length == 1] if D == 1 and len(seqs) > 1 else []
         for s in seqs:
+            if s.length == 1 and singles:
+                continue
             sl = slice(s.start, s.end)
             r, r_pos = cache.read(layer, s.slot, s.pos + s.length)
             o_lat[sl], lse[sl] = mla_absorbed_attention(q_abs[sl], r, r_pos, positions[sl],
                                                         self.kv_lora, self.scale)
+        for group in singles_groups(singles):
+            self._attend_singles(q_abs, group, cache, layer, o_lat, lse)
         if D > 1:   # every rank's partial for the group's heads -> merge those of my heads
             part = torch.cat([o_lat, lse.unsqueeze(-1)], -1).unsqueeze(0)  # (1, T, D·h, c+1)
             parts = self.comm.dcp_all_gather(part, dim=0)                 # (D, T, D·h, c+1)
