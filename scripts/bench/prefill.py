@@ -4,7 +4,7 @@ counts, and the stock decode step's kernels per layer.
 
     python -m raydecode.scripts.bench.prefill [--config k3] [--tps 16,8] [--layers 0]
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
-        [--context 1024] [--random-counts 50] [--gc-modes frozen] [--max-seconds 60]
+        [--context 1024] [--chunk-while-decoding 2048] [--random-counts 50] [--gc-modes frozen] [--max-seconds 60]
         [--graphed 1] [--profile-first-run] [--module-loading lazy|eager]
         [--sweep-budgets 4096,8192]
         [--out bench/results/prefill-….json] [--png bench/results/prefill-….png] [--commit SHA]
@@ -32,7 +32,9 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             as a served GPU rank after its build) a fresh draw of counts, each first run with
             the ms it spent in Python's GC and the caching allocator's new segments and
             retries (`StepProbe`); the top-level figures are the last mode's.
-  mixed     `--mixed-decodes` sequences decoding at --context plus one chunk of the budget at
+  mixed     `--mixed-decodes` sequences decoding at --context plus one chunk of
+            `--chunk-while-decoding` tokens (at most the budget: what the deployment's
+            max_prefill_tokens_while_decoding lets a step hold while streams run) at
             --context: the step time is the decoders' TPOT during mixed steps; against the
             decode-only step of the same sequences (stock; graphed, as served) and the split
             schedule (SchedulerConfig.split_mixed: a chunk-only step, then the graphed decode
@@ -112,6 +114,12 @@ FLOPS_METHOD = (
 
 
 # ---- FLOPs and the dense rate ------------------------------------------------------------------
+
+# the deployment's default max_prefill_tokens_while_decoding (actors/config.py; the GPU host
+# running this bench lacks pydantic, so it is not imported: tests/cpu/test_bench_prefill.py
+# checks the two agree)
+CHUNK_WHILE_DECODING = 2048
+
 
 def flop_model(model: K3ForCausalLM) -> dict:
     """This rank's FLOP constants (FLOPS_METHOD) from its parameters."""
@@ -478,19 +486,20 @@ def first_run_profile(rank: PrefillRank, tokens: int, top: int = 15) -> dict:
     return out
 
 
-def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float) -> dict:
-    """Mixed step vs decode-only (stock, graphed) vs the split schedule, interleaved."""
+def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float, chunk: int) -> dict:
+    """Mixed step (`chunk` prompt tokens + the decoders) vs decode-only (stock, graphed) vs
+    the split schedule, interleaved."""
     t = {"mixed": [], "decode_stock": [], "chunk_alone": []}
     if rank.graphs:
         t["decode_graphed"] = []
     for _ in range(steps):
-        t["mixed"].append(rank.step(rank.budget, decodes))
+        t["mixed"].append(rank.step(chunk, decodes))
         t["decode_stock"].append(rank.step(0, decodes))
-        t["chunk_alone"].append(rank.step(rank.budget, 0))
+        t["chunk_alone"].append(rank.step(chunk, 0))
         if rank.graphs:
             t["decode_graphed"].append(rank.step(0, decodes, "specialized"))
     ms = {k: statistics.median(v) * 1e3 for k, v in t.items()}
-    out = {"decodes": decodes, "chunk_tokens": rank.budget, "context": rank.context,
+    out = {"decodes": decodes, "chunk_tokens": chunk, "context": rank.context,
            "steps": steps, "ms": {k: round(v, 3) for k, v in ms.items()},
            "tpot_ms_mixed": round(ms["mixed"], 3),
            "tpot_ms_decode_only_stock": round(ms["decode_stock"], 3),
@@ -611,9 +620,10 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
               f"{[(o['op'], o['self_cpu_ms']) for o in fp['first']['host_top_ops'][:6]]}",
               flush=True)
         save(run)
-    mx = mixed_case(rank, args.mixed_decodes, args.steps, scale)
+    chunk = min(args.chunk_while_decoding, args.prefill_budget)
+    mx = mixed_case(rank, args.mixed_decodes, args.steps, scale, chunk)
     run["mixed"] = mx
-    print(f"[prefill] {tag} mixed {args.mixed_decodes} decodes + {args.prefill_budget}: "
+    print(f"[prefill] {tag} mixed {args.mixed_decodes} decodes + {chunk}: "
           f"TPOT {mx['tpot_ms_mixed']:.2f} ms vs decode-only stock "
           f"{mx['tpot_ms_decode_only_stock']:.2f} ms, graphed "
           f"{mx.get('tpot_ms_decode_only_graphed')} ms, split {mx.get('tpot_ms_split')} ms",
@@ -721,6 +731,9 @@ def main(argv=None) -> int:
                     help="tokens per step (the scheduler's max_num_batched_tokens)")
     ap.add_argument("--mixed-decodes", type=int, default=63,
                     help="decoding sequences of the mixed steps (1..64)")
+    ap.add_argument("--chunk-while-decoding", type=int, default=CHUNK_WHILE_DECODING,
+                    help="prompt tokens of the mixed case's step (the deployment's "
+                         "max_prefill_tokens_while_decoding; at most the budget)")
     ap.add_argument("--context", type=int, default=1024,
                     help="position of the decoders and of the counts' / mixed steps' chunk")
     ap.add_argument("--sweep-budgets", default="", help="comma-separated step budgets the "
@@ -768,11 +781,13 @@ def main(argv=None) -> int:
                          "padded runner's buckets end at --prefill-budget; sweep unpadded")
     tps = int_list("--tps" if args.tps else "--tp", args.tps or str(args.tp), 1)
     if args.prefill_budget < 1 or args.context < 1 or args.random_counts < 0 \
+            or args.chunk_while_decoding < 1 \
             or args.repeats < 1 or args.steps < 1 or args.max_seconds < 0:
         raise SystemExit(f"--prefill-budget {args.prefill_budget} --context {args.context} "
+                         f"--chunk-while-decoding {args.chunk_while_decoding} "
                          f"--random-counts {args.random_counts} --repeats {args.repeats} "
                          f"--steps {args.steps} --max-seconds {args.max_seconds}: expected "
-                         "budget, context, repeats, steps >= 1 and counts, seconds >= 0")
+                         "budget, context, chunk, repeats, steps >= 1 and counts, seconds >= 0")
     bad = [m for m in args.gc_modes.split(",") if m not in GC_MODES]
     if bad or not args.gc_modes:
         raise SystemExit(f"--gc-modes {args.gc_modes!r}: expected a comma-separated list of "

@@ -212,3 +212,11 @@ def test_prefill_bench_refuses_a_padded_sweep():
     with pytest.raises(SystemExit, match=r"--sweep-budgets \[64\] with --pad-prefill 1"):
         prefill.main(["--config", "tiny", "--device", "cpu", "--sweep-budgets", "64",
                       "--pad-prefill", "1"])
+
+
+def test_mixed_chunk_default_is_the_deployments():
+    """The bench's mixed-case chunk is the deployment's default prompt tokens per step while
+    streams decode (the bench does not import actors/: its GPU host lacks pydantic)."""
+    from raydecode.actors.config import DeployConfig
+    field = DeployConfig.model_fields["max_prefill_tokens_while_decoding"]
+    assert prefill.CHUNK_WHILE_DECODING == field.default

@@ -22,7 +22,7 @@ def test_stock_forward_has_no_host_sync(mixed):
     model, _ = tiny_model("cuda")
     caches = make_caches(model.cfg, model.par, 4, 64, 16, model.dtype, device="cuda")
     caches.mla.block_tables.update({0: list(range(0, 16)), 1: list(range(16, 32)),
-                                    2: [32, 33]})
+                                    2: [32, 33], 3: [34]})
     V = model.cfg.vocab_size
     with torch.inference_mode():
         # slot 0 prefilled to 100 first, so the checked step continues a chunk at pos 100
@@ -30,9 +30,11 @@ def test_stock_forward_has_no_host_sync(mixed):
               StepBatch([SeqSlice(0, 0, 100, 0)]), caches)
         model(torch.randint(0, V, (20,), device="cuda"),
               StepBatch([SeqSlice(2, 0, 20, 0)]), caches)
+        model(torch.randint(0, V, (9,), device="cuda"),
+              StepBatch([SeqSlice(3, 0, 9, 0)]), caches)
         seqs = [SeqSlice(0, 0, 60, 100), SeqSlice(1, 60, 37, 0)]
-        if mixed:
-            seqs.append(SeqSlice(2, 97, 1, 20))
+        if mixed:       # two decode rows: the batched one-token path (models/kda.py, mla.py)
+            seqs += [SeqSlice(2, 97, 1, 20), SeqSlice(3, 98, 1, 9)]
         batch = StepBatch(seqs)
         tokens = torch.randint(0, V, (batch.num_tokens,), device="cuda")
         torch.cuda.synchronize()
