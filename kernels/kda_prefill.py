@@ -48,6 +48,7 @@ Triton's autotune cache under TRITON_CACHE_DIR), so a restarted rank does not re
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -147,16 +148,21 @@ def _fla_prefill(q, k, v, g, beta, scale: float, states: torch.Tensor,
     `warmup`."""
     host, dev, chunk_indices, chunk_offsets = _varlen_index(tuple(cu_seqlens.tolist()),
                                                             q.device)
-    f32 = [t.float().unsqueeze(0) for t in (q, k, v, g, beta)]                 # (1, T, ...)
+    # contiguous, on the tensors' device: what chunk_kda's input guard does, which the forward
+    # underneath does not (its kernels index dense [1, T, H, K] layouts, and Triton launches on
+    # the current device)
+    f32 = [t.float().contiguous().unsqueeze(0) for t in (q, k, v, g, beta)]    # (1, T, ...)
     s0 = states.float().contiguous()
     fwd = _chunk_kda_fwd()
-    if fwd is None:
-        o, final = _chunk_kda()(*f32, scale=scale, initial_state=s0, output_final_state=True,
-                                cu_seqlens=dev, cu_seqlens_cpu=host)
-        return o[0], final
-    out = fwd(*f32, scale=scale, initial_state=s0, output_final_state=True, cu_seqlens=dev,
-              cu_seqlens_cpu=host, chunk_indices=chunk_indices, chunk_size=CHUNK,
-              chunk_offsets=chunk_offsets)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        if fwd is None:
+            o, final = _chunk_kda()(*f32, scale=scale, initial_state=s0,
+                                    output_final_state=True, cu_seqlens=dev,
+                                    cu_seqlens_cpu=host)
+            return o[0], final
+        out = fwd(*f32, scale=scale, initial_state=s0, output_final_state=True,
+                  cu_seqlens=dev, cu_seqlens_cpu=host, chunk_indices=chunk_indices,
+                  chunk_size=CHUNK, chunk_offsets=chunk_offsets)
     return out[0][0], out[1]
 
 

@@ -282,10 +282,14 @@ class KDAAttention(nn.Module):
         each slot stored as the per-sequence loop does."""
         seqs = [p[0] for p in packed]
         bounds = [0, *itertools.accumulate(s.length for s in seqs)]
-        q, k, v = (torch.cat([p[i] for p in packed]) for i in (2, 3, 4))     # (ΣL, h, d)
-        gp = torch.cat([g[s.start:s.end] for s in seqs])                     # (ΣL, h, d)
-        bp = torch.cat([beta[s.start:s.end] for s in seqs])                  # (ΣL, h)
-        S0 = torch.stack([p[5] for p in packed])                             # (N, h, d, d)
+        if len(packed) == 1:    # one prompt chunk (the common step): views, no copies
+            (s, _, q, k, v, S0), = packed
+            gp, bp, S0 = g[s.start:s.end], beta[s.start:s.end], S0.unsqueeze(0)
+        else:
+            q, k, v = (torch.cat([p[i] for p in packed]) for i in (2, 3, 4))  # (ΣL, h, d)
+            gp = torch.cat([g[s.start:s.end] for s in seqs])                  # (ΣL, h, d)
+            bp = torch.cat([beta[s.start:s.end] for s in seqs])               # (ΣL, h)
+            S0 = torch.stack([p[5] for p in packed])                          # (N, h, d, d)
         op, S = kda_prefill_op.kda_prefill(q, k, v, gp, bp, self.scale, S0,
                                            torch.tensor(bounds, dtype=torch.int64))
         for i, s in enumerate(seqs):
@@ -334,12 +338,21 @@ class KDAAttention(nn.Module):
             raise RuntimeError(f"KDA layer {self.layer_idx}: a graph-shaped step (caches."
                                "statics set) needs the fused decode (specialized path, one "
                                "token per sequence at pos > 0, distinct slots, no observer)")
-        qkv_in = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
-                            lin(x, self.v_proj.weight)], -1)                      # (T, 3·h·d)
-        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight,
-                            self.v_conv1d.weight]).squeeze(1)                      # (3·h·d, W)
-        beta = torch.sigmoid(lin(x, self.b_proj.weight).float())                   # (T, h)
-        g = kda_gate(lin(lin(x, self.f_a_proj.weight), self.f_b_proj.weight).view(T, h, d),
+        C = h * d
+        if hasattr(self, "g_proj"):     # q, k, v, g, b, f_a: one GEMM over the packed in_proj
+            proj = lin(x, self._in_proj())
+            qkv_in, gate_in = proj[:, :3 * C], proj[:, 3 * C:4 * C]        # column views
+            b_in, f_a = proj[:, 4 * C:4 * C + h], proj[:, 4 * C + h:4 * C + h + d]
+        else:                           # low-rank gate
+            qkv_in = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
+                                lin(x, self.v_proj.weight)], -1)                  # (T, 3·h·d)
+            b_in, f_a, gate_in = (lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight),
+                                  None)
+        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        conv_w = self._derived.get("conv_w", convs,
+                                   lambda: torch.cat(convs).squeeze(1))            # (3·h·d, W)
+        beta = torch.sigmoid(b_in.float())                                         # (T, h)
+        g = kda_gate(lin(f_a, self.f_b_proj.weight).view(T, h, d),
                      self.A_log, self.dt_bias, self.lower_bound)                   # (T, h, d)
         cache = caches.kda if caches is not None else None
         row = caches.kda_index[self.layer_idx] if caches is not None else None
@@ -382,7 +395,8 @@ class KDAAttention(nn.Module):
             self._prefill_packed(packed, g, beta, o, cache, row)
         if singles:
             self._decode_rows(singles, qkv_in, conv_w, g, beta, o, cache, row)
-        gate = torch.sigmoid(self._out_gate(x, lin).float()).view(T, h, d)
+        gate = torch.sigmoid((self._out_gate(x, lin) if gate_in is None else gate_in).float())
+        gate = gate.view(T, h, d)
         o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)
         return self.comm.all_reduce(lin(o.reshape(T, h * d), self.o_proj.weight))
 

@@ -126,7 +126,29 @@ def _fake_fla(calls):
     return chunk_kda
 
 
-def _step_vs_alone(monkeypatch, varlen: bool, observer: bool = False):
+def _fake_fla_forward(calls):
+    """Stand-in for fla's chunk_kda_fwd (the forward kda_prefill calls with its own chunk
+    index): the public stand-in's contract, plus the chunk index and offsets of cu_seqlens
+    (the layout test_varlen_index_is_fla_layout_built_on_the_host pins)."""
+    public = _fake_fla(calls)
+
+    def chunk_kda_fwd(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                      cu_seqlens, cu_seqlens_cpu, chunk_indices, chunk_size, chunk_offsets):
+        cu = cu_seqlens_cpu.tolist()
+        chunks = [-(-(b - a) // chunk_size) for a, b in zip(cu, cu[1:])]
+        assert chunk_indices.tolist() == [[n, i] for n, c in enumerate(chunks)
+                                          for i in range(c)]
+        assert chunk_offsets.tolist() == [sum(chunks[:n]) for n in range(len(chunks) + 1)]
+        for t in (q, k, v, g, beta):
+            assert t.is_contiguous()
+        o, final = public(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                          cu_seqlens_cpu=cu_seqlens_cpu)
+        return (o, final) + (None,) * 10          # the forward's 12 outputs
+    return chunk_kda_fwd
+
+
+def _step_vs_alone(monkeypatch, varlen: bool, observer: bool = False, entry: str = "forward"):
     """One step holding prefills at pos 0 (on slots with stale state), a continued prefill
     at pos > 0 and decode tokens, against each sequence alone on the CPU path (the history
     too); `varlen`: the step through the varlen path. -> the calls the step made to fla."""
@@ -154,6 +176,8 @@ def _step_vs_alone(monkeypatch, varlen: bool, observer: bool = False):
     if varlen:
         monkeypatch.setattr(KP, "available", lambda *ts: True)
         monkeypatch.setattr(KP, "_chunk_kda", lambda: _fake_fla(calls))
+        monkeypatch.setattr(KP, "_chunk_kda_fwd", lambda: _fake_fla_forward(calls)
+                            if entry == "forward" else None)
     if observer:
         caches.kda_observer = lambda row, s, *_: seen.append(s.slot)
     out = attn(torch.cat(xs), StepBatch(batch), caches)
@@ -173,10 +197,12 @@ def test_step_of_several_prefills_equals_each_alone_on_the_cpu_path(monkeypatch)
     assert _step_vs_alone(monkeypatch, varlen=False) == []
 
 
-def test_varlen_path_packs_the_multi_token_sequences_into_one_call(monkeypatch):
+@pytest.mark.parametrize("entry", ["forward", "public"])
+def test_varlen_path_packs_the_multi_token_sequences_into_one_call(monkeypatch, entry):
     # the step's three multi-token sequences (7, 66, 65) as one call; its decode-length
-    # ones by the recurrence
-    assert _step_vs_alone(monkeypatch, varlen=True) == [[0, 7, 73, 138]]
+    # ones by the recurrence. forward: fla's chunk_kda_fwd with the host-built chunk index;
+    # public: chunk_kda, where a later fla moved the forward
+    assert _step_vs_alone(monkeypatch, varlen=True, entry=entry) == [[0, 7, 73, 138]]
 
 
 def test_varlen_path_keeps_the_per_sequence_loop_under_an_observer(monkeypatch):

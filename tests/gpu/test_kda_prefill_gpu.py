@@ -188,3 +188,21 @@ def test_layer_step_of_several_prefills_through_fla_equals_the_reference_loop(mo
     rest = [i for i in range(S) if i not in used]
     assert f.rec[0, rest].isnan().all() and f.conv[0, rest].isnan().all(), \
         f"{what}: slots outside the step written"
+
+
+def test_strided_inputs_give_the_contiguous_result():
+    """q, k, v, g as column slices of wider rows (what a packed projection hands over) and a
+    transposed-then-restored β: the op makes them dense before fla's forward, whose kernels
+    index dense layouts (chunk_kda's input guard did this; the forward underneath does not)."""
+    seed = fresh_seed()
+    x = _inputs([37, 130], 6, seed)
+    T = x["q"].shape[0]
+    wide = {n: torch.cat([x[n], torch.randn_like(x[n])], -1)[..., :D]
+            for n in ("q", "k", "v", "g")}
+    assert not wide["v"].is_contiguous()
+    beta = x["beta"].t().contiguous().t()
+    assert not beta.is_contiguous() and beta.shape == (T, 6)
+    o_ref, s_ref = KP.kda_prefill(**x)
+    o, s = KP.kda_prefill(**{**x, **wide, "beta": beta})
+    # the same dense values through the same kernels; strided reads would be O(1) off
+    assert rel_err(o, o_ref) < 1e-6 and rel_err(s, s_ref) < 1e-6, f"seed {seed}"
