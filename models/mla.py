@@ -395,10 +395,10 @@ class MLAAttention(nn.Module):
         s = torch.einsum("bhd,bld->bhl", q_abs.index_select(0, at).float(), r) * self.scale
         valid = torch.arange(r.shape[1], device=r.device)[None, :] < lens[:, None]
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
-        l = torch.logsumexp(s, dim=-1)                                  # (D, h)
-        p = torch.exp(s - torch.where(torch.isfinite(l), l, 0.0).unsqueeze(-1))
+        m = torch.logsumexp(s, dim=-1)                                  # (D, h)
+        p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1))
         o_lat.index_copy_(0, at, torch.einsum("bhl,blc->bhc", p, r[..., :self.kv_lora]))
-        lse.index_copy_(0, at, l)
+        lse.index_copy_(0, at, m)
 
     def _latent_attention(self, q, seqs: list[SeqSlice], positions, cache: MLALatentCache,
                           layer: int) -> torch.Tensor:

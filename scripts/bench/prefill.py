@@ -4,7 +4,8 @@ counts, and the stock decode step's kernels per layer.
 
     python -m raydecode.scripts.bench.prefill [--config k3] [--tps 16,8] [--layers 0]
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
-        [--context 1024] [--chunk-while-decoding 2048] [--random-counts 50] [--gc-modes frozen] [--max-seconds 60]
+        [--context 1024] [--chunk-while-decoding 2048] [--random-counts 50]
+        [--gc-modes frozen] [--max-seconds 60]
         [--graphed 1] [--profile-first-run] [--module-loading lazy|eager]
         [--sweep-budgets 4096,8192]
         [--out bench/results/prefill-….json] [--png bench/results/prefill-….png] [--commit SHA]

@@ -114,7 +114,8 @@ def _unpadded(model) -> GraphedRunner:
 def test_unpadded_warm_up_runs_the_powers_of_two_and_the_budget_on_scratch_rows(model):
     plain = _unpadded(model)
     assert unpadded_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
-    assert unpadded_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256] and unpadded_buckets(1) == [1]
+    assert unpadded_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert unpadded_buckets(1) == [1]
     with pytest.raises(ValueError, match="budget 0"):
         unpadded_buckets(0)
     real = [t.clone() for t in _real(plain.caches)]
