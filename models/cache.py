@@ -79,6 +79,20 @@ class StepBatch:
 # stays memoized through the step.
 INDEX_MEMO_ELEMS = 1 << 22
 
+# Whether a stock step's one-token continuations run batched (models/kda.py `_decode_rows`,
+# models/mla.py `_attend_singles`, `MLALatentCache.write_seqs`): "cuda" (default) on CUDA
+# tensors only, True everywhere (the CPU tests of the batched code), False nowhere. The CPU
+# path stays the per-sequence reference, so a request's values there do not depend on what it
+# shares a step with, to the bit (the fuzz's canary: a greedy request under hostile traffic
+# must return exactly its undisturbed text; the padded MLA batch reduces over the longest
+# sequence, which moves the last bits). On CUDA the GEMMs already pick kernels by batch shape.
+BATCH_DECODE_ROWS: bool | str = "cuda"
+
+
+def batch_decode_rows(x: torch.Tensor) -> bool:
+    """`BATCH_DECODE_ROWS` for a step whose tensors live where x does."""
+    return x.is_cuda if BATCH_DECODE_ROWS == "cuda" else bool(BATCH_DECODE_ROWS)
+
 
 class MLALatentCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
@@ -140,10 +154,12 @@ class MLALatentCache:
         """`write` of every sequence of a step (SeqSlice: slot, start, length, pos; rows
         (T, latent_dim) the step's): the one-token ones as one index_copy_ (a decode step of D
         sequences: one copy, not D), the others one `write` each. No host sync."""
-        singles = [x for x in seqs if x.length == 1]
+        singles = [x for x in seqs if x.length == 1] if batch_decode_rows(rows) else []
         for x in seqs:
-            if x.length != 1:
+            if x.length != 1 or not singles:
                 self.write(layer, x.slot, x.pos, rows[x.start:x.end])
+        if not singles:
+            return
         if len(singles) < 2:
             for x in singles:
                 self.write(layer, x.slot, x.pos, rows[x.start:x.end])

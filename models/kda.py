@@ -41,7 +41,7 @@ from raydecode.kernels import kda_prefill as kda_prefill_op
 from raydecode.kernels import kda_verify as kda_verify_op
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
-from .cache import ModelCaches, StepBatch, host_to_device
+from .cache import ModelCaches, StepBatch, batch_decode_rows, host_to_device
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, pack_rows_,
                      replicated_linear, rms_norm, row_linear)
@@ -363,10 +363,11 @@ class KDAAttention(nn.Module):
         varlen = observer is None and kda_prefill_op.available(x)
         packed = []                              # (seq, xs, q, k, v, S0) for the varlen call
         singles = []                             # one-token continuations: `_decode_rows`
+        batched = cache is not None and batch_decode_rows(x)
         o = x.new_empty(T, h, d, dtype=torch.float32)
         for s in batch.seqs:
             sl = slice(s.start, s.end)
-            if s.length == 1 and s.pos > 0 and cache is not None and observer is None:
+            if s.length == 1 and s.pos > 0 and batched and observer is None:
                 singles.append(s)
                 continue
             if cache is None or s.pos == 0:   # a sequence start ignores stale slot contents

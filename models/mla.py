@@ -48,7 +48,8 @@ from raydecode.kernels.mla_decode import (absorbed_q_weight, folded_q_b_weight, 
 from raydecode.kernels.mla_prefill import mla_prefill_into, resolve_impl
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
-from .cache import MLALatentCache, ModelCaches, SeqSlice, StepBatch, host_to_device
+from .cache import (MLALatentCache, ModelCaches, SeqSlice, StepBatch, batch_decode_rows,
+                    host_to_device)
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
                      row_linear)
@@ -373,14 +374,19 @@ class MLAAttention(nn.Module):
                 mla_prefill_into(out[sl], q[sl], r, s.pos, self.kv_b_proj.weight,
                                  nope=self.nope, vdim=self.vdim, kv_lora=self.kv_lora,
                                  scale=self.scale)
-        if decodes:     # a mixed step's decode rows, together: the absorbed math
-            dec = [s for s in batch.seqs if s.length == 1]
+        dec = [s for s in batch.seqs if s.length == 1]     # a mixed step's decode rows: the
+        if len(dec) > 1 and batch_decode_rows(q):          # absorbed math, together
             at = host_to_device(torch.tensor([s.start for s in dec], dtype=torch.long),
                                 q.device)
             res = self._latent_attention(q.index_select(0, at),
                                          [s._replace(start=i) for i, s in enumerate(dec)],
                                          positions.index_select(0, at), cache, layer)
             out.index_copy_(0, at, res.to(out.dtype))
+        else:                                              # or one by one
+            for s in dec:
+                sl = slice(s.start, s.end)
+                out[sl] = self._latent_attention(q[sl], [s._replace(start=0)], positions[sl],
+                                                 cache, layer)
         return out
 
     def _attend_singles(self, q_abs, seqs: list[SeqSlice], cache: MLALatentCache, layer: int,
@@ -413,7 +419,8 @@ class MLAAttention(nn.Module):
         o_lat = q_abs.new_zeros(q_abs.shape[0], q_abs.shape[1], self.kv_lora)
         lse = q_abs.new_full(q_abs.shape[:2], float("-inf"))
         # DCP 1: the one-token sequences batched (`_attend_singles`), the others one by one
-        singles = [s for s in seqs if s.length == 1] if D == 1 and len(seqs) > 1 else []
+        singles = ([s for s in seqs if s.length == 1]
+                   if D == 1 and len(seqs) > 1 and batch_decode_rows(q_abs) else [])
         for s in seqs:
             if s.length == 1 and singles:
                 continue

@@ -1,8 +1,8 @@
 """The stock path's one-token continuations run batched (issue 28: a mixed step of 63 decoders
 + a chunk cost 318 ms for 8 K3 layers on the H200, the per-sequence loops of KDA and MLA
 launching ~50 kernels per decoder and layer): models/kda.py `_decode_rows`, models/cache.py
-`write_seqs` / `gather_singles`, models/mla.py `_attend_singles`. The ground truth is the
-per-sequence code: each sequence in a step of its own (MLA's loop) with a speculative
+`write_seqs` / `gather_singles`, models/mla.py `_attend_singles`; on by default on CUDA only
+(models/cache.py `BATCH_DECODE_ROWS`), here forced on. The ground truth is the per-sequence code: each sequence in a step of its own (MLA's loop) with a speculative
 observer set (KDA keeps its loop under one); in fp32 both give the same hidden states and
 caches to summation order."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from raydecode.models import cache as cache_mod
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
@@ -23,6 +24,11 @@ from _numerics import rel_err
 torch.set_num_threads(1)
 PROMPTS = {0: 20, 1: 37, 2: 5, 3: 50, 4: 16}       # slot -> prefilled tokens
 BS = 8
+
+
+@pytest.fixture(autouse=True)
+def batched_on_cpu(monkeypatch):
+    monkeypatch.setattr(cache_mod, "BATCH_DECODE_ROWS", True)
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +115,17 @@ def test_singles_groups_bound_the_padded_gather():
         assert len(grp) == 1 or len(grp) * max(s.pos + 1 for s in grp) <= 400
     assert [len(grp) for grp in groups] == [3, 1, 2]
     assert singles_groups([]) == []
+
+
+def test_the_cpu_path_keeps_the_per_sequence_code_by_default(setup, monkeypatch):
+    """Default setting: on CPU tensors no batched code runs, so a request's values do not
+    depend on what shares its step (what the fuzz's canary checks to the bit)."""
+    model, base, V = setup
+    monkeypatch.setattr(cache_mod, "BATCH_DECODE_ROWS", "cuda")
+    ran = []
+    for cls, name in ((KDAAttention, "_decode_rows"), (MLAAttention, "_attend_singles")):
+        monkeypatch.setattr(cls, name, lambda self, *a, _n=name: ran.append(_n))
+    seqs = [SeqSlice(0, 0, 1, PROMPTS[0]), SeqSlice(1, 1, 1, PROMPTS[1])]
+    with torch.inference_mode():
+        model(torch.tensor([5, 6]), StepBatch(seqs), _clone(base))
+    assert ran == [] and not cache_mod.batch_decode_rows(torch.zeros(1))
