@@ -226,9 +226,9 @@ class DeployConfig(_Model):
     max_num_batched_tokens: int = Field(
         default=8192, ge=1,
         description="Token budget of one step (prefill chunk). 8192: on the H200 (K3 TP16 rank, "
-                    "8 layers) a stock prefill step costs ≈ 36 ms up to 2048 tokens, 46 at 4096 "
-                    "and 84 at 8192, so an 8k prompt's TTFT is 0.084 s in one step against "
-                    "0.145 s in four of 2048 (MFU 0.26 vs 0.15, "
+                    "8 layers) a stock prefill step costs 17-22 ms at one token, 28-35 at 2048, "
+                    "44-46 at 4096 and 84-86 at 8192 (two runs), so an 8k prompt's TTFT is "
+                    "0.084 s in one step against 0.145 s in four of 2048 (MFU 0.26 vs 0.15, "
                     "bench/results/budget-prefill-h200-2026-12-04.json).")
     max_prefill_tokens_while_decoding: int | None = Field(
         default=2048, ge=1,
@@ -236,9 +236,9 @@ class DeployConfig(_Model):
                     "max_num_batched_tokens. A long prompt then prefills in chunks this size "
                     "while streams run (each running stream waits at most one such chunk step "
                     "per token) and in budget-sized chunks when nothing decodes. 2048: a "
-                    "chunk step that size costs what a one-token one does (≈ 36 ms for 8 K3 "
-                    "layers on the H200: the stock step's host floor), while 8192 would "
-                    "make each running stream wait 84.")
+                    "chunk step that size costs 28-35 ms for 8 K3 layers on the H200, 1.6x a "
+                    "one-token one (the stock step's host floor), while 8192 would make each "
+                    "running stream wait 84-86.")
     max_waiting_requests: int = Field(
         default=256, ge=0, description="Requests queued beyond the running ones before new ones "
                                        "get 503 + Retry-After.")
