@@ -20,6 +20,7 @@ position of the first one). A decode token is a slice of length 1; a prefill chu
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -155,14 +156,12 @@ class MLALatentCache:
         (T, latent_dim) the step's): the one-token ones as one index_copy_ (a decode step of D
         sequences: one copy, not D), the others one `write` each. No host sync."""
         singles = [x for x in seqs if x.length == 1] if batch_decode_rows(rows) else []
+        if len(singles) < 2:
+            singles = []
         for x in seqs:
             if x.length != 1 or not singles:
                 self.write(layer, x.slot, x.pos, rows[x.start:x.end])
         if not singles:
-            return
-        if len(singles) < 2:
-            for x in singles:
-                self.write(layer, x.slot, x.pos, rows[x.start:x.end])
             return
         dst, src = self._singles_index(singles, rows.device)
         if dst.numel():
@@ -202,19 +201,17 @@ class MLALatentCache:
             raise RuntimeError("gather_singles: DCP > 1 splits a sequence's rows over ranks")
         bs, lens = self.block_size, [x.pos + 1 for x in seqs]
         L = max(lens)
+        used = [self.block_tables[x.slot][:-(-n // bs)] for x, n in zip(seqs, lens)]
         key = ("gather", str(self.pool.device),
-               tuple((x.slot, n, tuple(self.block_tables[x.slot][:-(-n // bs)]))
-                     for x, n in zip(seqs, lens)))
+               tuple((x.slot, n, tuple(t)) for x, n, t in zip(seqs, lens, used)))
         hit = self._index_memo.get(key)
         if hit is None:
             nb = -(-L // bs)
-            tabs = []
-            for x, n in zip(seqs, lens):
-                t = self.block_tables[x.slot][:-(-n // bs)]
+            for x, n, t in zip(seqs, lens, used):
                 if len(t) * bs < n:
                     raise RuntimeError(f"slot {x.slot}: position beyond its {len(t)} cache "
                                        "blocks")
-                tabs.append(t + [0] * (nb - len(t)))
+            tabs = [t + [0] * (nb - len(t)) for t in used]
             rows = (torch.tensor(tabs, dtype=torch.long)[:, :, None] * bs
                     + torch.arange(bs)).view(len(seqs), -1)[:, :L]
             valid = torch.arange(L)[None, :] < torch.tensor(lens)[:, None]
@@ -241,6 +238,14 @@ class MLALatentCache:
         rows = self.pool[layer].view(-1, self.pool.shape[-1]).index_select(0, idx)
         local = torch.arange(m, device=self.pool.device)
         return rows, local * self.dcp_size + self.dcp_rank
+
+
+@functools.lru_cache(maxsize=64)
+def device_index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(n,) int64 of host ints on `device`, built once per tuple (every layer of a step and
+    every step with the same batch composition reuse it; never written): `host_to_device`, so
+    no host sync. KDA state rows (models/kda.py `slot_index`), a step's token rows."""
+    return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def host_to_device(t: torch.Tensor, device) -> torch.Tensor:

@@ -29,7 +29,6 @@ call of fla's chunked kernel instead (kernels/kda_prefill.py; `kda_chunked` stay
 """
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
@@ -41,7 +40,7 @@ from raydecode.kernels import kda_prefill as kda_prefill_op
 from raydecode.kernels import kda_verify as kda_verify_op
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
-from .cache import ModelCaches, StepBatch, batch_decode_rows, host_to_device
+from .cache import ModelCaches, StepBatch, batch_decode_rows, device_index
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, pack_rows_,
                      replicated_linear, rms_norm, row_linear)
@@ -138,12 +137,7 @@ class HeadPrefixShard:
         return full.narrow(0, par.tp_rank * hl, hl)
 
 
-@functools.lru_cache(maxsize=64)
-def slot_index(slots: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """(T,) int64 state rows on `device`, built once per batch composition (every KDA layer of
-    a step and every step with the same sequences reuse it; never written). On CUDA the copy
-    goes through pinned memory, non-blocking: no host sync."""
-    return host_to_device(torch.tensor(slots, dtype=torch.int64), device)
+slot_index = device_index   # (T,) KDA state rows of a batch composition (models/cache.py)
 
 
 class ShortConv(nn.Module):
@@ -308,7 +302,7 @@ class KDAAttention(nn.Module):
         h, d = self.heads, self.dim
         dev = qkv_in.device
         slots = slot_index(tuple(s.slot for s in seqs), dev)                      # (D,)
-        rows = slot_index(tuple(s.start for s in seqs), dev)                      # (D,)
+        rows = device_index(tuple(s.start for s in seqs), dev)                    # (D,)
         tail = cache.conv[row].index_select(0, slots)                             # (D, C, W−1)
         xs = torch.cat([tail.transpose(1, 2).to(qkv_in.dtype),
                         qkv_in.index_select(0, rows).unsqueeze(1)], 1)            # (D, W, C)

@@ -49,7 +49,7 @@ from raydecode.kernels.mla_prefill import mla_prefill_into, resolve_impl
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .cache import (MLALatentCache, ModelCaches, SeqSlice, StepBatch, batch_decode_rows,
-                    host_to_device)
+                    device_index, host_to_device)
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
                      row_linear)
@@ -364,8 +364,8 @@ class MLAAttention(nn.Module):
         if not (sdpa and any(s.length > 1 for s in batch.seqs)):
             return self._latent_attention(q, batch.seqs, batch.positions(q.device), cache,
                                           layer)
-        decodes = any(s.length == 1 for s in batch.seqs)        # a mixed step's decode rows
-        positions = batch.positions(q.device) if decodes else None
+        dec = [s for s in batch.seqs if s.length == 1]          # a mixed step's decode rows
+        positions = batch.positions(q.device) if dec else None
         out = q.new_empty(q.shape[0], self.heads, self.vdim)                 # (T, h, v)
         for s in batch.seqs:
             sl = slice(s.start, s.end)
@@ -374,10 +374,8 @@ class MLAAttention(nn.Module):
                 mla_prefill_into(out[sl], q[sl], r, s.pos, self.kv_b_proj.weight,
                                  nope=self.nope, vdim=self.vdim, kv_lora=self.kv_lora,
                                  scale=self.scale)
-        dec = [s for s in batch.seqs if s.length == 1]     # a mixed step's decode rows: the
-        if len(dec) > 1 and batch_decode_rows(q):          # absorbed math, together
-            at = host_to_device(torch.tensor([s.start for s in dec], dtype=torch.long),
-                                q.device)
+        if len(dec) > 1 and batch_decode_rows(q):   # the decode rows' absorbed math, together
+            at = device_index(tuple(s.start for s in dec), q.device)
             res = self._latent_attention(q.index_select(0, at),
                                          [s._replace(start=i) for i, s in enumerate(dec)],
                                          positions.index_select(0, at), cache, layer)
@@ -394,8 +392,7 @@ class MLAAttention(nn.Module):
         """`mla_absorbed_attention` of one-token sequences (each query at its position sees
         the sequence's rows 0 .. pos) as one padded batch: their rows of o_lat and lse
         written."""
-        at = host_to_device(torch.tensor([s.start for s in seqs], dtype=torch.long),
-                            q_abs.device)
+        at = device_index(tuple(s.start for s in seqs), q_abs.device)
         rows, lens = cache.gather_singles(layer, seqs)                   # (D, L, c + rope)
         r = rows.float()
         s = torch.einsum("bhd,bld->bhl", q_abs.index_select(0, at).float(), r) * self.scale

@@ -5,6 +5,7 @@ the given one, whatever the step's argmax), every position's argmax and top-2 lo
 recorded."""
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field
 
@@ -137,3 +138,16 @@ def within_bf16_noise(e_got: list[float], e_ref: list[float]) -> bool:
     token and on average."""
     return (e_got[0] <= 2 * e_ref[0] + 2e-3
             and sum(e_got) <= 2 * sum(e_ref) + 2e-3 * len(e_got))
+
+
+def clone_caches(c):
+    """An independent copy of a model's caches (KDA conv + recurrent state, MLA pool and block
+    tables; the MLA index memo starts empty), so one step can run twice from the same state."""
+    out = copy.copy(c)
+    out.kda = copy.copy(c.kda)
+    out.kda.conv, out.kda.rec = c.kda.conv.clone(), c.kda.rec.clone()
+    out.mla = copy.copy(c.mla)
+    out.mla.pool = c.mla.pool.clone()
+    out.mla.block_tables = {k: list(v) for k, v in c.mla.block_tables.items()}
+    out.mla._index_memo, out.mla._memo_elems = {}, 0
+    return out

@@ -7,8 +7,6 @@ observer set (KDA keeps its loop under one); in fp32 both give the same hidden s
 caches to summation order."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from raydecode.models.kda import KDAAttention
 from raydecode.models.mla import MLAAttention, singles_groups
 
 from _numerics import rel_err
+from _prefill_forced import clone_caches
 
 torch.set_num_threads(1)
 PROMPTS = {0: 20, 1: 37, 2: 5, 3: 50, 4: 16}       # slot -> prefilled tokens
@@ -45,17 +44,6 @@ def setup():
     return model, caches, V
 
 
-def _clone(caches):
-    out = copy.copy(caches)
-    out.kda = copy.copy(caches.kda)
-    out.kda.conv, out.kda.rec = caches.kda.conv.clone(), caches.kda.rec.clone()
-    out.mla = copy.copy(caches.mla)
-    out.mla.pool = caches.mla.pool.clone()
-    out.mla.block_tables = {k: list(v) for k, v in caches.mla.block_tables.items()}
-    out.mla._index_memo, out.mla._memo_elems = {}, 0
-    return out
-
-
 @pytest.mark.parametrize("chunk,impl", [(0, "auto"), (9, "auto"), (9, "sdpa")])
 def test_batched_decode_rows_equal_the_per_sequence_code(setup, chunk, impl, monkeypatch):
     """Four decoders (+ a 9-token chunk on slot 4: a mixed step; with "sdpa" the chunk's
@@ -73,7 +61,7 @@ def test_batched_decode_rows_equal_the_per_sequence_code(setup, chunk, impl, mon
     dec = [SeqSlice(s, i, 1, PROMPTS[s]) for i, s in enumerate((3, 0, 2, 1))]
     seqs = dec + ([SeqSlice(4, len(dec), chunk, PROMPTS[4])] if chunk else [])
     tokens = torch.randint(0, V, (len(dec) + chunk,), generator=g)
-    batched, alone = _clone(base), _clone(base)
+    batched, alone = clone_caches(base), clone_caches(base)
     alone.kda_observer = lambda *a: None
     with torch.inference_mode():
         got = model(tokens, StepBatch(seqs), batched)
@@ -100,7 +88,7 @@ def test_a_wrong_slot_state_shows(setup):
     model, base, V = setup
     tokens = torch.tensor([5, 6])
     seqs = [SeqSlice(0, 0, 1, PROMPTS[0]), SeqSlice(1, 1, 1, PROMPTS[1])]
-    a, b = _clone(base), _clone(base)
+    a, b = clone_caches(base), clone_caches(base)
     b.kda.rec[:, 0] = base.kda.rec[:, 1]
     with torch.inference_mode():
         ha, hb = model(tokens, StepBatch(seqs), a), model(tokens, StepBatch(seqs), b)
@@ -127,5 +115,5 @@ def test_the_cpu_path_keeps_the_per_sequence_code_by_default(setup, monkeypatch)
         monkeypatch.setattr(cls, name, lambda self, *a, _n=name: ran.append(_n))
     seqs = [SeqSlice(0, 0, 1, PROMPTS[0]), SeqSlice(1, 1, 1, PROMPTS[1])]
     with torch.inference_mode():
-        model(torch.tensor([5, 6]), StepBatch(seqs), _clone(base))
+        model(torch.tensor([5, 6]), StepBatch(seqs), clone_caches(base))
     assert ran == [] and not cache_mod.batch_decode_rows(torch.zeros(1))

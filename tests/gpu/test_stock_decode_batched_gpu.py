@@ -6,8 +6,6 @@ checks the same math on the CPU; here the device's kernels (index_select / index
 the caches, the batched einsums, the fused AttnRes around them) run it."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 
 from _numerics import rel_err
+from _prefill_forced import clone_caches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPTS = {0: 20, 1: 37, 2: 5, 3: 50, 4: 16}       # slot -> prefilled tokens
@@ -36,17 +35,6 @@ def _setup():
     return model, caches, V
 
 
-def _clone(c):
-    out = copy.copy(c)
-    out.kda = copy.copy(c.kda)
-    out.kda.conv, out.kda.rec = c.kda.conv.clone(), c.kda.rec.clone()
-    out.mla = copy.copy(c.mla)
-    out.mla.pool = c.mla.pool.clone()
-    out.mla.block_tables = {k: list(v) for k, v in c.mla.block_tables.items()}
-    out.mla._index_memo, out.mla._memo_elems = {}, 0
-    return out
-
-
 @pytest.mark.parametrize("chunk", [0, 9])
 def test_batched_decode_rows_on_cuda_equal_the_per_sequence_code(chunk, monkeypatch):
     model, base, V = _setup()
@@ -54,7 +42,7 @@ def test_batched_decode_rows_on_cuda_equal_the_per_sequence_code(chunk, monkeypa
     seqs = dec + ([SeqSlice(4, len(dec), chunk, PROMPTS[4])] if chunk else [])
     tokens = torch.randint(0, V, (len(dec) + chunk,), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(1))
-    batched, loop = _clone(base), _clone(base)
+    batched, loop = clone_caches(base), clone_caches(base)
     with torch.inference_mode():
         assert cache_mod.batch_decode_rows(tokens)               # the CUDA default
         got = model(tokens, StepBatch(seqs), batched)
