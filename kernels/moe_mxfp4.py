@@ -559,9 +559,10 @@ def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts,
         raise ValueError(f"topk_weights must be fp32 and topk_ids integer, got "
                          f"{topk_weights.dtype} / {topk_ids.dtype}")
     P = topk_ids.numel()
-    if P > 1 << 16:
-        raise ValueError(f"{P} (token, expert) pairs: the runs kernel sorts at most 65536 "
-                         "in one program; split the batch")
+    if P * max(L, experts.intermediate) >= 1 << 31:
+        raise ValueError(f"{P} (token, expert) pairs: the kernels index the (P, L) output with "
+                         f"int32 offsets, so P · max(L={L}, I={experts.intermediate}) must stay "
+                         "below 2**31; split the batch")
 
 
 DECODES = {"elementwise": 0, "pairs": 1, "split": 2}

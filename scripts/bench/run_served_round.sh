@@ -14,7 +14,9 @@
 # scripts/bench/prefill.py, JSON + PNG named prefill$PREFILL_TAG; PREFILL_ARGS, e.g. "--layers 8
 # --tps 16,8"), spec (DSpark draft / verify / accept vs the graphed step at synthetic acceptance:
 # scripts/bench/spec.py; SPEC_ARGS, e.g. "--layers 93 --ks 3,5,7 --batches 1"), kverify (the KDA
-# verify kernels vs the decode kernel per position: scripts/bench/kda_verify.py; KVERIFY_ARGS), step (the
+# verify kernels vs the decode kernel per position: scripts/bench/kda_verify.py; KVERIFY_ARGS),
+# explore (scripts/explore modules in EXPLORE, each NAME or NAME:ARGS with '@' for spaces,
+# JSON as $OUT/NAME.json), step (the
 # graphed step bench; with STEP_REF=DIR, a checkout of another commit, both interleaved in this
 # lease: A/B).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -82,6 +84,13 @@ for s in ${STEPS:-}; do
       --out "$OUT/spec.json" --png "$OUT/spec.png" ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1
     echo "spec rc=$? t=$(( $(date +%s) - T0 ))"; grep "\[spec" "$OUT/spec.log" | cut -c1-1500
     grep -E "Error|error" "$OUT/spec.log" | grep -v "Deprecat" | cut -c1-300 | tail -8 ;;
+  explore)
+    for x in ${EXPLORE:-}; do          # NAME or NAME:ARGS, "@" for a space in ARGS
+      n=${x%%:*}; a=""; [ "$n" != "$x" ] && a=$(echo "${x#*:}" | tr '@' ' ')
+      timeout "$(lim ${EXPLORE_S:-300})" python3 -m raydecode.scripts.explore.$n --commit "$COMMIT" \
+        --out "$OUT/$n.json" $a > "$OUT/$n.log" 2>&1
+      echo "explore $n rc=$? t=$(( $(date +%s) - T0 ))"; grep -vE "Warning|warn" "$OUT/$n.log" | tail -30 | cut -c1-400
+    done ;;
   step)
     B=${BATCHES:-1,4,16,64}
     for round in $(seq 1 "${ROUNDS:-2}"); do

@@ -1,0 +1,124 @@
+"""fla's chunked KDA forward (kernels/kda_prefill.py) at Triton's fp32 dot precisions: the
+final state's and o's error against the fp64 reference, and the time of one 8k-token call, at
+K3 rank shapes (GPU). Which precision the served prefill can afford for a ≤ 1e-4 state.
+
+    python3 -m raydecode.scripts.explore.kda_prefill_precision --out X.json [--tp 16] \
+        [--modes tf32,tf32x3,ieee] [--lens 8192 2048,700,65,1]
+
+fla's kernels leave most fp32 `tl.dot`s at Triton's default precision, which the environment
+variable TRITON_F32_DEFAULT sets for a process before its kernels compile ('tf32' where the
+GPU has it, 'tf32x3', 'ieee'); its intra-chunk solve asks for TF32 explicitly (fla 0.6.0
+`chunk_intra.SOLVE_TRIL_DOT_PRECISION`), which this knob does not reach. So each mode runs
+in its own subprocess (its own compile, with its own Triton cache directory), on the same
+seeded inputs: q, k L2-normalised, g = −5·sigmoid(3·N(0,1)) (K3's lower bound), β = sigmoid,
+states 0.3·N(0,1), fp32; the reference is models/kda.py `kda_chunked` per sequence in fp64.
+Errors are ‖x − ref‖ / ‖ref‖ per sequence (the max over sequences is reported).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+D = 128                  # K3 linear_attn_config.head_dim
+K3_HEADS = 96
+
+
+def _inputs(lens: list[int], h: int, seed: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lens)
+
+    def rn(*s):
+        return torch.randn(*s, device="cuda", generator=gen)
+
+    def l2(x):
+        return x / x.norm(dim=-1, keepdim=True)
+
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    return dict(q=l2(rn(T, h, D)), k=l2(rn(T, h, D)), v=rn(T, h, D),
+                g=-5.0 * torch.sigmoid(3.0 * rn(T, h, D)), beta=torch.sigmoid(rn(T, h)),
+                scale=D ** -0.5, states=0.3 * rn(len(lens), h, D, D),
+                cu_seqlens=torch.tensor(bounds, dtype=torch.int64))
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def child(tp: int, cases: list[list[int]], reps: int, seed: int) -> dict:
+    """One mode's measurements (this process's TRITON_F32_DEFAULT)."""
+    from raydecode.kernels import kda_prefill as KP
+    h = K3_HEADS // tp
+    out = {"mode": os.environ.get("TRITON_F32_DEFAULT", "default"), "cases": []}
+    for i, lens in enumerate(cases):
+        x = _inputs(lens, h, seed + i)
+        t0 = time.time()
+        o, s = KP.kda_prefill(**x)
+        torch.cuda.synchronize()
+        first = time.time() - t0
+        ref64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                     else v) for k, v in x.items()}
+        o_ref, s_ref = KP.kda_prefill_reference(**ref64)
+        b = x["cu_seqlens"].tolist()
+        e_o = max(_rel(o[b[n]:b[n + 1]], o_ref[b[n]:b[n + 1]]) for n in range(len(lens)))
+        e_s = max(_rel(s[n], s_ref[n]) for n in range(len(lens)))
+        ts = []
+        for _ in range(reps):
+            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            KP.kda_prefill(**x)
+            z.record()
+            z.synchronize()
+            ts.append(a.elapsed_time(z))
+        out["cases"].append({"lens": lens, "heads": h, "first_call_s": round(first, 2),
+                             "o_rel_max": e_o, "state_rel_max": e_s,
+                             "ms": statistics.median(ts)})
+        print(json.dumps(out["cases"][-1]), flush=True)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--tp", type=int, default=16)
+    ap.add_argument("--modes", default="tf32,tf32x3,ieee")
+    ap.add_argument("--lens", nargs="+", default=["8192", "2048,700,65,1"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    cases = [[int(n) for n in s.split(",")] for s in a.lens]
+    if a.child:
+        with open(a.out, "w") as f:
+            json.dump(child(a.tp, cases, a.reps, a.seed), f)
+        return
+    from raydecode.scripts.bench.report_io import report_header, write_report
+    t0 = time.time()
+    report = report_header(a.commit, tp=a.tp, method=__doc__, modes=[])
+    for mode in a.modes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, TRITON_F32_DEFAULT=mode, TRITON_CACHE_DIR=tmp)
+            part = os.path.join(tmp, "mode.json")
+            r = subprocess.run([sys.executable, "-m", __spec__.name, "--child", "--out", part,
+                                "--tp", str(a.tp), "--reps", str(a.reps), "--seed",
+                                str(a.seed), "--lens", *a.lens], env=env)
+            row = (json.load(open(part)) if r.returncode == 0 and os.path.exists(part)
+                   else {"mode": mode, "error": f"child rc={r.returncode}"})
+        report["modes"].append(row)
+        print(f"[kda-precision] {json.dumps(row)}", flush=True)
+        write_report(report, a.out)
+    write_report(report, a.out, t0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The stock grouped MXFP4 MoE at prefill pair counts: tile / block_m / warps candidates on K3
+per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
+
+    python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
+        [--tokens 4096,8192] [--candidates all|base]
+
+At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
+of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
+dequantizes its expert's MXFP4 tile once per `block_m` pairs: with 64-pair chunks the
+dequantization (integer ops per weight element) costs more than the bf16 dots it feeds. The
+candidates trade that against padding (a chunk of 73 pairs in a 128-row tile) and registers
+(block_m × BN fp32 accumulators, twice for gate and up).
+
+Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
+uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
+the rows at 8,192 tokens say what one call of all pairs would give), CUDA-event median of
+`--reps` calls after one warm call (the compile). Each candidate is checked against the
+baseline's output (‖Δ‖ / ‖ref‖ < 1e-2; the baseline against `moe_mxfp4_reference` at the
+smallest token count). TFLOP/s counts 2·P·(2·I·L + L·I) (gate, up, down of every pair).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from raydecode.kernels import moe_mxfp4 as M
+from raydecode.models.config import load_config
+from raydecode.scripts.bench.report_io import report_header, write_report
+
+
+def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
+    base = M.prefill_config(L, I)
+    if which == "base":
+        return [base]
+    rep = dataclasses.replace
+    out = [base,
+           rep(base, num_warps=8),
+           rep(base, gate_up_bk=M._largest_block(L, 128)),
+           rep(base, down_bn=128, num_warps=8),
+           rep(base, block_m=128, num_warps=8),
+           rep(base, block_m=128, num_warps=8, down_bn=128),
+           rep(base, block_m=128, num_warps=8, num_stages=4),
+           rep(base, block_m=128, num_warps=8, gate_up_bk=M._largest_block(L, 128)),
+           rep(base, block_m=128, num_warps=4, gate_up_bn=32),
+           rep(base, block_m=128, num_warps=8, decode="split"),
+           rep(base, block_m=256, num_warps=8, gate_up_bn=32),
+           rep(base, block_m=256, num_warps=8, gate_up_bn=32, down_bn=32)]
+    uniq = []
+    for c in out:
+        if c not in uniq:
+            uniq.append(c)
+    return uniq
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _median_ms(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print) -> list[dict]:
+    m = load_config("k3").moe
+    E, L, I, k = m.num_experts, m.latent_size, m.expert_intermediate // tp, m.top_k
+    bank = M.MXFP4Experts.random(E, L, I, 4.0, 25.0, fan_in_13=L, fan_in_2=m.expert_intermediate,
+                                 device="cuda", seed=seed + tp)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = []
+    for T in tokens:
+        z = torch.randn(T, L, generator=gen, device="cuda").to(torch.bfloat16)
+        w, ids = torch.rand(T, E, generator=gen, device="cuda").topk(k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).float()
+        P = T * k
+        flops = 2.0 * P * (3 * I * L)
+        ref = None
+        for c in candidates(L, I, which):
+            row = {"tp": tp, "tokens": T, "pairs": P, "config": dataclasses.asdict(c)}
+            try:
+                t0 = time.time()
+                out = M.fused_moe_mxfp4_triton(z, w, ids, bank, c)
+                torch.cuda.synchronize()
+                row["first_call_s"] = round(time.time() - t0, 2)
+                if ref is None:            # the baseline: against the PyTorch reference once
+                    if T == min(tokens):
+                        row["rel_err_vs_reference"] = _rel(
+                            out, M.moe_mxfp4_reference(z, w, ids, bank))
+                        if not row["rel_err_vs_reference"] < 1e-2:
+                            raise AssertionError(f"baseline rel err "
+                                                 f"{row['rel_err_vs_reference']:.3g}")
+                    ref = out
+                else:
+                    row["rel_err_vs_baseline"] = _rel(out, ref)
+                    if not row["rel_err_vs_baseline"] < 1e-2:
+                        raise AssertionError(f"rel err {row['rel_err_vs_baseline']:.3g}")
+                ms = _median_ms(lambda c=c: M.fused_moe_mxfp4_triton(z, w, ids, bank, c), reps)
+                row.update(ms=ms, tflop_s=flops / (ms * 1e-3) / 1e12)
+            except Exception as e:       # compile / run / accuracy failure: recorded, skipped
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            log(f"moe prefill TP{tp} T={T} bm{c.block_m} {c.decode:11s} gu{c.gate_up_bn}x"
+                f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps} s{c.num_stages}: "
+                + (f"{row['ms']:7.3f} ms {row['tflop_s']:6.1f} TFLOP/s" if "ms" in row
+                   else row["error"]))
+        ok = [r for r in rows if r["tokens"] == T and "ms" in r]
+        if ok:
+            best = min(ok, key=lambda r: r["ms"])
+            rows.append({"tp": tp, "tokens": T, "chosen": best["config"], "ms": best["ms"],
+                         "baseline_ms": ok[0]["ms"], "speedup": ok[0]["ms"] / best["ms"]})
+            log(f"moe prefill TP{tp} T={T}: best {best['ms']:.3f} ms vs baseline "
+                f"{ok[0]['ms']:.3f} ms ({ok[0]['ms'] / best['ms']:.2f}x)")
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--tp", type=int, default=16)
+    ap.add_argument("--tokens", default="4096,8192")
+    ap.add_argument("--candidates", default="all", choices=["all", "base"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    report = report_header(a.commit, tp=a.tp, method=__doc__, rows=[])
+    report["rows"] = run(a.tp, [int(x) for x in a.tokens.split(",")], a.candidates, a.reps,
+                         a.seed)
+    write_report(report, a.out, t0)
+
+
+if __name__ == "__main__":
+    main()
