@@ -30,7 +30,12 @@ KERNELS = ("reference", "resident", "cuda_core", "grouped")
 # 'auto'). K3 TP16 batch 1 (H200, same-lease layer A/B, medians over 3 leases): KDA layer
 # 68.4 → 64.0 µs, MLA 77.5 → 73.2. The decode plan, and so the node cache, list the same.
 RESIDENT: frozenset[tuple[int, int, int, int]] = frozenset({(896, 192, 3584, 1)})
-MAX_FUSED_PAIRS = 1 << 16      # the stock kernel's runs program sorts ≤ 65536 pairs per call
+# Pairs per grouped-kernel call: a step's tokens beyond this go in several calls. 8,192 tokens
+# at K3's top-16 (the deployment's step budget) fit one call: each expert's ~146 pairs then
+# share its dequantized tiles, where two calls of 73 each dequantize them twice (H200, TP16:
+# 5.1 ms for one 8,192-token call vs 2 × 3.3 ms, scripts/explore/moe_prefill_sweep.py). The
+# call holds a (P, L) bf16 buffer: 0.94 GB at K3's latent 3,584.
+MAX_FUSED_PAIRS = 1 << 17
 _RESIDENT_PLANS: dict[tuple, object] = {}
 
 

@@ -7,8 +7,8 @@ touched expert's weights stream from HBM once per step (not a Python loop over e
 T tokens, top-k: P = T·k pairs, pair p = t·k + j (row-major flatten of the (T, k) routing).
     runs      pairs sorted by expert id; run r = the pairs of the r-th distinct expert e_r
     gate_up   a[p] = SiTU(W1_e z[t], W3_e z[t])            (P, I)  bf16 values   e = ids[p]
-    down      y[p] = w[p] · W2_e a[p]                      (P, L)  fp32
-    out[t]    = Σ_j y[t·k + j]                             (T, L)  fp32
+    down      y[p] = W2_e a[p]                             (P, L)  bf16
+    out[t]    = Σ_j w[t·k + j] · y[t·k + j]                (T, L)  fp32
 Rounding points follow models/moe.py `RoutedExperts`: W1 z and W3 z are rounded to bf16 before
 SiTU, SiTU's output to bf16, W2 a to bf16 before the routing weight.
 
@@ -19,8 +19,11 @@ in the models/mxfp4.py layout (low nibble = even k; w = e2m1 · 2**(s − 127)).
 
 Launches per call (all capturable in a CUDA graph, no host sync): runs (1 program: sort by
 expert, run boundaries, and CHUNKS of ≤ block_m pairs of one expert; 16 = BLOCK_M for decode
-steps, 64 for prefill steps (`prefill_config`)) → gate_up (grid: chunks ×
-I/BN) → down (grid: chunks × L/BN) → Σ over k (torch). Programs whose chunk index ≥ the number
+steps, 64 for prefill steps (`prefill_config`); past 1,024 pairs `moe_runs_torch`'s library
+ops) → gate_up (grid: chunks × I/BN) → down (grid: chunks × L/BN; bf16(W2 a) rows, bf16) →
+the weighted Σ over k (grid: T/BT × L/BL; fp32, j in order). Keeping the down rows in bf16
+(the value the reference rounds to anyway) halves the (P, L) buffer a prefill step writes and
+reads again: at 8,192 tokens of K3 (P = 131,072, L = 3,584) 0.94 GB instead of 1.88. Programs whose chunk index ≥ the number
 of chunks exit at once, so the grid is sized for the worst case (min(P, E) + P / block_m
 chunks) and never depends on the routing; each program has one loop, over K.
 
@@ -61,6 +64,7 @@ except Exception:  # ImportError, or a broken install
 MAX_SCALE = 240          # (s + 14) << 23 must stay a finite fp32 exponent
 BLOCK_M = 16             # pair rows per dot (tl.dot's minimum M)
 RUNS_MIN_BLOCK = 64
+SUM_BLOCK = (16, 256)    # (tokens, latent columns) per program of the weighted sum over k
 
 
 @dataclass(frozen=True)
@@ -370,11 +374,12 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _down_kernel(a_ptr, w_ptr, s_ptr, topw_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+    def _down_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                      chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr, I: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      WPR: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr):
-        """y[p, n] = w[p] · bf16(W2_e a[p])[n] for the pairs of chunk program_id(0)."""
+        """y[p, n] = bf16(W2_e a[p])[n] (bf16) for the pairs of chunk program_id(0); the
+        routing weight is applied by `_weighted_sum_kernel`."""
         c = tl.program_id(0)
         if c >= tl.load(num_chunks_ptr):
             return
@@ -387,9 +392,22 @@ if triton is not None:
         for k0 in range(0, I, BK):
             acc = _acc_step(a_ptr, pair, m_ok, I, w_e, s_e, n, n_ok, k0, I, BN, BK, acc,
                             DECODE, DOT_F32)
-        wt = tl.load(topw_ptr + pair, mask=m_ok, other=0.0)
-        y = acc.to(tl.bfloat16).to(tl.float32) * wt[:, None]
-        tl.store(y_ptr + pair[:, None] * L + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(y_ptr + pair[:, None] * L + n[None, :], acc.to(tl.bfloat16),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit(do_not_specialize=["T"])
+    def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, K: tl.constexpr, L: tl.constexpr,
+                             BT: tl.constexpr, BL: tl.constexpr):
+        """out[t, n] = Σ_j w[t, j] · y[t·K + j, n] in fp32, j in order (y bf16 (T·K, L))."""
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        n = tl.program_id(1) * BL + tl.arange(0, BL)
+        ok = (t < T)[:, None] & (n < L)[None, :]
+        acc = tl.zeros((BT, BL), dtype=tl.float32)
+        for j in tl.static_range(K):
+            wt = tl.load(topw_ptr + t * K + j, mask=t < T, other=0.0)
+            y = tl.load(y_ptr + (t[:, None] * K + j) * L + n[None, :], mask=ok, other=0.0)
+            acc += y.to(tl.float32) * wt[:, None]
+        tl.store(out_ptr + t[:, None] * L + n[None, :], acc, mask=ok)
 
 
 # ---- launch configuration ------------------------------------------------------------------
@@ -599,11 +617,15 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
         n_chunks, a, k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
         HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, WPR=w13.shape[-1],
         **common)
-    y = torch.empty(P, L, dtype=torch.float32, device=z.device)
+    y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
     _down_kernel[(chunks, triton.cdiv(L, cfg.down_bn))](
-        a, w2, experts.s2, topk_weights.contiguous(), pairs, sorted_e, c_start, c_end,
-        n_chunks, y, L=L, I=I, BN=cfg.down_bn, BK=cfg.down_bk, WPR=w2.shape[-1], **common)
-    return y.view(T, k, L).sum(1)
+        a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
+        BN=cfg.down_bn, BK=cfg.down_bk, WPR=w2.shape[-1], **common)
+    out = torch.empty(T, L, dtype=torch.float32, device=z.device)
+    bt, bl = SUM_BLOCK
+    _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
+        y, topk_weights.contiguous(), out, T, K=k, L=L, BT=bt, BL=bl, num_warps=4)
+    return out
 
 
 def fused_moe_mxfp4(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

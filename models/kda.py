@@ -25,7 +25,8 @@ and then  o_t = scale [(q_t ⊙ e^{G_t})ᵀ S₀ + Σ_{i≤t} (Σ_c q_tc k_ic e^
           S_C = e^{G_C} ⊙ S₀ + Σ_i (k_i ⊙ e^{G_C − G_i}) u_iᵀ.
 Decays enter only as e^{G_t − G_i} with i ≤ t (≤ 1), so nothing overflows at any chunk size.
 On CUDA with fla-core installed the step's multi-token sequences run this form as one varlen
-call of fla's chunked kernel instead (kernels/kda_prefill.py; `kda_chunked` stays its reference).
+call of fla's chunked kernel instead (kernels/kda_prefill.py; `kda_chunked` stays its reference),
+their short convolutions, SiLU and L2 norms as one kernel per sequence (kernels/kda_conv.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydecode.kernels import kda_conv as kda_conv_op
 from raydecode.kernels import kda_decode as kda_decode_op
 from raydecode.kernels import kda_prefill as kda_prefill_op
 from raydecode.kernels import kda_verify as kda_verify_op
@@ -371,12 +373,13 @@ class KDAAttention(nn.Module):
                 tail = cache.conv[row, s.slot].t().to(qkv_in.dtype)   # (W−1, 3·h·d) oldest first
                 S0 = cache.rec[row, s.slot]
             xs = torch.cat([tail, qkv_in[sl]], 0)
+            if varlen and s.length > 1:   # conv, SiLU, rounding, L2 norms: one kernel
+                q, k, v = kda_conv_op.conv_silu_l2(xs, conv_w, h, d, x.dtype)
+                packed.append((s, xs, q, k, v, S0))
+                continue
             y = causal_conv_silu(xs, conv_w).to(x.dtype).float()     # model-dtype rounding
             q, k, v = (t.reshape(s.length, h, d) for t in y.split(h * d, dim=-1))
             q, k = l2_normalize(q), l2_normalize(k)
-            if varlen and s.length > 1:
-                packed.append((s, xs, q, k, v, S0))
-                continue
             if s.length == 1:
                 o[sl], S = kda_recurrent(q, k, v, g[sl], beta[sl], self.scale, S0)
             else:

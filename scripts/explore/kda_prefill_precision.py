@@ -9,7 +9,9 @@ fla's kernels leave most fp32 `tl.dot`s at Triton's default precision, which the
 variable TRITON_F32_DEFAULT sets for a process before its kernels compile ('tf32' where the
 GPU has it, 'tf32x3', 'ieee'); its intra-chunk solve asks for TF32 explicitly (fla 0.6.0
 `chunk_intra.SOLVE_TRIL_DOT_PRECISION`), which this knob does not reach. So each mode runs
-in its own subprocess (its own compile, with its own Triton cache directory), on the same
+in its own subprocess (its own compile, with its own Triton cache directory); a mode
+'P-tril' (e.g. 'ieee-tril') also sets that module constant to P in its process before the
+first compile (an experiment on fla's internals, not a served setting); on the same
 seeded inputs: q, k L2-normalised, g = −5·sigmoid(3·N(0,1)) (K3's lower bound), β = sigmoid,
 states 0.3·N(0,1), fp32; the reference is models/kda.py `kda_chunked` per sequence in fp64.
 Errors are ‖x − ref‖ / ‖ref‖ per sequence (the max over sequences is reported).
@@ -54,11 +56,16 @@ def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def child(tp: int, cases: list[list[int]], reps: int, seed: int) -> dict:
-    """One mode's measurements (this process's TRITON_F32_DEFAULT)."""
+def child(tp: int, cases: list[list[int]], reps: int, seed: int, mode: str) -> dict:
+    """One mode's measurements (this process's TRITON_F32_DEFAULT; a '-tril' mode also sets
+    fla's solve precision before anything compiles)."""
     from raydecode.kernels import kda_prefill as KP
+    if mode.endswith("-tril"):
+        import triton.language as tl
+        from fla.ops.kda import chunk_intra
+        chunk_intra.SOLVE_TRIL_DOT_PRECISION = tl.constexpr(mode[:-len("-tril")])
     h = K3_HEADS // tp
-    out = {"mode": os.environ.get("TRITON_F32_DEFAULT", "default"), "cases": []}
+    out = {"mode": mode, "cases": []}
     for i, lens in enumerate(cases):
         x = _inputs(lens, h, seed + i)
         t0 = time.time()
@@ -100,16 +107,18 @@ def main(argv=None) -> None:
     cases = [[int(n) for n in s.split(",")] for s in a.lens]
     if a.child:
         with open(a.out, "w") as f:
-            json.dump(child(a.tp, cases, a.reps, a.seed), f)
+            json.dump(child(a.tp, cases, a.reps, a.seed, a.modes), f)
         return
     from raydecode.scripts.bench.report_io import report_header, write_report
     t0 = time.time()
     report = report_header(a.commit, tp=a.tp, method=__doc__, modes=[])
     for mode in a.modes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, TRITON_F32_DEFAULT=mode, TRITON_CACHE_DIR=tmp)
+            env = dict(os.environ, TRITON_F32_DEFAULT=mode.removesuffix("-tril"),
+                       TRITON_CACHE_DIR=tmp)
             part = os.path.join(tmp, "mode.json")
             r = subprocess.run([sys.executable, "-m", __spec__.name, "--child", "--out", part,
+                                "--modes", mode,
                                 "--tp", str(a.tp), "--reps", str(a.reps), "--seed",
                                 str(a.seed), "--lens", *a.lens], env=env)
             row = (json.load(open(part)) if r.returncode == 0 and os.path.exists(part)

@@ -2,7 +2,7 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base]
+        [--tokens 4096,8192] [--candidates all|base|pairs]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -46,9 +46,12 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
            rep(base, block_m=128, num_warps=8, num_stages=4),
            rep(base, block_m=128, num_warps=8, gate_up_bk=M._largest_block(L, 128)),
            rep(base, block_m=128, num_warps=4, gate_up_bn=32),
-           rep(base, block_m=128, num_warps=8, decode="split"),
-           rep(base, block_m=256, num_warps=8, gate_up_bn=32),
-           rep(base, block_m=256, num_warps=8, gate_up_bn=32, down_bn=32)]
+           rep(base, decode="pairs"),
+           rep(base, decode="pairs", num_stages=4),
+           rep(base, decode="pairs", gate_up_bk=M._largest_block(L, 128)),
+           rep(base, decode="pairs", block_m=128, num_warps=8)]
+    if which == "pairs":
+        return [base] + [c for c in out if c.decode == "pairs"]
     uniq = []
     for c in out:
         if c not in uniq:
@@ -130,7 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--tp", type=int, default=16)
     ap.add_argument("--tokens", default="4096,8192")
-    ap.add_argument("--candidates", default="all", choices=["all", "base"])
+    ap.add_argument("--candidates", default="all", choices=["all", "base", "pairs"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)

@@ -1,6 +1,7 @@
 """KDA varlen prefill on CUDA (kernels/kda_prefill.py): fla-core's chunked kernel against the
 fp64 reference at K3 rank shapes, no Triton compile after `warmup` at new token counts, and
-the layer's step with several prefill sequences through fla against the reference loop.
+the layer's step with several prefill sequences through fla against the reference loop; the
+fused short convolutions that feed it (kernels/kda_conv.py) against the layer's chain.
 
 Fresh random inputs per case (seed from os.urandom, in every failure message), nonzero
 initial states. o is fla's own allocation (zero-filled), so every sequence's rows are
@@ -15,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raydecode.kernels import kda_conv as KC
 from raydecode.kernels import kda_prefill as KP
 
 from _numerics import TOL, fresh_seed, max_rel_err, random_kda_params_, rel_err
@@ -114,15 +116,25 @@ def triton_compiles(monkeypatch):
     return names
 
 
+def _conv_inputs(L: int, h: int, dtype, seed: int, W: int = 4):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    xs = torch.randn(W - 1 + L, 3 * h * D, device=DEV, generator=gen).to(dtype)
+    return xs, 0.5 * torch.randn(3 * h * D, W, device=DEV, generator=gen)
+
+
 def test_no_compile_after_warmup_at_new_token_counts(triton_compiles):
     """After `warmup` (one call), calls at other token counts, sequence counts and length
-    mixes compile nothing: T and N are no specialization or autotune key of fla's forward."""
+    mixes compile nothing: T and N are no specialization or autotune key of fla's forward;
+    nor is L of the conv kernel (kernels/kda_conv.py) after its first call."""
     h = K3_HEADS // 16
     with torch.inference_mode():
         assert KP.warmup(h, D, DEV) == 1
+        KC.conv_silu_l2(*_conv_inputs(64, h, torch.bfloat16, 0), h, D, torch.bfloat16)
         warm = list(triton_compiles)
         for lens in ([37], [100, 3], [1, 254], [64, 64, 64, 64, 1], [513, 7, 400], [2048]):
             KP.kda_prefill(**_inputs(lens, h, fresh_seed()))
+            KC.conv_silu_l2(*_conv_inputs(sum(lens), h, torch.bfloat16, 1), h, D,
+                            torch.bfloat16)
     torch.cuda.synchronize()
     assert triton_compiles == warm, f"compiled after warm-up: {triton_compiles[len(warm):]}"
 
@@ -206,3 +218,23 @@ def test_strided_inputs_give_the_contiguous_result():
     o, s = KP.kda_prefill(**{**x, **wide, "beta": beta})
     # the same dense values through the same kernels; strided reads would be O(1) off
     assert rel_err(o, o_ref) < 1e-6 and rel_err(s, s_ref) < 1e-6, f"seed {seed}"
+
+
+@pytest.mark.parametrize("tp", [16, 8], ids=["k3-tp16", "k3-tp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("L", [1, 37, 700, 8192])
+def test_conv_kernel_matches_the_layer_chain(tp, dtype, L):
+    """The fused conv + SiLU + rounding + L2 norms (Triton) against models/kda.py's chain on
+    fresh inputs: fp32 to float rounding (the taps summed with FMAs), bf16 within one
+    rounding; every output element written (the buffer is uninitialised)."""
+    seed = fresh_seed()
+    h = K3_HEADS // tp
+    xs, w = _conv_inputs(L, h, dtype, seed)
+    got = KC.conv_silu_l2(xs, w, h, D, dtype)
+    want = KC.conv_silu_l2_reference(xs, w, h, D, dtype)
+    tol = 1e-5 if dtype == torch.float32 else TOL["bf16_round"]
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == (L, h, D) and a.is_contiguous() and a.dtype == torch.float32
+        assert torch.isfinite(a).all(), f"seed {seed}: {name} not finite"
+        e = rel_err(a, b)
+        assert e < tol, f"seed {seed}: {name} (L={L}, {dtype}) rel {e:.2e}"
