@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,14 +51,11 @@ def _inputs(lens: list[int], h: int, seed: int) -> dict:
                 cu_seqlens=torch.tensor(bounds, dtype=torch.int64))
 
 
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def child(tp: int, cases: list[list[int]], reps: int, seed: int, mode: str) -> dict:
     """One mode's measurements (this process's TRITON_F32_DEFAULT; a '-tril' mode also sets
     fla's solve precision before anything compiles)."""
     from raydecode.kernels import kda_prefill as KP
+    from raydecode.scripts.explore.common import median_cuda_ms, rel_err
     if mode.endswith("-tril"):
         import triton.language as tl
         from fla.ops.kda import chunk_intra
@@ -76,19 +72,12 @@ def child(tp: int, cases: list[list[int]], reps: int, seed: int, mode: str) -> d
                      else v) for k, v in x.items()}
         o_ref, s_ref = KP.kda_prefill_reference(**ref64)
         b = x["cu_seqlens"].tolist()
-        e_o = max(_rel(o[b[n]:b[n + 1]], o_ref[b[n]:b[n + 1]]) for n in range(len(lens)))
-        e_s = max(_rel(s[n], s_ref[n]) for n in range(len(lens)))
-        ts = []
-        for _ in range(reps):
-            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            KP.kda_prefill(**x)
-            z.record()
-            z.synchronize()
-            ts.append(a.elapsed_time(z))
+        e_o = max(rel_err(o[b[n]:b[n + 1]], o_ref[b[n]:b[n + 1]]) for n in range(len(lens)))
+        e_s = max(rel_err(s[n], s_ref[n]) for n in range(len(lens)))
+        ms = median_cuda_ms(lambda: KP.kda_prefill(**x), reps, warm=False)
         out["cases"].append({"lens": lens, "heads": h, "first_call_s": round(first, 2),
                              "o_rel_max": e_o, "state_rel_max": e_s,
-                             "ms": statistics.median(ts)})
+                             "ms": ms})
         print(json.dumps(out["cases"][-1]), flush=True)
     return out
 

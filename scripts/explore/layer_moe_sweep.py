@@ -19,6 +19,7 @@ import torch
 from raydecode.kernels import moe_mxfp4 as M
 
 from raydecode.scripts.bench.layer_timing import GraphTimer
+from raydecode.scripts.explore.common import rel_err, unique
 
 
 def candidates(P: int, E: int, I: int, L: int) -> list[M.MoEConfig]:
@@ -33,15 +34,7 @@ def candidates(P: int, E: int, I: int, L: int) -> list[M.MoEConfig]:
                down_bk=M._largest_block(I, 64), num_stages=4),
            rep(d, decode="split", gate_up_bk=M._largest_block(L, 128),
                down_bk=M._largest_block(I, 64))]
-    uniq = []
-    for c in out:
-        if c not in uniq:
-            uniq.append(c)
-    return uniq
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return unique(out)
 
 
 def expert_bank(cfg_moe, tp: int, seed: int, device="cuda") -> M.MXFP4Experts:
@@ -74,7 +67,7 @@ def check_and_time(fn, routes, ref, nbytes: float, row: dict) -> float | None:
     call, or None when the candidate failed to compile, run or match (recorded, skipped)."""
     try:
         t0 = time.time()
-        err = _rel(fn(routes[0]), ref)
+        err = rel_err(fn(routes[0]), ref)
         row.update(first_call_s=time.time() - t0, rel_err=err)
         if not err < 1e-2:
             raise AssertionError(f"rel err {err:.3g} vs the reference")

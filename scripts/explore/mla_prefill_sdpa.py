@@ -25,21 +25,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from raydecode.kernels.mla_prefill import decompress, mla_prefill_into, mla_prefill_reference
 from raydecode.models.config import load_config
 from raydecode.scripts.bench.report_io import report_header, write_report
+from raydecode.scripts.explore.common import median_cuda_ms
 
 BF = torch.bfloat16
-
-
-def _time(fn, reps: int = 10) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
 
 
 def run_case(n: int, ctx: int, heads: int, mla) -> dict:
@@ -56,9 +44,9 @@ def run_case(n: int, ctx: int, heads: int, mla) -> dict:
     ref = None
     if n * heads * m * 4 <= 8 * 2**30:
         ref = mla_prefill_reference(q, rows, ctx, w, **kw)
-        res["variants"]["reference"] = {"ms": _time(lambda: mla_prefill_reference(
+        res["variants"]["reference"] = {"ms": median_cuda_ms(lambda: mla_prefill_reference(
             q, rows, ctx, w, **kw), reps=3)}
-    res["variants"]["decompress"] = {"ms": _time(lambda: decompress(
+    res["variants"]["decompress"] = {"ms": median_cuda_ms(lambda: decompress(
         rows, w, heads, nope=nope, vdim=v, kv_lora=c, dtype=BF))}
     variants = {"flash": ([SDPBackend.FLASH_ATTENTION], None),
                 "efficient": ([SDPBackend.EFFICIENT_ATTENTION], False)}
@@ -68,7 +56,7 @@ def run_case(n: int, ctx: int, heads: int, mla) -> dict:
         try:
             with sdpa_kernel(backends):
                 route = mla_prefill_into(out, q, rows, ctx, w, pad_v=pad_v, **kw)
-                ms = _time(lambda: mla_prefill_into(out, q, rows, ctx, w, pad_v=pad_v, **kw))
+                ms = median_cuda_ms(lambda: mla_prefill_into(out, q, rows, ctx, w, pad_v=pad_v, **kw))
         except RuntimeError as e:
             res["variants"][name] = {"error": str(e).splitlines()[0]}
             continue

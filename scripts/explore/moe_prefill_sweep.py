@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import time
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from raydecode.kernels import moe_mxfp4 as M
 from raydecode.models.config import load_config
 from raydecode.scripts.bench.report_io import report_header, write_report
+from raydecode.scripts.explore.common import median_cuda_ms, rel_err, unique
 
 
 def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
@@ -52,27 +52,7 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
            rep(base, decode="pairs", block_m=128, num_warps=8)]
     if which == "pairs":
         return [base] + [c for c in out if c.decode == "pairs"]
-    uniq = []
-    for c in out:
-        if c not in uniq:
-            uniq.append(c)
-    return uniq
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _median_ms(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return unique(out)
 
 
 def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print) -> list[dict]:
@@ -98,17 +78,18 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print)
                 row["first_call_s"] = round(time.time() - t0, 2)
                 if ref is None:            # the baseline: against the PyTorch reference once
                     if T == min(tokens):
-                        row["rel_err_vs_reference"] = _rel(
+                        row["rel_err_vs_reference"] = rel_err(
                             out, M.moe_mxfp4_reference(z, w, ids, bank))
                         if not row["rel_err_vs_reference"] < 1e-2:
                             raise AssertionError(f"baseline rel err "
                                                  f"{row['rel_err_vs_reference']:.3g}")
                     ref = out
                 else:
-                    row["rel_err_vs_baseline"] = _rel(out, ref)
+                    row["rel_err_vs_baseline"] = rel_err(out, ref)
                     if not row["rel_err_vs_baseline"] < 1e-2:
                         raise AssertionError(f"rel err {row['rel_err_vs_baseline']:.3g}")
-                ms = _median_ms(lambda c=c: M.fused_moe_mxfp4_triton(z, w, ids, bank, c), reps)
+                ms = median_cuda_ms(lambda c=c: M.fused_moe_mxfp4_triton(z, w, ids, bank, c), reps,
+                                    warm=False)
                 row.update(ms=ms, tflop_s=flops / (ms * 1e-3) / 1e12)
             except Exception as e:       # compile / run / accuracy failure: recorded, skipped
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
