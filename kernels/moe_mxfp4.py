@@ -23,9 +23,10 @@ steps, 64 for prefill steps (`prefill_config`); past 1,024 pairs `moe_runs_torch
 ops) → gate_up (grid: chunks × I/BN) → down (grid: chunks × L/BN; bf16(W2 a) rows, bf16) →
 the weighted Σ over k (grid: T/BT × L/BL; fp32, j in order). Keeping the down rows in bf16
 (the value the reference rounds to anyway) halves the (P, L) buffer a prefill step writes and
-reads again: at 8,192 tokens of K3 (P = 131,072, L = 3,584) 0.94 GB instead of 1.88. Programs whose chunk index ≥ the number
-of chunks exit at once, so the grid is sized for the worst case (min(P, E) + P / block_m
-chunks) and never depends on the routing; each program has one loop, over K.
+reads again: at 8,192 tokens of K3 (P = 131,072, L = 3,584) 0.94 GB instead of 1.88.
+Programs whose chunk index ≥ the number of chunks exit at once, so the grid is sized for the
+worst case (min(P, E) + P / block_m chunks) and never depends on the routing; each program
+has one loop, over K.
 
 Decodes (`MoEConfig.decode`; all exact, chosen per shape by the sweep → `TUNED`):
   elementwise  each code's 3 magnitude bits at fp16 bits 11..9 (+ sign at bit 15) give exactly

@@ -87,9 +87,10 @@ for s in ${STEPS:-}; do
   explore)
     for x in ${EXPLORE:-}; do          # NAME or NAME:ARGS, "@" for a space in ARGS
       n=${x%%:*}; a=""; [ "$n" != "$x" ] && a=$(echo "${x#*:}" | tr '@' ' ')
-      timeout "$(lim ${EXPLORE_S:-300})" python3 -m raydecode.scripts.explore.$n --commit "$COMMIT" \
-        --out "$OUT/$n.json" $a > "$OUT/$n.log" 2>&1
-      echo "explore $n rc=$? t=$(( $(date +%s) - T0 ))"; grep -vE "Warning|warn" "$OUT/$n.log" | tail -30 | cut -c1-400
+      timeout "$(lim ${EXPLORE_S:-300})" python3 -m raydecode.scripts.explore.$n \
+        --commit "$COMMIT" --out "$OUT/$n.json" $a > "$OUT/$n.log" 2>&1
+      echo "explore $n rc=$? t=$(( $(date +%s) - T0 ))"
+      grep -vE "Warning|warn" "$OUT/$n.log" | tail -30 | cut -c1-400
     done ;;
   step)
     B=${BATCHES:-1,4,16,64}

@@ -56,7 +56,8 @@ def run_case(n: int, ctx: int, heads: int, mla) -> dict:
         try:
             with sdpa_kernel(backends):
                 route = mla_prefill_into(out, q, rows, ctx, w, pad_v=pad_v, **kw)
-                ms = median_cuda_ms(lambda: mla_prefill_into(out, q, rows, ctx, w, pad_v=pad_v, **kw))
+                ms = median_cuda_ms(lambda: mla_prefill_into(out, q, rows, ctx, w, pad_v=pad_v,
+                                                             **kw))
         except RuntimeError as e:
             res["variants"][name] = {"error": str(e).splitlines()[0]}
             continue
