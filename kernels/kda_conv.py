@@ -51,21 +51,23 @@ def _check(xs: torch.Tensor, w: torch.Tensor, heads: int, dim: int, dtype) -> No
     if xs.shape[0] < w.shape[1]:
         raise ValueError(f"xs has {xs.shape[0]} rows: expected W−1+L ≥ W = {w.shape[1]} "
                          "(the W−1 previous inputs and at least one new token)")
-    if dtype not in _ROUND:
-        raise ValueError(f"rounding dtype {dtype}: expected one of {list(_ROUND)}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"rounding dtype {dtype}: expected a floating dtype (the model's)")
 
 
-def _use_kernel(xs: torch.Tensor, w: torch.Tensor, dim: int) -> bool:
+def _use_kernel(xs: torch.Tensor, w: torch.Tensor, dim: int, dtype: torch.dtype) -> bool:
     return (triton is not None and xs.is_cuda and _triton_on(xs, w)
-            and dim & (dim - 1) == 0 and xs.stride(1) == 1)
+            and dim & (dim - 1) == 0 and xs.stride(1) == 1
+            and dtype in _ROUND and xs.dtype in _ROUND)
 
 
 def conv_silu_l2(xs: torch.Tensor, w: torch.Tensor, heads: int, dim: int,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) (L, h, d) fp32 of one sequence's window (module docstring): the Triton
-    kernel on CUDA (d a power of two, xs rows dense in channels), else the reference."""
+    kernel on CUDA (d a power of two, xs rows dense in channels, fp32 / bf16 / fp16), else the
+    reference (e.g. a float64 model: the layer's chain, fp32 like the kernel, no fp16 cast)."""
     _check(xs, w, heads, dim, dtype)
-    if not _use_kernel(xs, w, dim):
+    if not _use_kernel(xs, w, dim, dtype):
         return conv_silu_l2_reference(xs, w, heads, dim, dtype)
     W = w.shape[1]
     L = xs.shape[0] - (W - 1)

@@ -52,3 +52,15 @@ def test_bad_inputs_name_the_value():
         KC.conv_silu_l2(torch.zeros(3, 96), w, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="rounding dtype torch.int32"):
         KC.conv_silu_l2(xs, w, 2, 16, torch.int32)
+
+
+def test_fp64_takes_the_reference():
+    """A float64 model's window goes to the layer's chain (fp32 math, like every model dtype;
+    the kernel takes fp32 / bf16 / fp16 only) instead of a ValueError."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    xs, w = torch.randn(8, 96, generator=g, dtype=torch.float64), torch.randn(96, 4, generator=g)
+    q, k, v = KC.conv_silu_l2(xs, w, 2, 16, torch.float64)
+    assert not KC._use_kernel(xs, w, 16, torch.float64)
+    want = _loop(xs, w, 2, 16, torch.float64)
+    assert q.dtype == torch.float32
+    assert rel_err(v, want[2]) < 1e-6 and rel_err(q, want[0]) < 1e-6
