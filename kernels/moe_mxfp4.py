@@ -19,8 +19,9 @@ in the models/mxfp4.py layout (low nibble = even k; w = e2m1 · 2**(s − 127)).
 
 Launches per call (all capturable in a CUDA graph, no host sync): runs (1 program: sort by
 expert, run boundaries, and CHUNKS of ≤ block_m pairs of one expert; 16 = BLOCK_M for decode
-steps, 64 for prefill steps (`prefill_config`); past 1,024 pairs `moe_runs_torch`'s library
-ops) → gate_up (grid: chunks × I/BN) → down (grid: chunks × L/BN; bf16(W2 a) rows, bf16) →
+steps, 128 for prefill steps (`prefill_config`: the swapped-operand kernels, below); past
+1,024 pairs `moe_runs_torch`'s library ops) → gate_up (grid: chunks × I/BN) → down (grid:
+chunks × L/BN; bf16(W2 a) rows, bf16) →
 the weighted Σ over k (grid: T/BT × L/BL; fp32, j in order). Keeping the down rows in bf16
 (the value the reference rounds to anyway) halves the (P, L) buffer a prefill step writes and
 reads again: at 8,192 tokens of K3 (P = 131,072, L = 3,584) 0.94 GB instead of 1.88.
@@ -396,6 +397,80 @@ if triton is not None:
         tl.store(y_ptr + pair[:, None] * L + n[None, :], acc.to(tl.bfloat16),
                  mask=m_ok[:, None] & n_ok[None, :])
 
+    # ---- swapped operands (prefill): the dequantized weight tile is the dot's A operand ---
+    #
+    # accᵀ (BN, BM) = W[rows, k-block] (BN, BK) · xᵀ (BK, BM): the tile decoded in registers
+    # feeds the tensor cores as the register operand (Hopper's wgmma takes A from registers,
+    # B only from shared memory), the activations are the shared-memory operand, and a chunk
+    # can hold 128-256 pairs of one expert, so each weight element is decoded once per that
+    # many pairs. The gate/up output `a` is kept in the pairs' SORTED order (row m = position
+    # in the expert-grouped list), so the down kernel reads each chunk's rows contiguously.
+
+    @triton.jit
+    def _gate_up_swap_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                             chunk_end_ptr, num_chunks_ptr, a_ptr, top_k, beta, lin_beta,
+                             L: tl.constexpr, I: tl.constexpr, HAS_LIN: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             DOT_F32: tl.constexpr):
+        """a_sorted[m, n] = SiTU(W1_e z[t], W3_e z[t])[n] for the sorted positions m of chunk
+        program_id(0), computed transposed (n rows, pairs columns)."""
+        c = tl.program_id(0)
+        if c >= tl.load(num_chunks_ptr):
+            return
+        start = tl.load(chunk_start_ptr + c)
+        m = start + tl.arange(0, BM)
+        m_ok = m < tl.load(chunk_end_ptr + c)
+        tok = tl.load(pairs_ptr + m, mask=m_ok, other=0) // top_k
+        e = tl.load(sorted_e_ptr + start).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = n < I
+        w_e = w_ptr + e * (2 * I * (L // 2))
+        s_e = s_ptr + e * (2 * I * (L // 32))
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(0, L, BK):
+            x = tl.load(z_ptr + tok[:, None] * L + k0 + tl.arange(0, BK)[None, :],
+                        mask=m_ok[:, None], other=0.0)
+            xt = tl.trans(x)
+            acc_g = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, L, BN, BK), xt, acc_g, DOT_F32)
+            acc_u = _dot(_dequant_tile(w_e, s_e, n + I, n_ok, k0, L, BN, BK), xt, acc_u,
+                         DOT_F32)
+        g = acc_g.to(tl.bfloat16).to(tl.float32)
+        u = acc_u.to(tl.bfloat16).to(tl.float32)
+        act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
+        if HAS_LIN:
+            u = lin_beta * tanh_f32(u / lin_beta)
+        tl.store(a_ptr + m[None, :] * I + n[:, None], (act * u).to(tl.bfloat16),
+                 mask=m_ok[None, :] & n_ok[:, None])
+
+    @triton.jit
+    def _down_swap_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                          chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
+                          I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, DOT_F32: tl.constexpr):
+        """y[p, n] = bf16(W2_e a[p])[n] for the pairs of chunk program_id(0), computed
+        transposed; a in sorted order (`_gate_up_swap_kernel`), y in pair order."""
+        c = tl.program_id(0)
+        if c >= tl.load(num_chunks_ptr):
+            return
+        start = tl.load(chunk_start_ptr + c)
+        m = start + tl.arange(0, BM)
+        m_ok = m < tl.load(chunk_end_ptr + c)
+        pair = tl.load(pairs_ptr + m, mask=m_ok, other=0)
+        e = tl.load(sorted_e_ptr + start).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = n < L
+        w_e = w_ptr + e * (L * (I // 2))
+        s_e = s_ptr + e * (L * (I // 32))
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            x = tl.load(a_ptr + m[:, None] * I + k0 + tl.arange(0, BK)[None, :],
+                        mask=m_ok[:, None], other=0.0)
+            acc = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, I, BN, BK), tl.trans(x), acc,
+                       DOT_F32)
+        tl.store(y_ptr + pair[None, :] * L + n[:, None], acc.to(tl.bfloat16),
+                 mask=m_ok[None, :] & n_ok[:, None])
+
     @triton.jit(do_not_specialize=["T"])
     def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, K: tl.constexpr, L: tl.constexpr,
                              BT: tl.constexpr, BL: tl.constexpr):
@@ -423,7 +498,10 @@ class MoEConfig:
     interleave, scale on the accumulator). BK (a multiple of 32) must divide K (the latent for
     gate/up, I for down); pairs/split step BK / 32 groups per loop iteration. block_m (a power
     of two ≥ 16): the pairs of one expert one program multiplies; a prefill step's thousands of
-    pairs per expert re-read each expert's weights once per block_m pairs."""
+    pairs per expert re-read each expert's weights once per block_m pairs. swap_ab (with the
+    elementwise decode): the `_gate_up_swap_kernel` / `_down_swap_kernel` pair, which compute
+    the transposed products so the decoded tile is the register operand and block_m can reach
+    256; BN is then the dots' M (64 per warpgroup)."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -432,6 +510,7 @@ class MoEConfig:
     num_stages: int = 3
     decode: str = "elementwise"
     block_m: int = BLOCK_M      # pairs per chunk (the dots' M): 16 for decode, more for prefill
+    swap_ab: bool = False       # prefill: weight tile as the dots' A (register) operand
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -452,12 +531,12 @@ TUNED: dict[tuple[bool, int, int, int], MoEConfig] = {
 
 
 def prefill_config(latent: int, intermediate: int) -> MoEConfig:
-    """Prefill steps (≥ PREFILL_PAIRS pairs, tens per expert): 64-pair chunks so an expert's
-    weights stream once per 64 of its pairs, not per 16; bf16 dots over elementwise-decoded
-    tiles (64 × 64 × 64), 4 warps."""
+    """Prefill steps (≥ PREFILL_PAIRS pairs, tens to hundreds per expert): the swapped kernels
+    on 128-pair chunks, so an expert's tile is decoded once per 128 of its pairs (not per 16)
+    and feeds the tensor cores from registers; 64 weight rows × 64 k per tile, 4 warps."""
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
-                     decode="elementwise", block_m=64)
+                     decode="elementwise", block_m=128, swap_ab=True)
 
 
 def _largest_block(k: int, cap: int) -> int:
@@ -603,7 +682,12 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     bm = cfg.block_m
     if bm < BLOCK_M or bm & (bm - 1):
         raise ValueError(f"MoEConfig.block_m {bm}: expected a power of two ≥ {BLOCK_M}")
+    if cfg.swap_ab and cfg.decode != "elementwise":
+        raise ValueError(f"MoEConfig.swap_ab takes the elementwise decode, got {cfg.decode!r}")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
+    if cfg.swap_ab:
+        return _swapped(z, topk_weights, experts, cfg, k, pairs, sorted_e, c_start, c_end,
+                        n_chunks)
     dec = DECODES[cfg.decode]
     x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
     w13, w2 = ((experts.w13.view(torch.int32), experts.w2.view(torch.int32)) if dec == 1
@@ -622,11 +706,38 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     _down_kernel[(chunks, triton.cdiv(L, cfg.down_bn))](
         a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
         BN=cfg.down_bn, BK=cfg.down_bk, WPR=w2.shape[-1], **common)
-    out = torch.empty(T, L, dtype=torch.float32, device=z.device)
+    return _weighted_sum(y, topk_weights, T, k, L)
+
+
+def _weighted_sum(y: torch.Tensor, topk_weights: torch.Tensor, T: int, k: int,
+                  L: int) -> torch.Tensor:
+    out = torch.empty(T, L, dtype=torch.float32, device=y.device)
     bt, bl = SUM_BLOCK
     _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
         y, topk_weights.contiguous(), out, T, K=k, L=L, BT=bt, BL=bl, num_warps=4)
     return out
+
+
+def _swapped(z, topk_weights, experts: MXFP4Experts, cfg: MoEConfig, k: int, pairs, sorted_e,
+             c_start, c_end, n_chunks) -> torch.Tensor:
+    """gate_up and down with swapped operands (`MoEConfig.swap_ab`), then the weighted Σ."""
+    T, L = z.shape
+    P, E, I = T * k, experts.num_experts, experts.intermediate
+    bm = cfg.block_m
+    common = dict(BM=bm, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    chunks = max_chunks(P, E, bm)
+    a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)      # sorted order
+    lin = experts.linear_beta
+    _gate_up_swap_kernel[(chunks, triton.cdiv(I, cfg.gate_up_bn))](
+        z.contiguous(), experts.w13, experts.s13, pairs, sorted_e, c_start, c_end, n_chunks, a,
+        k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
+        HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common)
+    y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
+    _down_swap_kernel[(chunks, triton.cdiv(L, cfg.down_bn))](
+        a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
+        BN=cfg.down_bn, BK=cfg.down_bk, **common)
+    return _weighted_sum(y, topk_weights, T, k, L)
 
 
 def fused_moe_mxfp4(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -2,14 +2,16 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base|pairs]
+        [--tokens 4096,8192] [--candidates all|base|pairs|swap]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
 dequantizes its expert's MXFP4 tile once per `block_m` pairs: with 64-pair chunks the
 dequantization (integer ops per weight element) costs more than the bf16 dots it feeds. The
 candidates trade that against padding (a chunk of 73 pairs in a 128-row tile) and registers
-(block_m × BN fp32 accumulators, twice for gate and up).
+(block_m × BN fp32 accumulators, twice for gate and up). `--candidates swap`: the swapped
+kernels (`MoEConfig.swap_ab`: the decoded weight tile as the dots' register operand, chunks
+of 64-256 pairs) against the shipped config.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -33,10 +35,11 @@ from raydecode.scripts.explore.common import median_cuda_ms, rel_err, unique
 
 
 def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
-    base = M.prefill_config(L, I)
+    rep = dataclasses.replace
+    # the baseline: the unswapped kernels on 64-pair chunks (the prefill config before swap_ab)
+    base = rep(M.prefill_config(L, I), swap_ab=False, block_m=64)
     if which == "base":
         return [base]
-    rep = dataclasses.replace
     out = [base,
            rep(base, num_warps=8),
            rep(base, gate_up_bk=M._largest_block(L, 128)),
@@ -52,7 +55,22 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
            rep(base, decode="pairs", block_m=128, num_warps=8)]
     if which == "pairs":
         return [base] + [c for c in out if c.decode == "pairs"]
-    return unique(out)
+    # swapped operands: BN is the dots' M (64 rows per warpgroup), block_m their N
+    sw = M.prefill_config(L, I)
+    swap = [sw,
+            rep(sw, num_stages=4),
+            rep(sw, num_stages=2),
+            rep(sw, num_warps=8),
+            rep(sw, gate_up_bk=M._largest_block(L, 128)),
+            rep(sw, block_m=64),
+            rep(sw, block_m=256, num_warps=8),
+            rep(sw, block_m=256, num_warps=8, num_stages=2),
+            rep(sw, gate_up_bn=128, down_bn=128, num_warps=8),
+            rep(sw, down_bn=128, num_warps=8),
+            rep(sw, down_bk=M._largest_block(I, 32))]
+    if which == "swap":
+        return [base] + unique(swap)
+    return unique(out + swap)
 
 
 def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print) -> list[dict]:
@@ -94,7 +112,8 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print)
             except Exception as e:       # compile / run / accuracy failure: recorded, skipped
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-            log(f"moe prefill TP{tp} T={T} bm{c.block_m} {c.decode:11s} gu{c.gate_up_bn}x"
+            log(f"moe prefill TP{tp} T={T} bm{c.block_m}{'s' if c.swap_ab else ''} "
+                f"{c.decode:11s} gu{c.gate_up_bn}x"
                 f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps} s{c.num_stages}: "
                 + (f"{row['ms']:7.3f} ms {row['tflop_s']:6.1f} TFLOP/s" if "ms" in row
                    else row["error"]))
@@ -114,7 +133,7 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--tp", type=int, default=16)
     ap.add_argument("--tokens", default="4096,8192")
-    ap.add_argument("--candidates", default="all", choices=["all", "base", "pairs"])
+    ap.add_argument("--candidates", default="all", choices=["all", "base", "pairs", "swap"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)

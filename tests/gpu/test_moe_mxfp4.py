@@ -195,11 +195,11 @@ def test_fused_past_the_runs_kernel_matches_reference():
 def test_prefill_chunks_match_reference(E, L, I, k, block_m):
     """A prefill step (200 tokens: 3,200 pairs ≥ PREFILL_PAIRS) on the prefill config, or with
     an explicit block_m; skewed routing puts 200 pairs on one expert (a run of several
-    64-pair chunks)."""
+    chunks)."""
     seed = fresh_seed()
     ex, z, w, ids = _case(E, L, I, k, 200, seed, skew=True)
     cfg = M.default_config(ids.numel(), E, I, L)
-    assert cfg.block_m == 64
+    assert cfg.block_m == 128 and cfg.swap_ab
     if block_m is not None:
         from dataclasses import replace
         cfg = replace(cfg, block_m=block_m)
@@ -208,3 +208,27 @@ def test_prefill_chunks_match_reference(E, L, I, k, block_m):
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
     assert rel_err(out, ref) < REL_TOL, f"seed {seed}: rel err {rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("block_m,bn,warps", [(64, 64, 4), (128, 64, 4), (256, 64, 8),
+                                              (128, 128, 8)])
+def test_swapped_operands_match_reference(block_m, bn, warps):
+    """The swapped kernels (`swap_ab`: decoded tile as the register operand, `a` in sorted
+    order) on skewed routing (one expert's run spans several chunks) and a partial last chunk
+    per expert; GPU: K3 TP16 experts at 200 tokens, interpreter: a small shape."""
+    seed = fresh_seed()
+    E, L, I, k, T = (896, 3584, 192, 16, 200) if ON_GPU else (16, 128, 64, 4, 40)
+    ex, z, w, ids = _case(E, L, I, k, T, seed, skew=True)
+    cfg = M.MoEConfig(bn, 64, bn, 64, num_warps=warps, block_m=block_m, swap_ab=True)
+    _poison_allocator()
+    out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
+    assert rel_err(out, ref) < REL_TOL, f"seed {seed}: rel err {rel_err(out, ref):.2e}"
+
+
+def test_swapped_operands_refuse_other_decodes():
+    ex, z, w, ids = _case(16, 128, 64, 4, 4, 0)
+    with pytest.raises(ValueError, match="swap_ab takes the elementwise decode"):
+        M.fused_moe_mxfp4_triton(z, w, ids, ex, M.MoEConfig(64, 64, 64, 64, decode="pairs",
+                                                            swap_ab=True))
