@@ -19,7 +19,7 @@ in the models/mxfp4.py layout (low nibble = even k; w = e2m1 · 2**(s − 127)).
 
 Launches per call (all capturable in a CUDA graph, no host sync): runs (1 program: sort by
 expert, run boundaries, and CHUNKS of ≤ block_m pairs of one expert; 16 = BLOCK_M for decode
-steps, 128 for prefill steps (`prefill_config`: the swapped-operand kernels, below); past
+steps, 256 for prefill steps (`prefill_config`: the swapped-operand kernels, below); past
 1,024 pairs `moe_runs_torch`'s library ops) → gate_up (grid: chunks × I/BN) → down (grid:
 chunks × L/BN; bf16(W2 a) rows, bf16) →
 the weighted Σ over k (grid: T/BT × L/BL; fp32, j in order). Keeping the down rows in bf16
@@ -413,7 +413,10 @@ if triton is not None:
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              DOT_F32: tl.constexpr):
         """a_sorted[m, n] = SiTU(W1_e z[t], W3_e z[t])[n] for the sorted positions m of chunk
-        program_id(0), computed transposed (n rows, pairs columns)."""
+        program_id(0) and BN/2 intermediate columns n, computed transposed: ONE (BN, BM)
+        accumulator whose first BN/2 rows are the gate rows n and the last BN/2 the up rows
+        n + I (one tile decoded and one dot per k-step, half the accumulator registers of
+        two separate (BN, BM) products, so block_m can reach 256 on one warpgroup)."""
         c = tl.program_id(0)
         if c >= tl.load(num_chunks_ptr):
             return
@@ -422,26 +425,27 @@ if triton is not None:
         m_ok = m < tl.load(chunk_end_ptr + c)
         tok = tl.load(pairs_ptr + m, mask=m_ok, other=0) // top_k
         e = tl.load(sorted_e_ptr + start).to(tl.int64)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        n_ok = n < I
+        HN: tl.constexpr = BN // 2
+        r = tl.arange(0, BN)
+        n_r = tl.program_id(1) * HN + r % HN                 # intermediate column of row r
+        rows = n_r + (r // HN) * I                           # gate rows, then up rows
         w_e = w_ptr + e * (2 * I * (L // 2))
         s_e = s_ptr + e * (2 * I * (L // 32))
-        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, L, BK):
             x = tl.load(z_ptr + tok[:, None] * L + k0 + tl.arange(0, BK)[None, :],
                         mask=m_ok[:, None], other=0.0)
-            xt = tl.trans(x)
-            acc_g = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, L, BN, BK), xt, acc_g, DOT_F32)
-            acc_u = _dot(_dequant_tile(w_e, s_e, n + I, n_ok, k0, L, BN, BK), xt, acc_u,
-                         DOT_F32)
-        g = acc_g.to(tl.bfloat16).to(tl.float32)
-        u = acc_u.to(tl.bfloat16).to(tl.float32)
+            acc = _dot(_dequant_tile(w_e, s_e, rows, n_r < I, k0, L, BN, BK), tl.trans(x),
+                       acc, DOT_F32)
+        g, u = tl.split(tl.permute(acc.reshape(2, HN, BM), (1, 2, 0)))
+        g = g.to(tl.bfloat16).to(tl.float32)
+        u = u.to(tl.bfloat16).to(tl.float32)
         act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
         if HAS_LIN:
             u = lin_beta * tanh_f32(u / lin_beta)
+        n = tl.program_id(1) * HN + tl.arange(0, HN)
         tl.store(a_ptr + m[None, :] * I + n[:, None], (act * u).to(tl.bfloat16),
-                 mask=m_ok[None, :] & n_ok[:, None])
+                 mask=m_ok[None, :] & (n < I)[:, None])
 
     @triton.jit
     def _down_swap_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
@@ -501,7 +505,8 @@ class MoEConfig:
     pairs per expert re-read each expert's weights once per block_m pairs. swap_ab (with the
     elementwise decode): the `_gate_up_swap_kernel` / `_down_swap_kernel` pair, which compute
     the transposed products so the decoded tile is the register operand and block_m can reach
-    256; BN is then the dots' M (64 per warpgroup)."""
+    256; BN is then the dots' M (64 rows per warpgroup; for gate/up, BN/2 gate rows and the
+    BN/2 matching up rows in one tile)."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -532,11 +537,12 @@ TUNED: dict[tuple[bool, int, int, int], MoEConfig] = {
 
 def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     """Prefill steps (≥ PREFILL_PAIRS pairs, tens to hundreds per expert): the swapped kernels
-    on 128-pair chunks, so an expert's tile is decoded once per 128 of its pairs (not per 16)
-    and feeds the tensor cores from registers; 64 weight rows × 64 k per tile, 4 warps."""
+    on 256-pair chunks, so an expert's tile is decoded once per 256 of its pairs (not per 16:
+    one chunk per expert at K3's ~146 pairs per expert of an 8,192-token step) and feeds the
+    tensor cores from registers; 64 weight rows × 64 k per tile, one warpgroup."""
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
-                     decode="elementwise", block_m=128, swap_ab=True)
+                     decode="elementwise", block_m=256, swap_ab=True)
 
 
 def _largest_block(k: int, cap: int) -> int:
@@ -729,7 +735,7 @@ def _swapped(z, topk_weights, experts: MXFP4Experts, cfg: MoEConfig, k: int, pai
     chunks = max_chunks(P, E, bm)
     a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)      # sorted order
     lin = experts.linear_beta
-    _gate_up_swap_kernel[(chunks, triton.cdiv(I, cfg.gate_up_bn))](
+    _gate_up_swap_kernel[(chunks, triton.cdiv(2 * I, cfg.gate_up_bn))](
         z.contiguous(), experts.w13, experts.s13, pairs, sorted_e, c_start, c_end, n_chunks, a,
         k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
         HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common)

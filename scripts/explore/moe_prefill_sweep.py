@@ -57,17 +57,18 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         return [base] + [c for c in out if c.decode == "pairs"]
     # swapped operands: BN is the dots' M (64 rows per warpgroup), block_m their N
     sw = M.prefill_config(L, I)
+    s128 = rep(sw, block_m=128)
     swap = [sw,
-            rep(sw, num_stages=4),
             rep(sw, num_stages=2),
-            rep(sw, num_warps=8),
+            rep(sw, num_stages=4),
+            rep(sw, down_bk=M._largest_block(I, 32)),
             rep(sw, gate_up_bk=M._largest_block(L, 128)),
-            rep(sw, block_m=64),
-            rep(sw, block_m=256, num_warps=8),
-            rep(sw, block_m=256, num_warps=8, num_stages=2),
             rep(sw, gate_up_bn=128, down_bn=128, num_warps=8),
-            rep(sw, down_bn=128, num_warps=8),
-            rep(sw, down_bk=M._largest_block(I, 32))]
+            rep(sw, gate_up_bn=128, num_warps=8, num_stages=2),
+            s128,
+            rep(s128, down_bk=M._largest_block(I, 32)),
+            rep(s128, gate_up_bn=128, down_bn=128, num_warps=8),
+            rep(sw, block_m=64)]
     if which == "swap":
         return [base] + unique(swap)
     return unique(out + swap)

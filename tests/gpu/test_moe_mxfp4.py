@@ -199,7 +199,7 @@ def test_prefill_chunks_match_reference(E, L, I, k, block_m):
     seed = fresh_seed()
     ex, z, w, ids = _case(E, L, I, k, 200, seed, skew=True)
     cfg = M.default_config(ids.numel(), E, I, L)
-    assert cfg.block_m == 128 and cfg.swap_ab
+    assert cfg.block_m >= 128 and cfg.swap_ab
     if block_m is not None:
         from dataclasses import replace
         cfg = replace(cfg, block_m=block_m)
@@ -210,11 +210,11 @@ def test_prefill_chunks_match_reference(E, L, I, k, block_m):
     assert rel_err(out, ref) < REL_TOL, f"seed {seed}: rel err {rel_err(out, ref):.2e}"
 
 
-@pytest.mark.parametrize("block_m,bn,warps", [(64, 64, 4), (128, 64, 4), (256, 64, 8),
-                                              (128, 128, 8)])
+@pytest.mark.parametrize("block_m,bn,warps", [(64, 64, 4), (128, 64, 4), (256, 64, 4),
+                                              (256, 64, 8), (128, 128, 8), (256, 128, 8)])
 def test_swapped_operands_match_reference(block_m, bn, warps):
-    """The swapped kernels (`swap_ab`: decoded tile as the register operand, `a` in sorted
-    order) on skewed routing (one expert's run spans several chunks) and a partial last chunk
+    """The swapped kernels (`swap_ab`: decoded tile as the register operand, gate and up rows
+    in one tile, `a` in sorted order) on skewed routing (one expert's run spans several chunks) and a partial last chunk
     per expert; GPU: K3 TP16 experts at 200 tokens, interpreter: a small shape."""
     seed = fresh_seed()
     E, L, I, k, T = (896, 3584, 192, 16, 200) if ON_GPU else (16, 128, 64, 4, 40)
