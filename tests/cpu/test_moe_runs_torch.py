@@ -51,7 +51,7 @@ def test_prefill_steps_get_the_prefill_config():
     small = M.default_config(M.PREFILL_PAIRS - 1, E, I, L)
     assert small.block_m == M.BLOCK_M and not small.swap_ab
     cfg = M.default_config(M.PREFILL_PAIRS, E, I, L)
-    assert cfg.block_m >= 128 and cfg.swap_ab and cfg.decode == "elementwise"
+    assert cfg.block_m >= 128 and cfg.swap_ab and cfg.decode in M.SWAP_DECODES
     assert L % cfg.gate_up_bk == 0 and I % cfg.down_bk == 0
     assert M.max_chunks(4096, E, 64) == E + 64 and M.max_chunks(4096, E) == E + 256
 
