@@ -556,11 +556,12 @@ def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     """Prefill steps (≥ PREFILL_PAIRS pairs, tens to hundreds per expert): the swapped kernels
     on 256-pair chunks, so an expert's tile is decoded once per 256 of its pairs (not per 16:
     one chunk per expert at K3's ~146 pairs per expert of an 8,192-token step) and feeds the
-    tensor cores from registers (Triton's scaled dot: its e2m1 upcast); 64 weight rows × 64 k
-    per tile, one warpgroup."""
+    tensor cores from registers; 64 weight rows × 64 k per tile, one warpgroup, the
+    elementwise decode (Triton's scaled dot measured 2.5× slower here:
+    bench/results/moe-prefill-sweep-h200-2026-12-04-swap.json)."""
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
-                     decode="scaled", block_m=256, swap_ab=True)
+                     decode="elementwise", block_m=256, swap_ab=True)
 
 
 def _largest_block(k: int, cap: int) -> int:
