@@ -19,7 +19,7 @@ in the models/mxfp4.py layout (low nibble = even k; w = e2m1 · 2**(s − 127)).
 
 Launches per call (all capturable in a CUDA graph, no host sync): runs (1 program: sort by
 expert, run boundaries, and CHUNKS of ≤ block_m pairs of one expert; 16 = BLOCK_M for decode
-steps, 256 for prefill steps (`prefill_config`: the swapped-operand kernels, below); past
+steps, 128 for prefill steps (`prefill_config`: the swapped-operand kernels, below); past
 1,024 pairs `moe_runs_torch`'s library ops) → gate_up (grid: chunks × I/BN) → down (grid:
 chunks × L/BN; bf16(W2 a) rows, bf16) →
 the weighted Σ over k (grid: T/BT × L/BL; fp32, j in order). Keeping the down rows in bf16
@@ -407,34 +407,13 @@ if triton is not None:
     # in the expert-grouped list), so the down kernel reads each chunk's rows contiguously.
 
     @triton.jit
-    def _swap_step(x, w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, acc, SCALED: tl.constexpr, DOT_F32: tl.constexpr):
-        """accᵀ + W[rows, k0:k0+BK] · xᵀ for x (BM, BK) bf16: the elementwise decode, or
-        (SCALED) Triton's scaled dot on the packed e2m1 bytes and ue8m0 scales as they lie
-        (lhs (BN, BK/2) uint8, low nibble = even k; scales (BN, BK/32)), which on sm_90
-        upcasts e2m1 to bf16, multiplies by the bf16 scale (both exact) and runs a bf16 dot
-        with fp32 accumulation: the reference's products, Triton's upcast instead of ours."""
-        if SCALED and not DOT_F32:
-            w = tl.load(w_ptr + rows[:, None] * (K // 2) + k0 // 2
-                        + tl.arange(0, BK // 2)[None, :], mask=row_ok[:, None], other=0)
-            sc = tl.load(s_ptr + rows[:, None] * (K // 32) + k0 // 32
-                         + tl.arange(0, BK // 32)[None, :], mask=row_ok[:, None], other=127)
-            return tl.dot_scaled(w, sc, "e2m1", tl.trans(x), None, "bf16", acc,
-                                 fast_math=True)
-        return _dot(_dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, K, BN, BK), tl.trans(x), acc,
-                    DOT_F32)
-
-    @triton.jit
     def _gate_up_swap_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                              chunk_end_ptr, num_chunks_ptr, a_ptr, top_k, beta, lin_beta,
                              L: tl.constexpr, I: tl.constexpr, HAS_LIN: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             SCALED: tl.constexpr, DOT_F32: tl.constexpr):
+                             DOT_F32: tl.constexpr):
         """a_sorted[m, n] = SiTU(W1_e z[t], W3_e z[t])[n] for the sorted positions m of chunk
-        program_id(0) and BN/2 intermediate columns n, computed transposed: ONE (BN, BM)
-        accumulator whose first BN/2 rows are the gate rows n and the last BN/2 the up rows
-        n + I (one tile decoded and one dot per k-step, half the accumulator registers of
-        two separate (BN, BM) products, so block_m can reach 256 on one warpgroup)."""
+        program_id(0), computed transposed (n rows, pairs columns)."""
         c = tl.program_id(0)
         if c >= tl.load(num_chunks_ptr):
             return
@@ -443,32 +422,32 @@ if triton is not None:
         m_ok = m < tl.load(chunk_end_ptr + c)
         tok = tl.load(pairs_ptr + m, mask=m_ok, other=0) // top_k
         e = tl.load(sorted_e_ptr + start).to(tl.int64)
-        HN: tl.constexpr = BN // 2
-        r = tl.arange(0, BN)
-        n_r = tl.program_id(1) * HN + r % HN                 # intermediate column of row r
-        rows = n_r + (r // HN) * I                           # gate rows, then up rows
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = n < I
         w_e = w_ptr + e * (2 * I * (L // 2))
         s_e = s_ptr + e * (2 * I * (L // 32))
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in range(0, L, BK):
             x = tl.load(z_ptr + tok[:, None] * L + k0 + tl.arange(0, BK)[None, :],
                         mask=m_ok[:, None], other=0.0)
-            acc = _swap_step(x, w_e, s_e, rows, n_r < I, k0, L, BN, BK, acc, SCALED, DOT_F32)
-        g, u = tl.split(tl.permute(acc.reshape(2, HN, BM), (1, 2, 0)))
-        g = g.to(tl.bfloat16).to(tl.float32)
-        u = u.to(tl.bfloat16).to(tl.float32)
+            xt = tl.trans(x)
+            acc_g = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, L, BN, BK), xt, acc_g, DOT_F32)
+            acc_u = _dot(_dequant_tile(w_e, s_e, n + I, n_ok, k0, L, BN, BK), xt, acc_u,
+                         DOT_F32)
+        g = acc_g.to(tl.bfloat16).to(tl.float32)
+        u = acc_u.to(tl.bfloat16).to(tl.float32)
         act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
         if HAS_LIN:
             u = lin_beta * tanh_f32(u / lin_beta)
-        n = tl.program_id(1) * HN + tl.arange(0, HN)
         tl.store(a_ptr + m[None, :] * I + n[:, None], (act * u).to(tl.bfloat16),
-                 mask=m_ok[None, :] & (n < I)[:, None])
+                 mask=m_ok[None, :] & n_ok[:, None])
 
     @triton.jit
     def _down_swap_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                           chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                           I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, SCALED: tl.constexpr, DOT_F32: tl.constexpr):
+                          BK: tl.constexpr, DOT_F32: tl.constexpr):
         """y[p, n] = bf16(W2_e a[p])[n] for the pairs of chunk program_id(0), computed
         transposed; a in sorted order (`_gate_up_swap_kernel`), y in pair order."""
         c = tl.program_id(0)
@@ -487,7 +466,8 @@ if triton is not None:
         for k0 in range(0, I, BK):
             x = tl.load(a_ptr + m[:, None] * I + k0 + tl.arange(0, BK)[None, :],
                         mask=m_ok[:, None], other=0.0)
-            acc = _swap_step(x, w_e, s_e, n, n_ok, k0, I, BN, BK, acc, SCALED, DOT_F32)
+            acc = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, I, BN, BK), tl.trans(x), acc,
+                       DOT_F32)
         tl.store(y_ptr + pair[None, :] * L + n[:, None], acc.to(tl.bfloat16),
                  mask=m_ok[None, :] & n_ok[:, None])
 
@@ -521,9 +501,7 @@ class MoEConfig:
     pairs per expert re-read each expert's weights once per block_m pairs. swap_ab (with the
     elementwise decode): the `_gate_up_swap_kernel` / `_down_swap_kernel` pair, which compute
     the transposed products so the decoded tile is the register operand and block_m can reach
-    256; BN is then the dots' M (64 rows per warpgroup; for gate/up, BN/2 gate rows and the
-    BN/2 matching up rows in one tile). They take decode "elementwise" (`_dequant_tile`) or
-    "scaled" (`tl.dot_scaled` on the packed bytes: Triton's e2m1 upcast)."""
+    256; BN is then the dots' M (64 per warpgroup)."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -554,14 +532,14 @@ TUNED: dict[tuple[bool, int, int, int], MoEConfig] = {
 
 def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     """Prefill steps (≥ PREFILL_PAIRS pairs, tens to hundreds per expert): the swapped kernels
-    on 256-pair chunks, so an expert's tile is decoded once per 256 of its pairs (not per 16:
-    one chunk per expert at K3's ~146 pairs per expert of an 8,192-token step) and feeds the
-    tensor cores from registers; 64 weight rows × 64 k per tile, one warpgroup, the
-    elementwise decode (Triton's scaled dot measured 2.5× slower here:
-    bench/results/moe-prefill-sweep-h200-2026-12-04-swap.json)."""
+    on 128-pair chunks, so an expert's tile is decoded once per 128 of its pairs (not per 16)
+    and feeds the tensor cores from registers; 64 weight rows × 64 k per tile, 4 warps. In
+    the 8,191-token step of 8 K3 layers the experts took 22.1 ms against 23.8 on the unswapped
+    64-pair kernels; gate and up in one tile with 256-pair chunks (faster alone on uniform
+    routing) and Triton's scaled dot (2.5× slower) lost: docs/perf-log/prefill.md."""
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
-                     decode="elementwise", block_m=256, swap_ab=True)
+                     decode="elementwise", block_m=128, swap_ab=True)
 
 
 def _largest_block(k: int, cap: int) -> int:
@@ -689,7 +667,6 @@ def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts,
 
 
 DECODES = {"elementwise": 0, "pairs": 1, "split": 2}
-SWAP_DECODES = ("elementwise", "scaled")      # what the swapped (prefill) kernels take
 
 
 def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
@@ -701,14 +678,15 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     k = topk_ids.shape[1]
     P, E, I = T * k, experts.num_experts, experts.intermediate
     cfg = config or default_config(P, E, I, L)
+    if cfg.decode not in DECODES:
+        raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of {list(DECODES)}")
     if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:
         raise ValueError(f"{cfg}: BK must be a multiple of 32 dividing L={L} / I={I}")
     bm = cfg.block_m
     if bm < BLOCK_M or bm & (bm - 1):
         raise ValueError(f"MoEConfig.block_m {bm}: expected a power of two ≥ {BLOCK_M}")
-    if cfg.decode not in (SWAP_DECODES if cfg.swap_ab else DECODES):
-        raise ValueError(f"MoEConfig.decode {cfg.decode!r} with swap_ab={cfg.swap_ab}: "
-                         f"expected one of {list(SWAP_DECODES if cfg.swap_ab else DECODES)}")
+    if cfg.swap_ab and cfg.decode != "elementwise":
+        raise ValueError(f"MoEConfig.swap_ab takes the elementwise decode, got {cfg.decode!r}")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
     if cfg.swap_ab:
         return _swapped(z, topk_weights, experts, cfg, k, pairs, sorted_e, c_start, c_end,
@@ -749,12 +727,12 @@ def _swapped(z, topk_weights, experts: MXFP4Experts, cfg: MoEConfig, k: int, pai
     T, L = z.shape
     P, E, I = T * k, experts.num_experts, experts.intermediate
     bm = cfg.block_m
-    common = dict(BM=bm, SCALED=cfg.decode == "scaled", DOT_F32=not z.is_cuda,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(BM=bm, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     chunks = max_chunks(P, E, bm)
     a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)      # sorted order
     lin = experts.linear_beta
-    _gate_up_swap_kernel[(chunks, triton.cdiv(2 * I, cfg.gate_up_bn))](
+    _gate_up_swap_kernel[(chunks, triton.cdiv(I, cfg.gate_up_bn))](
         z.contiguous(), experts.w13, experts.s13, pairs, sorted_e, c_start, c_end, n_chunks, a,
         k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
         HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common)

@@ -11,8 +11,7 @@ dequantization (integer ops per weight element) costs more than the bf16 dots it
 candidates trade that against padding (a chunk of 73 pairs in a 128-row tile) and registers
 (block_m × BN fp32 accumulators, twice for gate and up). `--candidates swap`: the swapped
 kernels (`MoEConfig.swap_ab`: the decoded weight tile as the dots' register operand, chunks
-of 64-256 pairs; the elementwise decode or Triton's scaled dot) against the unswapped
-64-pair kernels.
+of 64-256 pairs) against the shipped config.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -38,7 +37,7 @@ from raydecode.scripts.explore.common import median_cuda_ms, rel_err, unique
 def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     rep = dataclasses.replace
     # the baseline: the unswapped kernels on 64-pair chunks (the prefill config before swap_ab)
-    base = rep(M.prefill_config(L, I), swap_ab=False, block_m=64, decode="elementwise")
+    base = rep(M.prefill_config(L, I), swap_ab=False, block_m=64)
     if which == "base":
         return [base]
     out = [base,
@@ -57,24 +56,18 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     if which == "pairs":
         return [base] + [c for c in out if c.decode == "pairs"]
     # swapped operands: BN is the dots' M (64 rows per warpgroup), block_m their N
-    sw = rep(M.prefill_config(L, I), decode="elementwise")
-    s128 = rep(sw, block_m=128)
+    sw = M.prefill_config(L, I)
     swap = [sw,
-            rep(sw, num_stages=2),
             rep(sw, num_stages=4),
-            rep(sw, down_bk=M._largest_block(I, 32)),
+            rep(sw, num_stages=2),
+            rep(sw, num_warps=8),
             rep(sw, gate_up_bk=M._largest_block(L, 128)),
-            rep(sw, gate_up_bn=128, down_bn=128, num_warps=8),
-            rep(sw, gate_up_bn=128, num_warps=8, num_stages=2),
-            s128,
-            rep(s128, down_bk=M._largest_block(I, 32)),
-            rep(s128, gate_up_bn=128, down_bn=128, num_warps=8),
             rep(sw, block_m=64),
-            rep(sw, decode="scaled"),
-            rep(sw, decode="scaled", num_stages=2),
-            rep(sw, decode="scaled", gate_up_bk=M._largest_block(L, 128)),
-            rep(sw, decode="scaled", gate_up_bn=128, down_bn=128, num_warps=8),
-            rep(s128, decode="scaled")]
+            rep(sw, block_m=256, num_warps=8),
+            rep(sw, block_m=256, num_warps=8, num_stages=2),
+            rep(sw, gate_up_bn=128, down_bn=128, num_warps=8),
+            rep(sw, down_bn=128, num_warps=8),
+            rep(sw, down_bk=M._largest_block(I, 32))]
     if which == "swap":
         return [base] + unique(swap)
     return unique(out + swap)

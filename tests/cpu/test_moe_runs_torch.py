@@ -45,13 +45,13 @@ def test_runs_match_the_kernel_contract(T, k, E, skew, bm):
 
 
 def test_prefill_steps_get_the_prefill_config():
-    """From PREFILL_PAIRS pairs the config is the prefill one (≥ 128-pair chunks on the
-    swapped kernels), below it the decode table's (16-pair chunks, unswapped)."""
+    """From PREFILL_PAIRS pairs the config is the prefill one (128-pair chunks on the swapped
+    kernels), below it the decode table's (16-pair chunks, unswapped)."""
     E, I, L = 896, 192, 3584
     small = M.default_config(M.PREFILL_PAIRS - 1, E, I, L)
     assert small.block_m == M.BLOCK_M and not small.swap_ab
     cfg = M.default_config(M.PREFILL_PAIRS, E, I, L)
-    assert cfg.block_m >= 128 and cfg.swap_ab and cfg.decode in M.SWAP_DECODES
+    assert cfg.block_m == 128 and cfg.swap_ab and cfg.decode == "elementwise"
     assert L % cfg.gate_up_bk == 0 and I % cfg.down_bk == 0
     assert M.max_chunks(4096, E, 64) == E + 64 and M.max_chunks(4096, E) == E + 256
 
