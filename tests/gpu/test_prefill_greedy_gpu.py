@@ -36,7 +36,7 @@ from raydecode.models.mla import MLAAttention
 from raydecode.scripts.bench.prefill import use_kernels
 
 from _numerics import rel_err
-from _prefill_forced import (TIE_FP32, TOL_FP32, k3_slice, run_forced, tiny_model,
+from _prefill_forced import (BUDGET, TIE_FP32, TOL_FP32, k3_slice, run_forced, tiny_model,
                              upcast_, within_bf16_noise)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -51,26 +51,31 @@ def _model(which: str, dtype: torch.dtype):
     return tiny_model("cuda", dtype) if which == "tiny" else k3_slice("cuda", dtype=dtype)
 
 
-def _reference_runs(model, prompts, monkeypatch, forced=None):
+def _reference_runs(model, prompts, monkeypatch, forced=None, budget=BUDGET):
     with monkeypatch.context() as m:
         m.setattr(kda_prefill, "available", kda_prefill.available)     # restored after
         m.setattr(MLAAttention, "prefill_impl", MLAAttention.prefill_impl)
         m.setattr(moe_mxfp4, "PREFILL_PAIRS", moe_mxfp4.PREFILL_PAIRS)
         use_kernels("reference")
-        return [run_forced(model, p, N_TOKENS, forced=None if forced is None else f.tokens)
+        return [run_forced(model, p, N_TOKENS, forced=None if forced is None else f.tokens,
+                           budget=budget)
                 for p, f in zip(prompts, forced or [None] * len(prompts))]
 
 
-@pytest.mark.parametrize("which", ["tiny", "k3-slice"])
-def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, monkeypatch):
+# (model, step budget): at 96 tokens K3's top-16 makes 1,536 (token, expert) pairs, below the
+# MoE's PREFILL_PAIRS; at 160 a chunk of 131 or 160 tokens (2,096 / 2,560 pairs) runs the
+# prefill MoE kernels (kernels/moe_mxfp4.py `prefill_config`: the swapped-operand kernels).
+@pytest.mark.parametrize("which,budget", [("tiny", BUDGET), ("k3-slice", BUDGET),
+                                          ("k3-slice", 160)])
+def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, budget, monkeypatch):
     model, prompts = _model(which, torch.float32)
-    refs = _reference_runs(model, prompts, monkeypatch)
+    refs = _reference_runs(model, prompts, monkeypatch, budget=budget)
     total = ties = 0
     with monkeypatch.context() as m:
         m.setattr(MLAAttention, "prefill_impl", "sdpa")      # "auto" keeps fp32 on the reference
         for i, (p, ref) in enumerate(zip(prompts, refs)):
-            got = run_forced(model, p, N_TOKENS, forced=ref.tokens)
-            msg = f"{which} fp32 prompt {i}"
+            got = run_forced(model, p, N_TOKENS, forced=ref.tokens, budget=budget)
+            msg = f"{which} fp32 budget {budget} prompt {i}"
             first = rel_err(got.first_logits, ref.first_logits)
             assert first <= TOL_FP32, f"{msg}: first-token logits rel err {first:.2e} > {TOL_FP32}"
             for j, (a, b, gap) in enumerate(zip(got.argmax, ref.tokens, ref.gaps)):
