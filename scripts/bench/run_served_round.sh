@@ -16,13 +16,17 @@
 # scripts/bench/spec.py; SPEC_ARGS, e.g. "--layers 93 --ks 3,5,7 --batches 1"), kverify (the KDA
 # verify kernels vs the decode kernel per position: scripts/bench/kda_verify.py; KVERIFY_ARGS),
 # explore (scripts/explore modules in EXPLORE, each NAME or NAME:ARGS with '@' for spaces,
-# JSON as $OUT/NAME.json), step (the
+# JSON as $OUT/NAME.json), ncu (Nsight Compute on kernels matching NCU_KERNELS, a regex, in
+# one run of the explore module NCU_MODULE with NCU_ARGS ('@' for spaces): --clock-control
+# none (the GPU's clocks are left alone), NCU_SECTIONS (default the warp-state, scheduler,
+# compute and memory sections), NCU_COUNT launches; the report as $OUT/ncu.ncu-rep, its
+# details page as ncu.csv), step (the
 # graphed step bench; with STEP_REF=DIR, a checkout of another commit, both interleaved in this
 # lease: A/B).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 COMMIT=${1:-unknown}; T0=$(date +%s); FINAL=${OUT:-/tmp/out}; PREFILL_TAG=${PREFILL_TAG:-}
 OUT=$FINAL/w; mkdir -p "$OUT"      # at the end: JSON/PNG up to $FINAL, every log in logs.tgz
-finish() { mv "$OUT"/*.json "$OUT"/*.png "$FINAL"/ 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$OUT" . ; rm -rf "$OUT"; }
+finish() { mv "$OUT"/*.json "$OUT"/*.png "$OUT"/*.csv "$FINAL"/ 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$OUT" . ; rm -rf "$OUT"; }
 trap finish EXIT
 if [ -n "${PART:-}" ]; then
   python3 scripts/offline_wheels.py install "$PART" 2>&1 | tail -2
@@ -92,6 +96,16 @@ for s in ${STEPS:-}; do
       echo "explore $n rc=$? t=$(( $(date +%s) - T0 ))"
       grep -vE "Warning|warn" "$OUT/$n.log" | tail -30 | cut -c1-400
     done ;;
+  ncu)
+    secs=""; for x in ${NCU_SECTIONS:-WarpStateStats SchedulerStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis SpeedOfLight LaunchStats Occupancy}; do secs="$secs --section $x"; done
+    timeout "$(lim ${NCU_S:-240})" ncu --clock-control none $secs -k "regex:${NCU_KERNELS:?}" \
+      -c "${NCU_COUNT:-2}" -f -o "$OUT/ncu" python3 -m raydecode.scripts.explore.${NCU_MODULE:?} \
+      --commit "$COMMIT" --out "$OUT/ncu-run.json" $(echo "${NCU_ARGS:-}" | tr '@' ' ') \
+      > "$OUT/ncu.log" 2>&1
+    echo "ncu rc=$? t=$(( $(date +%s) - T0 ))"; tail -5 "$OUT/ncu.log" | cut -c1-300
+    ncu --import "$OUT/ncu.ncu-rep" --csv --page details > "$OUT/ncu.csv" 2>/dev/null
+    grep -E "Stall|Warp Cycles Per Issued|Issue Slots Busy|Compute \(SM\) Throughput|Memory Throughput|Duration|Registers Per|Achieved Occupancy" \
+      "$OUT/ncu.csv" | cut -c1-220 | head -60 ;;
   step)
     B=${BATCHES:-1,4,16,64}
     for round in $(seq 1 "${ROUNDS:-2}"); do

@@ -2,7 +2,7 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base|pairs|swap]
+        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -40,6 +40,8 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     base = rep(M.prefill_config(L, I), swap_ab=False, block_m=64)
     if which == "base":
         return [base]
+    if which == "shipped":          # what a prefill step runs (e.g. one config under ncu)
+        return [M.prefill_config(L, I)]
     out = [base,
            rep(base, num_warps=8),
            rep(base, gate_up_bk=M._largest_block(L, 128)),
@@ -133,7 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--tp", type=int, default=16)
     ap.add_argument("--tokens", default="4096,8192")
-    ap.add_argument("--candidates", default="all", choices=["all", "base", "pairs", "swap"])
+    ap.add_argument("--candidates", default="all", choices=["all", "base", "pairs", "swap", "shipped"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
