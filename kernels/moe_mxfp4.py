@@ -500,8 +500,9 @@ class MoEConfig:
     of two ≥ 16): the pairs of one expert one program multiplies; a prefill step's thousands of
     pairs per expert re-read each expert's weights once per block_m pairs. swap_ab (with the
     elementwise decode): the `_gate_up_swap_kernel` / `_down_swap_kernel` pair, which compute
-    the transposed products so the decoded tile is the register operand and block_m can reach
-    256; BN is then the dots' M (64 per warpgroup)."""
+    the transposed products so the decoded tile is the register operand and block_m is the
+    dots' N (up to wgmma's 256; two (BN, block_m) fp32 accumulators per program); BN is then
+    the dots' M (64 rows per warpgroup)."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
