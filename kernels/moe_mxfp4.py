@@ -215,14 +215,21 @@ if triton is not None:
         tl.store(num_chunks_ptr, tl.sum(cs.to(tl.int32), 0))
 
     @triton.jit
-    def _chunk(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr, sorted_e_ptr, BM: tl.constexpr):
-        """(pair ids (BM,), valid (BM,), expert) of chunk c."""
+    def _chunk_rows(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr, sorted_e_ptr,
+                    BM: tl.constexpr):
+        """(sorted positions (BM,), their pair ids, valid (BM,), expert) of chunk c."""
         start = tl.load(chunk_start_ptr + c)
-        end = tl.load(chunk_end_ptr + c)
         m = start + tl.arange(0, BM)
-        m_ok = m < end
+        m_ok = m < tl.load(chunk_end_ptr + c)
         pair = tl.load(pairs_ptr + m, mask=m_ok, other=0)
         e = tl.load(sorted_e_ptr + start).to(tl.int64)
+        return m, pair, m_ok, e
+
+    @triton.jit
+    def _chunk(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr, sorted_e_ptr, BM: tl.constexpr):
+        """(pair ids (BM,), valid (BM,), expert) of chunk c."""
+        _, pair, m_ok, e = _chunk_rows(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr,
+                                       sorted_e_ptr, BM)
         return pair, m_ok, e
 
 
@@ -417,11 +424,9 @@ if triton is not None:
         c = tl.program_id(0)
         if c >= tl.load(num_chunks_ptr):
             return
-        start = tl.load(chunk_start_ptr + c)
-        m = start + tl.arange(0, BM)
-        m_ok = m < tl.load(chunk_end_ptr + c)
-        tok = tl.load(pairs_ptr + m, mask=m_ok, other=0) // top_k
-        e = tl.load(sorted_e_ptr + start).to(tl.int64)
+        m, pair, m_ok, e = _chunk_rows(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr,
+                                       sorted_e_ptr, BM)
+        tok = pair // top_k
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_ok = n < I
         w_e = w_ptr + e * (2 * I * (L // 2))
@@ -453,11 +458,8 @@ if triton is not None:
         c = tl.program_id(0)
         if c >= tl.load(num_chunks_ptr):
             return
-        start = tl.load(chunk_start_ptr + c)
-        m = start + tl.arange(0, BM)
-        m_ok = m < tl.load(chunk_end_ptr + c)
-        pair = tl.load(pairs_ptr + m, mask=m_ok, other=0)
-        e = tl.load(sorted_e_ptr + start).to(tl.int64)
+        m, pair, m_ok, e = _chunk_rows(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr,
+                                       sorted_e_ptr, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_ok = n < L
         w_e = w_ptr + e * (L * (I // 2))
