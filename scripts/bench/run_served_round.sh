@@ -97,14 +97,19 @@ for s in ${STEPS:-}; do
       grep -vE "Warning|warn" "$OUT/$n.log" | tail -30 | cut -c1-400
     done ;;
   ncu)
-    secs=""; for x in ${NCU_SECTIONS:-WarpStateStats SchedulerStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis SpeedOfLight LaunchStats Occupancy}; do secs="$secs --section $x"; done
+    secs=""
+    for x in ${NCU_SECTIONS:-WarpStateStats SchedulerStats ComputeWorkloadAnalysis \
+               MemoryWorkloadAnalysis SpeedOfLight LaunchStats Occupancy}; do
+      secs="$secs --section $x"
+    done
     timeout "$(lim ${NCU_S:-240})" ncu --clock-control none $secs -k "regex:${NCU_KERNELS:?}" \
       -c "${NCU_COUNT:-2}" -f -o "$OUT/ncu" python3 -m raydecode.scripts.explore.${NCU_MODULE:?} \
       --commit "$COMMIT" --out "$OUT/ncu-run.json" $(echo "${NCU_ARGS:-}" | tr '@' ' ') \
       > "$OUT/ncu.log" 2>&1
     echo "ncu rc=$? t=$(( $(date +%s) - T0 ))"; tail -5 "$OUT/ncu.log" | cut -c1-300
     ncu --import "$OUT/ncu.ncu-rep" --csv --page details > "$OUT/ncu.csv" 2>/dev/null
-    grep -E "Stall|Warp Cycles Per Issued|Issue Slots Busy|Compute \(SM\) Throughput|Memory Throughput|Duration|Registers Per|Achieved Occupancy" \
+    grep -E -e "Stall|Warp Cycles Per Issued|Issue Slots Busy|Compute \(SM\) Throughput" \
+      -e "Memory Throughput|Duration|Registers Per|Achieved Occupancy" \
       "$OUT/ncu.csv" | cut -c1-220 | head -60 ;;
   step)
     B=${BATCHES:-1,4,16,64}

@@ -135,7 +135,8 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--tp", type=int, default=16)
     ap.add_argument("--tokens", default="4096,8192")
-    ap.add_argument("--candidates", default="all", choices=["all", "base", "pairs", "swap", "shipped"])
+    ap.add_argument("--candidates", default="all",
+                    choices=["all", "base", "pairs", "swap", "shipped"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
