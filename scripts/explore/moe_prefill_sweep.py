@@ -11,7 +11,7 @@ dequantization (integer ops per weight element) costs more than the bf16 dots it
 candidates trade that against padding (a chunk of 73 pairs in a 128-row tile) and registers
 (block_m × BN fp32 accumulators, twice for gate and up). `--candidates swap`: the swapped
 kernels (`MoEConfig.swap_ab`: the decoded weight tile as the dots' register operand, chunks
-of 64-256 pairs) against the shipped config.
+of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_config` alone.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
