@@ -691,59 +691,33 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     if cfg.swap_ab and cfg.decode != "elementwise":
         raise ValueError(f"MoEConfig.swap_ab takes the elementwise decode, got {cfg.decode!r}")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
-    if cfg.swap_ab:
-        return _swapped(z, topk_weights, experts, cfg, k, pairs, sorted_e, c_start, c_end,
-                        n_chunks)
     dec = DECODES[cfg.decode]
     x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
     w13, w2 = ((experts.w13.view(torch.int32), experts.w2.view(torch.int32)) if dec == 1
                else (experts.w13, experts.w2))
-    common = dict(BM=bm, DECODE=dec, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
+    if cfg.swap_ab:     # the decoded tile as the dots' register operand; `a` in sorted order
+        gate_up, down, extra13, extra2 = _gate_up_swap_kernel, _down_swap_kernel, {}, {}
+    else:
+        gate_up, down = _gate_up_kernel, _down_kernel
+        extra13, extra2 = dict(DECODE=dec, WPR=w13.shape[-1]), dict(DECODE=dec, WPR=w2.shape[-1])
+    common = dict(BM=bm, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     chunks = max_chunks(P, E, bm)
     a = torch.empty(P, I, dtype=x_dtype, device=z.device)
     lin = experts.linear_beta
-    _gate_up_kernel[(chunks, triton.cdiv(I, cfg.gate_up_bn))](
+    gate_up[(chunks, triton.cdiv(I, cfg.gate_up_bn))](
         z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
         n_chunks, a, k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
-        HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, WPR=w13.shape[-1],
-        **common)
+        HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **extra13, **common)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
-    _down_kernel[(chunks, triton.cdiv(L, cfg.down_bn))](
+    down[(chunks, triton.cdiv(L, cfg.down_bn))](
         a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
-        BN=cfg.down_bn, BK=cfg.down_bk, WPR=w2.shape[-1], **common)
-    return _weighted_sum(y, topk_weights, T, k, L)
-
-
-def _weighted_sum(y: torch.Tensor, topk_weights: torch.Tensor, T: int, k: int,
-                  L: int) -> torch.Tensor:
-    out = torch.empty(T, L, dtype=torch.float32, device=y.device)
+        BN=cfg.down_bn, BK=cfg.down_bk, **extra2, **common)
+    out = torch.empty(T, L, dtype=torch.float32, device=z.device)
     bt, bl = SUM_BLOCK
     _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
         y, topk_weights.contiguous(), out, T, K=k, L=L, BT=bt, BL=bl, num_warps=4)
     return out
-
-
-def _swapped(z, topk_weights, experts: MXFP4Experts, cfg: MoEConfig, k: int, pairs, sorted_e,
-             c_start, c_end, n_chunks) -> torch.Tensor:
-    """gate_up and down with swapped operands (`MoEConfig.swap_ab`), then the weighted Σ."""
-    T, L = z.shape
-    P, E, I = T * k, experts.num_experts, experts.intermediate
-    bm = cfg.block_m
-    common = dict(BM=bm, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
-    chunks = max_chunks(P, E, bm)
-    a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)      # sorted order
-    lin = experts.linear_beta
-    _gate_up_swap_kernel[(chunks, triton.cdiv(I, cfg.gate_up_bn))](
-        z.contiguous(), experts.w13, experts.s13, pairs, sorted_e, c_start, c_end, n_chunks, a,
-        k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
-        HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common)
-    y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
-    _down_swap_kernel[(chunks, triton.cdiv(L, cfg.down_bn))](
-        a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
-        BN=cfg.down_bn, BK=cfg.down_bk, **common)
-    return _weighted_sum(y, topk_weights, T, k, L)
 
 
 def fused_moe_mxfp4(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
