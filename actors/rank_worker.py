@@ -57,6 +57,7 @@ class ShardSpec:
     num_snapshots: int = 0             # KDA snapshot slots (prefix caching)
     pad_prefill: bool = False          # stock steps padded to their token bucket (GraphedRunner)
     prefill_budget: int | None = None  # the step token budget: the padded buckets warmed at build
+    stock_graphs: int = 0              # stock steps of ≤ this many tokens piecewise-graphed
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -92,7 +93,8 @@ def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> Mode
     runner = GraphedRunner(shard.model, shard.caches, device, num_slots=spec.num_slots,
                            num_blocks=spec.num_blocks, max_blocks=spec.max_blocks(par.dcp_size),
                            buckets=spec.graph_buckets, pad_prefill=spec.pad_prefill,
-                           prefill_budget=spec.prefill_budget)
+                           prefill_budget=spec.prefill_budget,
+                           stock_graphs=spec.stock_graphs)
     if spec.step_graphs is None and not runner.support[0]:
         # auto: a model the graphs do not support runs the eager specialized step (with '1'
         # it captures nothing and runs stock, DESIGN §3); the scratch rows stay unused
@@ -134,8 +136,10 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
             runner.warm_prefill(runner.prefill_budget)
         if not runner.support[0]:
             return support, kernels, [], f"step graphs unsupported: {runner.support[1]}"
-        failed = "; ".join(f"bucket {b}: {why}"
-                           for b, why in sorted(runner.capture_failed.items()))
+        failed = "; ".join([f"bucket {b}: {why}"
+                            for b, why in sorted(runner.capture_failed.items())]
+                           + [f"stock bucket {b}: {why}"
+                              for b, why in sorted(runner.stock_failed.items())])
         return support, kernels, ready, failed or None
     finally:     # a GPU rank's built heap out of every later GC pass (engine/runner.py);
         if str(device).startswith("cuda"):    # CPU ranks (tests, in-process) keep the GC whole

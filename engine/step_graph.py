@@ -30,6 +30,7 @@ lm_head GEMV reads the same weights at B = 1..64) and the first T returned.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -37,9 +38,10 @@ import torch
 
 from raydecode.kernels import kda_decode as kda_decode_op
 from raydecode.kernels import settings
-from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
+from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch, host_to_device
 from raydecode.models.decode_plan import BUCKETS     # the plan's batch buckets (DESIGN §3)
 
+from .piecewise import Buffers, CudaPieces, StockGraph, capture_stock_graph
 from .runner import ModelRunner
 from .scheduler import StepPlan
 
@@ -257,6 +259,15 @@ def graph_support(model, caches: ModelCaches) -> tuple[bool, str]:
 PAD_MAX = 8192           # the largest padded stock step (tokens); above it a step runs as is
 
 
+def host_bound_experts(model) -> str | None:
+    """Why `model`'s routed experts cannot be captured in a graph (bf16 experts loop over the
+    selected experts on the host), or None."""
+    if any(hasattr(m, "mxfp4") and not m.mxfp4 for m in model.modules()):
+        return ("bf16 routed experts loop over experts on the host (not capturable); graphs "
+                "need MXFP4 experts")
+    return None
+
+
 def prefill_bucket(tokens: int, cap: int = PAD_MAX) -> int | None:
     """The token bucket a padded stock step of `tokens` runs in: the next power of two up to
     256, then the next multiple of 256, up to `cap`; None above `cap` (the step runs as is).
@@ -303,7 +314,8 @@ class GraphedRunner(ModelRunner):
     def __init__(self, model, caches: ModelCaches, device="cpu", *, num_slots: int,
                  num_blocks: int, max_blocks: int | None = None, buckets=BUCKETS,
                  capture: bool | None = None, pad_prefill: bool | None = None,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, stock_graphs: int | None = None,
+                 stock_backend=None):
         super().__init__(model, caches, device)
         self.buckets = check_buckets(buckets)
         need_slots, need_blocks = graph_cache_sizes(num_slots, num_blocks, self.buckets)
@@ -325,21 +337,38 @@ class GraphedRunner(ModelRunner):
                              "device (capture=False runs the statics path eagerly)")
         self.scratch = ScratchRows(num_slots, max_padding(self.buckets), num_blocks)
         self.support = graph_support(model, caches)
-        if self.capture and self.support[0]:
-            moe = [m for m in model.modules() if hasattr(m, "mxfp4") and not m.mxfp4]
-            if moe:
-                self.support = (False, "bf16 routed experts loop over experts on the host "
-                                       "(not capturable); graphs need MXFP4 experts")
+        if self.capture and self.support[0] and host_bound_experts(model):
+            self.support = (False, host_bound_experts(model))
         self.statics: dict[int, StepStatics] = {}
         self.graphs: dict[int, _Captured] = {}
         self.capture_failed: dict[int, str] = {}     # bucket -> why (it then runs eagerly)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.counts = {"graphed": 0, "eager_statics": 0, "plain": 0, "captured": 0,
-                       "padded": 0}
+                       "padded": 0, "stock_graphed": 0, "stock_captured": 0}
         # stock steps padded to `prefill_bucket` (None: RAYDECODE_PAD_PREFILL, default off);
         # prefill_budget: the step token budget, whose buckets `warm_prefill` runs at build
         self.pad_prefill = settings.pad_prefill() if pad_prefill is None else bool(pad_prefill)
         self.prefill_budget = prefill_budget
+        # piecewise-graphed stock steps of ≤ stock_graphs tokens (engine/piecewise.py; None:
+        # RAYDECODE_STOCK_GRAPHS, 0 off), captured per token bucket by `warm_prefill`;
+        # stock_backend: the graph backend (CUDA: graphs in this runner's pool; tests: an
+        # emulation on the CPU)
+        cap = settings.stock_graphs() if stock_graphs is None else stock_graphs
+        if isinstance(cap, bool) or not isinstance(cap, int) or not (
+                cap == 0 or settings.is_token_bucket(cap)):
+            raise ValueError(f"stock_graphs={stock_graphs!r}: expected 0 (off) or a token "
+                             "bucket (a power of two up to 256, or a multiple of 256 up to "
+                             f"{PAD_MAX})")
+        self.stock_backend = stock_backend if stock_backend is not None else (
+            CudaPieces(self._pool) if self.capture else None)
+        why = ("no graph backend (graphs off)" if self.stock_backend is None
+               else "no scratch rows" if not self.scratch.count
+               else host_bound_experts(model))
+        self.stock_graph_tokens = cap if why is None else 0
+        self.stock_support = (why is None, why or "ok")
+        self.stock_graphs: dict[int, StockGraph] = {}
+        self.stock_failed: dict[int, str] = {}            # bucket -> why (it runs eagerly)
+        self._stock_buffers = Buffers(self.device)
 
     # ---- which steps -------------------------------------------------------------------------
     def why_not(self, plan: StepPlan) -> str | None:
@@ -433,7 +462,7 @@ class GraphedRunner(ModelRunner):
                 done.append(B)
         return done
 
-    # ---- padded stock steps ----------------------------------------------------------------
+    # ---- padded and piecewise-graphed stock steps -------------------------------------------
     def pad_of(self, plan: StepPlan) -> int | None:
         """The bucket this step pads to, or None (padding off, not the stock path, nothing to
         pad, above PAD_MAX, or a KDA observer: speculative rollback reads every sequence in
@@ -445,51 +474,140 @@ class GraphedRunner(ModelRunner):
         b = prefill_bucket(T) if T >= 1 else None
         return b if b is not None and b > T else None
 
-    def _stock_logits(self, plan: StepPlan, bucket: int | None = None) -> torch.Tensor:
-        """ModelRunner.logits of the plan, padded to its bucket where `pad_of` says (or to
-        `bucket`): the pad tokens are one more sequence, at position 0 on the first scratch
-        KDA slot (a sequence start ignores the slot's contents) with every position's MLA
-        row on the scratch block (its rows overwrite each other: only the pad tokens read
-        them). The real sequences, their caches and sample rows are the unpadded step's;
-        the per-token work (projections, experts, norms) runs at the bucket's shape."""
-        b = self.pad_of(plan) if bucket is None else bucket
-        if b is None:
-            return super().logits(plan)
-        T, pad = plan.batch.num_tokens, self.scratch.slots[0]
-        padded = dataclasses.replace(
-            plan, batch=StepBatch(list(plan.batch.seqs) + [SeqSlice(pad, T, b - T, 0)]),
-            tokens=list(plan.tokens) + [0] * (b - T))
-        mla = self.caches.mla
+    def stock_graph_of(self, plan: StepPlan) -> StockGraph | None:
+        """The captured graph this stock step replays (its token bucket's), or None: stock
+        graphs off, above their cap, the bucket not captured (or its capture failed), or a KDA
+        observer (speculative rollback reads every sequence in turn)."""
+        T = plan.batch.num_tokens
+        if (plan.path != "stock" or not 1 <= T <= self.stock_graph_tokens
+                or self.caches.kda_observer is not None):
+            return None
+        return self.stock_graphs.get(prefill_bucket(T))
+
+    def _padded(self, plan: StepPlan, bucket: int) -> StepPlan:
+        """The plan with one more sequence of bucket − T pad tokens (none at T = bucket), at
+        position 0 on the first scratch KDA slot: a sequence start ignores the slot's contents,
+        and `_pad_table` puts every position's MLA row on the scratch block (the rows overwrite
+        each other: only the pad tokens read them)."""
+        T = plan.batch.num_tokens
+        if bucket == T:
+            return plan
+        pad = SeqSlice(self.scratch.slots[0], T, bucket - T, 0)
+        return dataclasses.replace(plan, batch=StepBatch(list(plan.batch.seqs) + [pad]),
+                                   tokens=list(plan.tokens) + [0] * (bucket - T))
+
+    @contextlib.contextmanager
+    def _pad_table(self, bucket: int):
+        """The scratch sequence's MLA block table while a padded step runs."""
+        mla, pad = self.caches.mla, self.scratch.slots[0]
         if mla is not None:
-            blocks = -(-b // mla.block_size)
-            mla.block_tables[pad] = [self.scratch.block] * blocks
+            mla.block_tables[pad] = [self.scratch.block] * -(-bucket // mla.block_size)
         try:
-            out = super().logits(padded)
+            yield
         finally:
             if mla is not None:
                 mla.block_tables.pop(pad, None)
+
+    def _stock_logits(self, plan: StepPlan, bucket: int | None = None) -> torch.Tensor:
+        """ModelRunner.logits of the plan: replayed on its bucket's stock graph where one is
+        captured (`stock_graph_of`), else eagerly, padded to its bucket where `pad_of` says
+        (or to `bucket`). The real sequences, their caches and sample rows are the unpadded
+        step's; the per-token work (projections, experts, norms) runs at the bucket's
+        shape."""
+        sg = self.stock_graph_of(plan) if bucket is None else None
+        if sg is not None:
+            return self._replay_stock(plan, sg)
+        b = self.pad_of(plan) if bucket is None else bucket
+        if b is None:
+            return super().logits(plan)
+        with self._pad_table(b):
+            out = super().logits(self._padded(plan, b))
         self.counts["padded"] += 1
         return out
+
+    def _replay_stock(self, plan: StepPlan, sg: StockGraph) -> torch.Tensor:
+        """One stock step on its bucket's graph: the plan's cache updates, its tokens (and the
+        pads') into the graph's token buffer, the replay on the padded batch, then the sample
+        rows' logits from the graphs' hidden state."""
+        self.update_caches(plan)
+        padded = self._padded(plan, sg.bucket)
+        sg.tokens.copy_(host_to_device(torch.tensor(padded.tokens, dtype=torch.long),
+                                       self.device), non_blocking=True)
+        with self._pad_table(sg.bucket):
+            hidden = sg.replay(padded.batch)                                      # (C, H)
+        rows = host_to_device(torch.tensor(plan.sample_rows, dtype=torch.long), self.device)
+        self.counts["stock_graphed"] += 1
+        return self.model.compute_logits(hidden.index_select(0, rows)).float()
 
     @torch.inference_mode()
     def warm_prefill(self, budget: int) -> list[int]:
         """Startup: one stock step of every token bucket a step of 1..budget tokens meets, all
-        pad tokens (the scratch sequence alone, `_stock_logits`), so the first request of each
-        shape meets warm kernels (Triton JIT and autotune, cuBLAS heuristics, fla's autotune)
-        and allocator blocks instead of paying them on the request path (on the H200, K3 TP16,
-        8 layers: 5.6 s at the first one-token step, 1.4 s at the first 128-token one). With
-        padding on: the buckets steps pad to (`prefill_buckets`); off: the powers of two
-        below the budget and the budget (`unpadded_buckets`), the shapes whose first runs
-        compile (the MoE's one-program sort: one specialization per power of two of pairs).
-        -> the buckets run ([] without scratch rows: graphs off)."""
+        pad tokens (the scratch sequence alone), so the first request of each shape meets
+        warm kernels (Triton JIT and autotune, cuBLAS heuristics, fla's autotune) and
+        allocator blocks instead of paying them on the request path (on the H200, K3 TP16,
+        8 layers: 5.6 s at the first one-token step, 1.4 s at the first 128-token one).
+        Buckets up to the stock-graph cap are captured (`capture_stock`, largest first: the
+        warm-up is its first pass); the others run eagerly: with padding on the buckets steps
+        pad to (`prefill_buckets`), off the powers of two below the budget and the budget
+        (`unpadded_buckets`), the shapes whose first runs compile (the MoE's one-program sort:
+        one specialization per power of two of pairs). -> the buckets run ([] without
+        scratch rows: graphs off)."""
         if not self.scratch.count:
             return []
-        done = []
-        for b in prefill_buckets(budget) if self.pad_prefill else unpadded_buckets(budget):
+        graphed = prefill_buckets(min(budget, self.stock_graph_tokens)) \
+            if self.stock_graph_tokens else []
+        for b in sorted(graphed, reverse=True):
+            self.capture_stock(b)
+        eager = prefill_buckets(budget) if self.pad_prefill else unpadded_buckets(budget)
+        done = list(graphed)
+        for b in eager:
+            if b in self.stock_graphs:
+                continue
             plan = StepPlan(0, StepBatch([]), [], [b - 1], {}, [], "stock")
             self._stock_logits(plan, bucket=b)
             done.append(b)
-        return done
+        return sorted(set(done))
+
+    @torch.inference_mode()
+    def capture_stock(self, bucket: int) -> bool:
+        """Warm and capture the stock graph of one token bucket on the scratch rows (all pad
+        tokens), then replay it once against the warm pass: a capture that raises, or a replay
+        that is not finite or leaves the warm pass's hidden state by more than 1e-2 (relative,
+        max-abs), leaves the bucket eager (`stock_failed` says why). -> captured."""
+        if bucket in self.stock_graphs:
+            return True
+        plan = self._padded(StepPlan(0, StepBatch([]), [], [], {}, [], "stock"), bucket)
+        tokens = torch.zeros(bucket, dtype=torch.long, device=self.device)
+
+        def forward():
+            return self.model(tokens, plan.batch, self.caches, path="stock")
+
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with self._pad_table(bucket), \
+                    (torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
+                ref, sg = capture_stock_graph(forward, self.caches, bucket, tokens,
+                                              self._stock_buffers, self.stock_backend)
+                ref = ref.clone()
+                got = sg.replay(plan.batch).clone()
+            if cuda:
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                torch.cuda.synchronize(self.device)
+        except Exception as e:      # noqa: BLE001 — the bucket stays eager
+            self.stock_failed[bucket] = f"{type(e).__name__}: {e}"
+            return False
+        err = ((got.float() - ref.float()).abs().max()
+               / ref.float().abs().max().clamp_min(1e-30)).item()
+        if not torch.isfinite(got).all() or not err <= 1e-2:
+            self.stock_failed[bucket] = (f"replay left the warm pass by {err:.3g} (relative "
+                                         "max-abs); the bucket runs eagerly")
+            return False
+        self.stock_graphs[bucket] = sg
+        self.counts["stock_captured"] += 1
+        return True
 
     # ---- internals -------------------------------------------------------------------------
     def _tables(self):

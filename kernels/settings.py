@@ -71,6 +71,18 @@ def _choice(*choices: str):
     return parse
 
 
+def is_token_bucket(n: int) -> bool:
+    """A stock step's token bucket (engine/step_graph.py `prefill_bucket`): a power of two up
+    to 256, or a multiple of 256 up to 8192."""
+    return 1 <= n <= 8192 and (n & (n - 1) == 0 if n <= 256 else n % 256 == 0)
+
+
+def _token_bucket(raw: str, s: Setting) -> int:     # 0 (off) or a token bucket
+    if not raw.isdigit() or not (int(raw) == 0 or is_token_bucket(int(raw))):
+        raise ValueError(f"{s.name}={raw!r}; accepted: {s.accepted}")
+    return int(raw)
+
+
 def _multiple_of_16(raw: str, s: Setting) -> int:
     if not raw.isdigit() or int(raw) == 0 or int(raw) % 16:
         raise ValueError(f"{s.name}={raw!r}; accepted: {s.accepted}")
@@ -93,6 +105,12 @@ _ALL = (
             "token bucket (engine/step_graph.py `prefill_bucket`: one shape per bucket, warmed "
             "at the build), the pad tokens a scratch sequence", "'0' (off) or '1' (on)",
             _strict_bool),
+    Setting("RAYDECODE_STOCK_GRAPHS", "0", "stock steps (prefill, mixed, stock decode) of up "
+            "to this many tokens run as piecewise CUDA graphs on a CUDA rank with step graphs "
+            "(engine/piecewise.py: the per-token work captured per token bucket at the build, "
+            "the attention cores eager between the graphs); 0: every stock step eager",
+            "0, or a token bucket: a power of two up to 256 or a multiple of 256 up to 8192",
+            _token_bucket),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
             _flag),
@@ -154,6 +172,10 @@ def step_graphs() -> bool | None:
 
 def pad_prefill() -> bool:
     return get("RAYDECODE_PAD_PREFILL")
+
+
+def stock_graphs() -> int:
+    return get("RAYDECODE_STOCK_GRAPHS")
 
 
 def oneshot_allreduce() -> bool:
@@ -326,4 +348,4 @@ def parse_option_pairs(pairs, base: DecodeOptions = DEFAULT_OPTIONS) -> DecodeOp
 
 __all__ = ["DEFAULT_OPTIONS", "DecodeOptions", "MOE_KERNELS", "OPTION_DOCS", "RETIRED",
            "SETTINGS", "Setting", "check_no_retired", "describe_settings", "get",
-           "parse_option_pairs"]
+           "is_token_bucket", "parse_option_pairs"]

@@ -314,3 +314,6 @@ class ModelCaches:
     # slots (B,) int64 from these preallocated device tensors instead of building them from
     # the batch, and refuse any step they cannot run fused. None: the batch decides (default).
     statics: Any = None
+    # Piecewise-graphed stock step (engine/piecewise.py): while set, every attention layer's
+    # core goes through it (models/pieces.py `attention_core`). None: plain calls (default).
+    pieces: Any = None

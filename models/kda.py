@@ -43,6 +43,7 @@ from raydecode.kernels import kda_verify as kda_verify_op
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .cache import ModelCaches, StepBatch, batch_decode_rows, device_index
+from .pieces import attention_core
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, pack_rows_,
                      replicated_linear, rms_norm, row_linear)
@@ -251,6 +252,11 @@ class KDAAttention(nn.Module):
             st.seq_slots, positions=st.verify, heads=self.heads, head_dim=self.dim,
             lower_bound=self.lower_bound, eps=self.o_norm.eps)
 
+    def _conv_w(self) -> torch.Tensor:
+        """The q, k, v conv taps as one (3·h·d, W) weight (rebuilt when a tap changes)."""
+        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        return self._derived.get("conv_w", convs, lambda: torch.cat(convs).squeeze(1))
+
     def _fused_inputs(self, x: torch.Tensor, lin):
         """(proj, conv_w, exp_a) of the fused decode / verify ops."""
         # proj (T, [q C | k C | v C | g C | b h | f_a d | pad]): the op's input layout
@@ -260,9 +266,7 @@ class KDAAttention(nn.Module):
             proj = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
                               lin(x, self.v_proj.weight), self._out_gate(x, lin),
                               lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight)], -1)
-        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-        conv_w = self._derived.get("conv_w", convs,
-                                   lambda: torch.cat(convs).squeeze(1))            # (3·h·d, W)
+        conv_w = self._conv_w()
         exp_a = self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
         return proj, conv_w, exp_a
 
@@ -320,9 +324,61 @@ class KDAAttention(nn.Module):
         cache.conv[row].index_copy_(0, slots, xs[:, 1:].transpose(1, 2).to(cache.conv.dtype))
         cache.rec[row].index_copy_(0, slots, S.to(cache.rec.dtype))
 
+    def _core(self, batch: StepBatch, caches: ModelCaches | None, qkv_in: torch.Tensor,
+              g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The layer's attention core (models/pieces.py): each sequence's short convs, L2 norms
+        and delta rule from its slot (a start from zero), the slot stored. qkv_in (T, 3·h·d)
+        model dtype, g (T, h, d), beta (T, h) fp32 -> o (T, h, d) fp32, before the gated norm."""
+        T, h, d, W = qkv_in.shape[0], self.heads, self.dim, self.width
+        conv_w = self._conv_w()
+        cache = caches.kda if caches is not None else None
+        row = caches.kda_index[self.layer_idx] if caches is not None else None
+        observer = caches.kda_observer if cache is not None else None
+        # where fla's kernel runs on these tensors the step's multi-token sequences go through
+        # one varlen kernels/kda_prefill call; with a speculative observer every sequence
+        # keeps this loop (the observer reads each one's S0 view and q, k, v, g, β in turn)
+        varlen = observer is None and kda_prefill_op.available(qkv_in)
+        packed = []                              # (seq, xs, q, k, v, S0) for the varlen call
+        singles = []                             # one-token continuations: `_decode_rows`
+        batched = cache is not None and batch_decode_rows(qkv_in)
+        o = qkv_in.new_empty(T, h, d, dtype=torch.float32)
+        for s in batch.seqs:
+            sl = slice(s.start, s.end)
+            if s.length == 1 and s.pos > 0 and batched and observer is None:
+                singles.append(s)
+                continue
+            if cache is None or s.pos == 0:   # a sequence start ignores stale slot contents
+                tail = qkv_in.new_zeros(W - 1, qkv_in.shape[1])
+                S0 = qkv_in.new_zeros(h, d, d, dtype=torch.float32)
+            else:
+                tail = cache.conv[row, s.slot].t().to(qkv_in.dtype)   # (W−1, 3·h·d) oldest first
+                S0 = cache.rec[row, s.slot]
+            xs = torch.cat([tail, qkv_in[sl]], 0)
+            if varlen and s.length > 1:   # conv, SiLU, rounding, L2 norms: one kernel
+                q, k, v = kda_conv_op.conv_silu_l2(xs, conv_w, h, d, qkv_in.dtype)
+                packed.append((s, xs, q, k, v, S0))
+                continue
+            y = causal_conv_silu(xs, conv_w).to(qkv_in.dtype).float()   # model-dtype rounding
+            q, k, v = (t.reshape(s.length, h, d) for t in y.split(h * d, dim=-1))
+            q, k = l2_normalize(q), l2_normalize(k)
+            if s.length == 1:
+                o[sl], S = kda_recurrent(q, k, v, g[sl], beta[sl], self.scale, S0)
+            else:
+                o[sl], S = kda_chunked(q, k, v, g[sl], beta[sl], self.scale, S0,
+                                       self.chunk_size)
+            if observer is not None:                                    # speculative rollback
+                observer(row, s, xs, (q, k, v, g[sl], beta[sl]), S0)
+            if cache is not None:
+                self._store(cache, row, s, xs, S)
+        if packed:
+            self._prefill_packed(packed, g, beta, o, cache, row)
+        if singles:
+            self._decode_rows(singles, qkv_in, conv_w, g, beta, o, cache, row)
+        return o
+
     def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock") -> torch.Tensor:
-        T, h, d, W = x.shape[0], self.heads, self.dim, self.width
+        T, h, d = x.shape[0], self.heads, self.dim
         lin = linear_for(path, self.options)   # specialized: the same math on kernels/ GEMVs
         if caches is not None and getattr(caches.statics, "verify", None):
             o = self._verify(x, caches, lin)                                       # (B·T, h·d)
@@ -344,55 +400,10 @@ class KDAAttention(nn.Module):
                                 lin(x, self.v_proj.weight)], -1)                  # (T, 3·h·d)
             b_in, f_a, gate_in = (lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight),
                                   None)
-        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
-        conv_w = self._derived.get("conv_w", convs,
-                                   lambda: torch.cat(convs).squeeze(1))            # (3·h·d, W)
         beta = torch.sigmoid(b_in.float())                                         # (T, h)
         g = kda_gate(lin(f_a, self.f_b_proj.weight).view(T, h, d),
                      self.A_log, self.dt_bias, self.lower_bound)                   # (T, h, d)
-        cache = caches.kda if caches is not None else None
-        row = caches.kda_index[self.layer_idx] if caches is not None else None
-        observer = caches.kda_observer if cache is not None else None
-        # where fla's kernel runs on these tensors the step's multi-token sequences go through
-        # one varlen kernels/kda_prefill call; with a speculative observer every sequence
-        # keeps this loop (the observer reads each one's S0 view and q, k, v, g, β in turn)
-        varlen = observer is None and kda_prefill_op.available(x)
-        packed = []                              # (seq, xs, q, k, v, S0) for the varlen call
-        singles = []                             # one-token continuations: `_decode_rows`
-        batched = cache is not None and batch_decode_rows(x)
-        o = x.new_empty(T, h, d, dtype=torch.float32)
-        for s in batch.seqs:
-            sl = slice(s.start, s.end)
-            if s.length == 1 and s.pos > 0 and batched and observer is None:
-                singles.append(s)
-                continue
-            if cache is None or s.pos == 0:   # a sequence start ignores stale slot contents
-                tail = qkv_in.new_zeros(W - 1, qkv_in.shape[1])
-                S0 = x.new_zeros(h, d, d, dtype=torch.float32)
-            else:
-                tail = cache.conv[row, s.slot].t().to(qkv_in.dtype)   # (W−1, 3·h·d) oldest first
-                S0 = cache.rec[row, s.slot]
-            xs = torch.cat([tail, qkv_in[sl]], 0)
-            if varlen and s.length > 1:   # conv, SiLU, rounding, L2 norms: one kernel
-                q, k, v = kda_conv_op.conv_silu_l2(xs, conv_w, h, d, x.dtype)
-                packed.append((s, xs, q, k, v, S0))
-                continue
-            y = causal_conv_silu(xs, conv_w).to(x.dtype).float()     # model-dtype rounding
-            q, k, v = (t.reshape(s.length, h, d) for t in y.split(h * d, dim=-1))
-            q, k = l2_normalize(q), l2_normalize(k)
-            if s.length == 1:
-                o[sl], S = kda_recurrent(q, k, v, g[sl], beta[sl], self.scale, S0)
-            else:
-                o[sl], S = kda_chunked(q, k, v, g[sl], beta[sl], self.scale, S0,
-                                       self.chunk_size)
-            if observer is not None:                                    # speculative rollback
-                observer(row, s, xs, (q, k, v, g[sl], beta[sl]), S0)
-            if cache is not None:
-                self._store(cache, row, s, xs, S)
-        if packed:
-            self._prefill_packed(packed, g, beta, o, cache, row)
-        if singles:
-            self._decode_rows(singles, qkv_in, conv_w, g, beta, o, cache, row)
+        o = attention_core(caches, self._core, batch, qkv_in, g, beta)           # (T, h, d)
         gate = torch.sigmoid((self._out_gate(x, lin) if gate_in is None else gate_in).float())
         gate = gate.view(T, h, d)
         o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)

@@ -54,6 +54,7 @@ from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
                      row_linear)
 from .parallel import Comm, LocalComm, Parallel
+from .pieces import attention_core
 from .specialized import linear_for, row_pieces, sharded_gemv
 
 BF16 = torch.bfloat16
@@ -224,10 +225,10 @@ class MLAAttention(nn.Module):
         q = q.view(T, self.heads, self.nope + self.rope)
         rows = torch.cat([self.kv_a_layernorm(kv[:, :self.kv_lora]), kv[:, self.kv_lora:]], -1)
         if caches is None:
-            o = self._naive(q, rows, batch)
+            o = self._naive(q, rows, batch).to(x.dtype)
         else:
-            o = self._absorbed(q, rows, batch, caches)
-        o = o.to(x.dtype).reshape(T, self.heads * self.vdim)
+            o = attention_core(caches, self._core, batch, q, rows)          # (T, h, v)
+        o = o.reshape(T, self.heads * self.vdim)
         if self.g_proj is not None:
             o = (o.float() * torch.sigmoid(lin(x, self.g_proj.weight).float())).to(x.dtype)
         return self.comm.all_reduce(lin(o, self.o_proj.weight))
@@ -349,6 +350,13 @@ class MLAAttention(nn.Module):
             pos = torch.arange(s.length, device=q.device)
             out[sl] = naive_attention(q[sl], k[sl], v[sl], self.scale, pos, pos)
         return out
+
+    def _core(self, batch: StepBatch, caches: ModelCaches, q: torch.Tensor,
+              rows: torch.Tensor) -> torch.Tensor:
+        """The layer's attention core (models/pieces.py): `_absorbed`, rounded to the model
+        dtype (what the gate reads). q (T, h, nope + rope), rows (T, kv_lora + rope) -> (T, h,
+        v) in q's dtype."""
+        return self._absorbed(q, rows, batch, caches).to(q.dtype)
 
     def _absorbed(self, q, rows, batch: StepBatch, caches: ModelCaches) -> torch.Tensor:
         """Write this step's rows, then attend over each sequence's cached rows. -> (T, h, v)

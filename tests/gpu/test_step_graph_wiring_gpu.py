@@ -121,7 +121,8 @@ def _rank(rank: int, port: int, ckpt, seed: int, out) -> None:
         t_on = time.perf_counter() - t0
         counts = dict(w.runner.counts)
         assert counts == {"graphed": k, "eager_statics": 0, "plain": len(plans) - k,
-                          "captured": 4, "padded": 0}, f"{msg}: {counts}"
+                          "captured": 4, "padded": 0, "stock_graphed": 0,
+                          "stock_captured": 0}, f"{msg}: {counts}"
         w.factory = functools.partial(load_runner, dataclasses.replace(spec, step_graphs=False))
         info = w.set_dcp(1)
         assert type(w.runner).__name__ == "ModelRunner" and info["graph_buckets"] is None, msg

@@ -1,0 +1,237 @@
+"""Piecewise CUDA graphs of the stock step: prefill chunks, mixed steps and stock decode steps
+of up to a token cap run as captured graphs of their per-token work, with the attention cores
+run eagerly between the graphs (models/pieces.py says which work is which).
+
+Why: an eager stock step launches ~110 kernels per layer from Python, so a step of 1 to 2,048
+tokens costs 28-38 ms on the host for 8 K3 layers whatever its device time (H200, TP16,
+bench/results/prefill-h200-2026-12-04-c-swap128.json: the steady bucket table), which sets
+the TPOT of streams decoding beside a prefill and the TTFT of every short prompt. vLLM runs
+its stock path the same way (piecewise graphs split at attention).
+
+One `StockGraph` per token bucket C (engine/step_graph.py `prefill_bucket`), built at the
+rank's warm-up on the scratch rows:
+1. warm: the bucket's step runs eagerly with `caches.pieces` a `Pieces` in "warm" mode: every
+   core runs (Triton JIT, autotune, cuBLAS heuristics happen here) and its signature — the
+   shapes and dtypes of its tensors and of its output — is recorded;
+2. capture: the same step again with `Pieces` in "capture" mode: the per-token work from the
+   start (or a core) to the next core is captured as one graph; at a core, its tensors are
+   copied into shared input buffers (inside the graph that made them), the graph ends, the
+   shared output buffer of the core's signature is handed to the code after the core, and the
+   next graph begins. No core runs during the capture: its output buffer holds zeros.
+3. replay (`StockGraph.replay(batch)`): graph 0, core 0 on the step's real batch writing its
+   output buffer, graph 1, core 1, …, the last graph; the step's hidden state is the tensor
+   the last graph wrote.
+
+Buffers: one per (role, tensor index, trailing shape, dtype), sized for the largest bucket
+captured (capture runs largest first) and shared by every core of that signature and every
+bucket (a view of the first C rows): graph k writes input buffer b, core k reads it before
+graph k+1 runs, and the next core of the signature is fed only by a later graph. So the
+tensors a graph makes for its core are not held across graphs (memory of one bucket's cores,
+not of every layer's), and the captured graphs share the runner's memory pool with the decode
+graphs (one step replays at a time).
+
+Every replay must see the per-token work of the capture: the graphs replay fixed kernels on
+fixed addresses, so nothing between two cores may depend on the batch's layout (it reads only
+the token count C) — the contract models/pieces.py states, checked on the CPU by replaying
+recorded operations (tests/_graph_emulator.py) against the eager step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+
+class GraphBackend(Protocol):
+    """Captures one piece at a time: begin() … end() -> an object with replay(); abort() ends
+    a capture left open by an exception."""
+
+    def begin(self) -> None: ...
+    def end(self): ...
+    def abort(self) -> None: ...
+
+
+class CudaPieces:
+    """CUDA graphs captured into `pool` on the current stream (the caller holds a side stream:
+    capture never runs on the default stream), errors local to the capturing thread."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self._open: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        self._open = g
+
+    def end(self) -> torch.cuda.CUDAGraph:
+        g, self._open = self._open, None
+        g.capture_end()
+        return g
+
+    def abort(self) -> None:
+        g, self._open = self._open, None
+        if g is not None:
+            try:
+                g.capture_end()
+            except Exception:  # noqa: BLE001 — the capture already failed; drop it
+                pass
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A core's tensors and output: ((trailing shape, dtype) per tensor, (trailing shape,
+    dtype) of the output); the leading dimension is the step's token count."""
+    ins: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    out: tuple[tuple[int, ...], torch.dtype]
+
+
+def _meta(t: torch.Tensor, tokens: int, what: str) -> tuple[tuple[int, ...], torch.dtype]:
+    if t.dim() < 1 or t.shape[0] != tokens:
+        raise RuntimeError(f"{what} of shape {tuple(t.shape)}: an attention core's tensors "
+                           f"and output are (T, ...) with T = {tokens}, the step's tokens "
+                           "(models/pieces.py)")
+    return tuple(t.shape[1:]), t.dtype
+
+
+class Buffers:
+    """The shared core buffers (module docstring): `get(key, rows)` -> the first `rows` rows of
+    the (capacity, *shape) buffer of `key`, allocated (zeros) on first use with `rows` as its
+    capacity. A later request for more rows than the capacity raises: buckets are captured
+    largest first."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype,
+            rows: int) -> torch.Tensor:
+        k = (key, shape, dtype)
+        buf = self._bufs.get(k)
+        if buf is None:
+            buf = self._bufs[k] = torch.zeros(rows, *shape, dtype=dtype, device=self.device)
+        if buf.shape[0] < rows:
+            raise RuntimeError(f"core buffer {key} holds {buf.shape[0]} rows, a bucket of "
+                               f"{rows} asks for more: capture the largest bucket first")
+        return buf[:rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+@dataclass
+class _Core:
+    fn: Callable[..., torch.Tensor]
+    caches: object
+    ins: list[torch.Tensor]
+    out: torch.Tensor
+
+
+class Pieces:
+    """What `caches.pieces` is while a bucket's step is warmed ("warm") or captured
+    ("capture"): models/pieces.py `attention_core` calls `core`."""
+
+    def __init__(self, mode: str, tokens: int, *, signatures: list[Signature] | None = None,
+                 buffers: Buffers | None = None, backend: GraphBackend | None = None):
+        if mode not in ("warm", "capture"):
+            raise ValueError(f"mode {mode!r}; accepted: warm, capture")
+        if mode == "capture" and (signatures is None or buffers is None or backend is None):
+            raise ValueError("capture needs the warm pass's signatures, buffers and a backend")
+        self.mode, self.tokens = mode, tokens
+        self.signatures: list[Signature] = [] if signatures is None else signatures
+        self.buffers, self.backend = buffers, backend
+        self.cores: list[_Core] = []
+        self.graphs: list = []
+
+    def core(self, fn, batch, caches, *tensors: torch.Tensor) -> torch.Tensor:
+        k, C = len(self.cores), self.tokens
+        if self.mode == "warm":
+            out = fn(batch, caches, *tensors)
+            ins = tuple(_meta(t, C, f"core {k} tensor {i}") for i, t in enumerate(tensors))
+            self.signatures.append(Signature(ins, _meta(out, C, f"core {k} output")))
+            self.cores.append(_Core(fn, caches, [], out))
+            return out
+        if k >= len(self.signatures):
+            raise RuntimeError(f"core {k} met in the capture; the warm pass met "
+                               f"{len(self.signatures)}: the step's cores must not depend on "
+                               "the batch")
+        sig = self.signatures[k]
+        got = tuple(_meta(t, C, f"core {k} tensor {i}") for i, t in enumerate(tensors))
+        if got != sig.ins:
+            raise RuntimeError(f"core {k} takes {got} in the capture, {sig.ins} in the warm "
+                               "pass")
+        ins = [self.buffers.get(("in", i), shape, dtype, C)
+               for i, (shape, dtype) in enumerate(sig.ins)]
+        for buf, t in zip(ins, tensors):
+            buf.copy_(t)                                     # captured: the graph feeds it
+        self.graphs.append(self.backend.end())
+        out = self.buffers.get(("out",), *sig.out, C)        # read by the next graph
+        self.cores.append(_Core(fn, caches, ins, out))
+        self.backend.begin()
+        return out
+
+
+@dataclass
+class StockGraph:
+    """One token bucket's captured stock step (module docstring)."""
+    bucket: int
+    tokens: torch.Tensor                 # (C,) int64, the step's tokens (pads after the real)
+    graphs: list                         # len(cores) + 1 pieces
+    cores: list[_Core]
+    hidden: torch.Tensor                 # (C, H), written by the last graph
+    replays: int = field(default=0)
+
+    def replay(self, batch) -> torch.Tensor:
+        """Run the step on `batch` (C tokens in `tokens`): graph, core, …, graph. -> hidden
+        (C, H), the graphs' buffer (the next replay of any bucket may rewrite it)."""
+        for graph, c in zip(self.graphs, self.cores):
+            graph.replay()
+            c.out.copy_(c.fn(batch, c.caches, *c.ins))
+        self.graphs[-1].replay()
+        self.replays += 1
+        return self.hidden
+
+
+def capture_stock_graph(forward: Callable[[], torch.Tensor], caches, bucket: int,
+                        tokens: torch.Tensor, buffers: Buffers, backend: GraphBackend
+                        ) -> tuple[torch.Tensor, StockGraph]:
+    """Warm and capture one bucket (module docstring, steps 1-2). `forward()` runs the model
+    on `tokens` (C,) and the bucket's batch with `caches`; the caller provides the stream
+    (CUDA: a side stream). -> (the warm pass's hidden (C, H), the StockGraph). Raises what the
+    warm pass or the capture raised, the capture closed and `caches.pieces` cleared."""
+    warm = Pieces("warm", bucket)
+    caches.pieces = warm
+    try:
+        ref = forward()
+    finally:
+        caches.pieces = None
+    if tokens.is_cuda:
+        torch.cuda.synchronize(tokens.device)
+    cap = Pieces("capture", bucket, signatures=warm.signatures, buffers=buffers,
+                 backend=backend)
+    # every buffer of the bucket before the first graph begins: no allocation of the
+    # runner's own between pieces while a capture is open
+    for sig in warm.signatures:
+        for i, (shape, dtype) in enumerate(sig.ins):
+            buffers.get(("in", i), shape, dtype, bucket)
+        buffers.get(("out",), *sig.out, bucket)
+    caches.pieces = cap
+    try:
+        backend.begin()
+        hidden = forward()
+        cap.graphs.append(backend.end())
+    except BaseException:
+        backend.abort()
+        raise
+    finally:
+        caches.pieces = None
+    if len(cap.cores) != len(warm.cores):
+        raise RuntimeError(f"bucket {bucket}: the capture met {len(cap.cores)} cores, the "
+                           f"warm pass {len(warm.cores)}")
+    return ref, StockGraph(bucket, tokens, cap.graphs, cap.cores, hidden)
+
+
+__all__ = ["Buffers", "CudaPieces", "GraphBackend", "Pieces", "Signature", "StockGraph",
+           "capture_stock_graph"]

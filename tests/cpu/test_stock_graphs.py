@@ -1,0 +1,222 @@
+"""Piecewise-graphed stock steps (engine/piecewise.py, GraphedRunner `stock_graphs`) on the
+tiny K3 model, fp32, TP1, CPU, with the graph backend emulated by recorded ATen operations
+(tests/_graph_emulator.py): every bucket up to the cap is warmed and captured at the build on
+scratch rows, then prefill chunks, continued chunks beside new sequences, mixed steps and
+stock decode steps replay their bucket's pieces with the attention cores run eagerly on the
+real batch. Logits and the real slots' and blocks' contents must equal a plain eager runner's
+on twin caches (sentinel values everywhere).
+
+The CPU MoE reference reads the selected experts' ids on the host (not capturable); both
+runners here run a gathered form of it without that read (`gathered_moe`), so the routed
+experts sit inside the pieces as the CUDA kernels do."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import raydecode.models.moe as moe_mod
+from raydecode.engine import piecewise
+from raydecode.engine.runner import ModelRunner
+from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes, prefill_buckets
+from raydecode.kernels import settings
+from raydecode.models import mla as mla_mod
+from raydecode.models.cache import SeqSlice, StepBatch
+from raydecode.models.config import load_config
+from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
+from raydecode.models.layers import situ
+
+from _graph_emulator import CaptureError, EmulatedGraphs, capture
+
+torch.set_num_threads(1)
+NS, NB, BS = 4, 48, 16
+CAP = 64
+SENTINEL = 3.0
+TOL = 1e-4           # fp32: the bucket's shapes vs the unpadded step's (GEMM blocking)
+
+
+_DENSE: dict = {}
+
+
+def gathered_moe(z, weights, ids, experts, path="stock", options=None):
+    """Σ_k w·expert(z) (T, L) fp32 with every pair's expert gathered from the dequantized
+    stack: kernels/moe_mxfp4.py `moe_mxfp4_reference`'s math without its host read of the
+    unique ids. The stack is dequantized once per layer (its validity check reads the scales
+    on the host), at the first call: an eager step, before any capture."""
+    key = (experts.w13.data_ptr(), z.dtype)
+    if key not in _DENSE:
+        _DENSE[key] = experts.dequantized(z.dtype)    # (E, I, L), (E, I, L), (E, L, I)
+    w1, w3, w2 = _DENSE[key]
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    h = z.repeat_interleave(k, 0)                      # (P, L)
+    a = situ(torch.einsum("pl,pil->pi", h, w1[flat]), torch.einsum("pl,pil->pi", h, w3[flat]),
+             experts.beta, experts.linear_beta)
+    y = torch.einsum("pi,pli->pl", a, w2[flat])        # (P, L)
+    return (y.float().view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_mod, "routed_moe", gathered_moe)
+        yield init_random_(K3ForCausalLM(load_config("tiny"), dtype=torch.float32), seed=11)
+
+
+def _caches(model):
+    ns, nb = graph_cache_sizes(NS, NB)
+    c = make_caches(model.cfg, model.par, ns, nb, BS, torch.float32)
+    c.kda.conv.fill_(SENTINEL)
+    c.kda.rec.fill_(SENTINEL)
+    c.mla.pool.fill_(SENTINEL)
+    return c
+
+
+def _graphed(model, cap=CAP, backend=None, **kw) -> GraphedRunner:
+    return GraphedRunner(model, _caches(model), num_slots=NS, num_blocks=NB, stock_graphs=cap,
+                         stock_backend=backend or EmulatedGraphs(), **kw)
+
+
+def _plan(step: int, seqs: list[SeqSlice], V: int, tables=None) -> StepPlan:
+    g = torch.Generator().manual_seed(100 + step)
+    n = sum(s.length for s in seqs)
+    toks = torch.randint(0, V, (n,), generator=g).tolist()
+    return StepPlan(step, StepBatch(seqs), toks, [s.end - 1 for s in seqs], tables or {}, [])
+
+
+def _real(c):
+    return (c.kda.rec[:, :NS], c.kda.conv[:, :NS], c.mla.pool[:, :NB])
+
+
+TABLES = {s: list(range(12 * s, 12 * s + 12)) for s in range(NS)}
+# (sequences of one step): chunk from 0; a continued chunk beside a new prompt; a mixed step
+# with decode rows; a stock decode step; a chunk of exactly a bucket; a one-token prompt
+STEPS = [[SeqSlice(0, 0, 37, 0)],
+         [SeqSlice(0, 0, 20, 37), SeqSlice(1, 20, 9, 0)],
+         [SeqSlice(0, 0, 1, 57), SeqSlice(1, 1, 1, 9), SeqSlice(2, 2, 30, 0)],
+         [SeqSlice(0, 0, 1, 58), SeqSlice(2, 1, 1, 30)],
+         [SeqSlice(1, 0, 32, 10)],
+         [SeqSlice(3, 0, 1, 0)]]
+
+
+def test_replayed_stock_steps_equal_the_eager_ones(model):
+    plain = ModelRunner(model, _caches(model))
+    g = _graphed(model)
+    real = [t.clone() for t in _real(g.caches)]
+    assert g.warm_prefill(CAP) == prefill_buckets(CAP)
+    assert sorted(g.stock_graphs) == prefill_buckets(CAP) and not g.stock_failed
+    assert all(torch.equal(a, b) for a, b in zip(real, _real(g.caches)))   # scratch rows only
+    assert not g.caches.mla.block_tables
+    # every layer has an attention core: one graph more than the layers per bucket
+    assert all(len(sg.graphs) == model.cfg.num_layers + 1 for sg in g.stock_graphs.values())
+    V = model.cfg.vocab_size
+    for i, seqs in enumerate(STEPS):
+        plan = _plan(i + 1, seqs, V, TABLES if i == 0 else None)
+        want, got = plain.logits(plan), g.logits(plan)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=TOL, atol=TOL), (i, (got - want).abs().max())
+        for a, b in zip(_real(plain.caches), _real(g.caches)):
+            assert torch.allclose(a, b, rtol=TOL, atol=TOL), i
+        assert g.caches.pieces is None and g.scratch.slots[0] not in g.caches.mla.block_tables
+    assert g.counts["stock_graphed"] == len(STEPS)
+    assert sum(sg.replays for sg in g.stock_graphs.values()) == len(STEPS) + len(g.stock_graphs)
+
+
+def test_a_piece_that_reads_the_batch_replays_wrong(model, monkeypatch):
+    """The emulator can fail: with the MLA core captured inside the pieces (its batch layout
+    baked in at the capture), a replay on another batch differs from the eager step."""
+    plain = ModelRunner(model, _caches(model))
+    g = _graphed(model, cap=64)
+    monkeypatch.setattr(mla_mod, "attention_core", lambda caches, fn, batch, *t:
+                        fn(batch, caches, *t))
+    assert g.capture_stock(64)
+    plan = StepPlan(1, StepBatch([SeqSlice(0, 0, 40, 0), SeqSlice(1, 40, 24, 0)]),
+                    _plan(1, [SeqSlice(0, 0, 64, 0)], model.cfg.vocab_size).tokens,
+                    [39, 63], dict(TABLES), [])
+    want, got = plain.logits(plan), g.logits(plan)
+    assert g.counts["stock_graphed"] == 1
+    assert not torch.allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_host_read_under_capture_leaves_the_bucket_eager(model, monkeypatch):
+    """A per-token op that reads a tensor on the host cannot be captured: the bucket's capture
+    fails with the reason, and its steps run eagerly with the eager step's results."""
+    real_route = moe_mod.route
+
+    def route_with_host_read(logits, *a, **kw):
+        float(logits.sum())                         # .item(): a host sync on a GPU
+        return real_route(logits, *a, **kw)
+
+    monkeypatch.setattr(moe_mod, "route", route_with_host_read)
+    with pytest.raises(CaptureError, match="on the host"):
+        capture(lambda: float(torch.ones(2).sum()))
+    g = _graphed(model, cap=16)
+    assert not g.capture_stock(16)
+    assert "host" in g.stock_failed[16] and 16 not in g.stock_graphs
+    plain = ModelRunner(model, _caches(model))
+    plan = _plan(1, [SeqSlice(0, 0, 11, 0)], model.cfg.vocab_size, dict(TABLES))
+    assert g.stock_graph_of(plan) is None
+    assert torch.allclose(g.logits(plan), plain.logits(plan), rtol=TOL, atol=TOL)
+    assert g.counts["stock_graphed"] == 0 and g.caches.pieces is None
+
+
+def test_steps_above_the_cap_or_with_an_observer_run_eagerly(model):
+    g = _graphed(model, cap=16)
+    g.warm_prefill(64)
+    assert sorted(g.stock_graphs) == prefill_buckets(16)
+    V = model.cfg.vocab_size
+    assert g.stock_graph_of(_plan(1, [SeqSlice(0, 0, 17, 0)], V)) is None
+    assert g.stock_graph_of(_plan(1, [SeqSlice(0, 0, 9, 0)], V)).bucket == 16
+    g.caches.kda_observer = lambda *a: None
+    try:
+        assert g.stock_graph_of(_plan(1, [SeqSlice(0, 0, 9, 0)], V)) is None
+    finally:
+        g.caches.kda_observer = None
+    spec = _plan(1, [SeqSlice(0, 0, 1, 5)], V)
+    assert g.stock_graph_of(StepPlan(1, spec.batch, spec.tokens, [0], {}, [],
+                                     "specialized")) is None
+
+
+def test_core_buffers_are_shared_and_sized_by_the_largest_bucket():
+    bufs = piecewise.Buffers("cpu")
+    a = bufs.get(("in", 0), (3,), torch.float32, 8)
+    b = bufs.get(("in", 0), (3,), torch.float32, 4)
+    assert b.data_ptr() == a.data_ptr() and b.shape == (4, 3)
+    assert bufs.nbytes == 8 * 3 * 4
+    with pytest.raises(RuntimeError, match="largest bucket first"):
+        bufs.get(("in", 0), (3,), torch.float32, 16)
+
+
+def test_a_core_whose_capture_differs_from_its_warm_pass_is_refused():
+    def core(batch, caches, x):
+        return x * 2
+
+    warm = piecewise.Pieces("warm", 4)
+    warm.core(core, None, None, torch.ones(4, 3))
+    with pytest.raises(RuntimeError, match=r"\(T, \.\.\.\) with T = 4"):
+        warm.core(core, None, None, torch.ones(5, 3))
+    cap = piecewise.Pieces("capture", 4, signatures=warm.signatures,
+                           buffers=piecewise.Buffers("cpu"), backend=EmulatedGraphs())
+    cap.backend.begin()
+    with pytest.raises(RuntimeError, match="in the warm pass"):
+        cap.core(core, None, None, torch.ones(4, 2))
+    cap.backend.abort()
+    with pytest.raises(ValueError, match="accepted: warm, capture"):
+        piecewise.Pieces("replay", 4)
+
+
+def test_stock_graphs_setting_and_argument_are_checked(model, monkeypatch):
+    for bad in ("300", "-1", "x", "16384"):
+        monkeypatch.setenv("RAYDECODE_STOCK_GRAPHS", bad)
+        with pytest.raises(ValueError, match=f"RAYDECODE_STOCK_GRAPHS={bad!r}"):
+            settings.stock_graphs()
+    monkeypatch.setenv("RAYDECODE_STOCK_GRAPHS", "2048")
+    assert settings.stock_graphs() == 2048
+    monkeypatch.delenv("RAYDECODE_STOCK_GRAPHS")
+    assert settings.stock_graphs() == 0
+    with pytest.raises(ValueError, match="stock_graphs=300"):
+        _graphed(model, cap=300)
+    # no backend (a CPU runner without capture): no stock graphs, whatever the cap
+    off = GraphedRunner(model, _caches(model), num_slots=NS, num_blocks=NB, stock_graphs=64)
+    assert off.stock_graph_tokens == 0 and off.stock_support == (False, "no graph backend "
+                                                                 "(graphs off)")
