@@ -23,6 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from raydecode.models.layers import situ
+
 # a replay cannot re-run these: their output shape or a host value depends on tensor data
 # (under inference mode `.item()` and `bool()` reach a mode as item / is_nonzero)
 _aten = torch.ops.aten
@@ -112,3 +114,24 @@ def capture(fn):
         g.abort()
         raise
     return out, g.end()
+
+
+_DENSE: dict = {}
+
+
+def gathered_moe(z, weights, ids, experts, path="stock", options=None):
+    """Σ_k w·expert(z) (T, L) fp32 with every pair's expert gathered from the dequantized
+    stack: kernels/moe_mxfp4.py `moe_mxfp4_reference`'s math without its host read of the
+    unique ids. The stack is dequantized once per layer (its validity check reads the scales
+    on the host), at the first call: an eager step, before any capture."""
+    key = (experts.w13.data_ptr(), z.dtype)
+    if key not in _DENSE:     # the codes held too: their storage (the key) is never reused
+        _DENSE[key] = (experts.w13, experts.dequantized(z.dtype))
+    w1, w3, w2 = _DENSE[key][1]                        # (E, I, L), (E, I, L), (E, L, I)
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    h = z.repeat_interleave(k, 0)                      # (P, L)
+    a = situ(torch.einsum("pl,pil->pi", h, w1[flat]), torch.einsum("pl,pil->pi", h, w3[flat]),
+             experts.beta, experts.linear_beta)
+    y = torch.einsum("pi,pli->pl", a, w2[flat])        # (P, L)
+    return (y.float().view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)

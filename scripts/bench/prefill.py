@@ -6,7 +6,8 @@ counts, and the stock decode step's kernels per layer.
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
         [--context 1024] [--chunk-while-decoding 2048] [--random-counts 50]
         [--gc-modes frozen] [--max-seconds 60]
-        [--graphed 1] [--profile-first-run] [--module-loading lazy|eager]
+        [--graphed 1] [--stock-graphs 2048 [--tpot-chunks 1,256,512,1024,2048]]
+        [--profile-first-run] [--module-loading lazy|eager]
         [--sweep-budgets 4096,8192]
         [--out bench/results/prefill-….json] [--png bench/results/prefill-….png] [--commit SHA]
 
@@ -14,11 +15,18 @@ The rank is scripts/bench/step.py's: one GPU plays rank 0 of TP `--tp` (`SoloRan
 all-reduces are skipped and counted, so no figure here holds their time), K3 from its published
 config with its first `--layers` layers, random weights drawn on the device, and the runner a
 served rank builds (engine/step_graph.py `GraphedRunner`: prefill and mixed steps run the stock
-path eagerly, decode-only steps the specialized step as a captured graph). With N of the 93
+path eagerly — with --stock-graphs, up to that many tokens on the piecewise stock graphs —,
+decode-only steps the specialized step as a captured graph). With N of the 93
 layers, every whole-model figure (the `*_all_layers` fields: TTFT, tok/s, TPOT) is the
 measured one scaled by 93/N; the MFU is the N-layer run's own (its FLOPs over its time).
 
 Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_tokens):
+  capture   with --stock-graphs N: GraphedRunner.warm_prefill at the budget captures every
+            token bucket up to N (engine/piecewise.py), before everything below: seconds,
+            buckets captured and failed (why), graphs per bucket.
+  graphs    with --stock-graphs: per `--tpot-chunks` size ≤ N, the chunk-alone, mixed and
+            decode-only stock steps eager and replayed, interleaved (`--steps` rounds), and
+            the split schedule's TPOT (chunk alone + graphed decode) both ways.
   warm-up   one step of every prefill bucket (the powers of two below the budget, and the
             budget), alone and mixed, a chunk at position 0, the decode-only steps (stock;
             with --graphed 1 the specialized one, which captures bucket 64's graph): the
@@ -97,6 +105,7 @@ from raydecode.engine.sampling import SamplingRows, sample_isolated
 from raydecode.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from raydecode.engine.step_graph import (GraphedRunner, graph_cache_sizes, prefill_buckets,
                                          unpadded_buckets)
+from raydecode.kernels.settings import is_token_bucket
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
@@ -224,7 +233,7 @@ class PrefillRank:
 
     def __init__(self, model: K3ForCausalLM, device, max_prompt: int, budget: int,
                  decodes: int, context: int, seed: int = 0, graphed: bool = True,
-                 pad: bool = False):
+                 pad: bool = False, stock_graphs: int = 0):
         self.model, self.device = model, torch.device(device)
         self.budget, self.context = budget, context
         self.prompt_blocks = -(-max(max_prompt, context + budget) // BLOCK)
@@ -234,7 +243,7 @@ class PrefillRank:
         caches = make_caches(model.cfg, model.par, ns, nb, BLOCK, model.dtype, device=device)
         self.runner = GraphedRunner(model, caches, device, num_slots=num_slots,
                                     num_blocks=num_blocks, max_blocks=per_decoder,
-                                    pad_prefill=pad)
+                                    pad_prefill=pad, stock_graphs=stock_graphs)
         slots, blocks = SlotAllocator(num_slots), BlockAllocator(num_blocks, BLOCK)
         self.slot = slots.allocate()
         blocks.ensure(self.slot, self.prompt_blocks * BLOCK)
@@ -519,6 +528,50 @@ def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float, chunk:
     return out
 
 
+@contextlib.contextmanager
+def stock_graphs_off(runner: GraphedRunner, off: bool = True):
+    """The runner's stock steps eager (`stock_graph_tokens` 0) inside the block, if `off`."""
+    cap = runner.stock_graph_tokens
+    if off:
+        runner.stock_graph_tokens = 0
+    try:
+        yield
+    finally:
+        runner.stock_graph_tokens = cap
+
+
+def stock_graphs_ab(rank: PrefillRank, decodes: int, chunks: list[int], repeats: int,
+                    scale: float) -> list[dict]:
+    """Per chunk size: the chunk-alone step (at --context), the mixed step (+ the decoders)
+    and the decode-only stock step, eager and replayed on the stock graphs, medians of
+    `repeats` interleaved rounds; with the graphed decode step, the split schedule's TPOT
+    (chunk alone + graphed decode) both ways: the TPOT of streams decoding beside a prompt."""
+    rows = []
+    for c in chunks:
+        t: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            for mode in ("eager", "graphed"):
+                with stock_graphs_off(rank.runner, mode == "eager"):
+                    for case, (n, d) in {"chunk": (c, 0), "mixed": (c, decodes),
+                                         "decode_stock": (0, decodes)}.items():
+                        t.setdefault(f"{case}_{mode}", []).append(rank.step(n, d))
+            if rank.graphs:
+                t.setdefault("decode_graphed", []).append(rank.step(0, decodes, "specialized"))
+        ms = {k: round(statistics.median(v) * 1e3, 3) for k, v in t.items()}
+        row = {"chunk": c, "ms": ms,
+               "speedup": {case: round(ms[f"{case}_eager"] / ms[f"{case}_graphed"], 3)
+                           for case in ("chunk", "mixed", "decode_stock")}}
+        if rank.graphs:
+            g = ms["decode_graphed"]
+            split = {m: round(ms[f"chunk_{m}"] + g, 3) for m in ("eager", "graphed")}
+            row.update(tpot_ms_split=split,
+                       split_over_decode_graphed={m: round(v / g, 3) for m, v in split.items()},
+                       tpot_ms_split_all_layers={m: round(v * scale, 3)
+                                                 for m, v in split.items()})
+        rows.append(row)
+    return rows
+
+
 def prompt_case(rank: PrefillRank, tokens: int, fm: dict, rate: float, max_seconds: float,
                 scale: float) -> dict:
     chunks, _, first = rank.prompt(rank.ids(tokens), max_seconds)
@@ -562,6 +615,22 @@ def budget_sweep(rank: PrefillRank, args, fm: dict, rate: float, scale: float, t
     return rows
 
 
+def capture_stock(rank: PrefillRank, budget: int) -> dict:
+    """The build's stock-graph capture (GraphedRunner.warm_prefill at the budget): seconds,
+    buckets captured and failed, graphs per bucket, the shared core buffers' bytes."""
+    r = rank.runner
+    device_sync(rank.device)
+    t0 = time.perf_counter()
+    r.warm_prefill(budget)
+    device_sync(rank.device)
+    per = {len(g.graphs) for g in r.stock_graphs.values()}
+    return {"cap": r.stock_graph_tokens, "capture_s": round(time.perf_counter() - t0, 2),
+            "captured": sorted(r.stock_graphs), "why_off": None if r.stock_support[0]
+            else r.stock_support[1],
+            "failed": {str(b): why for b, why in sorted(r.stock_failed.items())},
+            "graphs_per_bucket": sorted(per), "core_buffer_bytes": r._stock_buffers.nbytes}
+
+
 def stock_kernels(rank: PrefillRank) -> dict:
     """CUDA kernels one stock decode step at batch 1 launches (eager), per layer."""
     from torch.profiler import ProfilerActivity, profile
@@ -595,8 +664,14 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
     room = max([*args.prompts, *(args.context + b for b in args.sweep_budgets)])
     rank = PrefillRank(model, args.device, room, args.prefill_budget,
                        args.mixed_decodes, args.context, args.seed, bool(args.graphed),
-                       bool(args.pad_prefill))
+                       bool(args.pad_prefill), args.stock_graphs)
     buckets = buckets_for(args.prefill_budget, bool(args.pad_prefill))
+    if args.stock_graphs:
+        run["stock_graphs"] = sg = capture_stock(rank, args.prefill_budget)
+        print(f"[prefill] {tag} stock graphs ≤ {sg['cap']} tokens: {len(sg['captured'])} "
+              f"buckets captured in {sg['capture_s']} s ({sg['graphs_per_bucket']} graphs "
+              f"each), failed {sg['failed']}", flush=True)
+        save(run)
     run["warmup_first_ms"] = warm_up(rank, buckets, args.mixed_decodes)
     save(run)
     rc = random_counts(rank, buckets, args.mixed_decodes, args.random_counts, args.repeats,
@@ -620,6 +695,15 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
               f"); first's top host ops "
               f"{[(o['op'], o['self_cpu_ms']) for o in fp['first']['host_top_ops'][:6]]}",
               flush=True)
+        save(run)
+    if args.stock_graphs and rank.runner.stock_graphs:
+        chunks = [c for c in args.tpot_chunks if c <= rank.runner.stock_graph_tokens]
+        run["stock_graphs_ab"] = ab = stock_graphs_ab(rank, args.mixed_decodes, chunks,
+                                                      args.steps, scale)
+        for row in ab:
+            print(f"[prefill] {tag} chunk {row['chunk']}: eager/graphed {row['speedup']}, "
+                  f"split TPOT {row.get('tpot_ms_split')} ms "
+                  f"(/ decode {row.get('split_over_decode_graphed')})", flush=True)
         save(run)
     chunk = min(args.chunk_while_decoding, args.prefill_budget)
     mx = mixed_case(rank, args.mixed_decodes, args.steps, scale, chunk)
@@ -760,6 +844,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=60.0,
                     help="per prompt (then its chunks but the last are skipped and "
                          "extrapolated) and for the random counts")
+    ap.add_argument("--stock-graphs", type=int, default=0,
+                    help="stock steps of up to this many tokens replay piecewise CUDA graphs "
+                         "(engine/piecewise.py; 0: eager, the default; else a token bucket), "
+                         "captured before the warm-up; adds the eager-vs-graphed case "
+                         "(--tpot-chunks)")
+    ap.add_argument("--tpot-chunks", default="1,256,512,1024,2048",
+                    help="with --stock-graphs: the chunk sizes (≤ the cap) whose chunk, "
+                         "mixed and split-schedule steps run eager and graphed in one lease")
     ap.add_argument("--graphed", type=int, choices=(0, 1), default=1,
                     help="1: also the decode-only specialized (graphed) step, the served "
                          "TPOT without prefill (captures bucket 64: its kernels compile "
@@ -775,6 +867,10 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
     args.prompts = int_list("--prompts", args.prompts, 1)
+    args.tpot_chunks = int_list("--tpot-chunks", args.tpot_chunks, 1)
+    if args.stock_graphs and not is_token_bucket(args.stock_graphs):
+        raise SystemExit(f"--stock-graphs {args.stock_graphs}: expected 0 or a token bucket "
+                         "(a power of two up to 256, or a multiple of 256 up to 8192)")
     args.sweep_budgets = int_list("--sweep-budgets", args.sweep_budgets, 1) \
         if args.sweep_budgets else []
     if args.sweep_budgets and args.pad_prefill:
@@ -816,7 +912,7 @@ def main(argv=None) -> int:
                  "all layers run"),
         kernels=args.kernels, prefill_budget=args.prefill_budget, context=args.context,
         cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING", "default (LAZY)"),
-        pad_prefill=bool(args.pad_prefill),
+        pad_prefill=bool(args.pad_prefill), stock_graphs=args.stock_graphs,
         mixed_decodes=args.mixed_decodes, random_counts=args.random_counts,
         max_seconds=args.max_seconds, seed=args.seed, flops_method=FLOPS_METHOD,
         summary_method="from the TP16 run: the 8192-token prompt's MFU and TTFT (all layers), "

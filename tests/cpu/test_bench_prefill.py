@@ -220,3 +220,50 @@ def test_mixed_chunk_default_is_the_deployments():
     from raydecode.actors.config import DeployConfig
     field = DeployConfig.model_fields["max_prefill_tokens_while_decoding"]
     assert prefill.CHUNK_WHILE_DECODING == field.default
+
+
+def test_prefill_bench_stock_graphs_cpu(tmp_path, monkeypatch):
+    """--stock-graphs: the build captures every bucket up to the cap before the warm-up, and
+    the eager-vs-graphed case runs each --tpot-chunks size ≤ the cap both ways (the CPU
+    runner's graph backend emulated, tests/_graph_emulator.py; its MoE without the
+    reference's host read)."""
+    import raydecode.models.moe as moe_mod
+    from raydecode.engine.step_graph import GraphedRunner
+    from _graph_emulator import EmulatedGraphs, gathered_moe
+
+    class Emulated(GraphedRunner):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, stock_backend=EmulatedGraphs(), **kw)
+
+    monkeypatch.setattr(moe_mod, "routed_moe", gathered_moe)
+    monkeypatch.setattr(prefill, "GraphedRunner", Emulated)
+    out = tmp_path / "graphs.json"
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "40",
+                         "--prefill-budget", "32", "--stock-graphs", "16",
+                         "--tpot-chunks", "1,8,16,32", "--mixed-decodes", "3",
+                         "--context", "8", "--random-counts", "2", "--repeats", "1",
+                         "--steps", "1", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["stock_graphs"] == 16
+    (run,) = rep["runs"]
+    sg = run["stock_graphs"]
+    assert sg["captured"] == [1, 2, 4, 8, 16] and sg["failed"] == {} and sg["why_off"] is None
+    assert sg["graphs_per_bucket"] == [7] and sg["core_buffer_bytes"] > 0    # 6 cores + 1
+    ab = run["stock_graphs_ab"]
+    assert [r["chunk"] for r in ab] == [1, 8, 16]                 # 32 > the cap: not a case
+    for r in ab:
+        for case in ("chunk", "mixed", "decode_stock"):
+            assert r["ms"][f"{case}_eager"] > 0 and r["ms"][f"{case}_graphed"] > 0
+            assert r["speedup"][case] == pytest.approx(
+                r["ms"][f"{case}_eager"] / r["ms"][f"{case}_graphed"], rel=1e-2)
+        g = r["ms"]["decode_graphed"]           # the split schedule: chunk + graphed decode
+        assert r["tpot_ms_split"] == pytest.approx(
+            {m: r["ms"][f"chunk_{m}"] + g for m in ("eager", "graphed")}, abs=2e-3)
+    counts = run["mixed"]["graph_counts"]
+    assert counts["stock_captured"] == 5 and counts["stock_graphed"] > 0
+
+
+@pytest.mark.parametrize("flag", ["300", "-2"])
+def test_prefill_bench_refuses_a_stock_graph_cap_off_the_buckets(flag):
+    with pytest.raises(SystemExit, match=f"--stock-graphs {flag}: expected 0 or a token"):
+        prefill.main(["--config", "tiny", "--device", "cpu", "--stock-graphs", flag])

@@ -24,36 +24,14 @@ from raydecode.models import mla as mla_mod
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
-from raydecode.models.layers import situ
 
-from _graph_emulator import CaptureError, EmulatedGraphs, capture
+from _graph_emulator import CaptureError, EmulatedGraphs, capture, gathered_moe
 
 torch.set_num_threads(1)
 NS, NB, BS = 4, 48, 16
 CAP = 64
 SENTINEL = 3.0
 TOL = 1e-4           # fp32: the bucket's shapes vs the unpadded step's (GEMM blocking)
-
-
-_DENSE: dict = {}
-
-
-def gathered_moe(z, weights, ids, experts, path="stock", options=None):
-    """Σ_k w·expert(z) (T, L) fp32 with every pair's expert gathered from the dequantized
-    stack: kernels/moe_mxfp4.py `moe_mxfp4_reference`'s math without its host read of the
-    unique ids. The stack is dequantized once per layer (its validity check reads the scales
-    on the host), at the first call: an eager step, before any capture."""
-    key = (experts.w13.data_ptr(), z.dtype)
-    if key not in _DENSE:
-        _DENSE[key] = experts.dequantized(z.dtype)    # (E, I, L), (E, I, L), (E, L, I)
-    w1, w3, w2 = _DENSE[key]
-    T, k = ids.shape
-    flat = ids.reshape(-1)
-    h = z.repeat_interleave(k, 0)                      # (P, L)
-    a = situ(torch.einsum("pl,pil->pi", h, w1[flat]), torch.einsum("pl,pil->pi", h, w3[flat]),
-             experts.beta, experts.linear_beta)
-    y = torch.einsum("pi,pli->pl", a, w2[flat])        # (P, L)
-    return (y.float().view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
 
 
 @pytest.fixture(scope="module")
