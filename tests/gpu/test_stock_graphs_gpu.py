@@ -1,0 +1,106 @@
+"""Piecewise-graphed stock steps on CUDA (engine/piecewise.py; the CPU side with an emulated
+backend: tests/cpu/test_stock_graphs.py): real CUDA graphs of the per-token work, the
+attention cores (fla's KDA, MLA SDPA, the batched decode rows) eager between the replays.
+
+Twin runners on twin caches (sentinel values everywhere): one replays its bucket's stock
+graphs, the other runs the same steps eagerly, padded to the same bucket — the same kernels on
+the same shapes, so their logits and real caches agree to the last bits the kernels' own
+nondeterminism leaves (bf16: 1e-2 relative max-abs, fp32: 1e-4; measured equal where
+deterministic). Steps: a prompt chunk from 0, a continued chunk beside a new prompt, a mixed
+step with decode rows, a stock decode step, an exact bucket, a one-token prompt, and for the
+K3 slice a chunk of 200 tokens (bucket 256). Every bucket must capture (`stock_failed`
+empty), and a replayed step must not synchronize with the host."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydecode.engine.scheduler import StepPlan
+from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes, prefill_buckets
+from raydecode.models.cache import SeqSlice, StepBatch
+from raydecode.models.k3 import make_caches
+
+from _numerics import max_rel_err
+from _prefill_forced import k3_slice, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+NS, NB, BS = 4, 96, 16
+SENTINEL = 3.0
+TABLES = {s: list(range(24 * s, 24 * s + 24)) for s in range(NS)}
+STEPS = [[SeqSlice(0, 0, 37, 0)],
+         [SeqSlice(0, 0, 20, 37), SeqSlice(1, 20, 9, 0)],
+         [SeqSlice(0, 0, 1, 57), SeqSlice(1, 1, 1, 9), SeqSlice(2, 2, 30, 0)],
+         [SeqSlice(0, 0, 1, 58), SeqSlice(2, 1, 1, 30)],
+         [SeqSlice(1, 0, 32, 10)],
+         [SeqSlice(3, 0, 1, 0)]]
+BIG = [[SeqSlice(0, 0, 200, 59)]]          # the K3 slice: bucket 256
+
+
+def _model(which: str, dtype):
+    if which == "tiny":
+        return tiny_model("cuda", dtype)[0], range(0, 512), 64
+    model, _ = k3_slice("cuda", dtype=dtype)
+    from raydecode.scripts.bench.step import rank_vocab_rows
+    return model, rank_vocab_rows(model), 256
+
+
+def _runner(model, cap: int) -> GraphedRunner:
+    ns, nb = graph_cache_sizes(NS, NB)
+    c = make_caches(model.cfg, model.par, ns, nb, BS, model.dtype, device="cuda")
+    c.kda.conv.fill_(SENTINEL)
+    c.kda.rec.fill_(SENTINEL)
+    c.mla.pool.fill_(SENTINEL)
+    return GraphedRunner(model, c, "cuda", num_slots=NS, num_blocks=NB, pad_prefill=True,
+                         stock_graphs=cap)
+
+
+def _plan(step: int, seqs, ids: range, tables=None) -> StepPlan:
+    g = torch.Generator().manual_seed(100 + step)
+    n = sum(s.length for s in seqs)
+    toks = (torch.randint(0, ids.stop - ids.start, (n,), generator=g) + ids.start).tolist()
+    return StepPlan(step, StepBatch(seqs), toks, [s.end - 1 for s in seqs], tables or {}, [])
+
+
+def _real(c):
+    return (c.kda.rec[:, :NS], c.kda.conv[:, :NS], c.mla.pool[:, :NB])
+
+
+@pytest.mark.parametrize("which,dtype", [("tiny", torch.float32), ("tiny", torch.bfloat16),
+                                         ("k3", torch.bfloat16)])
+def test_replayed_stock_steps_equal_the_eager_padded_ones(which, dtype):
+    model, ids, cap = _model(which, dtype)
+    graphed, eager = _runner(model, cap), _runner(model, 0)
+    with torch.inference_mode():
+        assert graphed.warm_prefill(cap) == prefill_buckets(cap)
+        eager.warm_prefill(cap)
+    assert graphed.stock_failed == {} and sorted(graphed.stock_graphs) == prefill_buckets(cap)
+    assert eager.stock_graphs == {}
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    steps = STEPS + (BIG if which == "k3" else [])
+    for i, seqs in enumerate(steps):
+        plan = _plan(i + 1, seqs, ids, TABLES if i == 0 else None)
+        want, got = eager.logits(plan).float(), graphed.logits(plan).float()
+        torch.cuda.synchronize()
+        assert torch.isfinite(got).all(), i
+        assert max_rel_err(got, want) <= tol, (which, dtype, i, max_rel_err(got, want))
+        for a, b in zip(_real(eager.caches), _real(graphed.caches)):
+            assert max_rel_err(b.float(), a.float()) <= tol, (which, dtype, i)
+    assert graphed.counts["stock_graphed"] == len(steps)
+    assert eager.counts["stock_graphed"] == 0
+
+
+def test_a_replayed_step_does_not_sync_with_the_host():
+    model, ids, cap = _model("tiny", torch.bfloat16)
+    g = _runner(model, cap)
+    with torch.inference_mode():
+        g.warm_prefill(cap)
+        g.logits(_plan(1, [SeqSlice(0, 0, 40, 0)], ids, TABLES))     # memos of this layout
+        plan = _plan(2, [SeqSlice(0, 0, 20, 40), SeqSlice(1, 20, 9, 0),
+                         SeqSlice(2, 29, 1, 0)], ids)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = g.logits(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert g.counts["stock_graphed"] == 2 and torch.isfinite(out).all()
