@@ -369,6 +369,7 @@ class GraphedRunner(ModelRunner):
         self.stock_graphs: dict[int, StockGraph] = {}
         self.stock_failed: dict[int, str] = {}            # bucket -> why (it runs eagerly)
         self._stock_buffers = Buffers(self.device)
+        self._side = None                                 # the capture stream (CUDA)
 
     # ---- which steps -------------------------------------------------------------------------
     def why_not(self, plan: StepPlan) -> str | None:
@@ -583,7 +584,7 @@ class GraphedRunner(ModelRunner):
             return self.model(tokens, plan.batch, self.caches, path="stock")
 
         cuda = self.device.type == "cuda"
-        side = torch.cuda.Stream(self.device) if cuda else None
+        side = self._capture_stream()
         if cuda:
             side.wait_stream(torch.cuda.current_stream(self.device))
         try:
@@ -610,6 +611,15 @@ class GraphedRunner(ModelRunner):
         return True
 
     # ---- internals -------------------------------------------------------------------------
+    def _capture_stream(self):
+        """The one side stream every stock-graph capture runs on (CUDA; None elsewhere): a
+        stream per capture would give cuBLAS a workspace per stream."""
+        if self.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
     def _tables(self):
         return self.caches.mla.block_tables if self.caches.mla is not None else None
 

@@ -617,14 +617,19 @@ def budget_sweep(rank: PrefillRank, args, fm: dict, rate: float, scale: float, t
 
 def capture_stock(rank: PrefillRank, budget: int) -> dict:
     """The build's stock-graph capture (GraphedRunner.warm_prefill at the budget): seconds,
-    buckets captured and failed, graphs per bucket, the shared core buffers' bytes."""
-    r = rank.runner
+    buckets captured and failed, graphs per bucket, the shared core buffers' bytes and (CUDA)
+    the memory the caching allocator reserved meanwhile (the graphs' pool, the buffers, the
+    eager warm-ups' blocks: what an operator budgets for the setting)."""
+    r, cuda = rank.runner, rank.device.type == "cuda"
     device_sync(rank.device)
+    reserved = torch.cuda.memory_reserved(rank.device) if cuda else 0
     t0 = time.perf_counter()
     r.warm_prefill(budget)
     device_sync(rank.device)
     per = {len(g.graphs) for g in r.stock_graphs.values()}
     return {"cap": r.stock_graph_tokens, "capture_s": round(time.perf_counter() - t0, 2),
+            "reserved_bytes_added": (torch.cuda.memory_reserved(rank.device) - reserved)
+            if cuda else None,
             "captured": sorted(r.stock_graphs), "why_off": None if r.stock_support[0]
             else r.stock_support[1],
             "failed": {str(b): why for b, why in sorted(r.stock_failed.items())},
