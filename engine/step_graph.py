@@ -594,12 +594,13 @@ class GraphedRunner(ModelRunner):
                                               self._stock_buffers, self.stock_backend)
                 ref = ref.clone()
                 got = sg.replay(plan.batch).clone()
-            if cuda:
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                torch.cuda.synchronize(self.device)
         except Exception as e:      # noqa: BLE001 — the bucket stays eager
             self.stock_failed[bucket] = f"{type(e).__name__}: {e}"
             return False
+        finally:                    # what the side stream queued, before any later step
+            if cuda:
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                torch.cuda.synchronize(self.device)
         err = ((got.float() - ref.float()).abs().max()
                / ref.float().abs().max().clamp_min(1e-30)).item()
         if not torch.isfinite(got).all() or not err <= 1e-2:

@@ -43,12 +43,12 @@ from raydecode.kernels import kda_verify as kda_verify_op
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .cache import ModelCaches, StepBatch, batch_decode_rows, device_index
-from .pieces import attention_core
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, pack_rows_,
                      replicated_linear, rms_norm, row_linear)
 from .parallel import Comm, LocalComm, Parallel
 from .params import FUSED_ROW_ALIGN
+from .pieces import attention_core
 from .specialized import linear_for
 
 L2_EPS = 1e-6
