@@ -139,7 +139,10 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
         failed = "; ".join([f"bucket {b}: {why}"
                             for b, why in sorted(runner.capture_failed.items())]
                            + [f"stock bucket {b}: {why}"
-                              for b, why in sorted(runner.stock_failed.items())])
+                              for b, why in sorted(runner.stock_failed.items())]
+                           + ([f"stock graphs off: {runner.stock_support[1]}"]
+                              if runner.stock_graphs_asked and not runner.stock_support[0]
+                              else []))
         return support, kernels, ready, failed or None
     finally:     # a GPU rank's built heap out of every later GC pass (engine/runner.py);
         if str(device).startswith("cuda"):    # CPU ranks (tests, in-process) keep the GC whole

@@ -364,6 +364,7 @@ class GraphedRunner(ModelRunner):
         why = ("no graph backend (graphs off)" if self.stock_backend is None
                else "no scratch rows" if not self.scratch.count
                else host_bound_experts(model))
+        self.stock_graphs_asked = cap
         self.stock_graph_tokens = cap if why is None else 0
         self.stock_support = (why is None, why or "ok")
         self.stock_graphs: dict[int, StockGraph] = {}
