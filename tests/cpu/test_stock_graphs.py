@@ -26,6 +26,7 @@ from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 
 from _graph_emulator import CaptureError, EmulatedGraphs, capture, gathered_moe
+from _stock_steps import STEPS, plan as _step_plan, real_rows, tables
 
 torch.set_num_threads(1)
 NS, NB, BS = 4, 48, 16
@@ -55,26 +56,15 @@ def _graphed(model, cap=CAP, backend=None, **kw) -> GraphedRunner:
                          stock_backend=backend or EmulatedGraphs(), **kw)
 
 
-def _plan(step: int, seqs: list[SeqSlice], V: int, tables=None) -> StepPlan:
-    g = torch.Generator().manual_seed(100 + step)
-    n = sum(s.length for s in seqs)
-    toks = torch.randint(0, V, (n,), generator=g).tolist()
-    return StepPlan(step, StepBatch(seqs), toks, [s.end - 1 for s in seqs], tables or {}, [])
+TABLES = tables(NS, 12)
+
+
+def _plan(step: int, seqs: list[SeqSlice], V: int, block_tables=None) -> StepPlan:
+    return _step_plan(step, seqs, range(V), block_tables)
 
 
 def _real(c):
-    return (c.kda.rec[:, :NS], c.kda.conv[:, :NS], c.mla.pool[:, :NB])
-
-
-TABLES = {s: list(range(12 * s, 12 * s + 12)) for s in range(NS)}
-# (sequences of one step): chunk from 0; a continued chunk beside a new prompt; a mixed step
-# with decode rows; a stock decode step; a chunk of exactly a bucket; a one-token prompt
-STEPS = [[SeqSlice(0, 0, 37, 0)],
-         [SeqSlice(0, 0, 20, 37), SeqSlice(1, 20, 9, 0)],
-         [SeqSlice(0, 0, 1, 57), SeqSlice(1, 1, 1, 9), SeqSlice(2, 2, 30, 0)],
-         [SeqSlice(0, 0, 1, 58), SeqSlice(2, 1, 1, 30)],
-         [SeqSlice(1, 0, 32, 10)],
-         [SeqSlice(3, 0, 1, 0)]]
+    return real_rows(c, NS, NB)
 
 
 def test_replayed_stock_steps_equal_the_eager_ones(model):

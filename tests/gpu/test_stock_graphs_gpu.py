@@ -15,24 +15,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes, prefill_buckets
-from raydecode.models.cache import SeqSlice, StepBatch
+from raydecode.models.cache import SeqSlice
 from raydecode.models.k3 import make_caches
 
 from _numerics import max_rel_err
 from _prefill_forced import k3_slice, tiny_model
+from _stock_steps import STEPS, plan as _plan, real_rows, tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 NS, NB, BS = 4, 96, 16
 SENTINEL = 3.0
-TABLES = {s: list(range(24 * s, 24 * s + 24)) for s in range(NS)}
-STEPS = [[SeqSlice(0, 0, 37, 0)],
-         [SeqSlice(0, 0, 20, 37), SeqSlice(1, 20, 9, 0)],
-         [SeqSlice(0, 0, 1, 57), SeqSlice(1, 1, 1, 9), SeqSlice(2, 2, 30, 0)],
-         [SeqSlice(0, 0, 1, 58), SeqSlice(2, 1, 1, 30)],
-         [SeqSlice(1, 0, 32, 10)],
-         [SeqSlice(3, 0, 1, 0)]]
+TABLES = tables(NS, 24)
 BIG = [[SeqSlice(0, 0, 200, 59)]]          # the K3 slice: bucket 256
 
 
@@ -54,15 +48,8 @@ def _runner(model, cap: int) -> GraphedRunner:
                          stock_graphs=cap)
 
 
-def _plan(step: int, seqs, ids: range, tables=None) -> StepPlan:
-    g = torch.Generator().manual_seed(100 + step)
-    n = sum(s.length for s in seqs)
-    toks = (torch.randint(0, ids.stop - ids.start, (n,), generator=g) + ids.start).tolist()
-    return StepPlan(step, StepBatch(seqs), toks, [s.end - 1 for s in seqs], tables or {}, [])
-
-
 def _real(c):
-    return (c.kda.rec[:, :NS], c.kda.conv[:, :NS], c.mla.pool[:, :NB])
+    return real_rows(c, NS, NB)
 
 
 @pytest.mark.parametrize("which,dtype", [("tiny", torch.float32), ("tiny", torch.bfloat16),
