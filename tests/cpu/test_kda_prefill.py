@@ -41,7 +41,10 @@ def _per_sequence(x, dtype):
     return torch.cat(os_), torch.stack(Ss)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+# fp32: the chunked form's rounding (the intra-chunk solve) against the fp64 recurrence
+# reached 1.3e-5 over 300 seeds (2 above 1e-5: a 1e-5 bound failed ~1 CI run in 150); a
+# transposed state or a lost hand-over between chunks is O(1)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 5e-5)])
 def test_reference_dispatch_matches_per_sequence_recurrence(dtype, tol):
     seed = fresh_seed()
     lens = [1, 5, 63, 64, 65, 130]                  # around the 64-token chunk
