@@ -499,14 +499,20 @@ class GraphedRunner(ModelRunner):
                                    tokens=list(plan.tokens) + [0] * (bucket - T))
 
     @contextlib.contextmanager
-    def _pad_table(self, bucket: int):
-        """The scratch sequence's MLA block table while a padded step runs."""
+    def _pad_table(self, bucket: int, skip: bool = True):
+        """The scratch sequence's MLA block table while a padded step runs; with `skip`, the
+        attention cores skip it too (`caches.pad_slot`: its rows of their output are zeros, its
+        fla and SDPA work is not done). The build's warm-up and capture run it (skip False):
+        their steps are pad tokens only, which must meet the kernels."""
         mla, pad = self.caches.mla, self.scratch.slots[0]
         if mla is not None:
             mla.block_tables[pad] = [self.scratch.block] * -(-bucket // mla.block_size)
+        if skip:
+            self.caches.pad_slot = pad
         try:
             yield
         finally:
+            self.caches.pad_slot = None
             if mla is not None:
                 mla.block_tables.pop(pad, None)
 
@@ -522,7 +528,7 @@ class GraphedRunner(ModelRunner):
         b = self.pad_of(plan) if bucket is None else bucket
         if b is None:
             return super().logits(plan)
-        with self._pad_table(b):
+        with self._pad_table(b, skip=bucket is None):      # a given bucket: the warm-up
             out = super().logits(self._padded(plan, b))
         self.counts["padded"] += 1
         return out
@@ -589,7 +595,7 @@ class GraphedRunner(ModelRunner):
         if cuda:
             side.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with self._pad_table(bucket), \
+            with self._pad_table(bucket, skip=False), \
                     (torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
                 ref, sg = capture_stock_graph(forward, self.caches, bucket, tokens,
                                               self._stock_buffers, self.stock_backend)

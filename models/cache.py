@@ -317,3 +317,8 @@ class ModelCaches:
     # Piecewise-graphed stock step (engine/piecewise.py): while set, every attention layer's
     # core goes through it (models/pieces.py `attention_core`). None: plain calls (default).
     pieces: Any = None
+    # A padded stock step's scratch sequence (engine/step_graph.py `GraphedRunner`): while
+    # set, the attention cores skip the sequence on this slot — its rows of their output are
+    # zeros, nothing of it is read or stored. None: every sequence runs (default; the build's
+    # warm-up runs the pad sequence for real, so its kernels compile there).
+    pad_slot: int | None = None

@@ -341,9 +341,13 @@ class KDAAttention(nn.Module):
         packed = []                              # (seq, xs, q, k, v, S0) for the varlen call
         singles = []                             # one-token continuations: `_decode_rows`
         batched = cache is not None and batch_decode_rows(qkv_in)
+        pad = caches.pad_slot if caches is not None else None
         o = qkv_in.new_empty(T, h, d, dtype=torch.float32)
         for s in batch.seqs:
             sl = slice(s.start, s.end)
+            if s.slot == pad:                   # a padded step's scratch sequence: zero rows
+                o[sl].zero_()
+                continue
             if s.length == 1 and s.pos > 0 and batched and observer is None:
                 singles.append(s)
                 continue

@@ -367,15 +367,19 @@ class MLAAttention(nn.Module):
         (the partials need the all-gathers) and the reference (the CPU and fp32 by default:
         as before, bit for bit) keep the absorbed fp32 math of `_latent_attention`."""
         cache, layer = caches.mla, caches.mla_index[self.layer_idx]
-        cache.write_seqs(layer, batch.seqs, rows)
+        seqs = [s for s in batch.seqs if s.slot != caches.pad_slot]   # a pad sequence: zeros
+        cache.write_seqs(layer, seqs, rows)
         sdpa = self.par.dcp_size == 1 and resolve_impl(self.prefill_impl, q) == "sdpa"
-        if not (sdpa and any(s.length > 1 for s in batch.seqs)):
-            return self._latent_attention(q, batch.seqs, batch.positions(q.device), cache,
-                                          layer)
-        dec = [s for s in batch.seqs if s.length == 1]          # a mixed step's decode rows
+        if not (sdpa and any(s.length > 1 for s in seqs)):
+            return self._latent_attention(q, seqs, batch.positions(q.device), cache, layer)
+        dec = [s for s in seqs if s.length == 1]                # a mixed step's decode rows
         positions = batch.positions(q.device) if dec else None
         out = q.new_empty(q.shape[0], self.heads, self.vdim)                 # (T, h, v)
-        for s in batch.seqs:
+        if len(seqs) < len(batch.seqs):
+            for s in batch.seqs:
+                if s.slot == caches.pad_slot:
+                    out[s.start:s.end].zero_()
+        for s in seqs:
             sl = slice(s.start, s.end)
             if s.length > 1:
                 r, _ = cache.read(layer, s.slot, s.pos + s.length)       # positions 0 .. end−1

@@ -1,8 +1,9 @@
 """Padded stock steps (engine/step_graph.py `GraphedRunner` with pad_prefill): a stock step
 padded to its token bucket by one scratch sequence gives the unpadded step's logits and real
 caches, for a chunk at position 0, a continued chunk beside a new sequence, and a mixed step
-with a decode row; the padding ran (the scratch rows changed), its table is gone after the
-step, and the build's warm-up runs every bucket without touching a real slot. On the CPU the
+with a decode row; the attention cores skip the pad sequence (its scratch state unchanged), its
+table is gone after the step, and the build's warm-up runs every bucket — the pad sequence
+for real there, so its kernels compile — without touching a real slot. On the CPU the
 tiny model in fp32 (what the CUDA rank runs at the bucket's shapes is the same code)."""
 from __future__ import annotations
 
@@ -79,8 +80,10 @@ def test_padded_stock_steps_equal_the_unpadded_ones(model):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (i, (got - want).abs().max())
         for a, b in zip(_real(plain.caches), _real(padded.caches)):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), i
-        assert not torch.equal(padded.caches.kda.rec[:, scratch], before)   # the pad ran
+        # the pad tokens ran the per-token work only: the cores skipped their sequence
+        assert torch.equal(padded.caches.kda.rec[:, scratch], before)
         assert scratch not in padded.caches.mla.block_tables
+        assert padded.caches.pad_slot is None
     assert padded.counts["padded"] == 3
 
 
@@ -97,8 +100,12 @@ def test_a_step_at_its_bucket_or_with_padding_off_runs_as_is(model):
 def test_warm_prefill_runs_every_bucket_on_scratch_rows_only(model):
     _, padded = _runners(model)
     real = [t.clone() for t in _real(padded.caches)]
+    scratch = padded.scratch.slots[0]
+    before = padded.caches.kda.rec[:, scratch].clone()
     assert padded.warm_prefill(300) == prefill_buckets(300)
     assert all(torch.equal(a, b) for a, b in zip(real, _real(padded.caches)))
+    # the warm-up's pad sequence runs its attention cores (their kernels' first runs)
+    assert not torch.equal(padded.caches.kda.rec[:, scratch], before)
     assert not padded.caches.mla.block_tables
     assert padded.counts["padded"] == len(prefill_buckets(300))
 

@@ -77,6 +77,8 @@ def test_replayed_stock_steps_equal_the_eager_ones(model):
     assert not g.caches.mla.block_tables
     # every layer has an attention core: one graph more than the layers per bucket
     assert all(len(sg.graphs) == model.cfg.num_layers + 1 for sg in g.stock_graphs.values())
+    pad = g.scratch.slots[0]
+    pad_state = g.caches.kda.rec[:, pad].clone()
     V = model.cfg.vocab_size
     for i, seqs in enumerate(STEPS):
         plan = _plan(i + 1, seqs, V, TABLES if i == 0 else None)
@@ -86,7 +88,9 @@ def test_replayed_stock_steps_equal_the_eager_ones(model):
         for a, b in zip(_real(plain.caches), _real(g.caches)):
             assert torch.allclose(a, b, rtol=TOL, atol=TOL), i
         assert g.caches.pieces is None and g.scratch.slots[0] not in g.caches.mla.block_tables
+        assert g.caches.pad_slot is None
     assert g.counts["stock_graphed"] == len(STEPS)
+    assert torch.equal(g.caches.kda.rec[:, pad], pad_state)   # the cores skipped the pads
     assert sum(sg.replays for sg in g.stock_graphs.values()) == len(STEPS) + len(g.stock_graphs)
 
 
