@@ -581,7 +581,10 @@ class GraphedRunner(ModelRunner):
         """Warm and capture the stock graph of one token bucket on the scratch rows (all pad
         tokens), then replay it once against the warm pass: a capture that raises, or a replay
         that is not finite or leaves the warm pass's hidden state by more than 1e-2 (relative,
-        max-abs), leaves the bucket eager (`stock_failed` says why). -> captured."""
+        max-abs), leaves the bucket eager (`stock_failed` says why). Collective at TP > 1
+        (the passes' all-reduces): the ranks agree after the capture and after the replay,
+        so a failure on one rank leaves the bucket eager on all and none waits in a replay
+        the others skip. -> captured."""
         if bucket in self.stock_graphs:
             return True
         plan = self._padded(StepPlan(0, StepBatch([]), [], [], {}, [], "stock"), bucket)
@@ -591,7 +594,7 @@ class GraphedRunner(ModelRunner):
             return self.model(tokens, plan.batch, self.caches, path="stock")
 
         cuda = self.device.type == "cuda"
-        side = self._capture_stream()
+        side, sg, why = self._capture_stream(), None, None
         if cuda:
             side.wait_stream(torch.cuda.current_stream(self.device))
         try:
@@ -600,25 +603,40 @@ class GraphedRunner(ModelRunner):
                 ref, sg = capture_stock_graph(forward, self.caches, bucket, tokens,
                                               self._stock_buffers, self.stock_backend)
                 ref = ref.clone()
-                got = sg.replay(plan.batch).clone()
         except Exception as e:      # noqa: BLE001 — the bucket stays eager
-            self.stock_failed[bucket] = f"{type(e).__name__}: {e}"
-            return False
+            why = f"{type(e).__name__}: {e}"
         finally:                    # what the side stream queued, before any later step
             if cuda:
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 torch.cuda.synchronize(self.device)
-        err = ((got.float() - ref.float()).abs().max()
-               / ref.float().abs().max().clamp_min(1e-30)).item()
-        if not torch.isfinite(got).all() or not err <= 1e-2:
-            self.stock_failed[bucket] = (f"replay left the warm pass by {err:.3g} (relative "
-                                         "max-abs); the bucket runs eagerly")
-            return False
-        self.stock_graphs[bucket] = sg
-        self.counts["stock_captured"] += 1
-        return True
+        if self._group_ok(why is None):
+            try:
+                with self._pad_table(bucket, skip=False):
+                    got = sg.replay(plan.batch).clone()
+                err = ((got.float() - ref.float()).abs().max()
+                       / ref.float().abs().max().clamp_min(1e-30)).item()
+                if not torch.isfinite(got).all() or not err <= 1e-2:
+                    why = (f"replay left the warm pass by {err:.3g} (relative max-abs); the "
+                           "bucket runs eagerly")
+            except Exception as e:  # noqa: BLE001 — the bucket stays eager
+                why = f"{type(e).__name__}: {e}"
+            if self._group_ok(why is None):
+                self.stock_graphs[bucket] = sg
+                self.counts["stock_captured"] += 1
+                return True
+        self.stock_failed[bucket] = why or "the capture failed on another rank of the group"
+        return False
 
     # ---- internals -------------------------------------------------------------------------
+    def _group_ok(self, ok: bool) -> bool:
+        """Whether every rank of the TP group says ok (a sum over the group's comm of the
+        failures; one rank: its own answer). Build time: reads the sum on the host."""
+        comm = getattr(self.model, "comm", None)
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        if comm is not None:
+            flag = comm.all_reduce(flag)
+        return float(flag[0]) == 0.0
+
     def _capture_stream(self):
         """The one side stream every stock-graph capture runs on (CUDA; None elsewhere): a
         stream per capture would give cuBLAS a workspace per stream."""

@@ -192,3 +192,26 @@ def test_stock_graphs_setting_and_argument_are_checked(model, monkeypatch):
     off = GraphedRunner(model, _caches(model), num_slots=NS, num_blocks=NB, stock_graphs=64)
     assert off.stock_graph_tokens == 0 and off.stock_support == (False, "no graph backend "
                                                                  "(graphs off)")
+
+
+def test_a_capture_failed_on_another_rank_leaves_the_bucket_eager_here(model, monkeypatch):
+    """The ranks agree after the capture: a group sum of failures above this rank's own (as if
+    another rank's capture raised) leaves the bucket eager here too, before the replay whose
+    all-reduces the failed rank would not join."""
+    class OtherRankFailed:
+        def __init__(self):
+            self.calls = 0
+
+        def all_reduce(self, x):
+            self.calls += 1
+            return x + 1                        # one more failure in the group
+
+    comm = OtherRankFailed()
+    g = _graphed(model, cap=16)
+    monkeypatch.setattr(g.model, "comm", comm, raising=False)
+    replays = []
+    monkeypatch.setattr(piecewise.StockGraph, "replay",
+                        lambda self, batch: replays.append(batch) or self.hidden)
+    assert not g.capture_stock(16)
+    assert g.stock_failed[16] == "the capture failed on another rank of the group"
+    assert comm.calls == 1 and replays == []    # agreed before the replay, which never ran
