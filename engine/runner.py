@@ -45,6 +45,10 @@ class ModelRunner:
         buffer the next step rewrites (graphed runners): read it before the next step."""
         tokens = self.prepare(plan)
         hidden = self.model(tokens, plan.batch, self.caches, path=plan.path)   # (T, H)
+        return self.sample_logits(hidden, plan)
+
+    def sample_logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """(len(plan.sample_rows), V) fp32 logits of the plan's sample rows of `hidden`."""
         rows = host_to_device(torch.tensor(plan.sample_rows, dtype=torch.long), self.device)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
 

@@ -38,7 +38,7 @@ import torch
 
 from raydecode.kernels import kda_decode as kda_decode_op
 from raydecode.kernels import settings
-from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch, host_to_device
+from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
 from raydecode.models.decode_plan import BUCKETS     # the plan's batch buckets (DESIGN §3)
 
 from .piecewise import Buffers, CudaPieces, StockGraph, capture_stock_graph
@@ -337,8 +337,9 @@ class GraphedRunner(ModelRunner):
                              "device (capture=False runs the statics path eagerly)")
         self.scratch = ScratchRows(num_slots, max_padding(self.buckets), num_blocks)
         self.support = graph_support(model, caches)
-        if self.capture and self.support[0] and host_bound_experts(model):
-            self.support = (False, host_bound_experts(model))
+        experts = host_bound_experts(model)          # why the experts cannot be captured
+        if self.capture and self.support[0] and experts:
+            self.support = (False, experts)
         self.statics: dict[int, StepStatics] = {}
         self.graphs: dict[int, _Captured] = {}
         self.capture_failed: dict[int, str] = {}     # bucket -> why (it then runs eagerly)
@@ -362,8 +363,7 @@ class GraphedRunner(ModelRunner):
         self.stock_backend = stock_backend if stock_backend is not None else (
             CudaPieces(self._pool) if self.capture else None)
         why = ("no graph backend (graphs off)" if self.stock_backend is None
-               else "no scratch rows" if not self.scratch.count
-               else host_bound_experts(model))
+               else "no scratch rows" if not self.scratch.count else experts)
         self.stock_graphs_asked = cap
         self.stock_graph_tokens = cap if why is None else 0
         self.stock_support = (why is None, why or "ok")
@@ -537,15 +537,12 @@ class GraphedRunner(ModelRunner):
         """One stock step on its bucket's graph: the plan's cache updates, its tokens (and the
         pads') into the graph's token buffer, the replay on the padded batch, then the sample
         rows' logits from the graphs' hidden state."""
-        self.update_caches(plan)
         padded = self._padded(plan, sg.bucket)
-        sg.tokens.copy_(host_to_device(torch.tensor(padded.tokens, dtype=torch.long),
-                                       self.device), non_blocking=True)
+        sg.tokens.copy_(self.prepare(padded))        # the plan's cache updates, then its tokens
         with self._pad_table(sg.bucket):
             hidden = sg.replay(padded.batch)                                      # (C, H)
-        rows = host_to_device(torch.tensor(plan.sample_rows, dtype=torch.long), self.device)
         self.counts["stock_graphed"] += 1
-        return self.model.compute_logits(hidden.index_select(0, rows)).float()
+        return self.sample_logits(hidden, plan)
 
     @torch.inference_mode()
     def warm_prefill(self, budget: int) -> list[int]:
