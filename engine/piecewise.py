@@ -37,6 +37,7 @@ recorded operations (tests/_graph_emulator.py) against the eager step.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -54,14 +55,23 @@ class GraphBackend(Protocol):
 
 class CudaPieces:
     """CUDA graphs captured into `pool` on the current stream (the caller holds a side stream:
-    capture never runs on the default stream), errors local to the capturing thread."""
+    capture never runs on the default stream), errors local to the capturing thread.
+
+    Every graph begun here stays referenced (`kept`), also those of a bucket that failed its
+    capture or its check: the caching allocator counts a shared pool's users by its live
+    graphs, and once the count drops to zero (the failed bucket's graphs freed) a later
+    capture into the same pool aborts the process-wide allocator check ("use_count > 0",
+    CUDACachingAllocator.cpp) — the first H100 round lost every bucket after the first
+    failure so. Their memory is the pool's, which the other graphs share anyway."""
 
     def __init__(self, pool):
         self.pool = pool
         self._open: torch.cuda.CUDAGraph | None = None
+        self.kept: list[torch.cuda.CUDAGraph] = []
 
     def begin(self) -> None:
         g = torch.cuda.CUDAGraph()
+        self.kept.append(g)
         g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         self._open = g
 
@@ -134,7 +144,8 @@ class Pieces:
     ("capture"): models/pieces.py `attention_core` calls `core`."""
 
     def __init__(self, mode: str, tokens: int, *, signatures: list[Signature] | None = None,
-                 buffers: Buffers | None = None, backend: GraphBackend | None = None):
+                 buffers: Buffers | None = None, backend: GraphBackend | None = None,
+                 keep_inputs: bool = False):
         if mode not in ("warm", "capture"):
             raise ValueError(f"mode {mode!r}; accepted: warm, capture")
         if mode == "capture" and (signatures is None or buffers is None or backend is None):
@@ -144,6 +155,7 @@ class Pieces:
         self.buffers, self.backend = buffers, backend
         self.cores: list[_Core] = []
         self.graphs: list = []
+        self.keep_inputs = keep_inputs      # warm: each core's tensors copied (check_replay)
 
     def core(self, fn, batch, caches, *tensors: torch.Tensor) -> torch.Tensor:
         k, C = len(self.cores), self.tokens
@@ -151,7 +163,8 @@ class Pieces:
             out = fn(batch, caches, *tensors)
             ins = tuple(_meta(t, C, f"core {k} tensor {i}") for i, t in enumerate(tensors))
             self.signatures.append(Signature(ins, _meta(out, C, f"core {k} output")))
-            self.cores.append(_Core(fn, caches, [], out))
+            kept = [t.clone() for t in tensors] if self.keep_inputs else []
+            self.cores.append(_Core(fn, caches, kept, out))
             return out
         if k >= len(self.signatures):
             raise RuntimeError(f"core {k} met in the capture; the warm pass met "
@@ -183,11 +196,15 @@ class StockGraph:
     hidden: torch.Tensor                 # (C, H), written by the last graph
     replays: int = field(default=0)
 
-    def replay(self, batch) -> torch.Tensor:
+    def replay(self, batch, observe: Callable[[int, list[torch.Tensor]], None] | None = None
+               ) -> torch.Tensor:
         """Run the step on `batch` (C tokens in `tokens`): graph, core, …, graph. -> hidden
-        (C, H), the graphs' buffer (the next replay of any bucket may rewrite it)."""
-        for graph, c in zip(self.graphs, self.cores):
+        (C, H), the graphs' buffer (the next replay of any bucket may rewrite it). `observe(k,
+        inputs)`: called with core k's input buffers as graph k left them (check_replay)."""
+        for k, (graph, c) in enumerate(zip(self.graphs, self.cores)):
             graph.replay()
+            if observe is not None:
+                observe(k, c.ins)
             c.out.copy_(c.fn(batch, c.caches, *c.ins))
         self.graphs[-1].replay()
         self.replays += 1
@@ -233,5 +250,45 @@ def capture_stock_graph(forward: Callable[[], torch.Tensor], caches, bucket: int
     return ref, StockGraph(bucket, tokens, cap.graphs, cap.cores, hidden)
 
 
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got − want| / max |want| (fp32; NaN where got is not finite)."""
+    got, want = got.float(), want.float()
+    if not bool(torch.isfinite(got).all()):
+        return math.nan
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def check_replay(forward: Callable[[], torch.Tensor], caches, sg: StockGraph,
+                 batch) -> tuple[float, str]:
+    """How far a replay of `sg` on `batch` is from the eager step: an eager pass of `forward()`
+    keeping every core's tensors, then the replay, compared at each core's inputs (what each
+    graph made for its core) and at the hidden state. -> (the largest relative max-abs
+    difference, NaN if a replay tensor is not finite; where it is).
+
+    The step must be deterministic for this to mean anything: the caller runs it with the pad
+    sequence's attention skipped. (At the build the scratch sequence's MLA rows all map to one
+    scratch block, so a bucket above one block writes several rows per cache row at once and
+    its attention reads whichever write won: two eager passes of bucket 2,048 differ by 0.7
+    on the H100, while every graph's output equals the eager one's bit for bit.)"""
+    rec = Pieces("warm", sg.bucket, keep_inputs=True)
+    caches.pieces = rec
+    try:
+        want = forward().clone()
+    finally:
+        caches.pieces = None
+    if len(rec.cores) != len(sg.cores):
+        return math.inf, f"the eager step met {len(rec.cores)} cores, the graph {len(sg.cores)}"
+    errs: list[tuple[float, str]] = []
+
+    def observe(k: int, ins: list[torch.Tensor]) -> None:
+        for i, (a, b) in enumerate(zip(ins, rec.cores[k].ins)):
+            errs.append((_rel(a, b), f"core {k} input {i}"))
+
+    got = sg.replay(batch, observe)
+    errs.append((_rel(got, want), "the hidden state"))
+    bad = [e for e in errs if math.isnan(e[0])]
+    return bad[0] if bad else max(errs, key=lambda e: e[0])
+
+
 __all__ = ["Buffers", "CudaPieces", "GraphBackend", "Pieces", "Signature", "StockGraph",
-           "capture_stock_graph"]
+           "capture_stock_graph", "check_replay"]

@@ -16,6 +16,7 @@ import torch
 
 import raydecode.models.moe as moe_mod
 from raydecode.engine import piecewise
+from raydecode.engine import step_graph as step_graph_mod
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.scheduler import StepPlan
 from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes, prefill_buckets
@@ -96,11 +97,16 @@ def test_replayed_stock_steps_equal_the_eager_ones(model):
 
 def test_a_piece_that_reads_the_batch_replays_wrong(model, monkeypatch):
     """The emulator can fail: with the MLA core captured inside the pieces (its batch layout
-    baked in at the capture), a replay on another batch differs from the eager step."""
+    baked in at the capture), the build's check step (another batch: the pad's attention
+    skipped) already differs and leaves the bucket eager; forced in past the check, a replay
+    on another batch differs from the eager step."""
     plain = ModelRunner(model, _caches(model))
     g = _graphed(model, cap=64)
     monkeypatch.setattr(mla_mod, "attention_core", lambda caches, fn, batch, *t:
                         fn(batch, caches, *t))
+    assert not g.capture_stock(64)
+    assert "replay left the eager step" in g.stock_failed.pop(64)
+    monkeypatch.setattr(step_graph_mod, "check_replay", lambda *a: (0.0, "not checked"))
     assert g.capture_stock(64)
     plan = StepPlan(1, StepBatch([SeqSlice(0, 0, 40, 0), SeqSlice(1, 40, 24, 0)]),
                     _plan(1, [SeqSlice(0, 0, 64, 0)], model.cfg.vocab_size).tokens,
@@ -108,6 +114,61 @@ def test_a_piece_that_reads_the_batch_replays_wrong(model, monkeypatch):
     want, got = plain.logits(plan), g.logits(plan)
     assert g.counts["stock_graphed"] == 1
     assert not torch.allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+class _CorruptingGraphs(EmulatedGraphs):
+    """Emulated graphs whose piece `bad` replays its recorded operations, then adds one to
+    every floating tensor it copied into (its core's input buffers): a graph that replays
+    something else than it ran."""
+
+    def __init__(self, bad: int):
+        super().__init__()
+        self.bad = bad
+
+    def end(self):
+        piece = super().end()
+        if len(self.pieces) - 1 == self.bad:
+            replay = piece.replay
+
+            def corrupted():
+                replay()
+                for func, args, *_ in piece.ops:
+                    if func is torch.ops.aten.copy_.default and args[0].is_floating_point():
+                        args[0].add_(1.0)
+            piece.replay = corrupted
+        return piece
+
+
+def test_the_build_check_refuses_a_graph_that_replays_other_values(model):
+    """capture_stock's check compares every core's inputs as the replay's graphs made them
+    with the eager step's: a graph whose replay writes other values leaves its bucket eager,
+    naming the first core input it reaches."""
+    g = _graphed(model, cap=16, backend=_CorruptingGraphs(bad=1))
+    assert not g.capture_stock(16)
+    assert "core 1 input" in g.stock_failed[16], g.stock_failed
+    assert g.stock_graph_of(_plan(1, [SeqSlice(0, 0, 9, 0)], model.cfg.vocab_size)) is None
+
+
+def test_the_build_check_ignores_the_pad_sequence_attention(model, monkeypatch):
+    """The build's warm-up and capture run the scratch sequence's attention (the kernels must
+    meet the shapes), whose MLA rows share one scratch block: on a GPU its writes race, so
+    two such passes differ (0.7 at bucket 2,048 on the H100). The check step skips the pad's
+    attention, as served steps do: a core whose pad output changes from run to run does not
+    fail a correct capture."""
+    real_core = mla_mod.MLAAttention._core
+    calls = []
+
+    def racing_core(self, batch, caches, q, rows):
+        out = real_core(self, batch, caches, q, rows)
+        calls.append(caches.pad_slot)
+        if caches.pad_slot is None:        # the pad's attention runs: a different race each time
+            out = out + torch.randn_like(out)
+        return out
+
+    monkeypatch.setattr(mla_mod.MLAAttention, "_core", racing_core)
+    g = _graphed(model, cap=16)
+    assert g.capture_stock(16), g.stock_failed
+    assert None in calls and g.scratch.slots[0] in calls     # both kinds of step ran
 
 
 def test_a_host_read_under_capture_leaves_the_bucket_eager(model, monkeypatch):
