@@ -231,14 +231,16 @@ class DeployConfig(_Model):
                     "0.084 s in one step against 0.145 s in four of 2048 (MFU 0.26 vs 0.15, "
                     "bench/results/budget-prefill-h200-2026-12-04.json).")
     max_prefill_tokens_while_decoding: int | None = Field(
-        default=2048, ge=1,
+        default=512, ge=1,
         description="Prompt tokens of one step while other sequences decode; null: the whole "
                     "max_num_batched_tokens. A long prompt then prefills in chunks this size "
                     "while streams run (each running stream waits at most one such chunk step "
-                    "per token) and in budget-sized chunks when nothing decodes. 2048: a "
-                    "chunk step that size costs 28-35 ms for 8 K3 layers on the H200, 1.6x a "
-                    "one-token one (the stock step's host floor), while 8192 would make each "
-                    "running stream wait 84-86.")
+                    "per token) and in budget-sized chunks when nothing decodes. 512: with the "
+                    "stock graphs (RAYDECODE_STOCK_GRAPHS, default 512) a chunk step that size "
+                    "costs 10.2 ms for 8 K3 layers on the H100 against 20.6 at 2048 and 8.7 at "
+                    "256, so a running stream's token takes 3.5x its decode-alone time beside "
+                    "a prompt (2048: 6.0x; eager 2048: 8.0x) while the prompt gets 36k tok/s "
+                    "(bench/results/prefill-h100-2026-12-06-graphs.json).")
     max_waiting_requests: int = Field(
         default=256, ge=0, description="Requests queued beyond the running ones before new ones "
                                        "get 503 + Retry-After.")

@@ -128,7 +128,7 @@ FLOPS_METHOD = (
 # the deployment's default max_prefill_tokens_while_decoding (actors/config.py; the GPU host
 # running this bench lacks pydantic, so it is not imported: tests/cpu/test_bench_prefill.py
 # checks the two agree)
-CHUNK_WHILE_DECODING = 2048
+CHUNK_WHILE_DECODING = 512
 
 
 def flop_model(model: K3ForCausalLM) -> dict:

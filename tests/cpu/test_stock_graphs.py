@@ -245,8 +245,10 @@ def test_stock_graphs_setting_and_argument_are_checked(model, monkeypatch):
             settings.stock_graphs()
     monkeypatch.setenv("RAYDECODE_STOCK_GRAPHS", "2048")
     assert settings.stock_graphs() == 2048
-    monkeypatch.delenv("RAYDECODE_STOCK_GRAPHS")
+    monkeypatch.setenv("RAYDECODE_STOCK_GRAPHS", "0")
     assert settings.stock_graphs() == 0
+    monkeypatch.delenv("RAYDECODE_STOCK_GRAPHS")
+    assert settings.stock_graphs() == 512          # the default: every chunk beside decodes
     with pytest.raises(ValueError, match="stock_graphs=300"):
         _graphed(model, cap=300)
     # no backend (a CPU runner without capture): no stock graphs, whatever the cap
