@@ -576,10 +576,10 @@ class GraphedRunner(ModelRunner):
     @torch.inference_mode()
     def capture_stock(self, bucket: int) -> bool:
         """Warm and capture the stock graph of one token bucket on the scratch rows (all pad
-        tokens), then check one replay against an eager step (`check_replay`, the pad's
-        attention skipped): a capture that raises, or a replay that is not finite or whose
-        core inputs or hidden state leave the eager step's by more than 1e-2 (relative,
-        max-abs), leaves the bucket eager (`stock_failed` says why). Collective at TP > 1
+        tokens), then check one replay against an eager step (`check_replay`, on tokens that
+        vary by row, the pad's attention skipped): a capture that raises, or a replay that is
+        not finite or whose core inputs or hidden state leave the eager step's by more than
+        1e-2 (relative, max-abs), leaves the bucket eager (`stock_failed` says why). Collective at TP > 1
         (the passes' all-reduces): the ranks agree after the capture and after the replay,
         so a failure on one rank leaves the bucket eager on all and none waits in a replay
         the others skip. -> captured."""
@@ -609,7 +609,11 @@ class GraphedRunner(ModelRunner):
         if self._group_ok(why is None):
             try:
                 # the check step skips the pad's attention as served padded steps do; run,
-                # the scratch sequence's MLA row writes race (check_replay's docstring)
+                # the scratch sequence's MLA row writes race (check_replay's docstring). Its
+                # tokens vary by row, so a piece that moves rows cannot pass on equal ones
+                gen = torch.Generator().manual_seed(bucket)
+                tokens.copy_(torch.randint(0, self.model.cfg.vocab_size, (bucket,),
+                                           generator=gen))
                 with self._pad_table(bucket):
                     err, where = check_replay(forward, self.caches, sg, plan.batch)
                 if not err <= 1e-2:

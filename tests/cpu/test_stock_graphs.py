@@ -117,13 +117,14 @@ def test_a_piece_that_reads_the_batch_replays_wrong(model, monkeypatch):
 
 
 class _CorruptingGraphs(EmulatedGraphs):
-    """Emulated graphs whose piece `bad` replays its recorded operations, then adds one to
-    every floating tensor it copied into (its core's input buffers): a graph that replays
+    """Emulated graphs whose piece `bad` replays its recorded operations, then changes every
+    floating tensor it copied into (its core's input buffers): adds one ("add"), or moves its
+    rows by one ("roll", invisible on a step whose rows are all equal): a graph that replays
     something else than it ran."""
 
-    def __init__(self, bad: int):
+    def __init__(self, bad: int, how: str = "add"):
         super().__init__()
-        self.bad = bad
+        self.bad, self.how = bad, how
 
     def end(self):
         piece = super().end()
@@ -134,7 +135,10 @@ class _CorruptingGraphs(EmulatedGraphs):
                 replay()
                 for func, args, *_ in piece.ops:
                     if func is torch.ops.aten.copy_.default and args[0].is_floating_point():
-                        args[0].add_(1.0)
+                        if self.how == "add":
+                            args[0].add_(1.0)
+                        else:
+                            args[0].copy_(args[0].roll(1, 0))
             piece.replay = corrupted
         return piece
 
@@ -143,10 +147,11 @@ def test_the_build_check_refuses_a_graph_that_replays_other_values(model):
     """capture_stock's check compares every core's inputs as the replay's graphs made them
     with the eager step's: a graph whose replay writes other values leaves its bucket eager,
     naming the first core input it reaches."""
-    g = _graphed(model, cap=16, backend=_CorruptingGraphs(bad=1))
-    assert not g.capture_stock(16)
-    assert "core 1 input" in g.stock_failed[16], g.stock_failed
-    assert g.stock_graph_of(_plan(1, [SeqSlice(0, 0, 9, 0)], model.cfg.vocab_size)) is None
+    for how in ("add", "roll"):          # roll: the check's tokens differ row by row
+        g = _graphed(model, cap=16, backend=_CorruptingGraphs(bad=1, how=how))
+        assert not g.capture_stock(16)
+        assert "core 1 input" in g.stock_failed[16], (how, g.stock_failed)
+        assert g.stock_graph_of(_plan(1, [SeqSlice(0, 0, 9, 0)], model.cfg.vocab_size)) is None
 
 
 def test_the_build_check_ignores_the_pad_sequence_attention(model, monkeypatch):
