@@ -131,6 +131,42 @@ class Buffers:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
+class SingleSeq:
+    """The device tensors a single-sequence stock graph reads instead of the batch (models/
+    pieces.py `attention_core`'s `inline` cores): `slot` (1,) int64, the real sequence's KDA
+    slot; `cont` (1,) bool, whether it continues (pos > 0); `n` (1,) int64, its token count
+    (rows [0, n) of the bucket; the scratch pad after). `set` writes them before a replay (a
+    pinned non-blocking copy on CUDA: no host sync). `index(T)`: fla's varlen index of one
+    T-row sequence for an inline core (kernels/kda_prefill.py `build_varlen_index`): while a
+    graph is captured (`capturing`) the bucket's own, built once and held for the graph's
+    life; otherwise a fresh one each call, so nothing fla cached for an eager pass is what
+    the capture reads."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._dev = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.slot, self.n = self._dev[0:1], self._dev[2:3]
+        self.cont = torch.zeros(1, dtype=torch.bool, device=self.device)
+        self.capturing = False
+        self._held: dict[int, tuple] = {}
+
+    def index(self, T: int) -> tuple:
+        from raydecode.kernels.kda_prefill import build_varlen_index
+        if not self.capturing:
+            return build_varlen_index((0, T), self.device)
+        if T not in self._held:
+            self._held[T] = build_varlen_index((0, T), self.device)
+        return self._held[T]
+
+    def set(self, slot: int, pos: int, n: int) -> None:
+        host = torch.tensor([int(slot), int(pos > 0), int(n)], dtype=torch.int64)
+        if self.device.type == "cuda":     # the host allocator keeps the block until copied
+            self._dev.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self._dev.copy_(host)
+        torch.ne(self._dev[1:2], 0, out=self.cont)
+
+
 @dataclass
 class _Core:
     fn: Callable[..., torch.Tensor]
@@ -145,7 +181,7 @@ class Pieces:
 
     def __init__(self, mode: str, tokens: int, *, signatures: list[Signature] | None = None,
                  buffers: Buffers | None = None, backend: GraphBackend | None = None,
-                 keep_inputs: bool = False):
+                 keep_inputs: bool = False, single: SingleSeq | None = None):
         if mode not in ("warm", "capture"):
             raise ValueError(f"mode {mode!r}; accepted: warm, capture")
         if mode == "capture" and (signatures is None or buffers is None or backend is None):
@@ -156,6 +192,7 @@ class Pieces:
         self.cores: list[_Core] = []
         self.graphs: list = []
         self.keep_inputs = keep_inputs      # warm: each core's tensors copied (check_replay)
+        self.single = single                # set: cores with an `inline` form stay inside
 
     def core(self, fn, batch, caches, *tensors: torch.Tensor) -> torch.Tensor:
         k, C = len(self.cores), self.tokens
@@ -195,6 +232,7 @@ class StockGraph:
     cores: list[_Core]
     hidden: torch.Tensor                 # (C, H), written by the last graph
     replays: int = field(default=0)
+    single: SingleSeq | None = None      # set: a single-sequence graph (its inline cores)
 
     def replay(self, batch, observe: Callable[[int, list[torch.Tensor]], None] | None = None
                ) -> torch.Tensor:
@@ -212,13 +250,15 @@ class StockGraph:
 
 
 def capture_stock_graph(forward: Callable[[], torch.Tensor], caches, bucket: int,
-                        tokens: torch.Tensor, buffers: Buffers, backend: GraphBackend
-                        ) -> tuple[torch.Tensor, StockGraph]:
+                        tokens: torch.Tensor, buffers: Buffers, backend: GraphBackend,
+                        single: SingleSeq | None = None) -> tuple[torch.Tensor, StockGraph]:
     """Warm and capture one bucket (module docstring, steps 1-2). `forward()` runs the model
     on `tokens` (C,) and the bucket's batch with `caches`; the caller provides the stream
-    (CUDA: a side stream). -> (the warm pass's hidden (C, H), the StockGraph). Raises what the
-    warm pass or the capture raised, the capture closed and `caches.pieces` cleared."""
-    warm = Pieces("warm", bucket)
+    (CUDA: a side stream). With `single` (its tensors set by the caller): the single-sequence
+    graph, cores with an inline form captured inside it. -> (the warm pass's hidden (C, H),
+    the StockGraph). Raises what the warm pass or the capture raised, the capture closed and
+    `caches.pieces` cleared."""
+    warm = Pieces("warm", bucket, single=single)
     caches.pieces = warm
     try:
         ref = forward()
@@ -227,7 +267,7 @@ def capture_stock_graph(forward: Callable[[], torch.Tensor], caches, bucket: int
     if tokens.is_cuda:
         torch.cuda.synchronize(tokens.device)
     cap = Pieces("capture", bucket, signatures=warm.signatures, buffers=buffers,
-                 backend=backend)
+                 backend=backend, single=single)
     # every buffer of the bucket before the first graph begins: no allocation of the
     # runner's own between pieces while a capture is open
     for sig in warm.signatures:
@@ -235,6 +275,8 @@ def capture_stock_graph(forward: Callable[[], torch.Tensor], caches, bucket: int
             buffers.get(("in", i), shape, dtype, bucket)
         buffers.get(("out",), *sig.out, bucket)
     caches.pieces = cap
+    if single is not None:
+        single.capturing = True
     try:
         backend.begin()
         hidden = forward()
@@ -244,10 +286,12 @@ def capture_stock_graph(forward: Callable[[], torch.Tensor], caches, bucket: int
         raise
     finally:
         caches.pieces = None
+        if single is not None:
+            single.capturing = False
     if len(cap.cores) != len(warm.cores):
         raise RuntimeError(f"bucket {bucket}: the capture met {len(cap.cores)} cores, the "
                            f"warm pass {len(warm.cores)}")
-    return ref, StockGraph(bucket, tokens, cap.graphs, cap.cores, hidden)
+    return ref, StockGraph(bucket, tokens, cap.graphs, cap.cores, hidden, single=single)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -270,7 +314,7 @@ def check_replay(forward: Callable[[], torch.Tensor], caches, sg: StockGraph,
     scratch block, so a bucket above one block writes several rows per cache row at once and
     its attention reads whichever write won: two eager passes of bucket 2,048 differ by 0.7
     on the H100, while every graph's output equals the eager one's bit for bit.)"""
-    rec = Pieces("warm", sg.bucket, keep_inputs=True)
+    rec = Pieces("warm", sg.bucket, keep_inputs=True, single=sg.single)
     caches.pieces = rec
     try:
         want = forward().clone()
@@ -290,5 +334,5 @@ def check_replay(forward: Callable[[], torch.Tensor], caches, sg: StockGraph,
     return bad[0] if bad else max(errs, key=lambda e: e[0])
 
 
-__all__ = ["Buffers", "CudaPieces", "GraphBackend", "Pieces", "Signature", "StockGraph",
-           "capture_stock_graph", "check_replay"]
+__all__ = ["Buffers", "CudaPieces", "GraphBackend", "Pieces", "Signature", "SingleSeq",
+           "StockGraph", "capture_stock_graph", "check_replay"]

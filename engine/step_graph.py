@@ -41,7 +41,8 @@ from raydecode.kernels import settings
 from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
 from raydecode.models.decode_plan import BUCKETS     # the plan's batch buckets (DESIGN §3)
 
-from .piecewise import Buffers, CudaPieces, StockGraph, capture_stock_graph, check_replay
+from .piecewise import (Buffers, CudaPieces, SingleSeq, StockGraph, capture_stock_graph,
+                        check_replay)
 from .runner import ModelRunner
 from .scheduler import StepPlan
 
@@ -315,7 +316,7 @@ class GraphedRunner(ModelRunner):
                  num_blocks: int, max_blocks: int | None = None, buckets=BUCKETS,
                  capture: bool | None = None, pad_prefill: bool | None = None,
                  prefill_budget: int | None = None, stock_graphs: int | None = None,
-                 stock_backend=None):
+                 stock_backend=None, stock_single: bool | None = None):
         super().__init__(model, caches, device)
         self.buckets = check_buckets(buckets)
         need_slots, need_blocks = graph_cache_sizes(num_slots, num_blocks, self.buckets)
@@ -345,7 +346,8 @@ class GraphedRunner(ModelRunner):
         self.capture_failed: dict[int, str] = {}     # bucket -> why (it then runs eagerly)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.counts = {"graphed": 0, "eager_statics": 0, "plain": 0, "captured": 0,
-                       "padded": 0, "stock_graphed": 0, "stock_captured": 0}
+                       "padded": 0, "stock_graphed": 0, "stock_captured": 0,
+                       "stock_single": 0}
         # stock steps padded to `prefill_bucket` (None: RAYDECODE_PAD_PREFILL, default off);
         # prefill_budget: the step token budget, whose buckets `warm_prefill` runs at build
         self.pad_prefill = settings.pad_prefill() if pad_prefill is None else bool(pad_prefill)
@@ -369,6 +371,14 @@ class GraphedRunner(ModelRunner):
         self.stock_support = (why is None, why or "ok")
         self.stock_graphs: dict[int, StockGraph] = {}
         self.stock_failed: dict[int, str] = {}            # bucket -> why (it runs eagerly)
+        # single-sequence stock graphs (stock_single; None: RAYDECODE_STOCK_SINGLE, default
+        # off): a second graph per bucket for steps of one sequence, its KDA cores inside
+        # the graph (models/kda.py `_core_single`), the MLA cores still eager
+        self.stock_single = bool(self.stock_graph_tokens) and (
+            settings.stock_single() if stock_single is None else bool(stock_single))
+        self.stock_single_graphs: dict[int, StockGraph] = {}
+        self.stock_single_failed: dict[int, str] = {}
+        self._single = SingleSeq(self.device)
         self._stock_buffers = Buffers(self.device)
         self._side = None                                 # the capture stream (CUDA)
 
@@ -477,14 +487,18 @@ class GraphedRunner(ModelRunner):
         return b if b is not None and b > T else None
 
     def stock_graph_of(self, plan: StepPlan) -> StockGraph | None:
-        """The captured graph this stock step replays (its token bucket's), or None: stock
+        """The captured graph this stock step replays (its token bucket's; the bucket's
+        single-sequence graph for a step of one sequence where captured), or None: stock
         graphs off, above their cap, the bucket not captured (or its capture failed), or a KDA
         observer (speculative rollback reads every sequence in turn)."""
         T = plan.batch.num_tokens
         if (plan.path != "stock" or not 1 <= T <= self.stock_graph_tokens
                 or self.caches.kda_observer is not None):
             return None
-        return self.stock_graphs.get(prefill_bucket(T))
+        b = prefill_bucket(T)
+        if len(plan.batch.seqs) == 1 and b in self.stock_single_graphs:
+            return self.stock_single_graphs[b]
+        return self.stock_graphs.get(b)
 
     def _padded(self, plan: StepPlan, bucket: int) -> StepPlan:
         """The plan with one more sequence of bucket − T pad tokens (none at T = bucket), at
@@ -539,6 +553,10 @@ class GraphedRunner(ModelRunner):
         rows' logits from the graphs' hidden state."""
         padded = self._padded(plan, sg.bucket)
         sg.tokens.copy_(self.prepare(padded))        # the plan's cache updates, then its tokens
+        if sg.single is not None:                    # its one sequence: slot, start, length
+            s, = plan.batch.seqs
+            sg.single.set(s.slot, s.pos, s.length)
+            self.counts["stock_single"] += 1
         with self._pad_table(sg.bucket):
             hidden = sg.replay(padded.batch)                                      # (C, H)
         self.counts["stock_graphed"] += 1
@@ -579,14 +597,27 @@ class GraphedRunner(ModelRunner):
         tokens), then check one replay against an eager step (`check_replay`, on tokens that
         vary by row, the pad's attention skipped): a capture that raises, or a replay that is
         not finite or whose core inputs or hidden state leave the eager step's by more than
-        1e-2 (relative, max-abs), leaves the bucket eager (`stock_failed` says why). Collective at TP > 1
-        (the passes' all-reduces): the ranks agree after the capture and after the replay,
-        so a failure on one rank leaves the bucket eager on all and none waits in a replay
-        the others skip. -> captured."""
-        if bucket in self.stock_graphs:
-            return True
+        1e-2 (relative, max-abs), leaves the bucket eager (`stock_failed` says why). Collective
+        at TP > 1 (the passes' all-reduces): the ranks agree after the capture and after the
+        replay, so a failure on one rank leaves the bucket eager on all and none waits in a
+        replay the others skip. With `stock_single` on, the bucket's single-sequence graph
+        too (its KDA cores inside the graph: `stock_single_graphs`, failures in
+        `stock_single_failed`). -> the general graph captured."""
+        ok = bucket in self.stock_graphs or self._capture_variant(bucket, None)
+        if self.stock_single and bucket not in self.stock_single_graphs \
+                and bucket not in self.stock_single_failed:
+            self._capture_variant(bucket, self._single)
+        return ok
+
+    def _capture_variant(self, bucket: int, single: SingleSeq | None) -> bool:
+        """`capture_stock` of the general graph (single None) or of the single-sequence one
+        (its tensors set to the scratch slot, a start, all rows real)."""
+        graphs, failed = ((self.stock_graphs, self.stock_failed) if single is None else
+                          (self.stock_single_graphs, self.stock_single_failed))
         plan = self._padded(StepPlan(0, StepBatch([]), [], [], {}, [], "stock"), bucket)
         tokens = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        if single is not None:
+            single.set(self.scratch.slots[0], 0, bucket)
 
         def forward():
             return self.model(tokens, plan.batch, self.caches, path="stock")
@@ -599,7 +630,7 @@ class GraphedRunner(ModelRunner):
             with self._pad_table(bucket, skip=False), \
                     (torch.cuda.stream(side) if cuda else contextlib.nullcontext()):
                 _, sg = capture_stock_graph(forward, self.caches, bucket, tokens,
-                                            self._stock_buffers, self.stock_backend)
+                                            self._stock_buffers, self.stock_backend, single)
         except Exception as e:      # noqa: BLE001 — the bucket stays eager
             why = f"{type(e).__name__}: {e}"
         finally:                    # what the side stream queued, before any later step
@@ -622,10 +653,10 @@ class GraphedRunner(ModelRunner):
             except Exception as e:  # noqa: BLE001 — the bucket stays eager
                 why = f"{type(e).__name__}: {e}"
             if self._group_ok(why is None):
-                self.stock_graphs[bucket] = sg
+                graphs[bucket] = sg
                 self.counts["stock_captured"] += 1
                 return True
-        self.stock_failed[bucket] = why or "the capture failed on another rank of the group"
+        failed[bucket] = why or "the capture failed on another rank of the group"
         return False
 
     # ---- internals -------------------------------------------------------------------------

@@ -30,7 +30,8 @@ What fla-core 0.6.0 requires (read from its source) and how the call meets it:
   pageable memory, which waits for the stream (a host sync per new batch composition). We
   call the forward under it, `fla.ops.kda.chunk_fwd.chunk_kda_fwd` (what chunk_kda runs for
   these flags: no norm, gate or sigmoid in the kernel, no backward kept), with the chunk index
-  and chunk offsets built on the host and sent through pinned memory (`_varlen_index`).
+  and chunk offsets built on the host and sent through pinned memory (`build_varlen_index`,
+  memoized per batch composition).
 - chunk_kda's dispatcher would prefer a `flash_kda` (CUTLASS) or TileLang backend when those
   packages are installed; FlashKDA accepts only bf16 with every *_in_kernel flag on, so our
   fp32 call would run the Triton kernels anyway, which chunk_kda_fwd runs directly.
@@ -96,9 +97,8 @@ def _chunk_kda_fwd():
     return chunk_kda_fwd
 
 
-@functools.lru_cache(maxsize=64)
-def _varlen_index(bounds: tuple[int, ...], device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def build_varlen_index(bounds: tuple[int, ...], device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cu_seqlens host, cu_seqlens, chunk_indices, chunk_offsets) for one batch composition,
     the last three on the device, int64, built on the host and sent as one pinned
     non-blocking copy: no host sync. chunk_indices (NT, 2) holds (sequence, chunk within it)
@@ -123,6 +123,9 @@ def _varlen_index(bounds: tuple[int, ...], device: torch.device
             flat[n1 + 2 * nt:])
 
 
+_varlen_index = functools.lru_cache(maxsize=64)(build_varlen_index)
+
+
 def kda_prefill_reference(q, k, v, g, beta, scale: float, states: torch.Tensor,
                           cu_seqlens: torch.Tensor, chunk_size: int = CHUNK
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,12 +145,13 @@ def kda_prefill_reference(q, k, v, g, beta, scale: float, states: torch.Tensor,
 
 
 def _fla_prefill(q, k, v, g, beta, scale: float, states: torch.Tensor,
-                 cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 cu_seqlens: torch.Tensor, index: tuple | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's chunked KDA forward on the packed batch (module docstring): fp32 in, o (T, h, dv)
     fp32 and the final states (N, h, dk, dv) fp32 out. No host sync, no compile after
-    `warmup`."""
-    host, dev, chunk_indices, chunk_offsets = _varlen_index(tuple(cu_seqlens.tolist()),
-                                                            q.device)
+    `warmup`. `index`: the caller's own `build_varlen_index` tuple instead of the memo's."""
+    host, dev, chunk_indices, chunk_offsets = index if index is not None else \
+        _varlen_index(tuple(cu_seqlens.tolist()), q.device)
     # contiguous, on the tensors' device: what chunk_kda's input guard does, which the forward
     # underneath does not (its kernels index dense [1, T, H, K] layouts, and Triton launches on
     # the current device)
@@ -206,13 +210,21 @@ def _check(q, k, v, g, beta, scale, states, cu_seqlens) -> None:
 
 
 def kda_prefill(q, k, v, g, beta, scale: float, states: torch.Tensor,
-                cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: torch.Tensor, index: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op (module docstring). q, k, g (T, h, dk); v (T, h, dv); beta (T, h); states
     (N, h, dk, dv) fp32 initial states (not modified); cu_seqlens (N+1,) int64 on the host.
-    -> (o (T, h, dv), final states (N, h, dk, dv)), fp32 (fp64 for fp64 inputs: reference)."""
+    -> (o (T, h, dv), final states (N, h, dk, dv)), fp32 (fp64 for fp64 inputs: reference).
+
+    `index` (fla's path): `build_varlen_index(cu_seqlens, device)` of the caller's own, used
+    instead of the memoized one. A CUDA graph captured around this op reads the index at
+    fixed addresses, and fla derives and caches tensors keyed by the identity of what it is
+    handed: a capturing caller passes an index nothing eager has used (held for the graph's
+    life), so fla computes those inside the graph instead of handing it cached tensors that a
+    later eager step may drop."""
     _check(q, k, v, g, beta, scale, states, cu_seqlens)
     if _use_fla(q, k, v, g, beta, states):
-        return _fla_prefill(q, k, v, g, beta, float(scale), states, cu_seqlens)
+        return _fla_prefill(q, k, v, g, beta, float(scale), states, cu_seqlens, index)
     return kda_prefill_reference(q, k, v, g, beta, float(scale), states, cu_seqlens)
 
 

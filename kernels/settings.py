@@ -114,6 +114,12 @@ _ALL = (
             "docs/perf-log/prefill.md)",
             "0, or a token bucket: a power of two up to 256 or a multiple of 256 up to 8192",
             _token_bucket),
+    Setting("RAYDECODE_STOCK_SINGLE", "0", "'1': with stock graphs on, each bucket also gets "
+            "a single-sequence graph (a prompt chunk alone, the split schedule's prefill "
+            "step) with its KDA attention cores inside the graph, only the MLA cores eager "
+            "between the replays (models/kda.py `_core_single`): the eager KDA cores cost "
+            "0.5-1.1 ms of host time each on the H100. Not yet run on a GPU",
+            "'0' (off) or '1' (on)", _strict_bool),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
             _flag),
@@ -179,6 +185,10 @@ def pad_prefill() -> bool:
 
 def stock_graphs() -> int:
     return get("RAYDECODE_STOCK_GRAPHS")
+
+
+def stock_single() -> bool:
+    return get("RAYDECODE_STOCK_SINGLE")
 
 
 def oneshot_allreduce() -> bool:

@@ -380,6 +380,48 @@ class KDAAttention(nn.Module):
             self._decode_rows(singles, qkv_in, conv_w, g, beta, o, cache, row)
         return o
 
+    def _core_single(self, caches: ModelCaches, single, qkv_in: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """`_core` for a step whose only real sequence fills rows [0, n) of the T-row bucket
+        (the scratch pad after it), with the slot, whether it continues (pos > 0) and n read
+        from `single`'s device tensors (engine/piecewise.py `SingleSeq`): capturable, so a
+        single-sequence stock graph runs it inside the graph. The whole bucket goes through
+        the conv and the chunked delta rule as one sequence, with β = 0 and g = 0 on the pad
+        rows: each such row leaves the state as it was (no decay, no update), so the final
+        state is the state after row n − 1, and rows < n never read later ones (causal). The
+        slot stores that state and the last W − 1 real conv inputs; pad rows of o are zeros
+        (as `_core` leaves a skipped pad). -> o (T, h, d) fp32."""
+        T, h, d, W = qkv_in.shape[0], self.heads, self.dim, self.width
+        cache, row = caches.kda, caches.kda_index[self.layer_idx]
+        conv_w = self._conv_w()
+        dev = qkv_in.device
+        tail = cache.conv[row].index_select(0, single.slot)[0].t().to(qkv_in.dtype)  # (W−1, C)
+        tail = torch.where(single.cont, tail, torch.zeros_like(tail))   # a start: zero tail
+        xs = torch.cat([tail, qkv_in], 0)                                # (W − 1 + T, 3·h·d)
+        real = torch.arange(T, device=dev) < single.n                    # (T,)
+        gm = torch.where(real[:, None, None], g, torch.zeros_like(g))
+        bm = torch.where(real[:, None], beta, torch.zeros_like(beta))
+        S0 = cache.rec[row].index_select(0, single.slot)                 # (1, h, d, d)
+        S0 = torch.where(single.cont, S0, torch.zeros_like(S0))
+        if kda_prefill_op.available(qkv_in):
+            q, k, v = kda_conv_op.conv_silu_l2(xs, conv_w, h, d, qkv_in.dtype)
+            o, S = kda_prefill_op.kda_prefill(q, k, v, gm, bm, self.scale, S0,
+                                              torch.tensor([0, T], dtype=torch.int64),
+                                              index=single.index(T))
+        else:
+            y = causal_conv_silu(xs, conv_w).to(qkv_in.dtype).float()
+            q, k, v = (t.reshape(T, h, d) for t in y.split(h * d, dim=-1))
+            q, k = l2_normalize(q), l2_normalize(k)
+            o, S1 = kda_chunked(q, k, v, gm, bm, self.scale, S0[0], self.chunk_size)
+            S = S1.unsqueeze(0)
+        o = torch.where(real[:, None, None], o, torch.zeros_like(o))
+        last = single.n + torch.arange(W - 1, device=dev)                # xs rows of the last
+        cache.conv[row].index_copy_(0, single.slot,                      # W − 1 real inputs
+                                    xs.index_select(0, last).t().unsqueeze(0)
+                                    .to(cache.conv.dtype))
+        cache.rec[row].index_copy_(0, single.slot, S.to(cache.rec.dtype))
+        return o
+
     def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
                 path: str = "stock") -> torch.Tensor:
         T, h, d = x.shape[0], self.heads, self.dim
@@ -407,7 +449,8 @@ class KDAAttention(nn.Module):
         beta = torch.sigmoid(b_in.float())                                         # (T, h)
         g = kda_gate(lin(f_a, self.f_b_proj.weight).view(T, h, d),
                      self.A_log, self.dt_bias, self.lower_bound)                   # (T, h, d)
-        o = attention_core(caches, self._core, batch, qkv_in, g, beta)           # (T, h, d)
+        o = attention_core(caches, self._core, batch, qkv_in, g, beta,
+                           inline=self._core_single)                              # (T, h, d)
         gate = torch.sigmoid((self._out_gate(x, lin) if gate_in is None else gate_in).float())
         gate = gate.view(T, h, d)
         o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)

@@ -26,11 +26,20 @@ import torch
 Core = Callable[..., torch.Tensor]
 
 
-def attention_core(caches, fn: Core, batch, *tensors: torch.Tensor) -> torch.Tensor:
-    """fn(batch, caches, *tensors), or what `caches.pieces` makes of it (module docstring)."""
+def attention_core(caches, fn: Core, batch, *tensors: torch.Tensor,
+                   inline: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """fn(batch, caches, *tensors), or what `caches.pieces` makes of it (module docstring).
+
+    `inline(caches, single, *tensors)`: the same core for a step of ONE real sequence padded to
+    its bucket, reading the sequence's slot, start and length from the device tensors of
+    `single` (engine/piecewise.py `SingleSeq`) instead of the batch: nothing it does depends on
+    the host, so a single-sequence stock graph keeps it inside the graph (`pieces.single`
+    set) instead of running it eagerly between two graphs."""
     pieces = getattr(caches, "pieces", None)
     if pieces is None:
         return fn(batch, caches, *tensors)
+    if inline is not None and getattr(pieces, "single", None) is not None:
+        return inline(caches, pieces.single, *tensors)
     return pieces.core(fn, batch, caches, *tensors)
 
 

@@ -19,6 +19,19 @@ STEPS = [[SeqSlice(0, 0, 37, 0)],
          [SeqSlice(3, 0, 1, 0)]]
 
 
+# single-sequence graphs (RAYDECODE_STOCK_SINGLE): steps of one sequence — a prompt chunk from
+# 0, a continued chunk, one token at pos > 0, a chunk of exactly a bucket that continues, a
+# one-token prompt, a short prompt — and one two-sequence step between them (the general
+# graph). Slots 0..3; positions stay under 64.
+SINGLE_STEPS = [[SeqSlice(0, 0, 37, 0)],
+                [SeqSlice(0, 0, 20, 37)],
+                [SeqSlice(0, 0, 1, 57)],
+                [SeqSlice(1, 0, 3, 0), SeqSlice(0, 3, 1, 58)],
+                [SeqSlice(1, 0, 32, 3)],
+                [SeqSlice(2, 0, 1, 0)],
+                [SeqSlice(3, 0, 9, 0)]]
+
+
 def tables(num_slots: int, blocks_each: int) -> dict[int, list[int]]:
     """Slot s owns blocks [s·n, (s+1)·n): the block tables the first step ships."""
     return {s: list(range(blocks_each * s, blocks_each * (s + 1))) for s in range(num_slots)}

@@ -23,7 +23,9 @@ measured one scaled by 93/N; the MFU is the N-layer run's own (its FLOPs over it
 Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_tokens):
   capture   with --stock-graphs N: GraphedRunner.warm_prefill at the budget captures every
             token bucket up to N (engine/piecewise.py), before everything below: seconds,
-            buckets captured and failed (why), graphs per bucket.
+            buckets captured and failed (why), graphs per bucket; with --stock-single 1
+            each bucket's single-sequence graph too (KDA cores inside), which the
+            chunk-alone steps below then replay.
   graphs    with --stock-graphs: per `--tpot-chunks` size ≤ N, the chunk-alone, mixed and
             decode-only stock steps eager and replayed, interleaved (`--steps` rounds), and
             the split schedule's TPOT (chunk alone + graphed decode) both ways.
@@ -233,7 +235,7 @@ class PrefillRank:
 
     def __init__(self, model: K3ForCausalLM, device, max_prompt: int, budget: int,
                  decodes: int, context: int, seed: int = 0, graphed: bool = True,
-                 pad: bool = False, stock_graphs: int = 0):
+                 pad: bool = False, stock_graphs: int = 0, stock_single: bool = False):
         self.model, self.device = model, torch.device(device)
         self.budget, self.context = budget, context
         self.prompt_blocks = -(-max(max_prompt, context + budget) // BLOCK)
@@ -243,7 +245,8 @@ class PrefillRank:
         caches = make_caches(model.cfg, model.par, ns, nb, BLOCK, model.dtype, device=device)
         self.runner = GraphedRunner(model, caches, device, num_slots=num_slots,
                                     num_blocks=num_blocks, max_blocks=per_decoder,
-                                    pad_prefill=pad, stock_graphs=stock_graphs)
+                                    pad_prefill=pad, stock_graphs=stock_graphs,
+                                    stock_single=stock_single)
         slots, blocks = SlotAllocator(num_slots), BlockAllocator(num_blocks, BLOCK)
         self.slot = slots.allocate()
         blocks.ensure(self.slot, self.prompt_blocks * BLOCK)
@@ -633,6 +636,10 @@ def capture_stock(rank: PrefillRank, budget: int) -> dict:
             "captured": sorted(r.stock_graphs), "why_off": None if r.stock_support[0]
             else r.stock_support[1],
             "failed": {str(b): why for b, why in sorted(r.stock_failed.items())},
+            "single": r.stock_single, "single_captured": sorted(r.stock_single_graphs),
+            "single_failed": {str(b): why for b, why in sorted(r.stock_single_failed.items())},
+            "single_graphs_per_bucket": sorted({len(g.graphs)
+                                                for g in r.stock_single_graphs.values()}),
             "graphs_per_bucket": sorted(per), "core_buffer_bytes": r._stock_buffers.nbytes}
 
 
@@ -669,7 +676,7 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
     room = max([*args.prompts, *(args.context + b for b in args.sweep_budgets)])
     rank = PrefillRank(model, args.device, room, args.prefill_budget,
                        args.mixed_decodes, args.context, args.seed, bool(args.graphed),
-                       bool(args.pad_prefill), args.stock_graphs)
+                       bool(args.pad_prefill), args.stock_graphs, bool(args.stock_single))
     buckets = buckets_for(args.prefill_budget, bool(args.pad_prefill))
     if args.stock_graphs:
         run["stock_graphs"] = sg = capture_stock(rank, args.prefill_budget)
@@ -849,6 +856,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=60.0,
                     help="per prompt (then its chunks but the last are skipped and "
                          "extrapolated) and for the random counts")
+    ap.add_argument("--stock-single", type=int, default=0, choices=(0, 1),
+                    help="with --stock-graphs: 1 also captures each bucket's single-sequence "
+                         "graph (KDA cores inside; RAYDECODE_STOCK_SINGLE): the chunk-alone "
+                         "steps replay it")
     ap.add_argument("--stock-graphs", type=int, default=0,
                     help="stock steps of up to this many tokens replay piecewise CUDA graphs "
                          "(engine/piecewise.py; 0: eager, the default; else a token bucket), "
@@ -918,6 +929,7 @@ def main(argv=None) -> int:
         kernels=args.kernels, prefill_budget=args.prefill_budget, context=args.context,
         cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING", "default (LAZY)"),
         pad_prefill=bool(args.pad_prefill), stock_graphs=args.stock_graphs,
+        stock_single=bool(args.stock_single),
         mixed_decodes=args.mixed_decodes, random_counts=args.random_counts,
         max_seconds=args.max_seconds, seed=args.seed, flops_method=FLOPS_METHOD,
         summary_method="from the TP16 run: the 8192-token prompt's MFU and TTFT (all layers), "

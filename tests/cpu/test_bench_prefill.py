@@ -263,6 +263,34 @@ def test_prefill_bench_stock_graphs_cpu(tmp_path, monkeypatch):
     assert counts["stock_captured"] == 5 and counts["stock_graphed"] > 0
 
 
+def test_prefill_bench_single_sequence_graphs_cpu(tmp_path, monkeypatch):
+    """--stock-single 1: every bucket's single-sequence graph captured too (one piece more
+    than the MLA layers: the KDA cores inside), and the chunk-alone steps replay it."""
+    import raydecode.models.moe as moe_mod
+    from raydecode.engine.step_graph import GraphedRunner
+    from raydecode.models.config import load_config
+    from _graph_emulator import EmulatedGraphs, gathered_moe
+
+    class Emulated(GraphedRunner):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, stock_backend=EmulatedGraphs(), **kw)
+
+    monkeypatch.setattr(moe_mod, "routed_moe", gathered_moe)
+    monkeypatch.setattr(prefill, "GraphedRunner", Emulated)
+    out = tmp_path / "single.json"
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "16",
+                         "--prefill-budget", "16", "--stock-graphs", "16", "--stock-single",
+                         "1", "--tpot-chunks", "8", "--mixed-decodes", "2", "--context", "8",
+                         "--random-counts", "1", "--repeats", "1", "--steps", "1",
+                         "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    sg = run["stock_graphs"]
+    mla = sum(k == "mla" for k in load_config("tiny").layer_kinds)
+    assert sg["single"] and sg["single_captured"] == [1, 2, 4, 8, 16]
+    assert sg["single_failed"] == {} and sg["single_graphs_per_bucket"] == [mla + 1]
+    assert run["mixed"]["graph_counts"]["stock_single"] > 0
+
+
 @pytest.mark.parametrize("flag", ["300", "-2"])
 def test_prefill_bench_refuses_a_stock_graph_cap_off_the_buckets(flag):
     with pytest.raises(SystemExit, match=f"--stock-graphs {flag}: expected 0 or a token"):

@@ -27,7 +27,7 @@ from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 
 from _graph_emulator import CaptureError, EmulatedGraphs, capture, gathered_moe
-from _stock_steps import STEPS, plan as _step_plan, real_rows, tables
+from _stock_steps import SINGLE_STEPS, STEPS, plan as _step_plan, real_rows, tables
 
 torch.set_num_threads(1)
 NS, NB, BS = 4, 48, 16
@@ -93,6 +93,69 @@ def test_replayed_stock_steps_equal_the_eager_ones(model):
     assert g.counts["stock_graphed"] == len(STEPS)
     assert torch.equal(g.caches.kda.rec[:, pad], pad_state)   # the cores skipped the pads
     assert sum(sg.replays for sg in g.stock_graphs.values()) == len(STEPS) + len(g.stock_graphs)
+
+
+def test_single_sequence_graphs_keep_the_kda_cores_inside(model):
+    """RAYDECODE_STOCK_SINGLE: each bucket also gets a graph for steps of one sequence whose
+    KDA cores run inside it (models/kda.py `_core_single`: the slot, start and length from
+    device tensors, the pad rows with β = g = 0), only the MLA cores eager between the pieces.
+    Over one-sequence steps (from 0, continued, one token, an exact bucket, a one-token prompt)
+    and a two-sequence step between them (the general graph), logits and the real slots' and
+    blocks' contents equal a plain eager runner's."""
+    plain = ModelRunner(model, _caches(model))
+    g = _graphed(model, stock_single=True)
+    g.warm_prefill(CAP)
+    assert sorted(g.stock_single_graphs) == prefill_buckets(CAP), g.stock_single_failed
+    assert sorted(g.stock_graphs) == prefill_buckets(CAP)
+    mla = sum(k == "mla" for k in model.cfg.layer_kinds)
+    assert 0 < mla < model.cfg.num_layers
+    assert all(len(sg.graphs) == mla + 1 and sg.single is not None
+               for sg in g.stock_single_graphs.values())
+    V = model.cfg.vocab_size
+    for i, seqs in enumerate(SINGLE_STEPS):
+        plan = _plan(i + 1, seqs, V, TABLES if i == 0 else None)
+        want, got = plain.logits(plan), g.logits(plan)
+        assert torch.allclose(got, want, rtol=TOL, atol=TOL), (i, (got - want).abs().max())
+        for a, b in zip(_real(plain.caches), _real(g.caches)):
+            assert torch.allclose(a, b, rtol=TOL, atol=TOL), i
+    singles = sum(len(seqs) == 1 for seqs in SINGLE_STEPS)
+    assert g.counts["stock_single"] == singles
+    assert g.counts["stock_graphed"] == len(SINGLE_STEPS)
+
+
+def test_a_single_sequence_graph_left_reading_the_batch_is_refused(model, monkeypatch):
+    """The inline KDA core must take the sequence's length from the device tensors: one that
+    uses the bucket's length (what reading the capture's batch would bake in) passes the
+    build's check, whose step fills the bucket, but on a real 40-token step in bucket 64 it
+    runs the pad rows into the state and the conv tail: the real caches or the logits leave
+    the plain runner's (the CPU test above can fail)."""
+    from raydecode.models import kda as kda_mod
+    real_single = kda_mod.KDAAttention._core_single
+
+    class Baked:
+        """`single` with its length frozen at the bucket: what reading the batch at capture
+        time would bake in."""
+        def __init__(self, single, n):
+            self.slot, self.cont, self._n, self.index = single.slot, single.cont, n, single.index
+
+        @property
+        def n(self):
+            return self._n
+
+    def baked(self, caches, single, qkv_in, g, beta):
+        n = torch.full((1,), qkv_in.shape[0], dtype=torch.int64)
+        return real_single(self, caches, Baked(single, n), qkv_in, g, beta)
+
+    monkeypatch.setattr(kda_mod.KDAAttention, "_core_single", baked)
+    plain = ModelRunner(model, _caches(model))
+    g = _graphed(model, cap=64, stock_single=True)
+    assert g.capture_stock(64) and 64 in g.stock_single_graphs     # n = bucket at the check
+    plan = _plan(1, [SeqSlice(0, 0, 40, 0)], model.cfg.vocab_size, dict(TABLES))
+    want, got = plain.logits(plan), g.logits(plan)
+    assert g.counts["stock_single"] == 1
+    bad = [not torch.allclose(a, b, rtol=TOL, atol=TOL)
+           for a, b in zip(_real(plain.caches), _real(g.caches))]
+    assert any(bad) or not torch.allclose(got, want, rtol=TOL, atol=TOL)
 
 
 def test_a_piece_that_reads_the_batch_replays_wrong(model, monkeypatch):
@@ -283,3 +346,21 @@ def test_a_capture_failed_on_another_rank_leaves_the_bucket_eager_here(model, mo
     assert not g.capture_stock(16)
     assert g.stock_failed[16] == "the capture failed on another rank of the group"
     assert comm.calls == 1 and replays == []    # agreed before the replay, which never ran
+
+
+def test_single_seq_tensors_and_the_captures_own_index():
+    """SingleSeq: `set` writes slot / continues / length into the device tensors the inline
+    cores read; `index` is a fresh fla varlen index per eager call and, while a capture is
+    open, the bucket's own held one (what fla caches for an eager pass never reaches a
+    graph)."""
+    s = piecewise.SingleSeq("cpu")
+    s.set(3, 5, 40)
+    assert (int(s.slot), bool(s.cont), int(s.n)) == (3, True, 40)
+    s.set(2, 0, 1)
+    assert (int(s.slot), bool(s.cont), int(s.n)) == (2, False, 1)
+    a, b = s.index(64), s.index(64)
+    assert a is not b and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert a[1].tolist() == [0, 64] and a[2].tolist() == [[0, 0]]     # one 64-row chunk
+    s.capturing = True
+    c, d = s.index(64), s.index(64)
+    assert c is d and c is not a and s.index(128) is not c

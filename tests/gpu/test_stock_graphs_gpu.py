@@ -21,7 +21,7 @@ from raydecode.models.k3 import make_caches
 
 from _numerics import max_rel_err
 from _prefill_forced import k3_slice, tiny_model
-from _stock_steps import STEPS, plan as _plan, real_rows, tables
+from _stock_steps import SINGLE_STEPS, STEPS, plan as _plan, real_rows, tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 NS, NB, BS = 4, 96, 16
@@ -38,14 +38,14 @@ def _model(which: str, dtype):
     return model, rank_vocab_rows(model), 256
 
 
-def _runner(model, cap: int) -> GraphedRunner:
+def _runner(model, cap: int, single: bool = False) -> GraphedRunner:
     ns, nb = graph_cache_sizes(NS, NB)
     c = make_caches(model.cfg, model.par, ns, nb, BS, model.dtype, device="cuda")
     c.kda.conv.fill_(SENTINEL)
     c.kda.rec.fill_(SENTINEL)
     c.mla.pool.fill_(SENTINEL)
     return GraphedRunner(model, c, "cuda", num_slots=NS, num_blocks=NB, pad_prefill=True,
-                         stock_graphs=cap)
+                         stock_graphs=cap, stock_single=single)
 
 
 def _real(c):
@@ -74,6 +74,33 @@ def test_replayed_stock_steps_equal_the_eager_padded_ones(which, dtype):
             assert max_rel_err(b.float(), a.float()) <= tol, (which, dtype, i)
     assert graphed.counts["stock_graphed"] == len(steps)
     assert eager.counts["stock_graphed"] == 0
+
+
+@pytest.mark.parametrize("which,dtype", [("tiny", torch.bfloat16), ("k3", torch.bfloat16)])
+def test_single_sequence_graphs_equal_the_eager_padded_steps(which, dtype):
+    """RAYDECODE_STOCK_SINGLE: the single-sequence graphs (fla's KDA forward and the conv op
+    captured inside, slot / start / length from device tensors, the pad rows with β = g = 0)
+    against the eager padded step, over one-sequence steps and a two-sequence one (the K3
+    slice adds a 200-token chunk in bucket 256). Where the real sequence ends inside fla's
+    last 64-row chunk the eager step runs a shorter chunk: the same rows, the same sums, so
+    bf16's 1e-2 holds."""
+    model, ids, cap = _model(which, dtype)
+    graphed, eager = _runner(model, cap, single=True), _runner(model, 0)
+    with torch.inference_mode():
+        graphed.warm_prefill(cap)
+        eager.warm_prefill(cap)
+    assert graphed.stock_single_failed == {} and graphed.stock_failed == {}
+    assert sorted(graphed.stock_single_graphs) == prefill_buckets(cap)
+    steps = SINGLE_STEPS + (BIG if which == "k3" else [])
+    for i, seqs in enumerate(steps):
+        plan = _plan(i + 1, seqs, ids, TABLES if i == 0 else None)
+        want, got = eager.logits(plan).float(), graphed.logits(plan).float()
+        torch.cuda.synchronize()
+        assert torch.isfinite(got).all(), i
+        assert max_rel_err(got, want) <= 1e-2, (which, i, max_rel_err(got, want))
+        for a, b in zip(_real(eager.caches), _real(graphed.caches)):
+            assert max_rel_err(b.float(), a.float()) <= 1e-2, (which, i)
+    assert graphed.counts["stock_single"] == sum(len(q) == 1 for q in steps)
 
 
 def test_a_replayed_step_does_not_sync_with_the_host():
