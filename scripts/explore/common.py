@@ -2,6 +2,7 @@
 CUDA-event median timing, and order-keeping de-duplication of candidate lists."""
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
@@ -34,3 +35,17 @@ def unique(items) -> list:
         if x not in out:
             out.append(x)
     return out
+
+
+def rank_parser(doc: str, layers: int = 8) -> argparse.ArgumentParser:
+    """The arguments of the scripts that build the prefill bench's solo rank (K3 at one TP
+    rank's shapes, the first `--layers` layers): --out, --commit, --tp, --layers, --seed,
+    --device; the script adds its own."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--tp", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda")
+    return ap

@@ -17,7 +17,6 @@ leaves itself names the graph piece that replays something else than it ran.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 
@@ -29,6 +28,7 @@ from raydecode.models.cache import StepBatch
 from raydecode.scripts.bench.prefill import PrefillRank
 from raydecode.scripts.bench.report_io import report_header, write_report
 from raydecode.scripts.bench.step import build_model, layer_config
+from raydecode.scripts.explore.common import rank_parser
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -149,15 +149,9 @@ def probe(rank: PrefillRank, bucket: int, which: str, seed: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--tp", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=8)
+    ap = rank_parser(__doc__)
     ap.add_argument("--buckets", default="2048,256,16")
     ap.add_argument("--tokens", default="zeros,random")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     buckets = sorted({int(b) for b in args.buckets.split(",")}, reverse=True)
     cfg = layer_config("k3", args.layers)

@@ -15,7 +15,6 @@ CHUNK tokens of the prompt slot at the bench's context beside DECODES one-token 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 import warnings
@@ -25,6 +24,7 @@ import torch
 from raydecode.scripts.bench.prefill import PrefillRank
 from raydecode.scripts.bench.report_io import report_header, write_report
 from raydecode.scripts.bench.step import build_model, device_sync, layer_config
+from raydecode.scripts.explore.common import rank_parser
 
 
 def _cases(text: str) -> list[tuple[int, int]]:
@@ -129,16 +129,10 @@ def core_times(rank: PrefillRank, chunk: int, decodes: int) -> dict | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--tp", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=8)
+    ap = rank_parser(__doc__)
     ap.add_argument("--cap", type=int, default=512)
     ap.add_argument("--cases", default="1:0,256:0,0:63,256:63")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     cases = _cases(args.cases)
     cfg = layer_config("k3", args.layers)

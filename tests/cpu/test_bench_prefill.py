@@ -222,11 +222,9 @@ def test_mixed_chunk_default_is_the_deployments():
     assert prefill.CHUNK_WHILE_DECODING == field.default
 
 
-def test_prefill_bench_stock_graphs_cpu(tmp_path, monkeypatch):
-    """--stock-graphs: the build captures every bucket up to the cap before the warm-up, and
-    the eager-vs-graphed case runs each --tpot-chunks size ≤ the cap both ways (the CPU
-    runner's graph backend emulated, tests/_graph_emulator.py; its MoE without the
-    reference's host read)."""
+def _emulated_graphs(monkeypatch) -> None:
+    """The bench's runner with the graph backend emulated (tests/_graph_emulator.py) and the
+    MoE without the CPU reference's host read."""
     import raydecode.models.moe as moe_mod
     from raydecode.engine.step_graph import GraphedRunner
     from _graph_emulator import EmulatedGraphs, gathered_moe
@@ -237,6 +235,14 @@ def test_prefill_bench_stock_graphs_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr(moe_mod, "routed_moe", gathered_moe)
     monkeypatch.setattr(prefill, "GraphedRunner", Emulated)
+
+
+def test_prefill_bench_stock_graphs_cpu(tmp_path, monkeypatch):
+    """--stock-graphs: the build captures every bucket up to the cap before the warm-up, and
+    the eager-vs-graphed case runs each --tpot-chunks size ≤ the cap both ways (the CPU
+    runner's graph backend emulated, tests/_graph_emulator.py; its MoE without the
+    reference's host read)."""
+    _emulated_graphs(monkeypatch)
     out = tmp_path / "graphs.json"
     assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "40",
                          "--prefill-budget", "32", "--stock-graphs", "16",
@@ -266,17 +272,9 @@ def test_prefill_bench_stock_graphs_cpu(tmp_path, monkeypatch):
 def test_prefill_bench_single_sequence_graphs_cpu(tmp_path, monkeypatch):
     """--stock-single 1: every bucket's single-sequence graph captured too (one piece more
     than the MLA layers: the KDA cores inside), and the chunk-alone steps replay it."""
-    import raydecode.models.moe as moe_mod
-    from raydecode.engine.step_graph import GraphedRunner
     from raydecode.models.config import load_config
-    from _graph_emulator import EmulatedGraphs, gathered_moe
 
-    class Emulated(GraphedRunner):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, stock_backend=EmulatedGraphs(), **kw)
-
-    monkeypatch.setattr(moe_mod, "routed_moe", gathered_moe)
-    monkeypatch.setattr(prefill, "GraphedRunner", Emulated)
+    _emulated_graphs(monkeypatch)
     out = tmp_path / "single.json"
     assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "16",
                          "--prefill-budget", "16", "--stock-graphs", "16", "--stock-single",
