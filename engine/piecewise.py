@@ -30,6 +30,14 @@ tensors a graph makes for its core are not held across graphs (memory of one buc
 not of every layer's), and the captured graphs share the runner's memory pool with the decode
 graphs (one step replays at a time).
 
+Each bucket is checked once at the build (`check_replay`): a replay against an eager step
+with the pad's attention skipped, at every core's inputs and the hidden state.
+
+Single-sequence graphs (`SingleSeq`, RAYDECODE_STOCK_SINGLE): for a step of one sequence the
+cores that have an `inline` form (the KDA layers: models/kda.py `_core_single`) read the
+sequence's slot, start and length from device tensors and stay inside the graph; only the
+others (MLA) split it. The runner writes those tensors before each replay.
+
 Every replay must see the per-token work of the capture: the graphs replay fixed kernels on
 fixed addresses, so nothing between two cores may depend on the batch's layout (it reads only
 the token count C) — the contract models/pieces.py states, checked on the CPU by replaying
