@@ -52,6 +52,19 @@ def _real(c):
     return real_rows(c, NS, NB)
 
 
+def _twin_steps(graphed, eager, steps, ids, tol: float, what) -> None:
+    """Each step on both runners: the graphed one's logits finite and within `tol` of the
+    eager one's (relative max-abs), and so are the real caches after it."""
+    for i, seqs in enumerate(steps):
+        plan = _plan(i + 1, seqs, ids, TABLES if i == 0 else None)
+        want, got = eager.logits(plan).float(), graphed.logits(plan).float()
+        torch.cuda.synchronize()
+        assert torch.isfinite(got).all(), (what, i)
+        assert max_rel_err(got, want) <= tol, (what, i, max_rel_err(got, want))
+        for a, b in zip(_real(eager.caches), _real(graphed.caches)):
+            assert max_rel_err(b.float(), a.float()) <= tol, (what, i)
+
+
 @pytest.mark.parametrize("which,dtype", [("tiny", torch.float32), ("tiny", torch.bfloat16),
                                          ("k3", torch.bfloat16)])
 def test_replayed_stock_steps_equal_the_eager_padded_ones(which, dtype):
@@ -62,16 +75,9 @@ def test_replayed_stock_steps_equal_the_eager_padded_ones(which, dtype):
         eager.warm_prefill(cap)
     assert graphed.stock_failed == {} and sorted(graphed.stock_graphs) == prefill_buckets(cap)
     assert eager.stock_graphs == {}
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
     steps = STEPS + (BIG if which == "k3" else [])
-    for i, seqs in enumerate(steps):
-        plan = _plan(i + 1, seqs, ids, TABLES if i == 0 else None)
-        want, got = eager.logits(plan).float(), graphed.logits(plan).float()
-        torch.cuda.synchronize()
-        assert torch.isfinite(got).all(), i
-        assert max_rel_err(got, want) <= tol, (which, dtype, i, max_rel_err(got, want))
-        for a, b in zip(_real(eager.caches), _real(graphed.caches)):
-            assert max_rel_err(b.float(), a.float()) <= tol, (which, dtype, i)
+    _twin_steps(graphed, eager, steps, ids, 1e-4 if dtype == torch.float32 else 1e-2,
+                (which, dtype))
     assert graphed.counts["stock_graphed"] == len(steps)
     assert eager.counts["stock_graphed"] == 0
 
@@ -92,14 +98,7 @@ def test_single_sequence_graphs_equal_the_eager_padded_steps(which, dtype):
     assert graphed.stock_single_failed == {} and graphed.stock_failed == {}
     assert sorted(graphed.stock_single_graphs) == prefill_buckets(cap)
     steps = SINGLE_STEPS + (BIG if which == "k3" else [])
-    for i, seqs in enumerate(steps):
-        plan = _plan(i + 1, seqs, ids, TABLES if i == 0 else None)
-        want, got = eager.logits(plan).float(), graphed.logits(plan).float()
-        torch.cuda.synchronize()
-        assert torch.isfinite(got).all(), i
-        assert max_rel_err(got, want) <= 1e-2, (which, i, max_rel_err(got, want))
-        for a, b in zip(_real(eager.caches), _real(graphed.caches)):
-            assert max_rel_err(b.float(), a.float()) <= 1e-2, (which, i)
+    _twin_steps(graphed, eager, steps, ids, 1e-2, (which, dtype, "single"))
     assert graphed.counts["stock_single"] == sum(len(q) == 1 for q in steps)
 
 
