@@ -403,17 +403,11 @@ class KDAAttention(nn.Module):
         bm = torch.where(real[:, None], beta, torch.zeros_like(beta))
         S0 = cache.rec[row].index_select(0, single.slot)                 # (1, h, d, d)
         S0 = torch.where(single.cont, S0, torch.zeros_like(S0))
-        if kda_prefill_op.available(qkv_in):
-            q, k, v = kda_conv_op.conv_silu_l2(xs, conv_w, h, d, qkv_in.dtype)
-            o, S = kda_prefill_op.kda_prefill(q, k, v, gm, bm, self.scale, S0,
-                                              torch.tensor([0, T], dtype=torch.int64),
-                                              index=single.index(T))
-        else:
-            y = causal_conv_silu(xs, conv_w).to(qkv_in.dtype).float()
-            q, k, v = (t.reshape(T, h, d) for t in y.split(h * d, dim=-1))
-            q, k = l2_normalize(q), l2_normalize(k)
-            o, S1 = kda_chunked(q, k, v, gm, bm, self.scale, S0[0], self.chunk_size)
-            S = S1.unsqueeze(0)
+        # both ops fall back to their PyTorch references where their kernels cannot run
+        q, k, v = kda_conv_op.conv_silu_l2(xs, conv_w, h, d, qkv_in.dtype)
+        o, S = kda_prefill_op.kda_prefill(q, k, v, gm, bm, self.scale, S0,
+                                          torch.tensor([0, T], dtype=torch.int64),
+                                          index=single.index(T))            # S (1, h, d, d)
         o = torch.where(real[:, None, None], o, torch.zeros_like(o))
         last = single.n + torch.arange(W - 1, device=dev)                # xs rows of the last
         cache.conv[row].index_copy_(0, single.slot,                      # W − 1 real inputs
