@@ -257,6 +257,7 @@ def graph_support(model, caches: ModelCaches) -> tuple[bool, str]:
     return True, "ok"
 
 
+SINGLE_MIN_BUCKET = 2    # the smallest bucket with a single-sequence graph (`capture_stock`)
 PAD_MAX = 8192           # the largest padded stock step (tokens); above it a step runs as is
 
 
@@ -602,9 +603,14 @@ class GraphedRunner(ModelRunner):
         replay, so a failure on one rank leaves the bucket eager on all and none waits in a
         replay the others skip. With `stock_single` on, the bucket's single-sequence graph
         too (its KDA cores inside the graph: `stock_single_graphs`, failures in
-        `stock_single_failed`). -> the general graph captured."""
+        `stock_single_failed`), from bucket 2 up: a one-token step keeps the general graph,
+        whose eager core gives a lone token the fp32 recurrent update (`_decode_rows` or
+        `kda_recurrent`) the eager step gives it, where fla's chunked forward inside a single
+        graph would read the state through bf16 (0.015-0.024 from the eager logits on the H100
+        in bf16). -> the general graph captured."""
         ok = bucket in self.stock_graphs or self._capture_variant(bucket, None)
-        if self.stock_single and bucket not in self.stock_single_graphs \
+        if self.stock_single and bucket >= SINGLE_MIN_BUCKET \
+                and bucket not in self.stock_single_graphs \
                 and bucket not in self.stock_single_failed:
             self._capture_variant(bucket, self._single)
         return ok

@@ -96,10 +96,12 @@ def test_single_sequence_graphs_equal_the_eager_padded_steps(which, dtype):
         graphed.warm_prefill(cap)
         eager.warm_prefill(cap)
     assert graphed.stock_single_failed == {} and graphed.stock_failed == {}
-    assert sorted(graphed.stock_single_graphs) == prefill_buckets(cap)
+    assert sorted(graphed.stock_single_graphs) == [b for b in prefill_buckets(cap) if b >= 2]
     steps = SINGLE_STEPS + (BIG if which == "k3" else [])
     _twin_steps(graphed, eager, steps, ids, 1e-2, (which, dtype, "single"))
-    assert graphed.counts["stock_single"] == sum(len(q) == 1 for q in steps)
+    # one-token steps keep the general graph (the eager core's fp32 recurrent update)
+    assert graphed.counts["stock_single"] == sum(len(q) == 1 and q[0].length > 1
+                                                for q in steps)
 
 
 def test_a_replayed_step_does_not_sync_with_the_host():
