@@ -1,8 +1,8 @@
 """Where the batch-1 stock decode step's kernels come from: one eager stock step of one decoding
-sequence on the prefill bench's rank under torch.profiler with Python stacks, each CUDA kernel
-(on a CPU host: each leaf ATen op, the closest stand-in for a launch) charged to the first
-frame of this repository on its op's stack (Triton launches, which have no ATen op, by kernel
-name), counted per layer.
+sequence on the prefill bench's rank under torch.profiler, every function of the model and
+kernel modules wrapped in a `record_function` range of its name, each CUDA kernel (on a CPU
+host: each leaf ATen op, the closest stand-in for a launch) charged to the innermost range
+above its launch, counted per layer.
 
     python3 -m raydecode.scripts.explore.stock_kernels --out X.json [--tp 16] [--layers 8] \
         [--device cuda|cpu]
@@ -14,7 +14,10 @@ most and its effect is counted the same way after.
 """
 from __future__ import annotations
 
-import re
+import contextlib
+import functools
+import importlib
+import inspect
 import time
 
 import torch
@@ -25,24 +28,61 @@ from raydecode.scripts.bench.step import build_model, device_sync, layer_config
 from raydecode.scripts.explore.common import rank_parser
 
 
-_OURS = ("models/", "engine/", "kernels/", "actors/", "cluster/")
-_FRAME = re.compile(r"^(\S+\.py)\((\d+)\): (.*)$")
+_MODULES = ("models.kda", "models.mla", "models.moe", "models.layers", "models.attnres",
+            "models.pieces", "models.k3", "models.mxfp4", "kernels.moe_mxfp4", "kernels.router",
+            "kernels.kda_conv", "kernels.kda_prefill", "kernels.linear", "kernels.attnres_norm",
+            "kernels.mla_prefill", "kernels.decode_elementwise_triton", "engine.runner")
+_TAG = "rd:"
+
+
+def _wrap(fn, name: str):
+    if getattr(fn, "_rd_traced", False):
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*a, **kw):
+        with torch.profiler.record_function(_TAG + name):
+            return fn(*a, **kw)
+    traced._rd_traced = True
+    return traced
+
+
+@contextlib.contextmanager
+def traced_functions():
+    """Every function and method defined in this repository's model and kernel modules wrapped
+    in a `record_function` range named after it (the name each calling module sees it under
+    patched too), restored on exit."""
+    mods = [importlib.import_module("raydecode." + m) for m in _MODULES]
+    ours = {id(v): f"{v.__module__.replace('raydecode.', '')}.{v.__qualname__}"
+            for m in mods for v in vars(m).values()
+            if inspect.isfunction(v) and v.__module__.startswith("raydecode.")}
+    undo = []
+    for m in mods:
+        for k, v in list(vars(m).items()):
+            if inspect.isfunction(v) and id(v) in ours:
+                undo.append((m, k, v))
+                setattr(m, k, _wrap(v, ours[id(v)]))
+            elif inspect.isclass(v) and v.__module__ == m.__name__:
+                for mk, mv in list(vars(v).items()):
+                    if inspect.isfunction(mv) and not mk.startswith("__") or mk == "forward":
+                        undo.append((v, mk, mv))
+                        setattr(v, mk, _wrap(mv, f"{v.__name__}.{mk}"))
+    try:
+        yield
+    finally:
+        for owner, k, v in reversed(undo):
+            setattr(owner, k, v)
 
 
 def _site(ev) -> str:
-    """The innermost Python frame of this repository above `ev` (the profiler records each
-    Python call as an event, `path(line): function`, the op's ancestors)."""
-    e = ev.cpu_parent
-    while e is not None:
-        m = _FRAME.match(e.name)
-        if m:
-            path = m.group(1)
-            for folder in _OURS:
-                i = path.find(folder)
-                if i >= 0 and "site-packages" not in path[:i] and "torch/" not in path[:i]:
-                    return f"{path[i:]}:{m.group(2)} {m.group(3)}"
+    """The innermost traced function above `ev` (its `rd:` range), with the chain of the two
+    ranges around it."""
+    e, chain = ev.cpu_parent, []
+    while e is not None and len(chain) < 3:
+        if e.name.startswith(_TAG):
+            chain.append(e.name[len(_TAG):])
         e = e.cpu_parent
-    return "?"
+    return " < ".join(chain) if chain else "?"
 
 
 def _op(ev) -> str:
@@ -61,7 +101,7 @@ _NO_KERNEL = {"as_strided", "empty", "empty_strided", "empty_like", "view", "res
 
 
 def attribute(events, cuda: bool) -> dict[str, dict]:
-    """{site: {"count": n, "ops": {op or kernel: n}}}."""
+    """{site: {"count": n, "ops": {op -> kernel (CUDA) or op: n}}}."""
     sites: dict[str, dict] = {}
 
     def add(site: str, what: str, n: int = 1):
@@ -73,14 +113,11 @@ def attribute(events, cuda: bool) -> dict[str, dict]:
         if ev.device_type != torch.autograd.DeviceType.CPU:
             continue
         if cuda:
-            ks = [k for k in ev.kernels if not k.name.startswith(("Memcpy", "Memset"))]
-            if not ks:
-                continue
-            site = _site(ev)
-            for k in ks:
-                add(site if site != "?" else f"kernel {k.name[:60]}",
-                    f"{_op(ev)} -> {k.name[:50]}")
-        elif ev.name.startswith("aten::") and not ev.cpu_children and ev.name[6:] not in _NO_KERNEL:
+            for k in ev.kernels:
+                if not k.name.startswith(("Memcpy", "Memset")):
+                    add(_site(ev), f"{_op(ev)} -> {k.name[:50]}")
+        elif ev.name.startswith("aten::") and not ev.cpu_children \
+                and ev.name[6:] not in _NO_KERNEL:
             add(_site(ev), ev.name)
     return sites
 
@@ -101,7 +138,7 @@ def main(argv=None) -> int:
     plan = rank.plan(0, 1, "stock")
     device_sync(rank.device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts, with_stack=True) as prof:
+    with traced_functions(), profile(activities=acts) as prof:
         ModelRunner.logits(rank.runner, plan)
         device_sync(rank.device)
     sites = attribute(prof.events(), cuda)
