@@ -188,4 +188,62 @@ def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_sta
                                 rec_state, out=out, **kw)
 
 
-__all__ = ["kda_decode", "kda_decode_reference", "delta_rule_step", "kda_gate_exp", "HEAD_DIMS"]
+def kda_decode_rows_reference(qkv, g, beta, conv_state, conv_w, rec_state, o, rows, slots, *,
+                              heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """The stock step's one-token continuations (models/kda.py `_decode_rows`), in PyTorch:
+    row rows[n] of qkv (T, 3C) with slot slots[n]'s W−1 conv taps -> conv, SiLU, model-dtype
+    rounding, L2 norms of q and k; S' = Diag(e^g) S, S ← S' + β k (v − kᵀS')ᵀ; o's row ←
+    scale · qᵀS (fp32, before the gated norm); the slot's taps and state stored."""
+    h, d = heads, head_dim
+    n = rows.shape[0]
+    tail = conv_state.index_select(0, slots)                                  # (n, 3C, W−1)
+    xs = torch.cat([tail.transpose(1, 2).to(qkv.dtype),
+                    qkv.index_select(0, rows).unsqueeze(1)], 1)               # (n, W, 3C)
+    y = F.silu((xs.float().transpose(1, 2) * conv_w.float()).sum(-1))         # (n, 3C)
+    y = y.to(qkv.dtype).float()                                               # model dtype
+    q, k, v = (t.reshape(n, h, d) for t in y.split(h * d, dim=-1))
+    q, k = _l2(q), _l2(k)
+    gd, bd = g.index_select(0, rows).float(), beta.index_select(0, rows).float()
+    S = rec_state.index_select(0, slots) * gd.exp().unsqueeze(-1)             # Diag(e^g) S
+    pred = torch.einsum("bhc,bhcv->bhv", k, S)                                # kᵀS
+    S = S + torch.einsum("bhc,bhv->bhcv", bd.unsqueeze(-1) * k, v - pred)
+    o.index_copy_(0, rows, scale * torch.einsum("bhc,bhcv->bhv", q, S))
+    conv_state.index_copy_(0, slots, xs[:, 1:].transpose(1, 2).to(conv_state.dtype))
+    rec_state.index_copy_(0, slots, S.to(rec_state.dtype))
+    return o
+
+
+def _rows_kernel_ok(qkv, g, beta, conv_state, rec_state, o, rows, slots, head_dim, W) -> bool:
+    return (_use_triton(qkv) and qkv.stride(1) == 1 and conv_state.dtype == qkv.dtype
+            and head_dim in HEAD_DIMS and W >= 2
+            and all(t.dtype == torch.float32 and t.is_cuda for t in (g, beta, rec_state, o))
+            and all(t.is_cuda and t.dtype in (torch.int32, torch.int64) and t.dim() == 1
+                    for t in (rows, slots)))
+
+
+def kda_decode_rows(qkv, g, beta, conv_state, conv_w, rec_state, o, rows, slots, *,
+                    heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """`kda_decode_rows_reference` as one kernel (kernels/kda_decode_triton.py
+    `_kda_rows_kernel`) on CUDA bf16 with Triton, the conv state in the model dtype and a
+    head_dim in HEAD_DIMS; else the reference. qkv (T, 3C) (unit channel stride; a column view
+    of the in_proj output is fine), g (T, h, d) and beta (T, h) fp32, conv_state (S, 3C, W−1),
+    conv_w (3C, W), rec_state (S, h, d, d) fp32, o (T, h, d) fp32 written at rows; rows and
+    slots (n,) device indices, slots distinct (a caller invariant: a check would sync).
+    -> o."""
+    C3, W = conv_w.shape
+    if qkv.dim() != 2 or qkv.shape[1] != C3 or C3 != 3 * heads * head_dim:
+        raise ValueError(f"kda_decode_rows: qkv {tuple(qkv.shape)}, conv_w {tuple(conv_w.shape)};"
+                         f" expected (T, 3·{heads}·{head_dim}) and (3·{heads}·{head_dim}, W)")
+    if rows.shape != slots.shape:
+        raise ValueError(f"kda_decode_rows: rows {tuple(rows.shape)} and slots "
+                         f"{tuple(slots.shape)}; expected one slot per row")
+    kw = dict(heads=heads, head_dim=head_dim, scale=scale)
+    if _rows_kernel_ok(qkv, g, beta, conv_state, rec_state, o, rows, slots, head_dim, W):
+        return _tri.kda_rows_triton(qkv, g, beta, conv_state, conv_w, rec_state, o, rows,
+                                    slots, **kw)
+    return kda_decode_rows_reference(qkv, g, beta, conv_state, conv_w, rec_state, o, rows,
+                                     slots, **kw)
+
+
+__all__ = ["kda_decode", "kda_decode_reference", "kda_decode_rows", "kda_decode_rows_reference",
+           "delta_rule_step", "kda_gate_exp", "HEAD_DIMS"]

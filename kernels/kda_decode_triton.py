@@ -255,6 +255,76 @@ if triton is not None:
             tl.store(cbase + (ch + C)[:, None] * c_sc + (taps - 1) * c_sw, xk, mask=keep)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _kda_rows_kernel(
+            qkv_ptr, x_st, x_sc, g_ptr, g_st, g_sh, g_sd, b_ptr, b_st, b_sh,
+            conv_ptr, c_st, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
+            rec_ptr, r_st, r_sh, r_sk, r_sv, o_ptr, o_st, o_sh, o_sd, row_ptr, slot_ptr,
+            NH, scale, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+            BV: tl.constexpr, NV: tl.constexpr):
+        """The stock step's one-token continuations (models/kda.py `_decode_rows`): program
+        (n, head) takes token row rows[n] of qkv (its q, k, v inputs), its g and β (computed
+        by the step over every row), the state and conv taps of slot slots[n]; writes o's row
+        (fp32, before the gated norm) and the slot's state and taps in place."""
+        n = tl.program_id(0)
+        hh = tl.program_id(1)
+        t = tl.load(row_ptr + n).to(tl.int64)
+        r = tl.load(slot_ptr + n).to(tl.int64)
+        C = NH * D
+        i = tl.arange(0, D)
+        srow = rec_ptr + r * r_st + hh * r_sh
+        prow = qkv_ptr + t * x_st
+        g = tl.load(g_ptr + t * g_st + hh * g_sh + i * g_sd)
+        beta = tl.load(b_ptr + t * b_st + hh * b_sh)
+        cbase = conv_ptr + r * c_st
+        ch = hh * D + i
+        q, xq = _conv_part(prow, x_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, W, WP)
+        k, xk = _conv_part(prow, x_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch + C, W, WP)
+        q = _l2(q)
+        k = _l2(k)
+        eg = tl.exp(g)
+        taps = tl.arange(0, WP)[None, :]
+        keep = (taps >= 1) & (taps < W)
+        orow = o_ptr + t * o_st + hh * o_sh
+        for jb in tl.range(0, NV):
+            jj = jb * BV + tl.arange(0, BV)
+            s_ptrs = srow + i[:, None] * r_sk + jj[None, :] * r_sv
+            S = tl.load(s_ptrs)                              # (D, BV) fp32
+            chv = 2 * C + hh * D + jj
+            v, xv = _conv_part(prow, x_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, chv,
+                               W, WP)
+            Sp = S * eg[:, None]                             # Diag(e^g) S
+            u = beta * (v - tl.sum(k[:, None] * Sp, 0))      # (BV,)
+            Sn = Sp + k[:, None] * u[None, :]
+            tl.store(orow + jj * o_sd, scale * tl.sum(q[:, None] * Sn, 0))
+            tl.debug_barrier()                               # loads of S, v taps before stores
+            tl.store(s_ptrs, Sn)
+            tl.store(cbase + chv[:, None] * c_sc + (taps - 1) * c_sw, xv, mask=keep)
+        tl.debug_barrier()
+        tl.store(cbase + ch[:, None] * c_sc + (taps - 1) * c_sw, xq, mask=keep)
+        tl.store(cbase + (ch + C)[:, None] * c_sc + (taps - 1) * c_sw, xk, mask=keep)
+
+
+def kda_rows_triton(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    conv_state: torch.Tensor, conv_w: torch.Tensor, rec_state: torch.Tensor,
+                    o: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, heads: int,
+                    head_dim: int, scale: float) -> torch.Tensor:
+    """Launch `_kda_rows_kernel` over len(rows) rows × heads on validated inputs (kda_decode.py
+    `kda_decode_rows`); any strides with unit channel stride in qkv. No host sync."""
+    n, D, W = rows.shape[0], head_dim, conv_w.shape[1]
+    if n == 0:
+        return o
+    bv, nw = launch_config(D, n * heads)
+    _kda_rows_kernel[(n, heads)](
+        qkv, qkv.stride(0), qkv.stride(1), g, *g.stride(), beta, *beta.stride(),
+        conv_state, *conv_state.stride(), conv_w, conv_w.stride(0), conv_w.stride(1),
+        rec_state, *rec_state.stride(), o, *o.stride(), rows, slots, heads, float(scale),
+        D=D, W=W, WP=triton.next_power_of_2(W), BV=bv, NV=D // bv, num_warps=nw)
+    return o
+
+
 def launch_config(head_dim: int, programs: int) -> tuple[int, int]:
     """(block_v, num_warps). Fewer programs (batch·heads) than ~one per SM: the whole (D, D)
     tile in one step, D/16 warps (8 at D = 128: 64 state values per thread, 255 registers, no
@@ -342,4 +412,5 @@ def kda_decode_triton(proj: torch.Tensor, fb_w: torch.Tensor, conv_state: torch.
 
 
 __all__ = ["MIN_SPLITS", "MIN_SPLIT_COLUMNS", "SPLIT_WARPS", "available", "kda_decode_triton",
+           "kda_rows_triton",
            "launch_config", "split_count"]

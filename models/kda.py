@@ -303,26 +303,15 @@ class KDAAttention(nn.Module):
         """The step's one-token continuations (pos > 0) as one batched update, the per-sequence
         loop's math on a (D, ...) batch: the conv over each slot's last W−1 inputs and the new
         one, the L2 norms, one `kda_recurrent` step per sequence, their rows of o (T, h, d)
-        written and each slot stored. A mixed or stock decode step of D sequences then
-        launches a fixed number of kernels instead of ~30 per sequence."""
-        h, d = self.heads, self.dim
+        written and each slot stored (kernels/kda_decode.py `kda_decode_rows`: one kernel on
+        CUDA bf16, ~34 PyTorch kernels otherwise, whatever D)."""
         dev = qkv_in.device
         slots = slot_index(tuple(s.slot for s in seqs), dev)                      # (D,)
         rows = device_index(tuple(s.start for s in seqs), dev)                    # (D,)
-        tail = cache.conv[row].index_select(0, slots)                             # (D, C, W−1)
-        xs = torch.cat([tail.transpose(1, 2).to(qkv_in.dtype),
-                        qkv_in.index_select(0, rows).unsqueeze(1)], 1)            # (D, W, C)
-        y = F.silu((xs.float().transpose(1, 2) * conv_w.float()).sum(-1))         # (D, C)
-        y = y.to(qkv_in.dtype).float()                                            # model dtype
-        q, k, v = (t.reshape(len(seqs), h, d) for t in y.split(h * d, dim=-1))
-        q, k = l2_normalize(q), l2_normalize(k)
-        gd, bd = g.index_select(0, rows).float(), beta.index_select(0, rows).float()
-        S = cache.rec[row].index_select(0, slots) * gd.exp().unsqueeze(-1)        # Diag(e^g) S
-        pred = torch.einsum("bhc,bhcv->bhv", k, S)                                # kᵀS
-        S = S + torch.einsum("bhc,bhv->bhcv", bd.unsqueeze(-1) * k, v - pred)
-        o.index_copy_(0, rows, self.scale * torch.einsum("bhc,bhcv->bhv", q, S))
-        cache.conv[row].index_copy_(0, slots, xs[:, 1:].transpose(1, 2).to(cache.conv.dtype))
-        cache.rec[row].index_copy_(0, slots, S.to(cache.rec.dtype))
+        # one kernel on CUDA bf16 (kernels/kda_decode.py), else the same chain in PyTorch
+        kda_decode_op.kda_decode_rows(qkv_in, g, beta, cache.conv[row], conv_w, cache.rec[row],
+                                      o, rows, slots, heads=self.heads, head_dim=self.dim,
+                                      scale=self.scale)
 
     def _core(self, batch: StepBatch, caches: ModelCaches | None, qkv_in: torch.Tensor,
               g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
