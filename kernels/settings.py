@@ -120,6 +120,12 @@ _ALL = (
             "between the replays (models/kda.py `_core_single`): the eager KDA cores cost "
             "0.5-1.1 ms of host time each on the H100. Not yet run on a GPU",
             "'0' (off) or '1' (on)", _strict_bool),
+    Setting("RAYDECODE_STOCK_FUSED", "1", "'0': the stock path (prefill, mixed and stock "
+            "decode steps) runs its PyTorch chains where it has fused kernels on CUDA bf16 "
+            "(the KDA decode rows, gate and gated norm, the RMSNorm modules, the router's "
+            "top-k, the SiTU of the shared experts and dense FFN): the A/B and the tests' "
+            "comparison; the CPU path always runs the chains", "'0' (off) or '1' (on)",
+            _strict_bool),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
             _flag),
@@ -189,6 +195,10 @@ def stock_graphs() -> int:
 
 def stock_single() -> bool:
     return get("RAYDECODE_STOCK_SINGLE")
+
+
+def stock_fused() -> bool:
+    return get("RAYDECODE_STOCK_FUSED")
 
 
 def oneshot_allreduce() -> bool:

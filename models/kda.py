@@ -40,12 +40,13 @@ from raydecode.kernels import kda_conv as kda_conv_op
 from raydecode.kernels import kda_decode as kda_decode_op
 from raydecode.kernels import kda_prefill as kda_prefill_op
 from raydecode.kernels import kda_verify as kda_verify_op
+from raydecode.kernels import stock_elementwise as stock_ew
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .cache import ModelCaches, StepBatch, batch_decode_rows, device_index
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, new_param, pack_rows_,
-                     replicated_linear, rms_norm, row_linear)
+                     replicated_linear, rms_norm, row_linear, stock_fused)
 from .parallel import Comm, LocalComm, Parallel
 from .params import FUSED_ROW_ALIGN
 from .pieces import attention_core
@@ -309,9 +310,10 @@ class KDAAttention(nn.Module):
         slots = slot_index(tuple(s.slot for s in seqs), dev)                      # (D,)
         rows = device_index(tuple(s.start for s in seqs), dev)                    # (D,)
         # one kernel on CUDA bf16 (kernels/kda_decode.py), else the same chain in PyTorch
-        kda_decode_op.kda_decode_rows(qkv_in, g, beta, cache.conv[row], conv_w, cache.rec[row],
-                                      o, rows, slots, heads=self.heads, head_dim=self.dim,
-                                      scale=self.scale)
+        op = (kda_decode_op.kda_decode_rows if stock_fused(qkv_in)
+              else kda_decode_op.kda_decode_rows_reference)
+        op(qkv_in, g, beta, cache.conv[row], conv_w, cache.rec[row], o, rows, slots,
+           heads=self.heads, head_dim=self.dim, scale=self.scale)
 
     def _core(self, batch: StepBatch, caches: ModelCaches | None, qkv_in: torch.Tensor,
               g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -429,14 +431,24 @@ class KDAAttention(nn.Module):
                                 lin(x, self.v_proj.weight)], -1)                  # (T, 3·h·d)
             b_in, f_a, gate_in = (lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight),
                                   None)
-        beta = torch.sigmoid(b_in.float())                                         # (T, h)
-        g = kda_gate(lin(f_a, self.f_b_proj.weight).view(T, h, d),
-                     self.A_log, self.dt_bias, self.lower_bound)                   # (T, h, d)
+        fused = stock_fused(x)            # one kernel each for the gates and the output norm
+        raw = lin(f_a, self.f_b_proj.weight)                                       # (T, h·d)
+        if fused:
+            exp_a = self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
+            g, beta = stock_ew.kda_gate_beta(raw, b_in, exp_a, self.dt_bias,
+                                             self.lower_bound, h)           # (T, h, d), (T, h)
+        else:
+            beta = torch.sigmoid(b_in.float())                                     # (T, h)
+            g = kda_gate(raw.view(T, h, d), self.A_log, self.dt_bias,
+                         self.lower_bound)                                         # (T, h, d)
         o = attention_core(caches, self._core, batch, qkv_in, g, beta,
                            inline=self._core_single)                              # (T, h, d)
-        gate = torch.sigmoid((self._out_gate(x, lin) if gate_in is None else gate_in).float())
-        gate = gate.view(T, h, d)
-        o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)
+        gate_in = self._out_gate(x, lin) if gate_in is None else gate_in
+        if fused:
+            o = stock_ew.gated_rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate_in, x.dtype)
+        else:
+            gate = torch.sigmoid(gate_in.float()).view(T, h, d)
+            o = (rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate).to(x.dtype)
         return self.comm.all_reduce(lin(o.reshape(T, h * d), self.o_proj.weight))
 
 

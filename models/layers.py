@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydecode.kernels import settings as _settings
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .parallel import Comm, LocalComm, Parallel
@@ -65,6 +66,18 @@ def shard_tensor(full: torch.Tensor, param: nn.Parameter, par: Parallel) -> torc
                          f"expects {tuple(param.shape)} (full shape "
                          f"{getattr(param, 'full_shape', '?')}, shard_dim {dim})")
     return out
+
+
+# the stock path's fused kernels on CUDA bf16 (RAYDECODE_STOCK_FUSED), read once at import;
+# tests set it to False to run the PyTorch chains on the same device and compare
+STOCK_FUSED = _settings.stock_fused()
+
+
+def stock_fused(x: torch.Tensor) -> bool:
+    """Whether a stock-path op on `x` runs its fused kernel (kernels/stock_elementwise.py and
+    the decode kernels it shares): the setting on and x a CUDA bf16 tensor; otherwise the
+    PyTorch chain (the CPU path, fp32 models, and the reference the kernels are tested on)."""
+    return STOCK_FUSED and x.is_cuda and x.dtype == torch.bfloat16
 
 
 _SHARD_ATTRS = ("shard_dim", "full_shape", "shard_fn")
@@ -189,6 +202,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.op_rounding)
 
+    def stock(self, x: torch.Tensor) -> torch.Tensor:
+        """forward on the stock path: one kernel where `stock_fused` (kernels/
+        decode_elementwise_triton.py `rms_norm_cast`: fp32 math, one rounding, as `rms_norm`
+        without op_rounding); else forward."""
+        if self.op_rounding or not stock_fused(x) or x.shape[-1] != self.weight.numel():
+            return self.forward(x)
+        from raydecode.kernels.decode_elementwise_triton import rms_norm_cast
+        return rms_norm_cast(x.reshape(-1, x.shape[-1]), self.weight, self.eps,
+                             x.dtype).view(x.shape)
+
 
 class Linear(nn.Module):
     """y = x Wᵀ, no bias. shard_dim None: replicated; 0: column-parallel (output rows split,
@@ -258,6 +281,10 @@ class GatedMLP(nn.Module):
         """(T, H) -> this rank's partial sum (T, H) of the output, before the all-reduce (for a
         caller that reduces it together with other partials)."""
         lin = linear_for(path, self.options)
-        a = situ(lin(x, self.gate_proj.weight), lin(x, self.up_proj.weight), self.beta,
-                 self.linear_beta)
+        gate, up = lin(x, self.gate_proj.weight), lin(x, self.up_proj.weight)
+        if path == "stock" and stock_fused(gate):       # one kernel for the SiTU chain
+            from raydecode.kernels.stock_elementwise import situ_pair
+            a = situ_pair(gate, up, self.beta, self.linear_beta)
+        else:
+            a = situ(gate, up, self.beta, self.linear_beta)
         return lin(a, self.down_proj.weight)

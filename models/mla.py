@@ -221,9 +221,10 @@ class MLAAttention(nn.Module):
             raise RuntimeError(f"MLA layer {self.layer_idx}: a graph-shaped step (caches."
                                "statics set) needs the fused decode (specialized path, bf16 "
                                "model and pool, output gate, decode-only batch)")
-        q = lin(self.q_a_layernorm(q_a), self.q_b_proj.weight)
+        q = lin(self.q_a_layernorm.stock(q_a), self.q_b_proj.weight)
         q = q.view(T, self.heads, self.nope + self.rope)
-        rows = torch.cat([self.kv_a_layernorm(kv[:, :self.kv_lora]), kv[:, self.kv_lora:]], -1)
+        rows = torch.cat([self.kv_a_layernorm.stock(kv[:, :self.kv_lora]),
+                          kv[:, self.kv_lora:]], -1)
         if caches is None:
             o = self._naive(q, rows, batch).to(x.dtype)
         else:

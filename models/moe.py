@@ -60,7 +60,7 @@ from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .checkpoint import PREFIX, expert_is_mxfp4
 from .config import K3Config
-from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_,
+from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_, stock_fused,
                      replicated_linear, situ)
 from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
@@ -270,13 +270,18 @@ class LatentMoE(nn.Module):
         if path == "specialized":
             return self._forward_specialized(x)
         m = self.cfg.moe
-        w, ids = route(self.gate(x), self.gate.e_score_correction_bias, m.top_k,
-                       m.num_expert_group, m.topk_group, m.renormalize,
-                       m.routed_scaling_factor)
+        logits = self.gate(x)
+        if stock_fused(x) and m.num_expert_group <= 1:      # one kernel: kernels/router.py
+            w, ids = route_topk(logits, self.gate.e_score_correction_bias, m.top_k,
+                                m.renormalize, m.routed_scaling_factor)
+        else:
+            w, ids = route(logits, self.gate.e_score_correction_bias, m.top_k,
+                           m.num_expert_group, m.topk_group, m.renormalize,
+                           m.routed_scaling_factor)
         lat, shared = self._reduce(self.experts(self.routed_expert_down_proj(x), w, ids), x,
                                    "stock")
         if self.routed_expert_norm is not None:
-            lat = self.routed_expert_norm(lat)
+            lat = self.routed_expert_norm.stock(lat)
         out = self.routed_expert_up_proj(lat)
         return out if shared is None else out + shared
 

@@ -2,6 +2,10 @@
 - the router's fp32-out GEMM (models/moe.py `linear_fp32_out`: one bf16 tensor-core GEMM with
   fp32 output instead of upcasting both operands) equals the fp32 product of the same values
   to fp32 summation order, and this torch build runs it (no silent fallback);
+- the stock path's fused kernels on CUDA bf16 (models/layers.py `STOCK_FUSED`: the KDA decode
+  rows, gate and gated norm, the RMSNorm modules, the router's top-k, the SiTU) against the
+  same model with them off, both held to the bf16 noise check against the fp32 ground truth,
+  on the tiny model and a K3 slice (head_dim 128), with the kernels counted as they run;
 - the stock step's AttnRes through the fused residual-add + mix + norm op (K3Model
   `stock_fused_attnres`, kernels/attnres_norm.py Triton) gives the logits the PyTorch mix gives,
   over a chunked prefill and decode steps with caches: fp32 within TOL_FP32 and the same
@@ -13,13 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydecode.kernels import kda_prefill
+from raydecode.kernels import kda_decode_triton, kda_prefill, stock_elementwise
+from raydecode.models import layers as layers_mod
 from raydecode.models import moe as moe_mod
 from raydecode.models.attnres import attnres_fusable
 from raydecode.models.k3 import K3Model
 
 from _numerics import rel_err
-from _prefill_forced import (TIE_FP32, TOL_FP32, run_forced, tiny_model, upcast_,
+from _prefill_forced import (TIE_FP32, TOL_FP32, k3_slice, run_forced, tiny_model, upcast_,
                              within_bf16_noise)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -74,3 +79,45 @@ def test_stock_fused_attnres_bf16_is_within_the_bf16_noise(monkeypatch):
     e_fused = [rel_err(a, b) for a, b in zip(fused.rows, truth.rows)]
     e_plain = [rel_err(a, b) for a, b in zip(plain.rows, truth.rows)]
     assert within_bf16_noise(e_fused, e_plain), (e_fused, e_plain)
+
+
+@pytest.mark.parametrize("which", ["tiny", "k3"])
+def test_stock_fused_ops_bf16_are_within_the_bf16_noise(which, monkeypatch):
+    monkeypatch.setattr(kda_prefill, "available", lambda *ts: False)   # fp32 KDA prefill
+    model, prompts = (tiny_model if which == "tiny" else k3_slice)("cuda")
+    calls = {"rows": 0, "gate": 0, "norm": 0}
+
+    def counted(name, fn):
+        def run(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return run
+    monkeypatch.setattr(kda_decode_triton, "kda_rows_triton",
+                        counted("rows", kda_decode_triton.kda_rows_triton))
+    monkeypatch.setattr(stock_elementwise, "_gate_beta_kernel",
+                        _Counted(stock_elementwise._gate_beta_kernel, calls, "gate"))
+    monkeypatch.setattr(stock_elementwise, "_gated_norm_kernel",
+                        _Counted(stock_elementwise._gated_norm_kernel, calls, "norm"))
+    assert layers_mod.STOCK_FUSED, "RAYDECODE_STOCK_FUSED is off in this environment"
+    fused = run_forced(model, prompts[0], N)
+    assert all(calls[k] > 0 for k in calls), calls          # the kernels served the run
+    with monkeypatch.context() as m:
+        m.setattr(layers_mod, "STOCK_FUSED", False)
+        before = dict(calls)
+        plain = run_forced(model, prompts[0], N, forced=fused.tokens)
+        assert calls == before, "a fused kernel ran with the setting off"
+        truth = run_forced(upcast_(model), prompts[0], N, forced=fused.tokens)
+    e_fused = [rel_err(a, b) for a, b in zip(fused.rows, truth.rows)]
+    e_plain = [rel_err(a, b) for a, b in zip(plain.rows, truth.rows)]
+    assert within_bf16_noise(e_fused, e_plain), (e_fused, e_plain)
+
+
+class _Counted:
+    """A Triton kernel handle whose launches (`kernel[grid](...)`) are counted."""
+
+    def __init__(self, kernel, calls: dict, name: str):
+        self.kernel, self.calls, self.name = kernel, calls, name
+
+    def __getitem__(self, grid):
+        self.calls[self.name] += 1
+        return self.kernel[grid]
