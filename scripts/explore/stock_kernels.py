@@ -30,6 +30,7 @@ from raydecode.scripts.explore.common import rank_parser
 
 _MODULES = ("models.kda", "models.mla", "models.moe", "models.layers", "models.attnres",
             "models.pieces", "models.k3", "models.mxfp4", "kernels.moe_mxfp4", "kernels.router",
+            "kernels.kda_decode", "kernels.stock_elementwise",
             "kernels.kda_conv", "kernels.kda_prefill", "kernels.linear", "kernels.attnres_norm",
             "kernels.mla_prefill", "kernels.decode_elementwise_triton", "engine.runner")
 _TAG = "rd:"
@@ -133,31 +134,43 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from raydecode.engine.runner import ModelRunner
-    for _ in range(3):
-        rank.step(0, 1, "stock")
-    plan = rank.plan(0, 1, "stock")
-    device_sync(rank.device)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with traced_functions(), profile(activities=acts) as prof:
-        ModelRunner.logits(rank.runner, plan)
-        device_sync(rank.device)
-    sites = attribute(prof.events(), cuda)
+    from raydecode.models import layers as layers_mod
     L = cfg.num_layers
-    total = sum(s["count"] for s in sites.values())
     report = report_header(args.commit, bench="stock_kernels", tp=args.tp, layers=L,
                            device=str(rank.device), method=__doc__,
                            counted="CUDA kernels" if cuda else "leaf ATen ops (CPU host)")
-    report["total"] = total
-    report["per_layer"] = round(total / L, 2)
-    report["sites"] = [{"site": k, "count": v["count"], "per_layer": round(v["count"] / L, 2),
-                        "ops": dict(sorted(v["ops"].items(), key=lambda kv: -kv[1]))}
-                       for k, v in sorted(sites.items(), key=lambda kv: -kv[1]["count"])]
-    write_report(report, args.out, t0)
-    print(f"[kernels] {report['counted']}: {total} in {L} layers = {report['per_layer']}/layer",
-          flush=True)
-    for s in report["sites"][:60]:
-        print(f"[kernels] {s['per_layer']:6.2f}/layer {s['site'][:110]}  "
-              f"{list(s['ops'].items())[:3]}", flush=True)
+    report["variants"] = {}
+    # the shipped stock path, then its PyTorch chains (RAYDECODE_STOCK_FUSED=0) in this run
+    for name, fused in (("fused", layers_mod.STOCK_FUSED), ("chains", False)):
+        layers_mod.STOCK_FUSED = fused
+        for _ in range(3):
+            rank.step(0, 1, "stock")
+        plan = rank.plan(0, 1, "stock")
+        device_sync(rank.device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with traced_functions(), profile(activities=acts) as prof:
+            ModelRunner.logits(rank.runner, plan)
+            device_sync(rank.device)
+        sites = attribute(prof.events(), cuda)
+        total = sum(s["count"] for s in sites.values())
+        # every CUDA kernel of the step, as the prefill bench counts them (launches the
+        # profiler did not link to a host op, e.g. some Triton ones, are in here only)
+        every = sum(1 for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA
+                    and not e.name.startswith(("Memcpy", "Memset")))
+        report["variants"][name] = {
+            "stock_fused": fused, "total": total, "per_layer": round(total / L, 2),
+            "every_kernel": every, "every_per_layer": round(every / L, 2),
+            "sites": [{"site": k, "count": v["count"], "per_layer": round(v["count"] / L, 2),
+                       "ops": dict(sorted(v["ops"].items(), key=lambda kv: -kv[1]))}
+                      for k, v in sorted(sites.items(), key=lambda kv: -kv[1]["count"])]}
+        write_report(report, args.out, t0)
+        print(f"[kernels] {name}: {report['counted']}: {total} attributed in {L} layers = "
+              f"{round(total / L, 2)}/layer; every CUDA kernel {every} = "
+              f"{round(every / L, 2)}/layer", flush=True)
+        for s in report["variants"][name]["sites"][:40]:
+            print(f"[kernels]   {s['per_layer']:6.2f}/layer {s['site'][:110]}  "
+                  f"{list(s['ops'].items())[:2]}", flush=True)
     return 0
 
 
