@@ -657,7 +657,9 @@ def stock_kernels(rank: PrefillRank) -> dict:
         ModelRunner.logits(rank.runner, plan)                    # eager, whatever the runner
         torch.cuda.synchronize()
     k = kernel_summary(prof.events(), top_n=12)
+    from raydecode.models import layers as layers_mod
     return {"kernels": k["kernel"], "memcpy": k["memcpy"], "memset": k["memset"], "layers": L,
+            "stock_fused": layers_mod.STOCK_FUSED,
             "kernels_per_layer": round(k["kernel"] / L, 2), "graphed": why is None,
             "why_not_graphed": why, "top_kernels": k["names"],
             "note": "the eager step counted (torch.profiler); kernels / layers includes the "
