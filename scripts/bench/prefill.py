@@ -81,7 +81,8 @@ same run (torch.matmul of two 8192² bf16 operands timed with CUDA events; on th
 
 Summary (exactly three keys, from the TP16 run): mfu_8k_tp16 and ttft_s_8k_tp16 (all layers)
 of the 8192-token prompt, stock_layer_kernels_tp16_b1 the batch-1 stock step's kernels per
-layer; null where the run has no such case (no TP16, no 8192 prompt, no CUDA: the tiny CPU run).
+layer (those launched inside the decoder layers / layers, `stock_kernels`; every kernel of the
+step / layers where the launches counted miss a kernel); null where the run has no such case (no TP16, no 8192 prompt, no CUDA: the tiny CPU run).
 
 Timing: host wall time between device syncs (torch.cuda.synchronize), time.perf_counter.
 Off CUDA (`--device cpu --config tiny`, tests/cpu/test_bench_prefill.py) the same code runs
@@ -643,9 +644,19 @@ def capture_stock(rank: PrefillRank, budget: int) -> dict:
             "graphs_per_bucket": sorted(per), "core_buffer_bytes": r._stock_buffers.nbytes}
 
 
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+               "cudaLaunchCooperativeKernel")     # host calls that each launch one kernel
+
+
 def stock_kernels(rank: PrefillRank) -> dict:
-    """CUDA kernels one stock decode step at batch 1 launches (eager), per layer."""
-    from torch.profiler import ProfilerActivity, profile
+    """CUDA kernels one stock decode step at batch 1 launches (eager), per layer: the step's
+    kernels / layers (what earlier runs reported: it includes the embedding, the final mix and
+    norm, the lm_head and sampling), and the kernels launched inside the decoder layers / layers
+    (each layer's forward in a `record_function` range; the host's kernel-launch calls inside
+    those ranges counted, which does not rely on the profiler linking a launch to its kernel)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from raydecode.models import layers as layers_mod
 
     from .layer_timing import kernel_summary
 
@@ -653,18 +664,41 @@ def stock_kernels(rank: PrefillRank) -> dict:
     rank.step(0, 1)
     plan = rank.plan(0, 1)
     why = rank.runner.why_not(plan)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        ModelRunner.logits(rank.runner, plan)                    # eager, whatever the runner
-        torch.cuda.synchronize()
-    k = kernel_summary(prof.events(), top_n=12)
-    from raydecode.models import layers as layers_mod
+    mods = list(rank.model.model.layers)
+
+    def ranged(fwd):
+        def run(*a, **kw):
+            with record_function("rd:layer"):
+                return fwd(*a, **kw)
+        return run
+    for m in mods:
+        m.forward = ranged(m.forward)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ModelRunner.logits(rank.runner, plan)                # eager, whatever the runner
+            torch.cuda.synchronize()
+    finally:
+        for m in mods:
+            del m.forward                                       # the class's forward again
+    events = prof.events()
+    k = kernel_summary(events, top_n=12)
+    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "rd:layer"]
+    launches = [e.time_range.start for e in events
+                if e.device_type == torch.autograd.DeviceType.CPU and e.name in LAUNCH_APIS]
+    inside = sum(1 for t in launches if any(a <= t <= b for a, b in windows))
     return {"kernels": k["kernel"], "memcpy": k["memcpy"], "memset": k["memset"], "layers": L,
             "stock_fused": layers_mod.STOCK_FUSED,
-            "kernels_per_layer": round(k["kernel"] / L, 2), "graphed": why is None,
-            "why_not_graphed": why, "top_kernels": k["names"],
-            "note": "the eager step counted (torch.profiler); kernels / layers includes the "
-                    "step's kernels outside the layers (embedding, final mix and norm, "
-                    "lm_head); GraphedRunner graphs decode-only specialized steps only"}
+            "kernels_per_layer": round(k["kernel"] / L, 2),
+            "launches": len(launches), "launches_in_layers": inside,
+            "layer_ranges": len(windows),
+            "in_layer_kernels_per_layer": round(inside / L, 2) if len(windows) == L else None,
+            "graphed": why is None, "why_not_graphed": why, "top_kernels": k["names"],
+            "note": "the eager step counted (torch.profiler; a graph replays the same kernels). "
+                    "kernels_per_layer: every kernel of the step / layers, the step's kernels "
+                    "outside the layers (embedding, final mix and norm, lm_head, sampling) "
+                    "included; in_layer_kernels_per_layer: kernel launches inside the decoder "
+                    "layers' forward / layers (the summary's figure). GraphedRunner graphs "
+                    "decode-only specialized steps only"}
 
 
 def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
@@ -743,9 +777,11 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         save(run)
     if rank.device.type == "cuda":
         run["stock_kernels_b1"] = stock_kernels(rank)
-        print(f"[prefill] {tag} stock decode batch 1: "
-              f"{run['stock_kernels_b1']['kernels_per_layer']} kernels per layer (eager, "
-              f"{run['stock_kernels_b1']['kernels']} in the step)", flush=True)
+        sk = run["stock_kernels_b1"]
+        print(f"[prefill] {tag} stock decode batch 1: {_per_layer(sk)} kernels per layer "
+              f"inside the layers ({sk['launches_in_layers']} of {sk['launches']} launches; "
+              f"every kernel of the step / layers {sk['kernels_per_layer']}, {sk['kernels']} "
+              f"kernels; eager)", flush=True)
         save(run)
     del rank, model
     gc.unfreeze()           # a "frozen" random-counts mode froze this rank's heap
@@ -753,6 +789,16 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return run
+
+
+def _per_layer(kern: dict) -> float:
+    """The summary's stock kernels per layer: the launches inside the decoder layers / layers
+    where the launches counted cover every kernel of the step, else every kernel / layers (an
+    upper bound: it includes the step's kernels outside the layers)."""
+    inside = kern.get("in_layer_kernels_per_layer")
+    if inside is not None and kern.get("launches") == kern["kernels"]:
+        return inside
+    return kern["kernels_per_layer"]
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -763,7 +809,7 @@ def summarize(runs: list[dict]) -> dict:
     kern = tp16.get("stock_kernels_b1")
     return {"mfu_8k_tp16": p8k["mfu"] if p8k else None,
             "ttft_s_8k_tp16": p8k["ttft_s_all_layers"] if p8k else None,
-            "stock_layer_kernels_tp16_b1": kern["kernels_per_layer"] if kern else None}
+            "stock_layer_kernels_tp16_b1": _per_layer(kern) if kern else None}
 
 
 def plot(runs: list[dict], path: str, title: str) -> None:
