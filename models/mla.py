@@ -52,7 +52,7 @@ from .cache import (MLALatentCache, ModelCaches, SeqSlice, StepBatch, batch_deco
                     device_index, host_to_device)
 from .config import K3Config
 from .layers import (DerivedWeights, RMSNorm, column_linear, pack_rows_, replicated_linear,
-                     row_linear)
+                     row_linear, stock_fused)
 from .parallel import Comm, LocalComm, Parallel
 from .pieces import attention_core
 from .specialized import linear_for, row_pieces, sharded_gemv
@@ -159,6 +159,21 @@ def decode_meta(batch: StepBatch, cache: MLALatentCache, device
     out = (dev[:T * width].view(T, width), dev[T * width:T * width + T], dev[T * width + T:])
     _META_MEMO[0] = (weakref.ref(batch), key, out)
     return out
+
+
+_ROWS_MEMO: list = [None]      # (weakref to a step's batch, its decode rows' key, their batch)
+
+
+def _rows_batch(batch: StepBatch, dec: list[SeqSlice]) -> StepBatch:
+    """The step's one-token sequences `dec` as a decode-only batch (starts 0..D−1 in dec's
+    order), one object per step, so `decode_meta` builds its paging once for all MLA layers."""
+    key = tuple(dec)
+    memo = _ROWS_MEMO[0]
+    if memo is not None and memo[0]() is batch and memo[1] == key:
+        return memo[2]
+    sub = StepBatch([s._replace(start=i) for i, s in enumerate(dec)])
+    _ROWS_MEMO[0] = (weakref.ref(batch), key, sub)
+    return sub
 
 
 # ---- the layer ---------------------------------------------------------------------------
@@ -364,17 +379,25 @@ class MLAAttention(nn.Module):
 
         Prefill chunks (length > 1) at DCP 1 where `prefill_impl` resolves to SDPA (bf16 on
         CUDA by default, kernels/mla_prefill.py `resolve_impl`): K/V decompressed from the
-        rows + fused attention, in q's dtype. Decode rows (length 1), every row at DCP > 1
-        (the partials need the all-gathers) and the reference (the CPU and fp32 by default:
-        as before, bit for bit) keep the absorbed fp32 math of `_latent_attention`."""
+        rows + fused attention, in q's dtype. Decode rows (length 1) at DCP 1 on CUDA bf16
+        with the stock path's fused kernels on: the paged decode kernels (`_rows_paged`).
+        Other decode rows, every row at DCP > 1 (the partials need the all-gathers) and the
+        reference (the CPU and fp32 by default: as before, bit for bit) keep the absorbed
+        fp32 math of `_latent_attention`."""
         cache, layer = caches.mla, caches.mla_index[self.layer_idx]
         seqs = [s for s in batch.seqs if s.slot != caches.pad_slot]   # a pad sequence: zeros
         cache.write_seqs(layer, seqs, rows)
+        dec = [s for s in seqs if s.length == 1]              # one-token sequences
+        # their paged decode kernels (CUDA bf16, DCP 1, RAYDECODE_STOCK_FUSED: `_rows_paged`)
+        paged = bool(dec) and (self.par.dcp_size == 1 and stock_fused(q)
+                               and cache.pool.dtype == BF16)
+        if paged and len(dec) == len(batch.seqs) \
+                and [s.start for s in dec] == list(range(len(dec))):    # a stock decode step
+            return self._rows_paged(q, dec, batch, cache, layer)
         sdpa = self.par.dcp_size == 1 and resolve_impl(self.prefill_impl, q) == "sdpa"
-        if not (sdpa and any(s.length > 1 for s in seqs)):
+        if not (paged or (sdpa and any(s.length > 1 for s in seqs))):
             return self._latent_attention(q, seqs, batch.positions(q.device), cache, layer)
-        dec = [s for s in seqs if s.length == 1]                # a mixed step's decode rows
-        positions = batch.positions(q.device) if dec else None
+        positions = batch.positions(q.device) if dec or not sdpa else None
         out = q.new_empty(q.shape[0], self.heads, self.vdim)                 # (T, h, v)
         if len(seqs) < len(batch.seqs):
             for s in batch.seqs:
@@ -382,12 +405,19 @@ class MLAAttention(nn.Module):
                     out[s.start:s.end].zero_()
         for s in seqs:
             sl = slice(s.start, s.end)
-            if s.length > 1:
+            if s.length > 1 and sdpa:
                 r, _ = cache.read(layer, s.slot, s.pos + s.length)       # positions 0 .. end−1
                 mla_prefill_into(out[sl], q[sl], r, s.pos, self.kv_b_proj.weight,
                                  nope=self.nope, vdim=self.vdim, kv_lora=self.kv_lora,
                                  scale=self.scale)
-        if len(dec) > 1 and batch_decode_rows(q):   # the decode rows' absorbed math, together
+            elif s.length > 1:                       # (paged decode rows beside it)
+                out[sl] = self._latent_attention(q[sl], [s._replace(start=0)], positions[sl],
+                                                 cache, layer).to(out.dtype)
+        if paged:                                   # the decode rows' paged kernels
+            at = device_index(tuple(s.start for s in dec), q.device)
+            out.index_copy_(0, at, self._rows_paged(q.index_select(0, at), dec, batch, cache,
+                                                    layer))
+        elif len(dec) > 1 and batch_decode_rows(q):  # the decode rows' absorbed math, together
             at = device_index(tuple(s.start for s in dec), q.device)
             res = self._latent_attention(q.index_select(0, at),
                                          [s._replace(start=i) for i, s in enumerate(dec)],
@@ -399,6 +429,23 @@ class MLAAttention(nn.Module):
                 out[sl] = self._latent_attention(q[sl], [s._replace(start=0)], positions[sl],
                                                  cache, layer)
         return out
+
+    def _rows_paged(self, q: torch.Tensor, dec: list[SeqSlice], batch: StepBatch,
+                    cache: MLALatentCache, layer: int) -> torch.Tensor:
+        """One-token sequences `dec` (rows already written; q (D, h, nope + rope) bf16, their
+        rows in dec's order) through the specialized step's paged kernels (kernels/
+        mla_decode.py): the W_uk absorb, the split-KV attention over each sequence's pool
+        rows 0 .. pos, then bf16(o_lat)·W_uv. -> (D, h, v) bf16. The same roundings as the
+        fused decode (q_abs and o_lat to bf16, p·V from bf16 p) where `_latent_attention`
+        keeps fp32: ≈ 6 kernels instead of ≈ 37 (the absorbed fp32 math)."""
+        sub = _rows_batch(batch, dec)                 # one per step: decode_meta's memo hits
+        table, _, seq_lens = decode_meta(sub, cache, q.device)
+        w_uk, _ = self.absorbed_weights()
+        q_abs = mla_absorb(q, w_uk, nope=self.nope)                       # (D, h, c + rope)
+        o_lat, _ = mla_attention(q_abs, cache.pool[layer], table, seq_lens,
+                                 kv_lora=self.kv_lora, scale=self.scale)   # (D, h, c) fp32
+        o = torch.bmm(o_lat.to(BF16).transpose(0, 1), self._w_uv_t())      # (h, D, v)
+        return o.transpose(0, 1)
 
     def _attend_singles(self, q_abs, seqs: list[SeqSlice], cache: MLALatentCache, layer: int,
                         o_lat: torch.Tensor, lse: torch.Tensor) -> None:

@@ -3,7 +3,8 @@
   fp32 output instead of upcasting both operands) equals the fp32 product of the same values
   to fp32 summation order, and this torch build runs it (no silent fallback);
 - the stock path's fused kernels on CUDA bf16 (models/layers.py `STOCK_FUSED`: the KDA decode
-  rows, gate and gated norm, the RMSNorm modules, the router's top-k, the SiTU) against the
+  rows, gate and gated norm, the MLA decode rows through the paged decode kernels, the RMSNorm
+  modules, the router's top-k, the SiTU) against the
   same model with them off, both held to the bf16 noise check against the fp32 ground truth,
   on the tiny model and a K3 slice (head_dim 128), with the kernels counted as they run;
 - the stock step's AttnRes through the fused residual-add + mix + norm op (K3Model
@@ -22,6 +23,7 @@ from raydecode.models import layers as layers_mod
 from raydecode.models import moe as moe_mod
 from raydecode.models.attnres import attnres_fusable
 from raydecode.models.k3 import K3Model
+from raydecode.models.mla import MLAAttention
 
 from _numerics import rel_err
 from _prefill_forced import (TIE_FP32, TOL_FP32, k3_slice, run_forced, tiny_model, upcast_,
@@ -85,7 +87,7 @@ def test_stock_fused_attnres_bf16_is_within_the_bf16_noise(monkeypatch):
 def test_stock_fused_ops_bf16_are_within_the_bf16_noise(which, monkeypatch):
     monkeypatch.setattr(kda_prefill, "available", lambda *ts: False)   # fp32 KDA prefill
     model, prompts = (tiny_model if which == "tiny" else k3_slice)("cuda")
-    calls = {"rows": 0, "gate": 0, "norm": 0}
+    calls = {"rows": 0, "gate": 0, "norm": 0, "mla_rows": 0}
 
     def counted(name, fn):
         def run(*a, **kw):
@@ -94,6 +96,8 @@ def test_stock_fused_ops_bf16_are_within_the_bf16_noise(which, monkeypatch):
         return run
     monkeypatch.setattr(kda_decode_triton, "kda_rows_triton",
                         counted("rows", kda_decode_triton.kda_rows_triton))
+    monkeypatch.setattr(MLAAttention, "_rows_paged",
+                        counted("mla_rows", MLAAttention._rows_paged))
     monkeypatch.setattr(stock_elementwise, "_gate_beta_kernel",
                         _Counted(stock_elementwise._gate_beta_kernel, calls, "gate"))
     monkeypatch.setattr(stock_elementwise, "_gated_norm_kernel",
