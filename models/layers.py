@@ -192,6 +192,17 @@ def pack_rows_(params: list[nn.Parameter], copies: list[torch.Tensor] = (),
     return buf
 
 
+def adjacent_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """[a; b] as one (Na + Nb, K) view where b's rows follow a's in the same storage (both
+    row-major, e.g. two weights `pack_rows_` moved into one buffer), else None."""
+    if (a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.dtype != b.dtype
+            or not (a.is_contiguous() and b.is_contiguous())
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or b.storage_offset() != a.storage_offset() + a.numel()):
+        return None
+    return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), a.stride())
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32,
                  op_rounding: bool = False):
@@ -277,14 +288,22 @@ class GatedMLP(nn.Module):
         """(T, H) -> (T, H), full sum. Specialized: the same math on the kernels/ GEMVs."""
         return self.comm.all_reduce(self.partial(x, path))
 
-    def partial(self, x: torch.Tensor, path: str = "stock") -> torch.Tensor:
+    def partial(self, x: torch.Tensor, path: str = "stock", down=None) -> torch.Tensor:
         """(T, H) -> this rank's partial sum (T, H) of the output, before the all-reduce (for a
-        caller that reduces it together with other partials)."""
+        caller that reduces it together with other partials). down: the down projection's
+        GEMM `down(a, w)` (default the path's linear), e.g. one with fp32 output."""
         lin = linear_for(path, self.options)
-        gate, up = lin(x, self.gate_proj.weight), lin(x, self.up_proj.weight)
-        if path == "stock" and stock_fused(gate):       # one kernel for the SiTU chain
+        fused = path == "stock" and stock_fused(x)
+        gu_w = adjacent_rows(self.gate_proj.weight, self.up_proj.weight) if fused else None
+        if gu_w is not None:           # gate ‖ up already one buffer (a packed weight): one GEMM
+            gu = lin(x, gu_w)
+            n = self.gate_proj.weight.shape[0]
+            gate, up = gu[:, :n], gu[:, n:]
+        else:
+            gate, up = lin(x, self.gate_proj.weight), lin(x, self.up_proj.weight)
+        if fused:                                       # one kernel for the SiTU chain
             from raydecode.kernels.stock_elementwise import situ_pair
             a = situ_pair(gate, up, self.beta, self.linear_beta)
         else:
             a = situ(gate, up, self.beta, self.linear_beta)
-        return lin(a, self.down_proj.weight)
+        return (down or lin)(a, self.down_proj.weight)

@@ -292,7 +292,10 @@ class LatentMoE(nn.Module):
         if self.shared_experts is None:
             return self.comm.all_reduce(lat).to(x.dtype), None
         L = lat.shape[1]
-        both = torch.cat([lat, self.shared_experts.partial(x, path).float()], -1)
+        # the shared down GEMM straight to fp32 on the fused stock path (no bf16 round trip,
+        # no upcast kernel); the chains round it to x's dtype first, as before
+        down = linear_fp32_out if path == "stock" and stock_fused(x) else None
+        both = torch.cat([lat, self.shared_experts.partial(x, path, down=down).float()], -1)
         both = self.comm.all_reduce(both).to(x.dtype)       # (T, L + H)
         return both[:, :L], both[:, L:]
 

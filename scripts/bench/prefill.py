@@ -681,10 +681,13 @@ def stock_kernels(rank: PrefillRank) -> dict:
         for m in mods:
             del m.forward                                       # the class's forward again
     events = prof.events()
-    k = kernel_summary(events, top_n=12)
-    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "rd:layer"]
+    # the layer ranges also appear on the GPU timeline (user annotations): not kernels
+    k = kernel_summary([e for e in events if e.name != "rd:layer"], top_n=12)
+    cpu = torch.autograd.DeviceType.CPU
+    windows = [(e.time_range.start, e.time_range.end) for e in events
+               if e.name == "rd:layer" and e.device_type == cpu]
     launches = [e.time_range.start for e in events
-                if e.device_type == torch.autograd.DeviceType.CPU and e.name in LAUNCH_APIS]
+                if e.device_type == cpu and e.name in LAUNCH_APIS]
     inside = sum(1 for t in launches if any(a <= t <= b for a, b in windows))
     return {"kernels": k["kernel"], "memcpy": k["memcpy"], "memset": k["memset"], "layers": L,
             "stock_fused": layers_mod.STOCK_FUSED,

@@ -103,7 +103,17 @@ def test_stock_fused_ops_bf16_are_within_the_bf16_noise(which, monkeypatch):
     monkeypatch.setattr(stock_elementwise, "_gated_norm_kernel",
                         _Counted(stock_elementwise._gated_norm_kernel, calls, "norm"))
     assert layers_mod.STOCK_FUSED, "RAYDECODE_STOCK_FUSED is off in this environment"
+    with torch.no_grad():            # the shared gate ‖ up packed, as a served rank has them
+        for layer in model.model.layers:
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None and moe.shared_experts is not None:
+                moe._h2_proj()
+    packed = []
+    adj = layers_mod.adjacent_rows
+    monkeypatch.setattr(layers_mod, "adjacent_rows",
+                        lambda a, b: (lambda v: (packed.append(v is not None), v)[1])(adj(a, b)))
     fused = run_forced(model, prompts[0], N)
+    assert any(packed), "no shared gate ‖ up ran as one GEMM"
     assert all(calls[k] > 0 for k in calls), calls          # the kernels served the run
     with monkeypatch.context() as m:
         m.setattr(layers_mod, "STOCK_FUSED", False)
