@@ -114,11 +114,13 @@ _ALL = (
             "docs/perf-log/prefill.md)",
             "0, or a token bucket: a power of two up to 256 or a multiple of 256 up to 8192",
             _token_bucket),
-    Setting("RAYDECODE_STOCK_SINGLE", "0", "'1': with stock graphs on, each bucket also gets "
-            "a single-sequence graph (a prompt chunk alone, the split schedule's prefill "
-            "step) with its KDA attention cores inside the graph, only the MLA cores eager "
-            "between the replays (models/kda.py `_core_single`): the eager KDA cores cost "
-            "0.5-1.1 ms of host time each on the H100. Not yet run on a GPU",
+    Setting("RAYDECODE_STOCK_SINGLE", "1", "with stock graphs on, each bucket from 2 tokens "
+            "up also gets a single-sequence graph (a prompt chunk alone, the split schedule's "
+            "prefill step) with its KDA attention cores inside the graph, only the MLA cores "
+            "eager between the replays (models/kda.py `_core_single`): the eager KDA cores cost "
+            "0.5-1.1 ms of host time each on the H100; with them inside, the split TPOT at the "
+            "512-token chunk came out 2.8-3.1x the graphed decode in four H100 runs (3.5x with "
+            "the general graph, an earlier run). '0': the general graph only",
             "'0' (off) or '1' (on)", _strict_bool),
     Setting("RAYDECODE_STOCK_FUSED", "1", "'0': the stock path (prefill, mixed and stock "
             "decode steps) runs its PyTorch chains where it has fused kernels on CUDA bf16 "

@@ -53,6 +53,7 @@ def _caches(model):
 
 
 def _graphed(model, cap=CAP, backend=None, **kw) -> GraphedRunner:
+    kw.setdefault("stock_single", False)      # the general graphs (the single ones: their test)
     return GraphedRunner(model, _caches(model), num_slots=NS, num_blocks=NB, stock_graphs=cap,
                          stock_backend=backend or EmulatedGraphs(), **kw)
 
@@ -320,6 +321,7 @@ def test_stock_graphs_setting_and_argument_are_checked(model, monkeypatch):
     assert settings.stock_graphs() == 0
     monkeypatch.delenv("RAYDECODE_STOCK_GRAPHS")
     assert settings.stock_graphs() == 512          # the default: every chunk beside decodes
+    assert settings.stock_single() is True         # and single-sequence graphs with it
     with pytest.raises(ValueError, match="stock_graphs=300"):
         _graphed(model, cap=300)
     # no backend (a CPU runner without capture): no stock graphs, whatever the cap
