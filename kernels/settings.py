@@ -124,9 +124,11 @@ _ALL = (
             "'0' (off) or '1' (on)", _strict_bool),
     Setting("RAYDECODE_STOCK_FUSED", "1", "'0': the stock path (prefill, mixed and stock "
             "decode steps) runs its PyTorch chains where it has fused kernels on CUDA bf16 "
-            "(the KDA decode rows, gate and gated norm, the RMSNorm modules, the router's "
-            "top-k, the SiTU of the shared experts and dense FFN): the A/B and the tests' "
-            "comparison; the CPU path always runs the chains", "'0' (off) or '1' (on)",
+            "(the KDA decode rows, gate and gated norm, the MLA decode rows through the paged "
+            "decode kernels, the RMSNorm modules, the router's top-k, the SiTU of the shared "
+            "experts and dense FFN, the shared gate and up as one GEMM and their down GEMM to "
+            "fp32): the A/B and the tests' comparison; the CPU path always runs the chains",
+            "'0' (off) or '1' (on)",
             _strict_bool),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
