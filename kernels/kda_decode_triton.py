@@ -113,6 +113,27 @@ if triton is not None:
         return x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
 
     @triton.jit
+    def _delta_block(srow, r_sk, r_sv, i, jj, prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc,
+                     cw_sw, chv, q, k, eg, beta, scale, W: tl.constexpr, WP: tl.constexpr):
+        """One (D, BV) column block jj of the gated delta rule (columns are independent): the
+        block's v channels chv through the conv, S' = Diag(e^g) S, S ← S' + k (β (v − kᵀS'))ᵀ
+        and its conv taps stored in place once every thread has loaded them. -> the block of
+        o = scale · qᵀS (BV,)."""
+        taps = tl.arange(0, WP)[None, :]
+        keep = (taps >= 1) & (taps < W)                      # xs[:, 1:W] -> taps 0..W−2
+        s_ptrs = srow + i[:, None] * r_sk + jj[None, :] * r_sv
+        S = tl.load(s_ptrs)                                  # (D, BV) fp32
+        v, xv = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, chv, W, WP)
+        Sp = S * eg[:, None]                                 # Diag(e^g) S
+        u = beta * (v - tl.sum(k[:, None] * Sp, 0))          # (BV,)
+        Sn = Sp + k[:, None] * u[None, :]
+        o = scale * tl.sum(q[:, None] * Sn, 0)
+        tl.debug_barrier()                                   # loads of S, v taps before stores
+        tl.store(s_ptrs, Sn)
+        tl.store(cbase + chv[:, None] * c_sc + (taps - 1) * c_sw, xv, mask=keep)
+        return o
+
+    @triton.jit
     def _kda_decode_kernel(
             proj_ptr, p_st, p_sc, fbw_ptr, fbw_sr, fbw_sc,
             conv_ptr, c_st, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
@@ -158,18 +179,9 @@ if triton is not None:
         o2 = tl.zeros((NV, BV), tl.float32)
         for jb in tl.range(0, NV):
             jj = jb * BV + tl.arange(0, BV)
-            s_ptrs = srow + i[:, None] * r_sk + jj[None, :] * r_sv
-            S = tl.load(s_ptrs)                              # (D, BV) fp32
-            chv = 2 * C + hh * D + jj
-            v, xv = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, chv,
-                               W, WP)
-            Sp = S * eg[:, None]                             # Diag(e^g) S
-            u = beta * (v - tl.sum(k[:, None] * Sp, 0))      # (BV,)
-            Sn = Sp + k[:, None] * u[None, :]
-            o2 = tl.where(nb == jb, (scale * tl.sum(q[:, None] * Sn, 0))[None, :], o2)
-            tl.debug_barrier()                               # loads of S, v taps before stores
-            tl.store(s_ptrs, Sn)
-            tl.store(cbase + chv[:, None] * c_sc + (taps - 1) * c_sw, xv, mask=keep)
+            ob = _delta_block(srow, r_sk, r_sv, i, jj, prow, p_sc, cbase, c_sc, c_sw, cw_ptr,
+                              cw_sc, cw_sw, 2 * C + hh * D + jj, q, k, eg, beta, scale, W, WP)
+            o2 = tl.where(nb == jb, ob[None, :], o2)
 
         # gated RMSNorm over dv, rounded once
         jo = nb * BV + tl.arange(0, BV)[None, :]             # (NV, BV) column index
@@ -290,18 +302,9 @@ if triton is not None:
         orow = o_ptr + t * o_st + hh * o_sh
         for jb in tl.range(0, NV):
             jj = jb * BV + tl.arange(0, BV)
-            s_ptrs = srow + i[:, None] * r_sk + jj[None, :] * r_sv
-            S = tl.load(s_ptrs)                              # (D, BV) fp32
-            chv = 2 * C + hh * D + jj
-            v, xv = _conv_part(prow, x_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, chv,
-                               W, WP)
-            Sp = S * eg[:, None]                             # Diag(e^g) S
-            u = beta * (v - tl.sum(k[:, None] * Sp, 0))      # (BV,)
-            Sn = Sp + k[:, None] * u[None, :]
-            tl.store(orow + jj * o_sd, scale * tl.sum(q[:, None] * Sn, 0))
-            tl.debug_barrier()                               # loads of S, v taps before stores
-            tl.store(s_ptrs, Sn)
-            tl.store(cbase + chv[:, None] * c_sc + (taps - 1) * c_sw, xv, mask=keep)
+            ob = _delta_block(srow, r_sk, r_sv, i, jj, prow, x_sc, cbase, c_sc, c_sw, cw_ptr,
+                              cw_sc, cw_sw, 2 * C + hh * D + jj, q, k, eg, beta, scale, W, WP)
+            tl.store(orow + jj * o_sd, ob)
         tl.debug_barrier()
         tl.store(cbase + ch[:, None] * c_sc + (taps - 1) * c_sw, xq, mask=keep)
         tl.store(cbase + (ch + C)[:, None] * c_sc + (taps - 1) * c_sw, xk, mask=keep)

@@ -7,6 +7,28 @@ import torch
 
 from raydecode.engine.scheduler import StepPlan
 from raydecode.models.cache import SeqSlice, StepBatch
+from raydecode.models.config import load_config
+from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
+
+# prompts prefilled on slots 0..4 by `prefilled_tiny` (slot -> tokens)
+PROMPTS = {0: 20, 1: 37, 2: 5, 3: 50, 4: 16}
+
+
+def prefilled_tiny(dtype: torch.dtype, device: str = "cpu", block_size: int = 8):
+    """The tiny model (seed 3) and caches of 6 slots × 10 blocks with `PROMPTS` prefilled on
+    the stock path (random tokens, seed 0): the base the batched decode-row tests step from.
+    -> (model, caches, vocab size)."""
+    with torch.device(device):
+        model = init_random_(K3ForCausalLM(load_config("tiny"), dtype=dtype), seed=3)
+    caches = make_caches(model.cfg, model.par, 6, 60, block_size, dtype, device=device)
+    caches.mla.block_tables.update({s: list(range(10 * s, 10 * s + 10)) for s in range(6)})
+    g = torch.Generator(device=device).manual_seed(0)
+    V = model.cfg.vocab_size
+    with torch.inference_mode():
+        for slot, n in PROMPTS.items():
+            model(torch.randint(0, V, (n,), device=device, generator=g),
+                  StepBatch([SeqSlice(slot, 0, n, 0)]), caches)
+    return model, caches, V
 
 # (sequences of one step, in order): a chunk from 0; a continued chunk beside a new prompt; a
 # mixed step with decode rows; a stock decode step; a chunk of exactly a bucket; a one-token

@@ -13,31 +13,20 @@ import torch
 
 from raydecode.models import mla as mla_mod
 from raydecode.models.cache import SeqSlice, StepBatch
-from raydecode.models.config import load_config
-from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 from raydecode.models.mla import MLAAttention
 
 from _numerics import rel_err
 from _prefill_forced import clone_caches
+from _stock_steps import PROMPTS, prefilled_tiny
 
 torch.set_num_threads(1)
-PROMPTS = {0: 20, 1: 37, 2: 5, 3: 50, 4: 16}       # slot -> prefilled tokens
 BS = 8
 TOL = 3e-2           # bf16 q_abs / o_lat roundings against the fp32 absorbed math
 
 
 @pytest.fixture(scope="module")
 def setup():
-    model = init_random_(K3ForCausalLM(load_config("tiny"), dtype=torch.bfloat16), seed=3)
-    caches = make_caches(model.cfg, model.par, 6, 60, BS, torch.bfloat16)
-    caches.mla.block_tables.update({s: list(range(10 * s, 10 * s + 10)) for s in range(6)})
-    g = torch.Generator().manual_seed(0)
-    V = model.cfg.vocab_size
-    with torch.inference_mode():
-        for slot, n in PROMPTS.items():
-            model(torch.randint(0, V, (n,), generator=g), StepBatch([SeqSlice(slot, 0, n, 0)]),
-                  caches)
-    return model, caches, V
+    return prefilled_tiny(torch.bfloat16, block_size=BS)
 
 
 def _step(model, base, seqs, tokens, paged: bool, monkeypatch, ran):

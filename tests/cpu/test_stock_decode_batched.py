@@ -12,16 +12,14 @@ import torch
 
 from raydecode.models import cache as cache_mod
 from raydecode.models.cache import SeqSlice, StepBatch
-from raydecode.models.config import load_config
-from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 from raydecode.models.kda import KDAAttention
 from raydecode.models.mla import MLAAttention, singles_groups
 
 from _numerics import rel_err
 from _prefill_forced import clone_caches
+from _stock_steps import PROMPTS, prefilled_tiny
 
 torch.set_num_threads(1)
-PROMPTS = {0: 20, 1: 37, 2: 5, 3: 50, 4: 16}       # slot -> prefilled tokens
 BS = 8
 
 
@@ -32,16 +30,7 @@ def batched_on_cpu(monkeypatch):
 
 @pytest.fixture(scope="module")
 def setup():
-    model = init_random_(K3ForCausalLM(load_config("tiny"), dtype=torch.float32), seed=3)
-    caches = make_caches(model.cfg, model.par, 6, 60, BS, torch.float32)
-    caches.mla.block_tables.update({s: list(range(10 * s, 10 * s + 10)) for s in range(6)})
-    g = torch.Generator().manual_seed(0)
-    V = model.cfg.vocab_size
-    with torch.inference_mode():
-        for slot, n in PROMPTS.items():
-            model(torch.randint(0, V, (n,), generator=g), StepBatch([SeqSlice(slot, 0, n, 0)]),
-                  caches)
-    return model, caches, V
+    return prefilled_tiny(torch.float32, block_size=BS)
 
 
 @pytest.mark.parametrize("chunk,impl", [(0, "auto"), (9, "auto"), (9, "sdpa")])
