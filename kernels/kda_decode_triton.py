@@ -113,6 +113,15 @@ if triton is not None:
         return x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
 
     @triton.jit
+    def _qk_conv_l2(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, C,
+                    W: tl.constexpr, WP: tl.constexpr):
+        """q and k of head channels ch (k at ch + C) through the conv, SiLU and bf16 rounding,
+        then their L2 norms -> (q, xs of q, k, xs of k)."""
+        q, xq = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, W, WP)
+        k, xk = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch + C, W, WP)
+        return _l2(q), xq, _l2(k), xk
+
+    @triton.jit
     def _delta_block(srow, r_sk, r_sv, i, jj, prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc,
                      cw_sw, chv, q, k, eg, beta, scale, W: tl.constexpr, WP: tl.constexpr):
         """One (D, BV) column block jj of the gated delta rule (columns are independent): the
@@ -166,10 +175,8 @@ if triton is not None:
         # short conv + SiLU + L2 norms (q, k whole; v per dv block below)
         cbase = conv_ptr + r * c_st
         ch = hh * D + i
-        q, xq = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, W, WP)
-        k, xk = _conv_part(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch + C, W, WP)
-        q = _l2(q)
-        k = _l2(k)
+        q, xq, k, xk = _qk_conv_l2(prow, p_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, C,
+                                   W, WP)
         eg = tl.exp(g)
 
         # gated delta rule, one (D, BV) column block of S per iteration (columns independent)
@@ -292,10 +299,8 @@ if triton is not None:
         beta = tl.load(b_ptr + t * b_st + hh * b_sh)
         cbase = conv_ptr + r * c_st
         ch = hh * D + i
-        q, xq = _conv_part(prow, x_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, W, WP)
-        k, xk = _conv_part(prow, x_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch + C, W, WP)
-        q = _l2(q)
-        k = _l2(k)
+        q, xq, k, xk = _qk_conv_l2(prow, x_sc, cbase, c_sc, c_sw, cw_ptr, cw_sc, cw_sw, ch, C,
+                                   W, WP)
         eg = tl.exp(g)
         taps = tl.arange(0, WP)[None, :]
         keep = (taps >= 1) & (taps < W)
