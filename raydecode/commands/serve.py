@@ -18,6 +18,21 @@ import threading
 from pathlib import Path
 
 
+SIGNAL_POLL_S = 0.5
+
+
+def wait_for_signal(poll_s: float = SIGNAL_POLL_S) -> None:
+    """Block until a signal handler raises (Ctrl-C's KeyboardInterrupt, SIGTERM's `_stop`).
+    The kernel hands a process-directed signal to any thread that does not block it, often
+    one of Ray's or gRPC's; CPython then runs the Python handler in the main thread only when
+    that thread next executes bytecode, which an untimed `Event().wait()` never does (its lock
+    wait is not interrupted by a signal another thread took): `raydecode serve` then ignored
+    Ctrl-C. Waking every `poll_s` runs the pending handler within that time."""
+    stop = threading.Event()
+    while not stop.wait(poll_s):
+        pass
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="deployment YAML (model, tensor_parallel_size, …)")
     p.add_argument("--host", default=None, help="HTTP listen address (overrides serve.host, "
@@ -202,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"raydecode: {DEVELOPMENT_NOTE}", flush=True)
         if cfg.synthetic_warning:
             print(f"raydecode: WARNING: {cfg.synthetic_warning}", file=sys.stderr, flush=True)
-        threading.Event().wait()
+        wait_for_signal()
     except KeyboardInterrupt:
         print("raydecode: stopping", file=sys.stderr)
     finally:
