@@ -5,6 +5,7 @@ counts, and the stock decode step's kernels per layer.
     python -m raydecode.scripts.bench.prefill [--config k3] [--tps 16,8] [--layers 0]
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
         [--context 1024] [--chunk-while-decoding 2048] [--random-counts 50]
+        [--schedule-prompt 32768] [--schedule-pairs 64]
         [--gc-modes frozen] [--max-seconds 60]
         [--graphed 1] [--stock-graphs 2048 [--tpot-chunks 1,256,512,1024,2048]]
         [--profile-first-run] [--module-loading lazy|eager]
@@ -50,6 +51,12 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             decode-only step of the same sequences (stock; graphed, as served) and the split
             schedule (SchedulerConfig.split_mixed: a chunk-only step, then the graphed decode
             step). Medians of `--steps` interleaved rounds.
+  schedule  with --schedule-prompt P: the acceptance's TPOT — the --mixed-decodes streams
+            decoding while a P-token prompt prefills in --chunk-while-decoding chunks on the
+            split schedule (each chunk-only stock step at its own position, then the streams'
+            decode step, graphed where the rank has graphs, back to back): p50 / p99 / max of
+            the pairs' times against the streams' decode-only TPOT of the same run; at most
+            --schedule-pairs pairs, at evenly spaced positions over the prompt.
   prompts   each prompt (random ids of this rank's vocab rows) through the real Scheduler
             (engine/scheduler.py: at position p a chunk of min(budget, P − p) tokens per
             step); every chunk is what ModelRunner.execute runs (forward, the chunk's logits
@@ -66,9 +73,9 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             step of the budget's chunk first), with the mixed step's time at that chunk: the
             trade-off the deployment's default budget is set from.
   kernels   CUDA: the kernels one stock decode step at batch 1 launches (torch.profiler),
-            divided by the layers. GraphedRunner graphs decode-only specialized steps only, so
-            the stock step is counted eager ("graphed": false); the count includes the step's
-            kernels outside the layers (embedding, final mix and norm, lm_head).
+            counted eager ("graphed": false: a replay launches the same kernels): per layer,
+            the launches inside the decoder layers / layers (the summary's figure), and every
+            kernel of the step / layers (with the embedding, final mix and norm, lm_head).
 
 FLOPs per rank (`flops_method`): 2 × the active parameters per token, counted on this rank's
 parameters: every dense one (replicated ones whole, TP-split ones their slice, embedding
@@ -532,6 +539,43 @@ def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float, chunk:
     return out
 
 
+def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pairs: int,
+                  baseline_steps: int, scale: float) -> dict:
+    """The acceptance's TPOT: `decodes` streams decoding while one `prompt`-token prompt
+    prefills in `chunk`-token chunks on the split schedule (SchedulerConfig.split_mixed): each
+    chunk-only stock step at its own position, then the streams' decode step (graphed where
+    the rank has graphs), back to back; a stream's TPOT sample is the pair's time. Against the
+    streams' decode-only TPOT, measured in the same run (median of `baseline_steps`). A later
+    chunk attends over more context, so when there are more chunks than `pairs` an evenly
+    spaced subset of chunk positions runs (first and last included): the samples still span
+    the prompt. -> p50 / p99 / max of the TPOT samples and their ratio to the baseline."""
+    path = "specialized" if rank.graphs else "stock"
+    base = sorted(rank.step(0, decodes, path) for _ in range(baseline_steps))
+    starts = list(range(0, prompt, chunk))
+    if len(starts) > pairs:
+        starts = sorted({starts[round(i * (len(starts) - 1) / (pairs - 1))]
+                         for i in range(pairs)}) if pairs > 1 else [starts[-1]]
+    samples = []
+    for pos in starts:
+        tc = rank.step(min(chunk, prompt - pos), 0, "stock", pos=pos)
+        td = rank.step(0, decodes, path)
+        samples.append({"pos": pos, "chunk_ms": _ms(tc), "decode_ms": _ms(td),
+                        "tpot_ms": _ms(tc + td)})
+    tp = sorted(x["tpot_ms"] for x in samples)
+    b = statistics.median(base) * 1e3
+
+    def pct(q: float) -> float:      # nearest rank
+        return tp[min(len(tp) - 1, max(0, math.ceil(q * len(tp)) - 1))]
+    out = {"decodes": decodes, "prompt_tokens": prompt, "chunk_tokens": chunk,
+           "decode_path": path, "pairs_run": len(samples),
+           "pairs_total": len(range(0, prompt, chunk)),
+           "tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": pct(0.5),
+           "tpot_ms_p99": pct(0.99), "tpot_ms_max": tp[-1],
+           "p99_over_decode_only": round(pct(0.99) / b, 3),
+           "tpot_ms_p99_all_layers": round(pct(0.99) * scale, 3), "samples": samples}
+    return out
+
+
 @contextlib.contextmanager
 def stock_graphs_off(runner: GraphedRunner, off: bool = True):
     """The runner's stock steps eager (`stock_graph_tokens` 0) inside the block, if `off`."""
@@ -712,7 +756,8 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         raise SystemExit(f"--tp {tp}: {e}")
     run = {"tp": tp, "build_s": round(build_s, 1), "flops_model": flop_model(model)}
     tag = f"TP{tp} L={cfg.num_layers}"
-    room = max([*args.prompts, *(args.context + b for b in args.sweep_budgets)])
+    room = max([*args.prompts, *(args.context + b for b in args.sweep_budgets),
+                args.schedule_prompt])
     rank = PrefillRank(model, args.device, room, args.prefill_budget,
                        args.mixed_decodes, args.context, args.seed, bool(args.graphed),
                        bool(args.pad_prefill), args.stock_graphs, bool(args.stock_single))
@@ -765,6 +810,16 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
           f"{mx.get('tpot_ms_decode_only_graphed')} ms, split {mx.get('tpot_ms_split')} ms",
           flush=True)
     save(run)
+    if args.schedule_prompt:
+        run["schedule"] = sc = schedule_case(rank, args.mixed_decodes, args.schedule_prompt,
+                                             chunk, args.schedule_pairs, args.steps, scale)
+        print(f"[prefill] {tag} schedule: {args.mixed_decodes} streams beside a "
+              f"{args.schedule_prompt}-token prompt in {chunk}-token chunks "
+              f"({sc['pairs_run']} of {sc['pairs_total']} pairs): TPOT p50 "
+              f"{sc['tpot_ms_p50']} p99 {sc['tpot_ms_p99']} max {sc['tpot_ms_max']} ms vs "
+              f"{sc['tpot_ms_decode_only']} ms decode-only ({sc['decode_path']}): p99 "
+              f"{sc['p99_over_decode_only']}x", flush=True)
+        save(run)
     run["prompts"] = []
     for P in args.prompts:
         row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
@@ -882,6 +937,13 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-while-decoding", type=int, default=CHUNK_WHILE_DECODING,
                     help="prompt tokens of the mixed case's step (the deployment's "
                          "max_prefill_tokens_while_decoding; at most the budget)")
+    ap.add_argument("--schedule-prompt", type=int, default=0,
+                    help="tokens of the prompt the schedule case prefills beside "
+                         "--mixed-decodes streams in --chunk-while-decoding chunks (split "
+                         "schedule; 0: the case is off), e.g. 32768: the acceptance's TPOT p99")
+    ap.add_argument("--schedule-pairs", type=int, default=64,
+                    help="at most this many (chunk, decode) pairs of the schedule case, at "
+                         "evenly spaced chunk positions over the prompt")
     ap.add_argument("--context", type=int, default=1024,
                     help="position of the decoders and of the counts' / mixed steps' chunk")
     ap.add_argument("--sweep-budgets", default="", help="comma-separated step budgets the "
@@ -944,6 +1006,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--sweep-budgets {args.sweep_budgets} with --pad-prefill 1: the "
                          "padded runner's buckets end at --prefill-budget; sweep unpadded")
     tps = int_list("--tps" if args.tps else "--tp", args.tps or str(args.tp), 1)
+    if args.schedule_prompt < 0 or args.schedule_pairs < 1:
+        raise SystemExit(f"--schedule-prompt {args.schedule_prompt} --schedule-pairs "
+                         f"{args.schedule_pairs}: expected a prompt >= 0 (0: off) and pairs "
+                         ">= 1")
     if args.prefill_budget < 1 or args.context < 1 or args.random_counts < 0 \
             or args.chunk_while_decoding < 1 \
             or args.repeats < 1 or args.steps < 1 or args.max_seconds < 0:

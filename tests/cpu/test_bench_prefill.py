@@ -153,6 +153,8 @@ def test_ttft_extrapolation_and_buckets():
     (["--prompts", "0"], "--prompts 0: expected comma-separated integers >= 1"),
     (["--mixed-decodes", "65"], "--mixed-decodes 65: expected 1..64"),
     (["--layers", "7"], "--layers 7: expected 1..6"),
+    (["--schedule-pairs", "0"], "--schedule-pairs 0: expected"),
+    (["--schedule-prompt", "-1"], "--schedule-prompt -1"),
 ])
 def test_bad_flags_exit_with_the_value(argv, match):
     with pytest.raises(SystemExit, match=match):
@@ -293,3 +295,27 @@ def test_prefill_bench_single_sequence_graphs_cpu(tmp_path, monkeypatch):
 def test_prefill_bench_refuses_a_stock_graph_cap_off_the_buckets(flag):
     with pytest.raises(SystemExit, match=f"--stock-graphs {flag}: expected 0 or a token"):
         prefill.main(["--config", "tiny", "--device", "cpu", "--stock-graphs", flag])
+
+
+def test_prefill_bench_schedule_case_cpu(tmp_path):
+    """--schedule-prompt: the streams' TPOT beside a prompt prefilling in chunks on the split
+    schedule, each pair's time one sample; more chunks than --schedule-pairs: an evenly
+    spaced subset of positions, first and last included; the percentiles are of the samples
+    and the ratio is against the decode-only TPOT of the same run."""
+    out = tmp_path / "schedule.json"
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "16",
+                         "--prefill-budget", "16", "--mixed-decodes", "2", "--context", "8",
+                         "--chunk-while-decoding", "8", "--schedule-prompt", "60",
+                         "--schedule-pairs", "4", "--random-counts", "1", "--repeats", "1",
+                         "--steps", "2", "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    sc = run["schedule"]
+    assert sc["pairs_total"] == 8 and sc["pairs_run"] == 4                 # 60 tokens / 8
+    assert [x["pos"] for x in sc["samples"]] == [0, 16, 40, 56]            # spread, last in
+    tp = sorted(x["tpot_ms"] for x in sc["samples"])
+    for x in sc["samples"]:
+        assert x["tpot_ms"] == pytest.approx(x["chunk_ms"] + x["decode_ms"], abs=2e-3)
+    assert sc["tpot_ms_p50"] == tp[1] and sc["tpot_ms_p99"] == sc["tpot_ms_max"] == tp[-1]
+    assert sc["p99_over_decode_only"] == pytest.approx(
+        sc["tpot_ms_p99"] / sc["tpot_ms_decode_only"], rel=1e-2)
+    assert sc["decode_path"] == "specialized"    # the served decode path (--graphed 1)
