@@ -155,9 +155,9 @@ def main(argv=None) -> int:
         total = sum(s["count"] for s in sites.values())
         # every CUDA kernel of the step, as the prefill bench counts them (launches the
         # profiler did not link to a host op, e.g. some Triton ones, are in here only)
-        every = sum(1 for e in prof.events()
+        every = sum(1 for e in prof.events()          # the ranges' GPU annotations excluded
                     if e.device_type == torch.autograd.DeviceType.CUDA
-                    and not e.name.startswith(("Memcpy", "Memset")))
+                    and not e.name.startswith(("Memcpy", "Memset", _TAG)))
         report["variants"][name] = {
             "stock_fused": fused, "total": total, "per_layer": round(total / L, 2),
             "every_kernel": every, "every_per_layer": round(every / L, 2),
