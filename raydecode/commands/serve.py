@@ -21,13 +21,26 @@ from pathlib import Path
 SIGNAL_POLL_S = 0.5
 
 
+def install_stop_handlers() -> None:
+    """SIGTERM (systemd, kill) and SIGINT (Ctrl-C) raise KeyboardInterrupt in the main thread,
+    which shuts Serve and Ray down. SIGINT's handler is installed even where the process
+    inherited SIGINT ignored (a background job of a non-interactive shell, whose SIG_IGN
+    Python keeps): `kill -INT` then still stops the server."""
+    import signal
+
+    def _stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def wait_for_signal(poll_s: float = SIGNAL_POLL_S) -> None:
-    """Block until a signal handler raises (Ctrl-C's KeyboardInterrupt, SIGTERM's `_stop`).
-    The kernel hands a process-directed signal to any thread that does not block it, often
-    one of Ray's or gRPC's; CPython then runs the Python handler in the main thread only when
-    that thread next executes bytecode, which an untimed `Event().wait()` never does (its lock
-    wait is not interrupted by a signal another thread took): `raydecode serve` then ignored
-    Ctrl-C. Waking every `poll_s` runs the pending handler within that time."""
+    """Block until a signal handler raises (`install_stop_handlers`). The kernel may hand a
+    process-directed signal to any thread that does not block it (one of Ray's or gRPC's
+    here); CPython then runs the Python handler in the main thread only when that thread
+    next executes bytecode, which an untimed `Event().wait()` never does (its lock wait is not
+    interrupted by a signal another thread took). Waking every `poll_s` runs a pending
+    handler within that time."""
     stop = threading.Event()
     while not stop.wait(poll_s):
         pass
@@ -192,19 +205,13 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"error: {args.config}: {why}", file=sys.stderr)
         return 2
-    import signal
 
     import ray
     from ray import serve
 
-    def _stop(signum, frame):
-        # SIGTERM (systemd, kill) shuts Serve and Ray down as Ctrl-C does; Ray's own handler
-        # (installed by ray.init, chained after this one) still ends the process with SIGABRT
-        raise KeyboardInterrupt
-
     try:
         url = start_serving(cfg)
-        signal.signal(signal.SIGTERM, _stop)    # after ray.init, which installs its own
+        install_stop_handlers()                 # after ray.init, which installs its own
         print(f"raydecode: serving {cfg.model_name!r} at {url} (Ctrl-C stops)", flush=True)
         if cfg.serve.api_keys or cfg.serve.api_key_file:
             print("raydecode: /v1 routes require an API key (Authorization: Bearer …)",
