@@ -373,7 +373,7 @@ class GraphedRunner(ModelRunner):
         self.stock_graphs: dict[int, StockGraph] = {}
         self.stock_failed: dict[int, str] = {}            # bucket -> why (it runs eagerly)
         # single-sequence stock graphs (stock_single; None: RAYDECODE_STOCK_SINGLE, default
-        # off): a second graph per bucket for steps of one sequence, its KDA cores inside
+        # on): a second graph per bucket for steps of one sequence, its KDA cores inside
         # the graph (models/kda.py `_core_single`), the MLA cores still eager
         self.stock_single = bool(self.stock_graph_tokens) and (
             settings.stock_single() if stock_single is None else bool(stock_single))

@@ -74,6 +74,19 @@ def delta_rule_step(q, k, v, g, beta, S: torch.Tensor, scale: float) -> torch.Te
     return o.view(T, h, d)
 
 
+def _conv_delta_step(qkv, conv_state, conv_w, g, beta, rec_state, h: int, d: int,
+                     scale: float) -> torch.Tensor:
+    """One token per row t: the conv over conv_state[t]'s W−1 taps (in qkv's dtype) and
+    qkv[t], SiLU, rounding to qkv's dtype, L2 norms of q and k, then `delta_rule_step` on
+    rec_state[t]; both states updated in place. qkv (T, 3·h·d), conv_state (T, 3·h·d, W−1),
+    g (T, h, d) and beta (T, h) fp32, rec_state (T, h, d, d) fp32 -> o (T, h, d) fp32."""
+    xs = torch.cat([conv_state.to(qkv.dtype), qkv.unsqueeze(-1)], -1)       # (T, 3C, W)
+    y = F.silu((xs.float() * conv_w.float()).sum(-1)).to(qkv.dtype).float()
+    conv_state.copy_(xs[..., 1:])
+    q, k, v = y.view(qkv.shape[0], 3, h, d).unbind(1)
+    return delta_rule_step(_l2(q), _l2(k), v, g, beta, rec_state, scale)
+
+
 def kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_state,
                          *, heads: int, head_dim: int, lower_bound: float, eps: float,
                          out: torch.Tensor | None = None,
@@ -97,12 +110,8 @@ def kda_decode_reference(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_
     fb = F.linear(fa, fb_w).view(T, h, d)
     g = kda_gate_exp(fb, exp_a, dt_bias, lower_bound)
     beta = torch.sigmoid(b.float())                                        # (T, h)
-    xs = torch.cat([conv_state, qkv_in.unsqueeze(-1)], -1)                 # (T, 3C, W)
-    y = F.silu((xs.float() * conv_w).sum(-1)).to(proj.dtype).float()
-    conv_state.copy_(xs[..., 1:])
-    q, k, v = y.view(T, 3, h, d).unbind(1)
-    q, k = _l2(q), _l2(k)
-    o = delta_rule_step(q, k, v, g, beta, rec_state, d ** -0.5)               # (T, h, d) fp32
+    o = _conv_delta_step(qkv_in, conv_state, conv_w, g, beta, rec_state, h, d,
+                         d ** -0.5)                                          # (T, h, d) fp32
     gate = torch.sigmoid(g_out.float()).view(T, h, d)
     res = (F.rms_norm(o, (d,), o_norm_w, eps) * gate).to(proj.dtype).view(T, C)
     if out is None:
@@ -194,22 +203,13 @@ def kda_decode_rows_reference(qkv, g, beta, conv_state, conv_w, rec_state, o, ro
     row rows[n] of qkv (T, 3C) with slot slots[n]'s W−1 conv taps -> conv, SiLU, model-dtype
     rounding, L2 norms of q and k; S' = Diag(e^g) S, S ← S' + β k (v − kᵀS')ᵀ; o's row ←
     scale · qᵀS (fp32, before the gated norm); the slot's taps and state stored."""
-    h, d = heads, head_dim
-    n = rows.shape[0]
-    tail = conv_state.index_select(0, slots)                                  # (n, 3C, W−1)
-    xs = torch.cat([tail.transpose(1, 2).to(qkv.dtype),
-                    qkv.index_select(0, rows).unsqueeze(1)], 1)               # (n, W, 3C)
-    y = F.silu((xs.float().transpose(1, 2) * conv_w.float()).sum(-1))         # (n, 3C)
-    y = y.to(qkv.dtype).float()                                               # model dtype
-    q, k, v = (t.reshape(n, h, d) for t in y.split(h * d, dim=-1))
-    q, k = _l2(q), _l2(k)
-    gd, bd = g.index_select(0, rows).float(), beta.index_select(0, rows).float()
-    S = rec_state.index_select(0, slots) * gd.exp().unsqueeze(-1)             # Diag(e^g) S
-    pred = torch.einsum("bhc,bhcv->bhv", k, S)                                # kᵀS
-    S = S + torch.einsum("bhc,bhv->bhcv", bd.unsqueeze(-1) * k, v - pred)
-    o.index_copy_(0, rows, scale * torch.einsum("bhc,bhcv->bhv", q, S))
-    conv_state.index_copy_(0, slots, xs[:, 1:].transpose(1, 2).to(conv_state.dtype))
-    rec_state.index_copy_(0, slots, S.to(rec_state.dtype))
+    cs, rs = conv_state.index_select(0, slots), rec_state.index_select(0, slots)
+    o.index_copy_(0, rows, _conv_delta_step(qkv.index_select(0, rows), cs, conv_w,
+                                            g.index_select(0, rows).float(),
+                                            beta.index_select(0, rows).float(), rs, heads,
+                                            head_dim, scale))
+    conv_state.index_copy_(0, slots, cs)
+    rec_state.index_copy_(0, slots, rs)
     return o
 
 

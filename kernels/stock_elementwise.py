@@ -71,19 +71,18 @@ if triton is not None:
 def kda_gate_beta_reference(raw: torch.Tensor, b: torch.Tensor, exp_a: torch.Tensor,
                             dt_bias: torch.Tensor, lower_bound: float, heads: int
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    T = raw.shape[0]
-    d = raw.shape[1] // heads
-    z = raw.float().view(T, heads, d) + dt_bias.float().view(heads, d)
-    g = lower_bound * torch.sigmoid(exp_a.float().view(heads, 1) * z)
+    from raydecode.kernels.kda_decode import kda_gate_exp     # the decode op's gate
+    g = kda_gate_exp(raw.view(raw.shape[0], heads, -1), exp_a.float(), dt_bias.float(),
+                     lower_bound)
     return g, torch.sigmoid(b.float())
 
 
 def gated_rms_norm_reference(o: torch.Tensor, w: torch.Tensor, eps: float, gate: torch.Tensor,
                              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    from raydecode.models.layers import rms_norm        # the model's definition (no cycle)
     T, h, d = o.shape
-    of = o.float()
-    y = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps) * w.float()
-    return (y * torch.sigmoid(gate.float()).view(T, h, d)).to(dtype).reshape(T, h * d)
+    y = rms_norm(o.float(), w, eps) * torch.sigmoid(gate.float()).view(T, h, d)
+    return y.to(dtype).reshape(T, h * d)
 
 
 def _serves(*ts: torch.Tensor) -> bool:

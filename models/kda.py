@@ -267,9 +267,11 @@ class KDAAttention(nn.Module):
             proj = torch.cat([lin(x, self.q_proj.weight), lin(x, self.k_proj.weight),
                               lin(x, self.v_proj.weight), self._out_gate(x, lin),
                               lin(x, self.b_proj.weight), lin(x, self.f_a_proj.weight)], -1)
-        conv_w = self._conv_w()
-        exp_a = self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
-        return proj, conv_w, exp_a
+        return proj, self._conv_w(), self._exp_a()
+
+    def _exp_a(self) -> torch.Tensor:
+        """exp(A_log) fp32 (h,), the gate's decay rates (rebuilt when A_log changes)."""
+        return self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
 
     def _store(self, cache, row: int, s, xs: torch.Tensor, S: torch.Tensor) -> None:
         """A sequence's slot after its tokens: the last W−1 conv inputs and the final state."""
@@ -434,8 +436,7 @@ class KDAAttention(nn.Module):
         fused = stock_fused(x)            # one kernel each for the gates and the output norm
         raw = lin(f_a, self.f_b_proj.weight)                                       # (T, h·d)
         if fused:
-            exp_a = self._derived.get("exp_a", [self.A_log], lambda: self.A_log.float().exp())
-            g, beta = stock_ew.kda_gate_beta(raw, b_in, exp_a, self.dt_bias,
+            g, beta = stock_ew.kda_gate_beta(raw, b_in, self._exp_a(), self.dt_bias,
                                              self.lower_bound, h)           # (T, h, d), (T, h)
         else:
             beta = torch.sigmoid(b_in.float())                                     # (T, h)
