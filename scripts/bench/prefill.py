@@ -5,7 +5,7 @@ counts, and the stock decode step's kernels per layer.
     python -m raydecode.scripts.bench.prefill [--config k3] [--tps 16,8] [--layers 0]
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
         [--context 1024] [--chunk-while-decoding 2048] [--random-counts 50]
-        [--schedule-prompt 32768] [--schedule-pairs 64]
+        [--schedule-prompt 32768 [--schedule-chunks 128,256,512] [--schedule-pairs 64]]
         [--gc-modes frozen] [--max-seconds 60]
         [--graphed 1] [--stock-graphs 2048 [--tpot-chunks 1,256,512,1024,2048]]
         [--profile-first-run] [--module-loading lazy|eager]
@@ -56,7 +56,10 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             split schedule (each chunk-only stock step at its own position, then the streams'
             decode step, graphed where the rank has graphs, back to back): p50 / p99 / max of
             the pairs' times against the streams' decode-only TPOT of the same run; at most
-            --schedule-pairs pairs, at evenly spaced positions over the prompt.
+            --schedule-pairs pairs, at evenly spaced positions over the prompt; with
+            --schedule-chunks, once per chunk size. Each row also estimates the prompt's TTFT
+            on that schedule (every chunk step plus the decode steps between them, at the
+            sampled pairs' mean times): the trade-off a smaller chunk buys its TPOT with.
   prompts   each prompt (random ids of this rank's vocab rows) through the real Scheduler
             (engine/scheduler.py: at position p a chunk of min(budget, P − p) tokens per
             step); every chunk is what ModelRunner.execute runs (forward, the chunk's logits
@@ -563,6 +566,11 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
                         "tpot_ms": _ms(tc + td)})
     tp = sorted(x["tpot_ms"] for x in samples)
     b = statistics.median(base) * 1e3
+    # the prompt's TTFT on this schedule: every chunk step and the decode step between two
+    # (pairs_total − 1 of them), at the sampled pairs' mean times (positions spread evenly)
+    n = len(range(0, prompt, chunk))
+    ttft = (n * statistics.fmean(x["chunk_ms"] for x in samples)
+            + (n - 1) * statistics.fmean(x["decode_ms"] for x in samples)) / 1e3
 
     def pct(q: float) -> float:      # nearest rank
         return tp[min(len(tp) - 1, max(0, math.ceil(q * len(tp)) - 1))]
@@ -572,7 +580,9 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
            "tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": pct(0.5),
            "tpot_ms_p99": pct(0.99), "tpot_ms_max": tp[-1],
            "p99_over_decode_only": round(pct(0.99) / b, 3),
-           "tpot_ms_p99_all_layers": round(pct(0.99) * scale, 3), "samples": samples}
+           "tpot_ms_p99_all_layers": round(pct(0.99) * scale, 3),
+           "prompt_ttft_s_est": round(ttft, 3), "prompt_ttft_s_est_all_layers":
+           round(ttft * scale, 3), "samples": samples}
     return out
 
 
@@ -811,15 +821,21 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
           flush=True)
     save(run)
     if args.schedule_prompt:
-        run["schedule"] = sc = schedule_case(rank, args.mixed_decodes, args.schedule_prompt,
-                                             chunk, args.schedule_pairs, args.steps, scale)
-        print(f"[prefill] {tag} schedule: {args.mixed_decodes} streams beside a "
-              f"{args.schedule_prompt}-token prompt in {chunk}-token chunks "
-              f"({sc['pairs_run']} of {sc['pairs_total']} pairs): TPOT p50 "
-              f"{sc['tpot_ms_p50']} p99 {sc['tpot_ms_p99']} max {sc['tpot_ms_max']} ms vs "
-              f"{sc['tpot_ms_decode_only']} ms decode-only ({sc['decode_path']}): p99 "
-              f"{sc['p99_over_decode_only']}x", flush=True)
-        save(run)
+        run["schedule"] = []
+        for c in args.schedule_chunks or [chunk]:
+            sc = schedule_case(rank, args.mixed_decodes, args.schedule_prompt,
+                               min(c, args.prefill_budget), args.schedule_pairs, args.steps,
+                               scale)
+            run["schedule"].append(sc)
+            print(f"[prefill] {tag} schedule: {args.mixed_decodes} streams beside a "
+                  f"{args.schedule_prompt}-token prompt in {sc['chunk_tokens']}-token chunks "
+                  f"({sc['pairs_run']} of {sc['pairs_total']} pairs): TPOT p50 "
+                  f"{sc['tpot_ms_p50']} p99 {sc['tpot_ms_p99']} max {sc['tpot_ms_max']} ms vs "
+                  f"{sc['tpot_ms_decode_only']} ms decode-only ({sc['decode_path']}): p99 "
+                  f"{sc['p99_over_decode_only']}x; the prompt's TTFT ≈ "
+                  f"{sc['prompt_ttft_s_est']} s (all layers {sc['prompt_ttft_s_est_all_layers']})",
+                  flush=True)
+            save(run)
     run["prompts"] = []
     for P in args.prompts:
         row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
@@ -941,6 +957,11 @@ def main(argv=None) -> int:
                     help="tokens of the prompt the schedule case prefills beside "
                          "--mixed-decodes streams in --chunk-while-decoding chunks (split "
                          "schedule; 0: the case is off), e.g. 32768: the acceptance's TPOT p99")
+    ap.add_argument("--schedule-chunks", default="",
+                    help="comma-separated chunk sizes the schedule case runs at, one after "
+                         "the other (default: --chunk-while-decoding): the TPOT / TTFT "
+                         "trade-off the deployment's max_prefill_tokens_while_decoding is "
+                         "set from")
     ap.add_argument("--schedule-pairs", type=int, default=64,
                     help="at most this many (chunk, decode) pairs of the schedule case, at "
                          "evenly spaced chunk positions over the prompt")
@@ -997,6 +1018,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.prompts = int_list("--prompts", args.prompts, 1)
     args.tpot_chunks = int_list("--tpot-chunks", args.tpot_chunks, 1)
+    args.schedule_chunks = int_list("--schedule-chunks", args.schedule_chunks, 1) \
+        if args.schedule_chunks else []
     if args.stock_graphs and not is_token_bucket(args.stock_graphs):
         raise SystemExit(f"--stock-graphs {args.stock_graphs}: expected 0 or a token bucket "
                          "(a power of two up to 256, or a multiple of 256 up to 8192)")

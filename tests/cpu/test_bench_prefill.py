@@ -306,10 +306,18 @@ def test_prefill_bench_schedule_case_cpu(tmp_path):
     assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "16",
                          "--prefill-budget", "16", "--mixed-decodes", "2", "--context", "8",
                          "--chunk-while-decoding", "8", "--schedule-prompt", "60",
-                         "--schedule-pairs", "4", "--random-counts", "1", "--repeats", "1",
+                         "--schedule-chunks", "8,32", "--schedule-pairs", "4",
+                         "--random-counts", "1", "--repeats", "1",
                          "--steps", "2", "--out", str(out)]) == 0
     (run,) = json.loads(out.read_text())["runs"]
-    sc = run["schedule"]
+    sc, big = run["schedule"]
+    # 32 is above the 16-token budget: a chunk holds at most the budget
+    assert big["chunk_tokens"] == 16 and big["pairs_total"] == 4 and big["pairs_run"] == 4
+    assert [x["pos"] for x in big["samples"]] == [0, 16, 32, 48]
+    # the prompt's TTFT on the schedule: 4 chunk steps and the 3 decode steps between them
+    mean = lambda key: sum(x[key] for x in big["samples"]) / 4
+    assert big["prompt_ttft_s_est"] == pytest.approx(
+        (4 * mean("chunk_ms") + 3 * mean("decode_ms")) / 1e3, abs=2e-3)
     assert sc["pairs_total"] == 8 and sc["pairs_run"] == 4                 # 60 tokens / 8
     assert [x["pos"] for x in sc["samples"]] == [0, 16, 40, 56]            # spread, last in
     tp = sorted(x["tpot_ms"] for x in sc["samples"])
