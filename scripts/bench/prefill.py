@@ -5,7 +5,8 @@ counts, and the stock decode step's kernels per layer.
     python -m raydecode.scripts.bench.prefill [--config k3] [--tps 16,8] [--layers 0]
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
         [--context 1024] [--chunk-while-decoding 2048] [--random-counts 50]
-        [--schedule-prompt 32768 [--schedule-chunks 128,256,512] [--schedule-pairs 64]]
+        [--schedule-prompt 32768 [--schedule-chunks 128,256,512]
+         [--schedule-modes split,mixed] [--schedule-pairs 64]]
         [--gc-modes frozen] [--max-seconds 60]
         [--graphed 1] [--stock-graphs 2048 [--tpot-chunks 1,256,512,1024,2048]]
         [--profile-first-run] [--module-loading lazy|eager]
@@ -60,6 +61,8 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             --schedule-chunks, once per chunk size. Each row also estimates the prompt's TTFT
             on that schedule (every chunk step plus the decode steps between them, at the
             sampled pairs' mean times): the trade-off a smaller chunk buys its TPOT with.
+            --schedule-modes mixed: the same over mixed steps (the chunk and the streams'
+            decode rows in one stock step, split_mixed off), each step one TPOT sample.
   prompts   each prompt (random ids of this rank's vocab rows) through the real Scheduler
             (engine/scheduler.py: at position p a chunk of min(budget, P − p) tokens per
             step); every chunk is what ModelRunner.execute runs (forward, the chunk's logits
@@ -543,7 +546,7 @@ def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float, chunk:
 
 
 def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pairs: int,
-                  baseline_steps: int, scale: float) -> dict:
+                  baseline_steps: int, scale: float, mode: str = "split") -> dict:
     """The acceptance's TPOT: `decodes` streams decoding while one `prompt`-token prompt
     prefills in `chunk`-token chunks on the split schedule (SchedulerConfig.split_mixed): each
     chunk-only stock step at its own position, then the streams' decode step (graphed where
@@ -551,7 +554,9 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
     streams' decode-only TPOT, measured in the same run (median of `baseline_steps`). A later
     chunk attends over more context, so when there are more chunks than `pairs` an evenly
     spaced subset of chunk positions runs (first and last included): the samples still span
-    the prompt. -> p50 / p99 / max of the TPOT samples and their ratio to the baseline."""
+    the prompt. `mode` "mixed" (SchedulerConfig.split_mixed off): each step is one stock step
+    of the streams' decode rows and the chunk together, which is the TPOT sample.
+    -> p50 / p99 / max of the TPOT samples and their ratio to the baseline."""
     path = "specialized" if rank.graphs else "stock"
     base = sorted(rank.step(0, decodes, path) for _ in range(baseline_steps))
     starts = list(range(0, prompt, chunk))
@@ -560,6 +565,10 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
                          for i in range(pairs)}) if pairs > 1 else [starts[-1]]
     samples = []
     for pos in starts:
+        if mode == "mixed":
+            tm = rank.step(min(chunk, prompt - pos), decodes, "stock", pos=pos)
+            samples.append({"pos": pos, "mixed_ms": _ms(tm), "tpot_ms": _ms(tm)})
+            continue
         tc = rank.step(min(chunk, prompt - pos), 0, "stock", pos=pos)
         td = rank.step(0, decodes, path)
         samples.append({"pos": pos, "chunk_ms": _ms(tc), "decode_ms": _ms(td),
@@ -569,12 +578,15 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
     # the prompt's TTFT on this schedule: every chunk step and the decode step between two
     # (pairs_total − 1 of them), at the sampled pairs' mean times (positions spread evenly)
     n = len(range(0, prompt, chunk))
-    ttft = (n * statistics.fmean(x["chunk_ms"] for x in samples)
-            + (n - 1) * statistics.fmean(x["decode_ms"] for x in samples)) / 1e3
+    if mode == "mixed":          # every step carries a chunk: n of them
+        ttft = n * statistics.fmean(x["mixed_ms"] for x in samples) / 1e3
+    else:
+        ttft = (n * statistics.fmean(x["chunk_ms"] for x in samples)
+                + (n - 1) * statistics.fmean(x["decode_ms"] for x in samples)) / 1e3
 
     def pct(q: float) -> float:      # nearest rank
         return tp[min(len(tp) - 1, max(0, math.ceil(q * len(tp)) - 1))]
-    out = {"decodes": decodes, "prompt_tokens": prompt, "chunk_tokens": chunk,
+    out = {"mode": mode, "decodes": decodes, "prompt_tokens": prompt, "chunk_tokens": chunk,
            "decode_path": path, "pairs_run": len(samples),
            "pairs_total": len(range(0, prompt, chunk)),
            "tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": pct(0.5),
@@ -822,12 +834,13 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
     save(run)
     if args.schedule_prompt:
         run["schedule"] = []
-        for c in args.schedule_chunks or [chunk]:
+        for mode, c in [(m, c) for m in args.schedule_modes
+                        for c in args.schedule_chunks or [chunk]]:
             sc = schedule_case(rank, args.mixed_decodes, args.schedule_prompt,
                                min(c, args.prefill_budget), args.schedule_pairs, args.steps,
-                               scale)
+                               scale, mode)
             run["schedule"].append(sc)
-            print(f"[prefill] {tag} schedule: {args.mixed_decodes} streams beside a "
+            print(f"[prefill] {tag} schedule ({mode}): {args.mixed_decodes} streams beside a "
                   f"{args.schedule_prompt}-token prompt in {sc['chunk_tokens']}-token chunks "
                   f"({sc['pairs_run']} of {sc['pairs_total']} pairs): TPOT p50 "
                   f"{sc['tpot_ms_p50']} p99 {sc['tpot_ms_p99']} max {sc['tpot_ms_max']} ms vs "
@@ -962,6 +975,10 @@ def main(argv=None) -> int:
                          "the other (default: --chunk-while-decoding): the TPOT / TTFT "
                          "trade-off the deployment's max_prefill_tokens_while_decoding is "
                          "set from")
+    ap.add_argument("--schedule-modes", default="split",
+                    help="comma-separated schedules the schedule case runs: split (a chunk "
+                         "step, then the streams' decode step) and/or mixed (the chunk and the "
+                         "decode rows in one stock step)")
     ap.add_argument("--schedule-pairs", type=int, default=64,
                     help="at most this many (chunk, decode) pairs of the schedule case, at "
                          "evenly spaced chunk positions over the prompt")
@@ -1020,6 +1037,10 @@ def main(argv=None) -> int:
     args.tpot_chunks = int_list("--tpot-chunks", args.tpot_chunks, 1)
     args.schedule_chunks = int_list("--schedule-chunks", args.schedule_chunks, 1) \
         if args.schedule_chunks else []
+    args.schedule_modes = args.schedule_modes.split(",")
+    if not args.schedule_modes or set(args.schedule_modes) - {"split", "mixed"}:
+        raise SystemExit(f"--schedule-modes {','.join(args.schedule_modes)}: expected a "
+                         "comma-separated list of split, mixed")
     if args.stock_graphs and not is_token_bucket(args.stock_graphs):
         raise SystemExit(f"--stock-graphs {args.stock_graphs}: expected 0 or a token bucket "
                          "(a power of two up to 256, or a multiple of 256 up to 8192)")

@@ -306,11 +306,19 @@ def test_prefill_bench_schedule_case_cpu(tmp_path):
     assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "16",
                          "--prefill-budget", "16", "--mixed-decodes", "2", "--context", "8",
                          "--chunk-while-decoding", "8", "--schedule-prompt", "60",
-                         "--schedule-chunks", "8,32", "--schedule-pairs", "4",
+                         "--schedule-chunks", "8,32", "--schedule-modes", "split,mixed",
+                         "--schedule-pairs", "4",
                          "--random-counts", "1", "--repeats", "1",
                          "--steps", "2", "--out", str(out)]) == 0
     (run,) = json.loads(out.read_text())["runs"]
-    sc, big = run["schedule"]
+    sc, big, mixed, _ = run["schedule"]
+    assert [r["mode"] for r in run["schedule"]] == ["split", "split", "mixed", "mixed"]
+    # mixed: one stock step per sample, the decode rows and the chunk together
+    assert mixed["chunk_tokens"] == 8 and mixed["pairs_run"] == 4
+    for x in mixed["samples"]:
+        assert x["tpot_ms"] == x["mixed_ms"] and "decode_ms" not in x
+    assert mixed["prompt_ttft_s_est"] == pytest.approx(
+        8 * sum(x["mixed_ms"] for x in mixed["samples"]) / 4 / 1e3, abs=2e-3)
     # 32 is above the 16-token budget: a chunk holds at most the budget
     assert big["chunk_tokens"] == 16 and big["pairs_total"] == 4 and big["pairs_run"] == 4
     assert [x["pos"] for x in big["samples"]] == [0, 16, 32, 48]
