@@ -6,6 +6,7 @@ executor that fans a StepPlan out to TP rank workers.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -40,6 +41,7 @@ class EngineConfig:
     fork: bool = True                      # n > 1 samples share one prefill
     split_mixed: bool = False              # decode tokens never ride a prefill step (scheduler)
     prefill_tokens_while_decoding: int | None = None   # prompt tokens per step beside decodes
+    decode_slowdown_limit: float | None = None   # those sized to this TPOT bound (engine/pacer.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -50,6 +52,12 @@ class EngineConfig:
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"prefill_tokens_while_decoding = {cap!r}; expected a positive "
                              "integer or None (the whole step budget)")
+        lim = self.decode_slowdown_limit
+        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, (int, float))
+                                or not lim > 1.0):
+            raise ValueError(f"decode_slowdown_limit = {lim!r}; expected a number > 1 (the "
+                             "streams' TPOT beside a prompt over their TPOT without it) or "
+                             "None (off)")
         if isinstance(self.num_snapshots, bool) or not isinstance(self.num_snapshots, int) \
                 or self.num_snapshots < 0:
             raise ValueError(f"num_snapshots = {self.num_snapshots!r}; expected an integer >= 0")
@@ -72,7 +80,8 @@ class EngineConfig:
                                prefix_caching=self.enable_prefix_caching,
                                num_snapshots=self.num_snapshots, fork=self.fork,
                                split_mixed=self.split_mixed,
-                               prefill_tokens_while_decoding=self.prefill_tokens_while_decoding)
+                               prefill_tokens_while_decoding=self.prefill_tokens_while_decoding,
+                               decode_slowdown_limit=self.decode_slowdown_limit)
 
 
 @dataclass
@@ -159,7 +168,9 @@ class LLMEngine:
         forked = self.scheduler.forks_of(plan)          # rows past the seqs: they emit
         rows, emits = reqs + forked, emits + [True] * len(forked)
         plan.sampling = sampling_rows(rows, emits)
+        t0 = time.perf_counter()
         result = self.executor.execute(plan)                           # run (device sampling)
+        self.scheduler.observe(plan.step_id, time.perf_counter() - t0)
         for r, s in zip(reqs, plan.batch.seqs):                        # post-process
             r.num_cached += s.length
         self.stats["steps"] += 1

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from raydecode.models.cache import SeqSlice, StepBatch
 
 from .cache import BlockAllocator, CacheFullError, SlotAllocator
+from .pacer import ChunkPacer
 from .prefix_cache import PrefixCache, Snapshot, snapshot_ref
 from .request import Request, Status
 from .sampling import SamplingRows
@@ -80,6 +81,10 @@ class SchedulerConfig:
     # prompt's chunks then cost each decoding stream at most one such chunk step per token,
     # and the budget's big chunks serve prompts that arrive when nothing decodes
     prefill_tokens_while_decoding: int | None = None
+    # the prompt tokens beside decodes sized to this bound on the streams' slowdown (their TPOT
+    # beside a prompt over their TPOT without it) from the steps' measured times
+    # (engine/pacer.py), at most prefill_tokens_while_decoding; None: that static cap alone
+    decode_slowdown_limit: float | None = None
 
 
 class Scheduler:
@@ -101,6 +106,9 @@ class Scheduler:
         self._behind: dict[str, list[Snapshot]] = {}   # request -> its superseded snapshots
         self._prefill_turn = True                 # split_mixed: the next mixed step's half
         self.num_split_steps = 0                  # steps that left one half for the next
+        self.pacer = None if cfg.decode_slowdown_limit is None else \
+            ChunkPacer(cfg.decode_slowdown_limit, mixed=not cfg.split_mixed)
+        self._last_counts: tuple[int, int, int] | None = None   # step id, prompt, decodes
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -264,6 +272,8 @@ class Scheduler:
         ran_prefill = False
         cap = self.cfg.prefill_tokens_while_decoding
         prompt_left = cap if decode and cap is not None else budget   # prompt tokens, this step
+        if decode and self.pacer is not None:
+            prompt_left = self.pacer.chunk_cap(min(prompt_left, budget), len(decode))
         for d, p, admit in halves:
             ran_prefill = not d
             for req in d + p:
@@ -328,10 +338,20 @@ class Scheduler:
                 forked.append(child.request_id)
             self._unfork(req)                    # no room for the rest: they prefill alone
         self.step_id += 1
+        prompt = sum(n for r, n in chosen if id(r) in admitted or r.in_prefill)
+        self._last_counts = (self.step_id, prompt, len(chosen) - sum(
+            1 for r, _ in chosen if id(r) in admitted or r.in_prefill))
         return StepPlan(step_id=self.step_id, batch=StepBatch(seqs), tokens=tokens,
                         sample_rows=rows, block_tables=changed, reset_slots=reset,
                         request_ids=ids, state_copies=state, block_copies=block,
                         forked_ids=forked)
+
+    def observe(self, step_id: int, seconds: float) -> None:
+        """The wall time of the step `schedule` planned last (the engine times its run): a
+        sample for the pacer (`decode_slowdown_limit`); others are ignored."""
+        if self.pacer is not None and self._last_counts and self._last_counts[0] == step_id:
+            _, prompt, decodes = self._last_counts
+            self.pacer.observe(prompt, decodes, seconds)
 
     def requests_of(self, plan: StepPlan) -> list[Request]:
         by_id = {r.request_id: r for r in self.running}

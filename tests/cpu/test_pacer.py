@@ -1,0 +1,169 @@
+"""The decode-slowdown pacer (engine/pacer.py): prompt chunks beside decoding streams sized
+from the steps' measured times, in the pacer alone and driven through the Scheduler and the
+engine against a synthetic step-cost model."""
+import pytest
+
+from raydecode.engine import engine as engine_mod
+from raydecode.engine.engine import EngineConfig, LLMEngine
+from raydecode.engine.loader import load_tokenizer
+from raydecode.engine.pacer import ChunkPacer, bucket, candidates
+from raydecode.engine.request import SamplingParams
+from raydecode.engine.sampling import StepResult
+from raydecode.engine.scheduler import Scheduler, SchedulerConfig
+
+from test_scheduler import req, run_step
+
+
+def test_buckets_and_candidates():
+    assert [bucket(n) for n in (1, 2, 3, 64, 65, 448)] == [1, 2, 4, 64, 128, 512]
+    assert candidates(512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert candidates(448) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 448]
+    with pytest.raises(ValueError, match="count 0"):
+        bucket(0)
+
+
+@pytest.mark.parametrize("limit", [1.0, 0.5, True, "2", None])
+def test_limit_must_be_a_number_above_one(limit):
+    with pytest.raises(ValueError, match="decode_slowdown_limit = .*expected a number > 1"):
+        ChunkPacer(limit)
+    if limit is not None:
+        with pytest.raises(ValueError, match="decode_slowdown_limit = "):
+            EngineConfig(decode_slowdown_limit=limit)
+
+
+def test_cold_pacer_probes_an_eighth_of_the_cap_then_half_of_it():
+    p = ChunkPacer(2.0)                                 # split: chunk ≤ (2 − 1) · decode
+    assert p.chunk_cap(512, decodes=63) == 64           # nothing measured: cap / 8
+    p.observe(0, 63, 0.004)                             # a decode-only step of 63 streams
+    assert p.chunk_cap(512, decodes=63) == 64           # no chunk time yet: still the probe
+    p.observe(64, 0, 0.0009)
+    # one point: the line through it and the origin bounds a concave cost: 256 (3.6 ms) fits
+    assert p.chunk_cap(512, decodes=63) == 256
+    p.observe(256, 0, 0.003)                            # 10.9 µs per token between the two
+    assert p.chunk_cap(512, decodes=63) == 256          # 512: 5.8 ms
+    q = ChunkPacer(2.0, decode_s={64: 0.004}, chunk_s={64: 0.0025})
+    assert q.chunk_cap(512, decodes=63) == 32           # only 64 fits: half of it, a slope
+    assert p.chunk_cap(512, decodes=5) == 64            # batch 5's decode not measured
+    assert p.chunk_cap(512, decodes=0) == 512           # nothing decodes: not paced
+    assert p.chunk_cap(4, decodes=63) == 1              # a probe is at least one token
+
+
+def test_split_chunk_follows_the_measured_line_and_backs_off():
+    p = ChunkPacer(2.0)
+    p.observe(0, 63, 0.004)
+    p.observe(32, 0, 0.001)
+    p.observe(64, 0, 0.0015)                            # 15.6 µs per token
+    assert p.chunk_cap(512, 63) == 128                  # 128: 2.5 ms; 256: 4.5 > 4
+    p.observe(128, 0, 0.0025)                           # measured as the line said
+    assert p.chunk_cap(512, 63) == 128
+    p.observe(0, 63, 0.0052)                            # a slower decode step: averaged
+    assert p.decode_s[64] == pytest.approx(0.75 * 0.004 + 0.25 * 0.0052)
+    for _ in range(20):
+        p.observe(0, 63, 0.006)                         # → 6 ms: 256 at 4.5 fits, 512 (8.5) not
+    assert p.chunk_cap(512, 63) == 256
+    for _ in range(20):                                 # every measured chunk over 6 ms now
+        for n in (32, 64, 128):
+            p.observe(n, 0, 0.008)
+    assert p.chunk_cap(512, 63) == 16                   # half the smallest measured
+    p.observe(16, 0, 0.002)
+    assert p.chunk_cap(512, 63) == 16
+
+
+def test_mixed_steps_get_the_whole_limit_and_only_their_own_samples():
+    p = ChunkPacer(2.0, mixed=True)                     # mixed: step ≤ 2 · decode
+    p.observe(0, 63, 0.004)
+    p.observe(64, 0, 0.001)                             # a chunk alone: not a mixed sample
+    assert p.chunk_s == {}
+    p.observe(64, 63, 0.005)                            # 64 + 63 decode rows: 5 ms
+    assert p.chunk_cap(512, 63) == 32                   # fits: half of it for the slope
+    p.observe(32, 63, 0.0046)
+    assert p.chunk_cap(512, 63) == 256                  # 256: 7.4 ms ≤ 2 · 4; 512: 10.6
+    q = ChunkPacer(2.0)                                 # split ignores mixed samples
+    q.observe(64, 63, 0.005)
+    assert q.chunk_s == {}
+
+
+def _drive(limit, cost, steps_after_warm=40):
+    """A split schedule (cap 512, budget 8192): streams a, c decode while b's 16k prompt
+    prefills; each step 'takes' cost(prompt, decodes) seconds, reported to the scheduler. ->
+    [(chunk tokens, the streams' TPOT = that chunk's step + the decode step after it)]."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8192, num_blocks=2048,
+                                  block_size=16, split_mixed=True,
+                                  prefill_tokens_while_decoding=512,
+                                  decode_slowdown_limit=limit))
+    a, c = req(3, max_tokens=10 ** 6), req(2, max_tokens=10 ** 6)
+    s.add(a)
+    s.add(c)
+    s.observe(run_step(s).step_id, cost(5, 0))          # both prompts (nothing decodes yet)
+    b = req(16384)
+    s.add(b)
+    pairs, chunk = [], None
+    while b.num_cached < 16384:
+        plan = run_step(s)
+        prompt = sum(q.length for rid, q in zip(plan.request_ids, plan.batch.seqs)
+                     if rid == b.request_id)
+        t = cost(prompt, len(plan.batch.seqs) - (prompt > 0))
+        s.observe(plan.step_id, t)
+        if prompt:
+            chunk = (prompt, t)
+        elif chunk is not None:
+            pairs.append((chunk[0], chunk[1] + t))
+            chunk = None
+    return pairs
+
+
+def test_scheduler_keeps_the_streams_within_the_limit():
+    """Cost model: a decode step of 2 streams 4 ms; a chunk step 2 ms + 10 µs per token (so
+    256 tokens 4.56 ms, 128 3.28 ms). With the pacer at 2.0 the chunks settle on 128 (the
+    largest bucket ≤ 4 ms) and every pair after the first probes keeps TPOT ≤ 2 × 4 ms; the
+    static cap alone (512 tokens: 7.1 ms) breaks it — the bound is the pacer's doing."""
+    def cost(prompt, decodes):
+        return 0.002 + 1e-5 * prompt if prompt else 0.004
+
+    paced = _drive(2.0, cost)
+    # the first probe 512 / 8; then the line through it and the first prompts' 5-token step
+    # (bucket 8) says 128, where the chunks stay (the last one: the prompt's rest)
+    assert paced[0][0] == 64
+    assert {n for n, _ in paced[1:-1]} == {128}
+    assert all(t <= 2 * 0.004 + 1e-12 for _, t in paced)
+    static = _drive(None, cost)
+    assert {n for n, _ in static[:-1]} == {512}
+    assert all(t > 2 * 0.004 for _, t in static[:-1])
+
+
+class _TimedExecutor:
+    """Every step 'runs' for a fixed time per kind (the engine's clock reads it): decode-only
+    steps of the one stream 3 ms, any other 9 ms."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def execute(self, plan):
+        busy = len(plan.batch.seqs) > 1 or plan.batch.seqs[0].length > 1
+        self.clock[0] += 0.009 if busy else 0.003
+        return StepResult(token_ids=[7] * len(plan.sample_rows))
+
+
+def test_engine_reports_each_step_time_to_the_pacer(monkeypatch):
+    """LLMEngine.step times the executor's run and hands it to the scheduler's pacer: a
+    decoding stream and a second prompt on mixed steps (split_mixed off): the decode-only
+    steps are batch-1 samples, the steps carrying the prompt beside the decode mixed ones,
+    the first prompt's solo step (nothing decoding) neither."""
+    clock = [0.0]
+    monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: clock[0])
+    eng = LLMEngine(_TimedExecutor(clock), load_tokenizer("tiny"),
+                    EngineConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32,
+                                 decode_slowdown_limit=4.0, prefill_tokens_while_decoding=8),
+                    eos_ids=())
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eng.add_request(list(range(5, 12)), params)
+    for _ in range(3):
+        eng.step()                                  # the prompt, then 2 decode-only steps
+    pacer = eng.scheduler.pacer
+    assert pacer is not None and pacer.mixed
+    assert pacer.decode_s == {1: pytest.approx(0.003)} and pacer.chunk_s == {}
+    eng.add_request(list(range(5, 45)), params)     # 40 tokens beside the stream
+    while eng.scheduler.waiting or any(r.in_prefill for r in eng.scheduler.running):
+        eng.step()
+    assert set(pacer.chunk_s) <= {1, 2, 4, 8} and pacer.chunk_s
+    assert all(v == pytest.approx(0.009) for v in pacer.chunk_s.values())
