@@ -6,7 +6,7 @@ counts, and the stock decode step's kernels per layer.
         [--prompts 1024,8192,32768,131072] [--prefill-budget 256] [--mixed-decodes 63]
         [--context 1024] [--chunk-while-decoding 2048] [--random-counts 50]
         [--schedule-prompt 32768 [--schedule-chunks 128,256,512]
-         [--schedule-modes split,mixed] [--schedule-pairs 64]]
+         [--schedule-modes split,mixed] [--schedule-pairs 64] [--schedule-pacer 2.0]]
         [--gc-modes frozen] [--max-seconds 60]
         [--graphed 1] [--stock-graphs 2048 [--tpot-chunks 1,256,512,1024,2048]]
         [--profile-first-run] [--module-loading lazy|eager]
@@ -63,6 +63,9 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             sampled pairs' mean times): the trade-off a smaller chunk buys its TPOT with.
             --schedule-modes mixed: the same over mixed steps (the chunk and the streams'
             decode rows in one stock step, split_mixed off), each step one TPOT sample.
+            --schedule-pacer L: also per mode, the whole prompt with each chunk the size the
+            scheduler's pacer asks for (engine/pacer.py, decode_slowdown_limit L, at most
+            --chunk-while-decoding), every step's time reported to it as the engine does.
   prompts   each prompt (random ids of this rank's vocab rows) through the real Scheduler
             (engine/scheduler.py: at position p a chunk of min(budget, P − p) tokens per
             step); every chunk is what ModelRunner.execute runs (forward, the chunk's logits
@@ -115,6 +118,7 @@ import time
 import torch
 
 from raydecode.engine.cache import BlockAllocator, SlotAllocator
+from raydecode.engine.pacer import ChunkPacer
 from raydecode.engine.request import Request, SamplingParams
 from raydecode.engine.runner import ModelRunner
 from raydecode.engine.sampling import SamplingRows, sample_isolated
@@ -545,6 +549,59 @@ def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float, chunk:
     return out
 
 
+def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, limit: float,
+                        baseline_steps: int, scale: float, mode: str = "split") -> dict:
+    """The schedule case with the chunks sized by the scheduler's pacer (engine/pacer.py,
+    `decode_slowdown_limit` = `limit`, at most `cap` tokens): the decode-only baseline steps
+    are its first samples (the streams decoded before the prompt came), then the whole prompt
+    runs, every step timed and reported to the pacer as the engine does, each chunk the size
+    it asks for. -> as `schedule_case`, plus the chunks chosen; the TTFT is the measured sum."""
+    path = "specialized" if rank.graphs else "stock"
+    pacer = ChunkPacer(limit, mixed=mode == "mixed")
+    base = []
+    for _ in range(baseline_steps):
+        base.append(rank.step(0, decodes, path))
+        pacer.observe(0, decodes, base[-1])
+    samples, pos, total = [], 0, 0.0
+    while pos < prompt:
+        n = min(pacer.chunk_cap(cap, decodes), prompt - pos)
+        if mode == "mixed":
+            tm = rank.step(n, decodes, "stock", pos=pos)
+            pacer.observe(n, decodes, tm)
+            samples.append({"pos": pos, "chunk_tokens": n, "mixed_ms": _ms(tm),
+                            "tpot_ms": _ms(tm)})
+            total += tm
+        else:
+            tc = rank.step(n, 0, "stock", pos=pos)
+            pacer.observe(n, 0, tc)
+            td = rank.step(0, decodes, path) if pos + n < prompt else 0.0
+            if td:
+                pacer.observe(0, decodes, td)
+                samples.append({"pos": pos, "chunk_tokens": n, "chunk_ms": _ms(tc),
+                                "decode_ms": _ms(td), "tpot_ms": _ms(tc + td)})
+            total += tc + td
+        pos += n
+    tp = sorted(x["tpot_ms"] for x in samples)
+    b = statistics.median(base) * 1e3
+
+    def pct(q: float) -> float:      # nearest rank
+        return tp[min(len(tp) - 1, max(0, math.ceil(q * len(tp)) - 1))]
+    chosen: dict[int, int] = {}
+    for x in samples:
+        chosen[x["chunk_tokens"]] = chosen.get(x["chunk_tokens"], 0) + 1
+    return {"mode": mode, "pacer_limit": limit, "decodes": decodes, "prompt_tokens": prompt,
+            "chunk_cap": cap, "decode_path": path, "pairs_run": len(samples),
+            "chunks_chosen": dict(sorted(chosen.items())),
+            "tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": pct(0.5),
+            "tpot_ms_p99": pct(0.99), "tpot_ms_max": tp[-1],
+            "p99_over_decode_only": round(pct(0.99) / b, 3),
+            "tpot_ms_p99_all_layers": round(pct(0.99) * scale, 3),
+            "prompt_ttft_s": round(total, 3), "prompt_ttft_s_all_layers": round(total * scale, 3),
+            "pacer": {"decode_ms": {k: _ms(v) for k, v in pacer.decode_s.items()},
+                      "chunk_ms": {k: _ms(v) for k, v in sorted(pacer.chunk_s.items())}},
+            "samples": samples}
+
+
 def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pairs: int,
                   baseline_steps: int, scale: float, mode: str = "split") -> dict:
     """The acceptance's TPOT: `decodes` streams decoding while one `prompt`-token prompt
@@ -849,6 +906,18 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                   f"{sc['prompt_ttft_s_est']} s (all layers {sc['prompt_ttft_s_est_all_layers']})",
                   flush=True)
             save(run)
+    if args.schedule_prompt and args.schedule_pacer:
+        for mode in args.schedule_modes:
+            sc = paced_schedule_case(rank, args.mixed_decodes, args.schedule_prompt, chunk,
+                                     args.schedule_pacer, args.steps, scale, mode)
+            run["schedule"].append(sc)
+            print(f"[prefill] {tag} schedule ({mode}, paced to {args.schedule_pacer}x, cap "
+                  f"{chunk}): chunks {sc['chunks_chosen']}; TPOT p50 {sc['tpot_ms_p50']} p99 "
+                  f"{sc['tpot_ms_p99']} max {sc['tpot_ms_max']} ms vs "
+                  f"{sc['tpot_ms_decode_only']} ms decode-only: p99 "
+                  f"{sc['p99_over_decode_only']}x; the prompt's TTFT {sc['prompt_ttft_s']} s "
+                  f"(all layers {sc['prompt_ttft_s_all_layers']})", flush=True)
+            save(run)
     run["prompts"] = []
     for P in args.prompts:
         row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
@@ -979,6 +1048,10 @@ def main(argv=None) -> int:
                     help="comma-separated schedules the schedule case runs: split (a chunk "
                          "step, then the streams' decode step) and/or mixed (the chunk and the "
                          "decode rows in one stock step)")
+    ap.add_argument("--schedule-pacer", type=float, default=0.0,
+                    help="also run the schedule case with the chunks sized by the scheduler's "
+                         "pacer at this decode_slowdown_limit (> 1; engine/pacer.py), at most "
+                         "--chunk-while-decoding tokens, over the whole prompt; 0: off")
     ap.add_argument("--schedule-pairs", type=int, default=64,
                     help="at most this many (chunk, decode) pairs of the schedule case, at "
                          "evenly spaced chunk positions over the prompt")
@@ -1037,6 +1110,9 @@ def main(argv=None) -> int:
     args.tpot_chunks = int_list("--tpot-chunks", args.tpot_chunks, 1)
     args.schedule_chunks = int_list("--schedule-chunks", args.schedule_chunks, 1) \
         if args.schedule_chunks else []
+    if args.schedule_pacer and not args.schedule_pacer > 1:
+        raise SystemExit(f"--schedule-pacer {args.schedule_pacer}: expected 0 (off) or a "
+                         "limit > 1")
     args.schedule_modes = args.schedule_modes.split(",")
     if not args.schedule_modes or set(args.schedule_modes) - {"split", "mixed"}:
         raise SystemExit(f"--schedule-modes {','.join(args.schedule_modes)}: expected a "

@@ -335,3 +335,37 @@ def test_prefill_bench_schedule_case_cpu(tmp_path):
     assert sc["p99_over_decode_only"] == pytest.approx(
         sc["tpot_ms_p99"] / sc["tpot_ms_decode_only"], rel=1e-2)
     assert sc["decode_path"] == "specialized"    # the served decode path (--graphed 1)
+
+
+def test_prefill_bench_paced_schedule_cpu(tmp_path):
+    """--schedule-pacer: the whole prompt runs, each chunk the size the scheduler's pacer
+    asks for from the steps' times (at most the while-decoding cap), every position covered
+    once; the TTFT is the measured steps' sum; one row per schedule mode."""
+    out = tmp_path / "paced.json"
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "16",
+                         "--prefill-budget", "16", "--mixed-decodes", "2", "--context", "8",
+                         "--chunk-while-decoding", "8", "--schedule-prompt", "40",
+                         "--schedule-chunks", "8", "--schedule-modes", "split,mixed",
+                         "--schedule-pacer", "3", "--random-counts", "1", "--repeats", "1",
+                         "--steps", "2", "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    paced = [r for r in run["schedule"] if "pacer_limit" in r]
+    assert [r["mode"] for r in paced] == ["split", "mixed"]
+    for r in paced:
+        assert r["pacer_limit"] == 3 and r["chunk_cap"] == 8
+        assert r["samples"][0]["chunk_tokens"] == 1              # the cold probe: 8 / 8
+        assert all(1 <= x["chunk_tokens"] <= 8 for x in r["samples"])
+        assert sum(r["chunks_chosen"].values()) == r["pairs_run"]
+    split, mixed = paced
+    # mixed: every chunk is a sample and the chunks tile the prompt
+    assert sum(x["chunk_tokens"] for x in mixed["samples"]) == 40
+    assert mixed["prompt_ttft_s"] == pytest.approx(
+        sum(x["mixed_ms"] for x in mixed["samples"]) / 1e3, abs=2e-3)
+    # split: the last chunk has no decode step after it (the prompt is done): not a sample
+    assert sum(x["chunk_tokens"] for x in split["samples"]) < 40
+    assert [x["pos"] for x in split["samples"]] == sorted(x["pos"] for x in split["samples"])
+
+
+def test_prefill_bench_refuses_a_pacer_limit_of_one_or_less():
+    with pytest.raises(SystemExit, match="--schedule-pacer 1.0: expected 0 .off. or a limit"):
+        prefill.main(["--config", "tiny", "--device", "cpu", "--schedule-pacer", "1"])
