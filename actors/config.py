@@ -241,6 +241,14 @@ class DeployConfig(_Model):
                     "256, so a running stream's token takes 3.5x its decode-alone time beside "
                     "a prompt (2048: 6.0x; eager 2048: 8.0x) while the prompt gets 36k tok/s "
                     "(bench/results/prefill-h100-2026-12-06-graphs.json).")
+    decode_slowdown_limit: float | None = Field(
+        default=None, gt=1,
+        description="While streams decode, size each step's prompt tokens (at most "
+                    "max_prefill_tokens_while_decoding) so that a stream's token beside a "
+                    "prompt takes at most this many times its token without one, from the "
+                    "steps' measured times (engine/pacer.py: probes from 1/8 of the cap, then "
+                    "the largest chunk whose measured or extrapolated step fits). null: the "
+                    "fixed max_prefill_tokens_while_decoding alone.")
     max_waiting_requests: int = Field(
         default=256, ge=0, description="Requests queued beyond the running ones before new ones "
                                        "get 503 + Retry-After.")
@@ -375,7 +383,8 @@ class DeployConfig(_Model):
                             dcp_size=self.decode_context_parallel_size,
                             enable_prefix_caching=on,
                             num_snapshots=self.kda_snapshot_slots if on else 0,
-                            prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding)
+                            prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
+                            decode_slowdown_limit=self.decode_slowdown_limit)
 
     def decode_options(self) -> DecodeOptions:
         """The replica's DecodeOptions (the `decode` section), for every rank's shard spec."""

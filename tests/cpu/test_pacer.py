@@ -167,3 +167,18 @@ def test_engine_reports_each_step_time_to_the_pacer(monkeypatch):
         eng.step()
     assert set(pacer.chunk_s) <= {1, 2, 4, 8} and pacer.chunk_s
     assert all(v == pytest.approx(0.009) for v in pacer.chunk_s.values())
+
+
+def test_deployment_field_reaches_the_scheduler_and_refuses_one(tmp_path):
+    from raydecode.actors.config import DeployConfigError, load_deploy_config
+    p = tmp_path / "deploy.yaml"
+    p.write_text("model: tiny\ndecode_slowdown_limit: 2.5\n")
+    ecfg = load_deploy_config(p).engine_config(model_max_positions=4096)
+    assert ecfg.decode_slowdown_limit == 2.5
+    sch = Scheduler(ecfg.scheduler_config())
+    assert sch.pacer is not None and sch.pacer.limit == 2.5
+    p.write_text("model: tiny\n")
+    assert Scheduler(load_deploy_config(p).engine_config(4096).scheduler_config()).pacer is None
+    p.write_text("model: tiny\ndecode_slowdown_limit: 1.0\n")
+    with pytest.raises(DeployConfigError, match="decode_slowdown_limit"):
+        load_deploy_config(p)
