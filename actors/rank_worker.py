@@ -55,7 +55,7 @@ class ShardSpec:
     step_graphs: bool | None = None    # GraphedRunner + capture at build; None: auto (resolve)
     decode: DecodeOptions = DEFAULT_OPTIONS   # the deployment's `decode:` section
     num_snapshots: int = 0             # KDA snapshot slots (prefix caching)
-    pad_prefill: bool = False          # stock steps padded to their token bucket (GraphedRunner)
+    pad_prefill: bool | None = None    # stock steps padded to their bucket (None: CUDA ranks)
     prefill_budget: int | None = None  # the step token budget: the padded buckets warmed at build
     stock_graphs: int = 0              # stock steps of ≤ this many tokens piecewise-graphed
     stock_single: bool = False         # and single-sequence graphs (KDA cores inside)

@@ -270,6 +270,14 @@ def host_bound_experts(model) -> str | None:
     return None
 
 
+def resolve_pad(pad_prefill: bool | None, device) -> bool:
+    """Whether a runner on `device` pads its stock steps: `pad_prefill`, or where None the
+    RAYDECODE_PAD_PREFILL setting, or where that is unset whether the device is CUDA (the
+    first run of an unwarmed eager shape costs up to 2.4x its steady time there)."""
+    pad = settings.pad_prefill() if pad_prefill is None else pad_prefill
+    return torch.device(device).type == "cuda" if pad is None else bool(pad)
+
+
 def prefill_bucket(tokens: int, cap: int = PAD_MAX) -> int | None:
     """The token bucket a padded stock step of `tokens` runs in: the next power of two up to
     256, then the next multiple of 256, up to `cap`; None above `cap` (the step runs as is).
@@ -349,9 +357,10 @@ class GraphedRunner(ModelRunner):
         self.counts = {"graphed": 0, "eager_statics": 0, "plain": 0, "captured": 0,
                        "padded": 0, "stock_graphed": 0, "stock_captured": 0,
                        "stock_single": 0}
-        # stock steps padded to `prefill_bucket` (None: RAYDECODE_PAD_PREFILL, default off);
-        # prefill_budget: the step token budget, whose buckets `warm_prefill` runs at build
-        self.pad_prefill = settings.pad_prefill() if pad_prefill is None else bool(pad_prefill)
+        # stock steps padded to `prefill_bucket` (None: RAYDECODE_PAD_PREFILL, unset: on for a
+        # CUDA runner); prefill_budget: the step token budget, whose buckets `warm_prefill`
+        # runs at build
+        self.pad_prefill = resolve_pad(pad_prefill, self.device)
         self.prefill_budget = prefill_budget
         # piecewise-graphed stock steps of ≤ stock_graphs tokens (engine/piecewise.py; None:
         # RAYDECODE_STOCK_GRAPHS, 0 off), captured per token bucket by `warm_prefill`;

@@ -101,10 +101,13 @@ _ALL = (
             "deployment does not say (decode.step_graphs)",
             "'1' (graphs on), '0' (off) or unset (auto: on for CUDA ranks whose model the "
             "graphs support)", _tristate),
-    Setting("RAYDECODE_PAD_PREFILL", "0", "'1': a CUDA rank's stock steps run padded to their "
-            "token bucket (engine/step_graph.py `prefill_bucket`: one shape per bucket, warmed "
-            "at the build), the pad tokens a scratch sequence", "'0' (off) or '1' (on)",
-            _strict_bool),
+    Setting("RAYDECODE_PAD_PREFILL", "", "a rank's stock steps run padded to their token "
+            "bucket (engine/step_graph.py `prefill_bucket`: one shape per bucket, warmed at the "
+            "build), the pad tokens a scratch sequence, so no step meets an unwarmed shape "
+            "(H100, 8 K3 layers: 50 random counts' first runs within 1.69x of steady, where "
+            "unpadded eager counts above the graph cap reached 2.0-2.4x; docs/perf-log/"
+            "prefill.md). Unset: on for CUDA ranks, off for CPU ones",
+            "'1' (on), '0' (off) or unset (auto: CUDA ranks)", _tristate),
     Setting("RAYDECODE_STOCK_GRAPHS", "512", "stock steps (prefill, mixed, stock decode) of "
             "up to this many tokens run as piecewise CUDA graphs on a CUDA rank with step "
             "graphs (engine/piecewise.py: the per-token work captured per token bucket at the "
@@ -189,7 +192,7 @@ def step_graphs() -> bool | None:
     return get("RAYDECODE_STEP_GRAPHS")
 
 
-def pad_prefill() -> bool:
+def pad_prefill() -> bool | None:
     return get("RAYDECODE_PAD_PREFILL")
 
 

@@ -124,7 +124,7 @@ from raydecode.engine.runner import ModelRunner
 from raydecode.engine.sampling import SamplingRows, sample_isolated
 from raydecode.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from raydecode.engine.step_graph import (GraphedRunner, graph_cache_sizes, prefill_buckets,
-                                         unpadded_buckets)
+                                         resolve_pad, unpadded_buckets)
 from raydecode.kernels.settings import is_token_bucket
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -1065,10 +1065,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-modes", default="frozen", help="comma-separated GC modes the random "
                     "counts run in, in order: live (as the process left it), frozen "
                     "(engine/runner.py freeze_host_heap first, as a served rank)")
-    ap.add_argument("--pad-prefill", type=int, choices=(0, 1), default=0,
+    ap.add_argument("--pad-prefill", type=int, choices=(0, 1), default=None,
                     help="1: the runner pads every stock step to its token bucket "
                          "(engine/step_graph.py prefill_bucket; the buckets of the counts' "
-                         "steady state become those); 0: steps run at their own token count")
+                         "steady state become those); 0: steps run at their own token count; "
+                         "default: as a served rank (RAYDECODE_PAD_PREFILL unset: on CUDA), "
+                         "off with --sweep-budgets")
     ap.add_argument("--module-loading", default=None, choices=("lazy", "eager"),
                     help="CUDA_MODULE_LOADING for this process (set before CUDA starts; "
                          "default: the environment's, LAZY in CUDA 12+): with lazy loading a "
@@ -1122,6 +1124,8 @@ def main(argv=None) -> int:
                          "(a power of two up to 256, or a multiple of 256 up to 8192)")
     args.sweep_budgets = int_list("--sweep-budgets", args.sweep_budgets, 1) \
         if args.sweep_budgets else []
+    if args.pad_prefill is None:
+        args.pad_prefill = int(not args.sweep_budgets and resolve_pad(None, args.device))
     if args.sweep_budgets and args.pad_prefill:
         raise SystemExit(f"--sweep-budgets {args.sweep_budgets} with --pad-prefill 1: the "
                          "padded runner's buckets end at --prefill-budget; sweep unpadded")

@@ -156,5 +156,20 @@ def test_pad_prefill_setting_is_strict(monkeypatch):
         settings.pad_prefill()
     monkeypatch.setenv("RAYDECODE_PAD_PREFILL", "1")
     assert settings.pad_prefill() is True
-    monkeypatch.delenv("RAYDECODE_PAD_PREFILL")
+    monkeypatch.setenv("RAYDECODE_PAD_PREFILL", "0")
     assert settings.pad_prefill() is False
+    monkeypatch.delenv("RAYDECODE_PAD_PREFILL")
+    assert settings.pad_prefill() is None
+
+
+def test_padding_is_on_by_default_for_cuda_runners_only(monkeypatch):
+    """Unset: a CUDA runner pads (its unwarmed eager shapes' first runs cost up to 2.4x),
+    a CPU one does not; the setting and an explicit argument override the device."""
+    from raydecode.engine.step_graph import resolve_pad
+    monkeypatch.delenv("RAYDECODE_PAD_PREFILL", raising=False)
+    assert resolve_pad(None, "cuda") is True and resolve_pad(None, "cpu") is False
+    assert resolve_pad(None, "cuda:1") is True
+    monkeypatch.setenv("RAYDECODE_PAD_PREFILL", "0")
+    assert resolve_pad(None, "cuda") is False and resolve_pad(True, "cuda") is True
+    monkeypatch.setenv("RAYDECODE_PAD_PREFILL", "1")
+    assert resolve_pad(None, "cpu") is True and resolve_pad(False, "cpu") is False
