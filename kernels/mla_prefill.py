@@ -19,8 +19,10 @@ so the chunk passes `torch.nn.attention.bias.causal_lower_right(n, m)` as attn_m
 sends it to flash attention (whose causal flag means lower right for n ≠ m) or to
 memory-efficient attention (custom mask type CausalFromBottomRight); neither builds the mask.
 Only where neither can run does torch materialise the (n, m) bool mask (route "other"; on the
-CPU, route "cpu", always). n = m goes to plain is_causal SDPA (torch's priority order among
-the backends that take the tensors: flash, or cuDNN where torch ranks it first and takes them).
+CPU, route "cpu", always). n = m goes to plain is_causal SDPA, which the call restricts to
+its route's backend (flash or memory-efficient): torch may rank cuDNN first on sm90, whose
+attention builds a graph per shape on its first call (a first-run stall on the request path
+for every new prompt length).
 
 Backend: flash needs one head dim for q, k and v (here 192 vs v 128); memory-efficient takes
 Ev ≠ E; cuDNN takes 192/128 on sm90 but never the lower-right bias. V is padded to E for
@@ -44,12 +46,17 @@ reference elsewhere (the CPU; fp32 models on CUDA, test-only, keep their numbers
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 IMPLS = ("auto", "sdpa", "reference")
+# the SDPA backend each route runs on, alone (mla_prefill_into)
+_ONLY = {"flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION]}
 ROUTES = ("flash", "efficient", "other", "cpu")
 
 
@@ -163,8 +170,17 @@ def mla_prefill_into(out, q, rows, ctx: int, kv_b_weight, *, nope: int, vdim: in
                      dtype=q.dtype)                                    # (m, h, v + e)
     q4, k4 = _heads_first(q), _heads_first(buf[..., vdim:])           # (1, h, n|m, e)
     route, v4 = sdpa_route(q4, k4, buf, vdim, pad_v)
-    o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_lower_right(n, ctx + n),
-                                       scale=scale)                    # (1, h, n, e|v)
+    # the route's backend alone: at ctx = 0 the chunk is plain is_causal SDPA, which torch may
+    # hand to cuDNN on sm90, whose attention builds a graph per shape on its first call: on
+    # the request path for every new prompt length (the suspected cause of a 448-token chunk
+    # at position 0 taking 78 ms once on the H100, 8-11 ms at later positions; not yet
+    # confirmed on a GPU, docs/perf-log/prefill.md); flash and memory-efficient take any
+    # length without a build
+    only = _ONLY.get(route)
+    with sdpa_kernel(only) if only else contextlib.nullcontext():
+        o = F.scaled_dot_product_attention(q4, k4, v4,
+                                           attn_mask=causal_lower_right(n, ctx + n),
+                                           scale=scale)                # (1, h, n, e|v)
     out.copy_(o[0].transpose(0, 1)[..., :vdim])
     return route
 

@@ -158,3 +158,33 @@ def test_layer_prefill_chunks_on_sdpa_match_the_naive_prefill():
         assert max_rel_err(outs[impl][1], ref_b[2:]) < 1e-5, (impl, seed)
     assert torch.equal(outs["auto"][0], outs["reference"][0])
     assert not torch.equal(outs["sdpa"][0], outs["reference"][0])   # the switch took effect
+
+
+@pytest.mark.parametrize("route", ["flash", "efficient", "other"])
+@pytest.mark.parametrize("ctx", [0, 37])
+def test_the_sdpa_call_runs_on_its_routes_backend_alone(monkeypatch, route, ctx):
+    """At ctx = 0 the chunk is plain is_causal SDPA, which torch may give to cuDNN (a graph
+    built per shape on its first call, on the request path); the call is restricted to the
+    route's backend (flash / memory-efficient), 'other' left to torch. The CPU cannot run
+    those kernels: the route is forced and SDPA replaced by a recorder of the backends
+    allowed while it runs."""
+    from raydecode.kernels import mla_prefill as MP
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
+    cs = Case("small", 5, ctx, fresh_seed())
+    seen = []
+
+    def fake_route(q4, k4, buf, vdim, pad_v=None):
+        return route, MP._heads_first(buf[..., :vdim])
+
+    def fake_sdpa(q4, k4, v4, attn_mask=None, scale=None):
+        seen.append(set(_cur_sdpa_kernel_backends()))
+        return q4.new_zeros(*q4.shape[:-1], v4.shape[-1])
+    monkeypatch.setattr(MP, "sdpa_route", fake_route)
+    monkeypatch.setattr(MP.F, "scaled_dot_product_attention", fake_sdpa)
+    before = set(_cur_sdpa_kernel_backends())
+    out = torch.full((5, cs.h, cs.v), float("nan"))
+    assert MP.mla_prefill_into(out, cs.q, cs.rows, ctx, cs.w, **cs.kw) == route
+    want = {"flash": {SDPBackend.FLASH_ATTENTION},
+            "efficient": {SDPBackend.EFFICIENT_ATTENTION}}.get(route, before)
+    assert seen == [want]
+    assert set(_cur_sdpa_kernel_backends()) == before       # restored after the call
