@@ -36,8 +36,10 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             with --graphed 1 the specialized one, which captures bucket 64's graph): the
             build's warm-up; their times are the buckets' first-run times.
   counts    `--random-counts` token counts uniform in [1, budget] (seeded), each run twice as a
-            prefill step (one chunk at position --context) and twice as a mixed step (+ the
-            decoders), each time against the steady state of its bucket (the smallest bucket
+            prefill step (one chunk at position --context), twice as a mixed step (+ the
+            decoders) and twice as a new prompt's first chunk ("start": position 0, where the
+            attention is plain causal SDPA), each time against the steady state of its
+            bucket (the smallest bucket
             ≥ the count: median of `--repeats` runs after the warm-up). Acceptance: every
             first run ≤ 2× steady. The Triton JIT specializations compiled after the warm-up
             are counted (Triton's cache hook) where Triton has one. Per `--gc-modes` (live:
@@ -432,13 +434,15 @@ def random_counts(rank: PrefillRank, buckets: list[int], decodes: int, count: in
     growth (StepProbe). The acceptance figures (max_first_over_steady, within_2x) are the last
     mode's; every mode's are under `modes`."""
     from raydecode.engine.runner import freeze_host_heap
-    kinds = (("prefill", 0), ("mixed", decodes))
+    # (kind, decode rows, chunk position: None = the rank's context); "start": the first
+    # chunk of a new prompt (position 0), whose attention is plain causal SDPA
+    kinds = (("prefill", 0, None), ("mixed", decodes, None), ("start", 0, 0))
     probe = StepProbe(rank.device)
     modes = {}
     try:
         with jit_compiles() as compiled:
-            steady = {k: {b: statistics.median(rank.step(b, d) for _ in range(repeats))
-                          for b in buckets} for k, d in kinds}
+            steady = {k: {b: statistics.median(rank.step(b, d, pos=p) for _ in range(repeats))
+                          for b in buckets} for k, d, p in kinds}
             for m_i, mode in enumerate(gc_modes):
                 if mode not in GC_MODES:
                     raise ValueError(f"GC mode {mode!r}: expected one of {GC_MODES}")
@@ -452,28 +456,30 @@ def random_counts(rank: PrefillRank, buckets: list[int], decodes: int, count: in
                         break
                     b = next(x for x in buckets if x >= n)
                     row = {"tokens": n, "bucket": b}
-                    for k, d in kinds:
+                    for k, d, p in kinds:
                         cell = {}
                         with probe.measure(cell):
-                            first = rank.step(n, d)
-                        later = rank.step(n, d)
+                            first = rank.step(n, d, pos=p)
+                        later = rank.step(n, d, pos=p)
                         cell.update(first_ms=_ms(first), later_ms=_ms(later),
                                     first_over_steady=round(first / steady[k][b], 3),
                                     later_over_steady=round(later / steady[k][b], 3))
                         row[k] = cell
                     rows.append(row)
                 worst = {k: max((r[k]["first_over_steady"] for r in rows), default=None)
-                         for k, _ in kinds}
-                over = [r for r in rows if any(r[k]["first_over_steady"] > 2.0 for k, _ in kinds)]
+                         for k, *_ in kinds}
+                over = [r for r in rows
+                        if any(r[k]["first_over_steady"] > 2.0 for k, *_ in kinds)]
                 modes[mode] = {
                     "counts_run": len(rows), "counts_asked": count,
                     "truncated": len(rows) < count, "max_first_over_steady": worst,
                     "within_2x": all(w <= 2.0 for w in worst.values()) if rows else None,
                     "over_2x": len(over),
-                    "over_2x_gc_ms": [max(r[k]["gc_ms"] for k, _ in kinds) for r in over],
-                    "over_2x_new_segments": [sum(r[k]["new_segments"] for k, _ in kinds)
+                    "over_2x_gc_ms": [max(r[k]["gc_ms"] for k, *_ in kinds) for r in over],
+                    "over_2x_new_segments": [sum(r[k]["new_segments"] for k, *_ in kinds)
                                              for r in over],
-                    "gc_ms_total": round(sum(r[k]["gc_ms"] for r in rows for k, _ in kinds), 3),
+                    "gc_ms_total": round(sum(r[k]["gc_ms"] for r in rows
+                                             for k, *_ in kinds), 3),
                     "rows": rows}
     finally:
         probe.close()

@@ -54,18 +54,19 @@ def test_prefill_bench_cpu(tmp_path):
     for kind in ("prefill", "mixed"):
         assert sorted(int(b) for b in rc["steady_ms"][kind]) == buckets
         assert set(run["warmup_first_ms"][kind]) == {str(b) for b in buckets}
+    assert sorted(int(b) for b in rc["steady_ms"]["start"]) == buckets
     for mode in rc["modes"].values():
         assert mode["counts_run"] == 4
         for r in mode["rows"]:
             assert 1 <= r["tokens"] <= 32
             assert r["bucket"] == min(b for b in buckets if b >= r["tokens"])
-            for kind in ("prefill", "mixed"):
+            for kind in ("prefill", "mixed", "start"):       # start: a new prompt, at 0
                 steady = rc["steady_ms"][kind][str(r["bucket"])]
                 assert r[kind]["first_over_steady"] == pytest.approx(
                     r[kind]["first_ms"] / steady, abs=2e-3)
                 assert r[kind]["gc_ms"] >= 0 and r[kind]["new_segments"] == 0   # CPU: none
         over = [r for r in mode["rows"] if max(r[k]["first_over_steady"]
-                                               for k in ("prefill", "mixed")) > 2.0]
+                                               for k in ("prefill", "mixed", "start")) > 2.0]
         assert mode["over_2x"] == len(over) == len(mode["over_2x_gc_ms"])
     # the top-level figures are the last mode's
     assert rc["max_first_over_steady"] == rc["modes"]["frozen"]["max_first_over_steady"]
