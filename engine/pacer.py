@@ -15,12 +15,13 @@ with B the decode batch. Times are exponential moving averages keyed by power-of
 (chunk tokens; decode batch), the buckets the stock and decode graphs run in. Candidates are
 the powers of two below the static cap, and the cap. A candidate never measured is judged by
 the line through the smallest and the largest measured buckets below it (a step's time is
-close to fixed + per-token cost, as the stock step's is below a few thousand tokens); with a
-single measured bucket, which fits, the next chunk is half of it, the second point of that
-line. With no decode time for the batch or no chunk time
-yet, the chunk is a probe of cap / 8 (at least one token), so a cold start cannot stall the
-streams for a whole static-cap chunk; when even the smallest measured chunk is over the
-allowance, the next probe is half of it.
+close to fixed + per-token cost, as the stock step's is below a few thousand tokens), or with
+one measured bucket the line through it and the origin (an upper bound for a concave cost);
+when that single bucket is the only one that fits, the next chunk is half of it, the second
+point of the line. With no decode time for the batch or no chunk time yet, the chunk is a
+probe of cap / 8 (at least one token), so a cold start cannot stall the streams for a whole
+static-cap chunk; when even the smallest measured chunk is over the allowance, the next probe
+is half of it.
 
 Deterministic given the observations; no clock of its own (the engine times its steps).
 """

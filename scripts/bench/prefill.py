@@ -587,25 +587,31 @@ def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, 
                                 "decode_ms": _ms(td), "tpot_ms": _ms(tc + td)})
             total += tc + td
         pos += n
-    tp = sorted(x["tpot_ms"] for x in samples)
-    b = statistics.median(base) * 1e3
-
-    def pct(q: float) -> float:      # nearest rank
-        return tp[min(len(tp) - 1, max(0, math.ceil(q * len(tp)) - 1))]
     chosen: dict[int, int] = {}
     for x in samples:
         chosen[x["chunk_tokens"]] = chosen.get(x["chunk_tokens"], 0) + 1
     return {"mode": mode, "pacer_limit": limit, "decodes": decodes, "prompt_tokens": prompt,
             "chunk_cap": cap, "decode_path": path, "pairs_run": len(samples),
             "chunks_chosen": dict(sorted(chosen.items())),
-            "tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": pct(0.5),
-            "tpot_ms_p99": pct(0.99), "tpot_ms_max": tp[-1],
-            "p99_over_decode_only": round(pct(0.99) / b, 3),
-            "tpot_ms_p99_all_layers": round(pct(0.99) * scale, 3),
+            **_tpot_stats(samples, base, scale),
             "prompt_ttft_s": round(total, 3), "prompt_ttft_s_all_layers": round(total * scale, 3),
             "pacer": {"decode_ms": {k: _ms(v) for k, v in pacer.decode_s.items()},
                       "chunk_ms": {k: _ms(v) for k, v in sorted(pacer.chunk_s.items())}},
             "samples": samples}
+
+
+def _tpot_stats(samples: list[dict], base: list[float], scale: float) -> dict:
+    """The schedule cases' TPOT figures: p50 / p99 / max (nearest rank) of the samples'
+    tpot_ms against the median decode-only step of `base` (seconds)."""
+    tp = sorted(x["tpot_ms"] for x in samples)
+    b = statistics.median(base) * 1e3
+
+    def pct(q: float) -> float:      # nearest rank
+        return tp[min(len(tp) - 1, max(0, math.ceil(q * len(tp)) - 1))]
+    return {"tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": pct(0.5),
+            "tpot_ms_p99": pct(0.99), "tpot_ms_max": tp[-1],
+            "p99_over_decode_only": round(pct(0.99) / b, 3),
+            "tpot_ms_p99_all_layers": round(pct(0.99) * scale, 3)}
 
 
 def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pairs: int,
@@ -636,8 +642,6 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
         td = rank.step(0, decodes, path)
         samples.append({"pos": pos, "chunk_ms": _ms(tc), "decode_ms": _ms(td),
                         "tpot_ms": _ms(tc + td)})
-    tp = sorted(x["tpot_ms"] for x in samples)
-    b = statistics.median(base) * 1e3
     # the prompt's TTFT on this schedule: every chunk step and the decode step between two
     # (pairs_total − 1 of them), at the sampled pairs' mean times (positions spread evenly)
     n = len(range(0, prompt, chunk))
@@ -646,16 +650,10 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
     else:
         ttft = (n * statistics.fmean(x["chunk_ms"] for x in samples)
                 + (n - 1) * statistics.fmean(x["decode_ms"] for x in samples)) / 1e3
-
-    def pct(q: float) -> float:      # nearest rank
-        return tp[min(len(tp) - 1, max(0, math.ceil(q * len(tp)) - 1))]
     out = {"mode": mode, "decodes": decodes, "prompt_tokens": prompt, "chunk_tokens": chunk,
            "decode_path": path, "pairs_run": len(samples),
            "pairs_total": len(range(0, prompt, chunk)),
-           "tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": pct(0.5),
-           "tpot_ms_p99": pct(0.99), "tpot_ms_max": tp[-1],
-           "p99_over_decode_only": round(pct(0.99) / b, 3),
-           "tpot_ms_p99_all_layers": round(pct(0.99) * scale, 3),
+           **_tpot_stats(samples, base, scale),
            "prompt_ttft_s_est": round(ttft, 3), "prompt_ttft_s_est_all_layers":
            round(ttft * scale, 3), "samples": samples}
     return out
