@@ -274,7 +274,8 @@ def _prefill_mfu(d: Path, notes: list[str]) -> tuple[float | None, str | None]:
         try:
             if doc.get("kernels", "prefill") != "prefill":
                 continue
-            rows = [p for p in doc["runs"][0]["prompts"] if p.get("mfu")]
+            # a run without a prompt case (not asked, or cut short) has no MFU to give
+            rows = [p for p in doc["runs"][0].get("prompts", ()) if p.get("mfu")]
             if not rows:
                 continue
             mfu = float(max(rows, key=lambda p: int(p["prompt_tokens"]))["mfu"])

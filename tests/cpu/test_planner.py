@@ -293,9 +293,13 @@ def test_measured_prefill_mfu_replaces_the_estimate(cat, tmp_path):
         doc("2026-12-02T10:00:00", "prefill", [(1024, 0.03), (32768, 0.115), (8192, 0.12)]))
     (tmp_path / "prefill-h200-b.json").write_text(
         doc("2026-12-02T11:00:00", "reference", [(8192, 0.025)]))
+    # a newer run without a prompt case (cut short before it): nothing to read, no warning
+    (tmp_path / "prefill-h200-c.json").write_text(json.dumps(
+        {"date": "2026-12-02T12:00:00", "kernels": "prefill", "runs": [{"tp": 16}]}))
     eff, notes = load_efficiency(tmp_path, cat)
     assert eff.prefill_mfu == pytest.approx(0.115)
     assert "read prefill-h200-a.json (prefill MFU 0.115)" in notes
+    assert not any("prefill-h200-c.json" in n for n in notes)
     assert "prefill-h200-a.json" in eff.sources["prefill_mfu"]
     (tmp_path / "prefill-h200-a.json").unlink()
     eff, _ = load_efficiency(tmp_path, cat)
