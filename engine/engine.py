@@ -168,9 +168,7 @@ class LLMEngine:
         forked = self.scheduler.forks_of(plan)          # rows past the seqs: they emit
         rows, emits = reqs + forked, emits + [True] * len(forked)
         plan.sampling = sampling_rows(rows, emits)
-        t0 = time.perf_counter()
-        result = self.executor.execute(plan)                           # run (device sampling)
-        self.scheduler.observe(plan.step_id, time.perf_counter() - t0)
+        result = self._execute(plan, plan.step_id)                     # run (device sampling)
         for r, s in zip(reqs, plan.batch.seqs):                        # post-process
             r.num_cached += s.length
         self.stats["steps"] += 1
@@ -178,6 +176,14 @@ class LLMEngine:
         outputs = [self.take_row(r, result, i) for i, (r, e) in enumerate(zip(rows, emits)) if e]
         self.stats["tokens"] += len(outputs)
         return outputs
+
+    def _execute(self, plan, step_id: int):
+        """The executor's run of `plan`, its wall time reported to the scheduler (the pacer's
+        sample of step `step_id`, the scheduler's plan)."""
+        t0 = time.perf_counter()
+        result = self.executor.execute(plan)
+        self.scheduler.observe(step_id, time.perf_counter() - t0)
+        return result
 
     def take_row(self, req: Request, result: StepResult, i: int) -> StepOutput:
         """Sample row i of `result` for `req`: its token appended, or the request failed alone

@@ -338,9 +338,9 @@ class Scheduler:
                 forked.append(child.request_id)
             self._unfork(req)                    # no room for the rest: they prefill alone
         self.step_id += 1
-        prompt = sum(n for r, n in chosen if id(r) in admitted or r.in_prefill)
-        self._last_counts = (self.step_id, prompt, len(chosen) - sum(
-            1 for r, _ in chosen if id(r) in admitted or r.in_prefill))
+        if self.pacer is not None:               # what the step's time will be a sample of
+            prompt = [n for r, n in chosen if id(r) in admitted or r.in_prefill]
+            self._last_counts = (self.step_id, sum(prompt), len(chosen) - len(prompt))
         return StepPlan(step_id=self.step_id, batch=StepBatch(seqs), tokens=tokens,
                         sample_rows=rows, block_tables=changed, reset_slots=reset,
                         request_ids=ids, state_copies=state, block_copies=block,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 from dataclasses import dataclass
 
 from raydecode.models.cache import SeqSlice, StepBatch
@@ -90,9 +89,7 @@ class SpecEngine(LLMEngine):
         if plan is None:
             return []
         splan = self._speculate(plan)
-        t0 = time.perf_counter()
-        result: SpecStepResult = self.executor.execute(splan)          # run
-        self.scheduler.observe(plan.step_id, time.perf_counter() - t0)
+        result: SpecStepResult = self._execute(splan, plan.step_id)    # run
         reqs = self.scheduler.requests_of(plan)                        # post-process
         emitted = {s.request_id: e for s, e in zip(splan.spec, result.emitted)}
         plain = [(r, s) for r, s in zip(reqs, splan.batch.seqs) if r.request_id not in emitted]

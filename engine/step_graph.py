@@ -273,9 +273,9 @@ def host_bound_experts(model) -> str | None:
 def resolve_pad(pad_prefill: bool | None, device) -> bool:
     """Whether a runner on `device` pads its stock steps: `pad_prefill`, or where None the
     RAYDECODE_PAD_PREFILL setting, or where that is unset whether the device is CUDA (the
-    first run of an unwarmed eager shape costs up to 2.4x its steady time there)."""
-    pad = settings.pad_prefill() if pad_prefill is None else pad_prefill
-    return torch.device(device).type == "cuda" if pad is None else bool(pad)
+    first run of an unwarmed eager shape costs up to 2.4x its steady time there): the same
+    auto rule as the step graphs' (`resolve`)."""
+    return resolve(settings.pad_prefill() if pad_prefill is None else pad_prefill, device)
 
 
 def prefill_bucket(tokens: int, cap: int = PAD_MAX) -> int | None:
