@@ -60,15 +60,59 @@ CHUNK = 64                  # fla's chunk size (its default; 32 or 64 allowed)
 WARMUP_TOKENS = 256         # engine/scheduler.py's default step budget (max_num_batched_tokens)
 
 
+PRECISIONS = ("tf32", "bf16x3", "tf32x3", "ieee")     # Triton's fp32 dot input precisions
+_applied: list[str] = []                               # the precision this process runs
+
+
+def apply_precision(precision: str) -> str:
+    """Set the fp32 dot precision of fla's chunked KDA for this process, before its first
+    kernel compiles (`_chunk_kda` calls it with RAYDECODE_KDA_PRECISION on first use):
+    - Triton's default input precision of fp32 `tl.dot`s without an explicit one
+      (`triton.knobs.language.fp32_default`, what TRITON_F32_DEFAULT sets; fla 0.6.0 sets it to
+      'ieee' itself on pre-Ampere NVIDIA cards): every fp32 dot of fla's forward but one;
+    - fla's intra-chunk solve, which asks for TF32 explicitly through a module constant
+      (`fla.ops.kda.chunk_intra.SOLVE_TRIL_DOT_PRECISION`), read when its kernel compiles.
+    Process-wide: our own Triton kernels dot bf16 / fp16 operands or name their fp32 dots'
+    precision, so the knob reaches fla's kernels only. 'tf32' leaves both as fla has them.
+    A second call with another precision raises (a kernel compiled under the first would
+    keep it: Triton's in-process cache does not key on the knob). -> the precision set."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"KDA prefill precision {precision!r}; accepted: "
+                         f"{', '.join(PRECISIONS)}")
+    if _applied:
+        if _applied[0] != precision:
+            raise RuntimeError(f"KDA prefill precision {precision!r} asked after "
+                               f"{_applied[0]!r} was set in this process: fla's kernels may "
+                               "have compiled under it (one precision per process)")
+        return precision
+    if precision != "tf32":
+        import triton
+        import triton.language as tl
+        from fla.ops.kda import chunk_intra
+
+        triton.knobs.language.fp32_default = precision
+        chunk_intra.SOLVE_TRIL_DOT_PRECISION = tl.constexpr(precision)
+    _applied.append(precision)
+    return precision
+
+
+def precision() -> str | None:
+    """The precision this process's fla KDA runs at, None before fla's first use."""
+    return _applied[0] if _applied else None
+
+
 @functools.cache
 def _chunk_kda():
     """fla's chunk_kda, or None where fla-core is not installed or does not import (CPU-only
     installs; a host without a usable Triton). Imported on first use: fla's import queries the
-    device, which processes that never run the op (the coordinator, CPU ranks) must not do."""
+    device, which processes that never run the op (the coordinator, CPU ranks) must not do.
+    The process's RAYDECODE_KDA_PRECISION is applied here, before any fla kernel compiles."""
     try:
         from fla.ops.kda import chunk_kda
     except Exception:  # ImportError, or a broken install / no Triton driver
         return None
+    from raydecode.kernels import settings
+    apply_precision(settings.kda_precision())
     return chunk_kda
 
 
@@ -256,5 +300,5 @@ def warmup(heads: int, head_dim: int, device, tokens: Sequence[int] = (WARMUP_TO
     return len(tokens)
 
 
-__all__ = ["available", "kda_prefill", "kda_prefill_reference", "warmup", "MAX_HEAD_DIM",
-           "WARMUP_TOKENS"]
+__all__ = ["available", "apply_precision", "kda_prefill", "kda_prefill_reference", "precision",
+           "warmup", "MAX_HEAD_DIM", "PRECISIONS", "WARMUP_TOKENS"]

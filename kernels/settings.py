@@ -133,6 +133,13 @@ _ALL = (
             "fp32): the A/B and the tests' comparison; the CPU path always runs the chains",
             "'0' (off) or '1' (on)",
             _strict_bool),
+    Setting("RAYDECODE_KDA_PRECISION", "tf32", "the fp32 dot precision of fla's chunked KDA "
+            "prefill in a rank process (kernels/kda_prefill.py `apply_precision`, set before "
+            "its first compile: Triton's fp32 dot default for the process and fla's intra-chunk "
+            "solve). tf32: fla's own default, the final state ≈ 1e-3 from the fp64 reference at "
+            "8k tokens; ieee: 3.7e-6 at 1.64x the KDA call's time (H200; docs/perf-log/"
+            "prefill.md); bf16x3 / tf32x3 in between",
+            "tf32, bf16x3, tf32x3 or ieee", _choice("tf32", "bf16x3", "tf32x3", "ieee")),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
             _flag),
@@ -206,6 +213,10 @@ def stock_single() -> bool:
 
 def stock_fused() -> bool:
     return get("RAYDECODE_STOCK_FUSED")
+
+
+def kda_precision() -> str:
+    return get("RAYDECODE_KDA_PRECISION")
 
 
 def oneshot_allreduce() -> bool:

@@ -23,6 +23,8 @@ TOL = {
     "fp32_path": 1e-4,         # an fp32 specialized path against stock
     "tf32_dots": 2e-3,         # fp32 matmuls run as TF32 (10-bit mantissa; fla's chunked KDA
                                # ≈ 4e-4 under the interpreter with TF32 rounding emulated)
+    "kda_state": 1e-4,         # the KDA prefill's final state with more than TF32's bits in
+                               # its dots (RAYDECODE_KDA_PRECISION bf16x3 / tf32x3 / ieee)
 }
 
 

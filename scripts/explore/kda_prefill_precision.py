@@ -1,20 +1,18 @@
-"""fla's chunked KDA forward (kernels/kda_prefill.py) at Triton's fp32 dot precisions: the
+"""fla's chunked KDA forward (kernels/kda_prefill.py) at each RAYDECODE_KDA_PRECISION: the
 final state's and o's error against the fp64 reference, and the time of one 8k-token call, at
 K3 rank shapes (GPU). Which precision the served prefill can afford for a ≤ 1e-4 state.
 
     python3 -m raydecode.scripts.explore.kda_prefill_precision --out X.json [--tp 16] \
-        [--modes tf32,tf32x3,ieee] [--lens 8192 2048,700,65,1]
+        [--modes tf32,bf16x3,tf32x3,ieee] [--lens 8192 2048,700,65,1]
 
-fla's kernels leave most fp32 `tl.dot`s at Triton's default precision, which the environment
-variable TRITON_F32_DEFAULT sets for a process before its kernels compile ('tf32' where the
-GPU has it, 'tf32x3', 'ieee'); its intra-chunk solve asks for TF32 explicitly (fla 0.6.0
-`chunk_intra.SOLVE_TRIL_DOT_PRECISION`), which this knob does not reach. So each mode runs
-in its own subprocess (its own compile, with its own Triton cache directory); a mode
-'P-tril' (e.g. 'ieee-tril') also sets that module constant to P in its process before the
-first compile (an experiment on fla's internals, not a served setting); on the same
-seeded inputs: q, k L2-normalised, g = −5·sigmoid(3·N(0,1)) (K3's lower bound), β = sigmoid,
-states 0.3·N(0,1), fp32; the reference is models/kda.py `kda_chunked` per sequence in fp64.
-Errors are ‖x − ref‖ / ‖ref‖ per sequence (the max over sequences is reported).
+The setting is one per process, applied before fla's first compile (kernels/kda_prefill.py
+`apply_precision`: Triton's fp32 dot default and fla's intra-chunk solve), so each mode runs
+in its own subprocess with RAYDECODE_KDA_PRECISION set (its own compile and autotune, with its
+own Triton cache directory: `first_call_s` is that cost); on the same seeded inputs: q, k
+L2-normalised, g = −5·sigmoid(3·N(0,1)) (K3's lower bound), β = sigmoid, states 0.3·N(0,1),
+fp32; the reference is models/kda.py `kda_chunked` per sequence in fp64. Errors are
+‖x − ref‖ / ‖ref‖ per sequence (the max over sequences is reported); `ms` the median of
+`--reps` calls after the first.
 """
 from __future__ import annotations
 
@@ -52,14 +50,10 @@ def _inputs(lens: list[int], h: int, seed: int) -> dict:
 
 
 def child(tp: int, cases: list[list[int]], reps: int, seed: int, mode: str) -> dict:
-    """One mode's measurements (this process's TRITON_F32_DEFAULT; a '-tril' mode also sets
-    fla's solve precision before anything compiles)."""
+    """One mode's measurements (this process's RAYDECODE_KDA_PRECISION, applied at fla's
+    first use)."""
     from raydecode.kernels import kda_prefill as KP
     from raydecode.scripts.explore.common import median_cuda_ms, rel_err
-    if mode.endswith("-tril"):
-        import triton.language as tl
-        from fla.ops.kda import chunk_intra
-        chunk_intra.SOLVE_TRIL_DOT_PRECISION = tl.constexpr(mode[:-len("-tril")])
     h = K3_HEADS // tp
     out = {"mode": mode, "cases": []}
     for i, lens in enumerate(cases):
@@ -68,6 +62,8 @@ def child(tp: int, cases: list[list[int]], reps: int, seed: int, mode: str) -> d
         o, s = KP.kda_prefill(**x)
         torch.cuda.synchronize()
         first = time.time() - t0
+        if KP.precision() != mode:
+            raise SystemExit(f"mode {mode}: the process ran at {KP.precision()}")
         ref64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
                      else v) for k, v in x.items()}
         o_ref, s_ref = KP.kda_prefill_reference(**ref64)
@@ -87,13 +83,19 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--tp", type=int, default=16)
-    ap.add_argument("--modes", default="tf32,tf32x3,ieee")
+    ap.add_argument("--modes", default="tf32,bf16x3,tf32x3,ieee",
+                    help="comma-separated RAYDECODE_KDA_PRECISION values, one process each")
     ap.add_argument("--lens", nargs="+", default=["8192", "2048,700,65,1"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     cases = [[int(n) for n in s.split(",")] for s in a.lens]
+    from raydecode.kernels.kda_prefill import PRECISIONS
+    bad = [m for m in a.modes.split(",") if m not in PRECISIONS]
+    if bad:
+        ap.error(f"--modes {a.modes}: {', '.join(bad)} not a precision; accepted: "
+                 f"{', '.join(PRECISIONS)}")
     if a.child:
         with open(a.out, "w") as f:
             json.dump(child(a.tp, cases, a.reps, a.seed, a.modes), f)
@@ -103,8 +105,8 @@ def main(argv=None) -> None:
     report = report_header(a.commit, tp=a.tp, method=__doc__, modes=[])
     for mode in a.modes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, TRITON_F32_DEFAULT=mode.removesuffix("-tril"),
-                       TRITON_CACHE_DIR=tmp)
+            env = dict(os.environ, RAYDECODE_KDA_PRECISION=mode, TRITON_CACHE_DIR=tmp)
+            env.pop("TRITON_F32_DEFAULT", None)
             part = os.path.join(tmp, "mode.json")
             r = subprocess.run([sys.executable, "-m", __spec__.name, "--child", "--out", part,
                                 "--modes", mode,

@@ -97,6 +97,63 @@ def test_warmup_is_a_no_op_where_fla_cannot_run():
         KP.warmup(6, 128, "cpu", tokens=(64, 1))
 
 
+# ---- the dot precision (RAYDECODE_KDA_PRECISION): what apply_precision sets, and when --------
+
+@pytest.fixture
+def fake_triton_fla(monkeypatch):
+    """Stand-ins for the two things apply_precision writes (Triton's fp32 dot knob and fla's
+    solve constant: neither package is installed on the CPU path), a fresh process state."""
+    import sys
+    import types
+    knobs = types.SimpleNamespace(language=types.SimpleNamespace(fp32_default=None))
+    tl = types.ModuleType("triton.language")
+    tl.constexpr = lambda v: ("constexpr", v)
+    triton = types.ModuleType("triton")
+    triton.knobs, triton.language = knobs, tl
+    intra = types.ModuleType("fla.ops.kda.chunk_intra")
+    intra.SOLVE_TRIL_DOT_PRECISION = ("constexpr", "tf32")
+    kda = types.ModuleType("fla.ops.kda")
+    kda.chunk_intra = intra
+    for name, mod in {"triton": triton, "triton.language": tl, "fla": types.ModuleType("fla"),
+                      "fla.ops": types.ModuleType("fla.ops"), "fla.ops.kda": kda,
+                      "fla.ops.kda.chunk_intra": intra}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(KP, "_applied", [])
+    return knobs, intra
+
+
+@pytest.mark.parametrize("precision", ["bf16x3", "tf32x3", "ieee"])
+def test_apply_precision_sets_the_dot_default_and_the_solve(fake_triton_fla, precision):
+    knobs, intra = fake_triton_fla
+    assert KP.precision() is None
+    assert KP.apply_precision(precision) == precision
+    assert knobs.language.fp32_default == precision
+    assert intra.SOLVE_TRIL_DOT_PRECISION == ("constexpr", precision)
+    assert KP.precision() == precision
+    assert KP.apply_precision(precision) == precision          # the same again: a no-op
+    with pytest.raises(RuntimeError, match=f"'tf32' asked after '{precision}'"):
+        KP.apply_precision("tf32")
+
+
+def test_tf32_leaves_triton_and_fla_as_they_are(fake_triton_fla):
+    knobs, intra = fake_triton_fla
+    assert KP.apply_precision("tf32") == "tf32"
+    assert knobs.language.fp32_default is None
+    assert intra.SOLVE_TRIL_DOT_PRECISION == ("constexpr", "tf32")
+    with pytest.raises(RuntimeError, match="one precision per process"):
+        KP.apply_precision("ieee")
+
+
+def test_an_unknown_precision_is_refused_by_name(fake_triton_fla, monkeypatch):
+    with pytest.raises(ValueError, match="'fp16'; accepted: tf32, bf16x3, tf32x3, ieee"):
+        KP.apply_precision("fp16")
+    assert KP.precision() is None
+    from raydecode.kernels import settings
+    monkeypatch.setenv("RAYDECODE_KDA_PRECISION", "tf32x1")
+    with pytest.raises(ValueError, match="RAYDECODE_KDA_PRECISION='tf32x1'; accepted"):
+        settings.kda_precision()
+
+
 # ---- the layer: several prefill sequences in one step == each alone -------------------------
 
 def _layer():

@@ -8,8 +8,10 @@ initial states. o is fla's own allocation (zero-filled), so every sequence's row
 checked on their own: an unwritten or misplaced sequence fails its own error.
 
 Tolerances (`TOL`, ‖x − ref‖ / ‖ref‖ in fp64 against the fp64 reference): fla takes fp32 in
-and runs its matmuls as TF32 (kernels/kda_prefill.py docstring): ≈ 4e-4 for o and the final
-state (fla under the Triton interpreter with TF32 operand rounding emulated, 6 × 128 heads).
+and runs its matmuls at the process's RAYDECODE_KDA_PRECISION (kernels/kda_prefill.py
+`apply_precision`). At TF32 (the default) ≈ 4e-4 for o and the final state (fla under the
+Triton interpreter with TF32 operand rounding emulated, 6 × 128 heads; 1.1e-3 on the H200 at
+8k tokens), bounded at 2e-3; at bf16x3, tf32x3 or ieee the state's bound is the issue's 1e-4.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 from raydecode.kernels import kda_conv as KC
 from raydecode.kernels import kda_prefill as KP
+from raydecode.kernels import settings
 
 from _numerics import TOL, fresh_seed, max_rel_err, random_kda_params_, rel_err
 
@@ -30,7 +33,12 @@ pytestmark = pytest.mark.skipif(not _fla_on_cuda(), reason="needs CUDA and fla-c
 DEV = "cuda"
 D = 128                                  # K3 linear_attn_config.head_dim
 K3_HEADS = 96                            # K3 linear_attn_config.num_heads
-TOL_O, TOL_S = TOL["bf16_round"], TOL["tf32_dots"]
+# the final state's bound by this process's RAYDECODE_KDA_PRECISION (one per process, applied at
+# fla's first use): TF32 dots 2e-3; the issue's 1e-4 where the dots carry more mantissa bits
+# (run the file with RAYDECODE_KDA_PRECISION=bf16x3, tf32x3 or ieee to check that bar)
+PRECISION = settings.kda_precision()
+TOL_O = TOL["bf16_round"]
+TOL_S = TOL["tf32_dots"] if PRECISION == "tf32" else TOL["kda_state"]
 
 
 def _inputs(lens, h, seed):
@@ -71,8 +79,9 @@ def test_fla_matches_the_reference_at_k3_rank_shapes(tp, lens, fla_calls):
         x64 = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                for k, v in x.items()}
         o_ref, S_ref = KP.kda_prefill_reference(**x64)
-    what = f"seed {seed} h={h} lens={lens}"
+    what = f"seed {seed} h={h} lens={lens} precision {PRECISION}"
     assert fla_calls == [x["cu_seqlens"].tolist()], f"{what}: fla not used"
+    assert KP.precision() == PRECISION, f"{what}: fla ran at {KP.precision()}"
     assert o.shape == (sum(lens), h, D) and o.dtype == torch.float32, what
     assert S.shape == (len(lens), h, D, D) and S.dtype == torch.float32, what
     assert torch.equal(x["states"], states0), f"{what}: initial states modified"
