@@ -493,7 +493,7 @@ def random_counts(rank: PrefillRank, buckets: list[int], decodes: int, count: in
             "jit_compiles_after_warmup": compiled[0], "modes": modes}
 
 
-def first_run_profile(rank: PrefillRank, tokens: int, top: int = 15) -> dict:
+def first_run_profile(rank: PrefillRank, tokens: int, top: int = 30) -> dict:
     """torch.profiler (host + device) over the first and the second prefill step of a token
     count the rank has not met: their wall ms and the host's top ops by self time, so what
     only a first run pays (allocator growth, cuDNN plans, cuBLAS heuristics) shows as the
