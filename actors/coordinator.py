@@ -85,6 +85,16 @@ class ReplicaExecutor(Protocol):
     def close(self) -> None: ...
 
 
+def _pacer_stats(p) -> dict:
+    """The decode-slowdown pacer's state for /stats (engine/pacer.py): its limit, the chunk
+    steps it gave the static cap because no size fits (`infeasible`), its reprobes, and the
+    step times it judges by (ms)."""
+    return {"limit": p.limit, "mixed_steps": p.mixed, "infeasible": p.infeasible,
+            "reprobes": p.reprobes,
+            "decode_ms": {b: round(t * 1e3, 3) for b, t in sorted(p.decode_s.items())},
+            "chunk_ms": {b: round(t * 1e3, 3) for b, t in sorted(p.chunk_s.items())}}
+
+
 class LocalReplicaExecutor(LocalExecutor):
     """TP = 1 in this process: the runner a rank would build (`load_runner`), so on a CUDA
     device a GraphedRunner whose buckets were captured at build and whose decode steps replay
@@ -819,6 +829,7 @@ class CoordinatorCore:
             "preemptions": sched.num_preemptions if sched else 0,
             "split_mixed_steps": bool(sched.cfg.split_mixed) if sched else None,
             "split_steps": sched.num_split_steps if sched else 0,
+            "pacer": _pacer_stats(sched.pacer) if sched and sched.pacer else None,
             "cache": self.engine.cache_stats() if self.engine else None,
             "speculative": self._spec_stats(),
             "control_plane": self._control_plane(detail),

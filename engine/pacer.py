@@ -11,26 +11,44 @@ scheduler asks for the largest chunk whose step fits (`chunk_cap`):
     split:  t_chunk(n) + t_decode(B) ≤ limit · t_decode(B)
     mixed:  t_mixed(n, B)           ≤ limit · t_decode(B)
 
-with B the decode batch. Times are exponential moving averages keyed by power-of-two buckets
-(chunk tokens; decode batch), the buckets the stock and decode graphs run in. Candidates are
-the powers of two below the static cap, and the cap. A candidate never measured is judged by
-the line through the smallest and the largest measured buckets below it (a step's time is
-close to fixed + per-token cost, as the stock step's is below a few thousand tokens), or with
-one measured bucket the line through it and the origin (an upper bound for a concave cost);
-when that single bucket is the only one that fits, the next chunk is half of it, the second
-point of the line. With no decode time for the batch or no chunk time yet, the chunk is a
-probe of cap / 8 (at least one token), so a cold start cannot stall the streams for a whole
-static-cap chunk; when even the smallest measured chunk is over the allowance, the next probe
-is half of it.
+with B the decode batch. Decode times are exponential moving averages keyed by the batch's
+power-of-two bucket; a chunk bucket's time is the median of its last WINDOW samples, so one
+outlier (a bucket's first replay, a host stall: on the H100 a 2-token chunk step took 2.8 ms
+and once 28 ms) neither decides nor sticks. Candidates are the powers of two below the static
+cap, and the cap. A candidate never measured is judged by the line through the smallest and
+the largest measured buckets below it (a step's time is close to fixed + per-token cost, as
+the stock step's is below a few thousand tokens), or with one measured bucket the line
+through it and the origin (an upper bound for a concave cost); when that single bucket is the
+only one that fits, the next chunk is half of it, the second point of the line. With no
+decode time for the batch or no chunk time yet, the chunk is a probe of cap / 8 (at least one
+token), so a cold start cannot stall the streams for a whole static-cap chunk; when even the
+smallest measured chunk is over the allowance, the next probe is half of it.
+
+A bucket judged over the allowance is not run again on its own, so its samples would never
+change: every REPROBE-th chunk below the cap is the next candidate up instead (one step in
+REPROBE may run over the limit, below the 1 % a p99 allows), every REPROBE_SOON-th while that
+size's judgement stands on fewer than TRUST samples (at most TRUST − 1 such steps per size
+over the pacer's life), so a chunk size that fits again (an outlier aged out, a faster decode
+batch) is found. Where even a one-token chunk does not
+fit, the limit cannot be held on this schedule at all (H100, 8 K3 layers, split: a chunk
+step costs 2.8 ms at any size below 8 tokens against a 4.1 ms decode step, so a limit below
+≈ 1.7 is out of reach); the pacer then gives the static cap, `infeasible` counts such steps,
+and the prompt is not starved one token per step for a bound nothing could hold.
 
 Deterministic given the observations; no clock of its own (the engine times its steps).
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
-ALPHA = 0.25                 # weight of a new observation in the moving averages
+ALPHA = 0.25                 # weight of a new observation in the decode times' moving averages
 PROBE_DIVISOR = 8            # first chunk without any chunk time: the cap / 8
+WINDOW = 8                   # a chunk bucket's time: the median of its last WINDOW samples
+REPROBE = 128                # every REPROBE-th chunk below the cap: the next candidate up
+REPROBE_SOON = 32            # the same where the size up has fewer than TRUST samples
+TRUST = 3                    # samples before a bucket's own median outweighs its neighbours'
 
 
 def bucket(n: int) -> int:
@@ -50,13 +68,18 @@ class ChunkPacer:
     limit: float                    # the streams' TPOT beside a prompt / their decode-only TPOT
     mixed: bool = False             # False: the split schedule; True: mixed steps
     decode_s: dict[int, float] = field(default_factory=dict)   # batch bucket -> seconds
-    chunk_s: dict[int, float] = field(default_factory=dict)    # token bucket -> seconds
+    chunk_s: dict[int, float] = field(default_factory=dict)    # token bucket -> seconds (median)
+    infeasible: int = 0             # chunks given the static cap: no size fits the limit
+    reprobes: int = 0               # chunks run one candidate above the fitting one
 
     def __post_init__(self) -> None:
         if isinstance(self.limit, bool) or not isinstance(self.limit, (int, float)) \
                 or not self.limit > 1.0:
             raise ValueError(f"decode_slowdown_limit = {self.limit!r}; expected a number > 1 "
                              "(the streams' TPOT beside a prompt over their TPOT without it)")
+        # each bucket's recent samples (seeded with any chunk_s given); chunk_s their medians
+        self._window = {k: deque([v], maxlen=WINDOW) for k, v in self.chunk_s.items()}
+        self._below = 0             # chunks below the cap since the last reprobe
 
     @staticmethod
     def _avg(table: dict[int, float], key: int, seconds: float) -> None:
@@ -74,24 +97,38 @@ class ChunkPacer:
         if prompt_tokens == 0 and decodes > 0:
             self._avg(self.decode_s, bucket(decodes), seconds)
         elif prompt_tokens > 0 and (decodes > 0) == self.mixed:
-            self._avg(self.chunk_s, bucket(prompt_tokens), seconds)
+            b = bucket(prompt_tokens)
+            w = self._window.setdefault(b, deque(maxlen=WINDOW))
+            w.append(seconds)
+            self.chunk_s[b] = statistics.median(w)
+
+    def _trusted(self, b: int) -> bool:
+        """A bucket whose median stands on at least TRUST samples."""
+        return len(self._window.get(b, ())) >= TRUST
 
     def _estimate(self, n: int) -> float | None:
-        """Seconds of a chunk step of `n` tokens: its bucket's average; else, from the
-        measured buckets below it, the line through the smallest and the largest (slope ≥ 0),
-        or with one such bucket the line through it and the origin (an upper bound for a cost
-        concave in the tokens); else None."""
+        """Seconds of a chunk step of `n` tokens: its bucket's median where that stands on
+        TRUST samples. Else the line through the measured buckets below it (the smallest and
+        the largest, slope ≥ 0; with one, the line through it and the origin, an upper bound
+        for a cost concave in the tokens), from the trusted ones only where the bucket has
+        samples of its own, and then the lower of the line and its own median: one outlier
+        sample does not rule a size out before it is sampled again. None where nothing
+        judges it."""
         b = bucket(n)
-        if b in self.chunk_s:
-            return self.chunk_s[b]
-        below = sorted(k for k in self.chunk_s if k < b)
+        own = self.chunk_s.get(b)
+        if own is not None and self._trusted(b):
+            return own
+        below = [k for k in sorted(self.chunk_s) if k < b and self._trusted(k)] or \
+            ([] if own is not None else [k for k in sorted(self.chunk_s) if k < b])
         if not below:
-            return None
+            return own
         hi, t_hi = below[-1], self.chunk_s[below[-1]]
         if len(below) == 1:
-            return t_hi * n / hi
-        lo = below[0]
-        return t_hi + max((t_hi - self.chunk_s[lo]) / (hi - lo), 0.0) * (n - hi)
+            line = t_hi * n / hi
+        else:
+            lo = below[0]
+            line = t_hi + max((t_hi - self.chunk_s[lo]) / (hi - lo), 0.0) * (n - hi)
+        return line if own is None else min(own, line)
 
     def chunk_cap(self, cap: int, decodes: int) -> int:
         """The prompt tokens a step may carry beside `decodes` decoding streams, ≤ `cap`."""
@@ -108,7 +145,30 @@ class ChunkPacer:
         if fit and len(measured) == 1 and max(fit) == measured[0] > 1:
             return measured[0] // 2      # one point fits: half of it gives the cost's slope
         if fit:
-            return max(fit)
+            best = max(fit)
+            if best < cap:
+                # the next size up, once in a while: fresh samples for a size judged over
+                # (sooner while its judgement stands on fewer than TRUST samples)
+                up = sizes[sizes.index(best) + 1]
+                self._below += 1
+                if self._below >= (REPROBE if self._trusted(bucket(up)) else REPROBE_SOON):
+                    self._below = 0
+                    self.reprobes += 1
+                    return up
+            return best
+        if min(self.chunk_s) <= 1:
+            if not self._trusted(1):
+                return 1                         # sample the one-token step again
+            # not even one token fits: the limit is out of this schedule's reach; the
+            # static cap, rather than a prompt starved a token per step for nothing (every
+            # REPROBE-th such chunk one token again: the limit may come within reach)
+            self._below += 1
+            if self._below >= REPROBE:
+                self._below = 0
+                self.reprobes += 1
+                return 1
+            self.infeasible += 1
+            return cap
         # even the smallest measured bucket is over: probe half of it (never measured, so
         # no estimate judged it) — the chunk halves until one fits
         return max(1, min(cap, min(self.chunk_s) // 2))

@@ -391,6 +391,29 @@ def test_split_mixed_steps_auto_follows_graphed_decode():
     assert split(cfg(envelope={"enabled": False}), graphed=True) == (False, False)
 
 
+def test_stats_show_the_pacer_where_one_paces():
+    """/stats carries the pacer's limit, its schedule and its counters when the deployment
+    sets decode_slowdown_limit, and null otherwise."""
+    from raydecode.actors.coordinator import CoordinatorCore
+
+    def pacer(config):
+        core = CoordinatorCore(config)
+        core._build_engine()
+        try:
+            p = core.engine.scheduler.pacer
+            if p is not None:
+                p.observe(0, 3, 0.004)
+                p.observe(8, 3, 0.006)
+            return core.stats()["pacer"]
+        finally:
+            core._pool.shutdown(wait=False)
+
+    assert pacer(cfg()) is None
+    assert pacer(cfg(decode_slowdown_limit=2.5)) == {
+        "limit": 2.5, "mixed_steps": True, "infeasible": 0, "reprobes": 0,
+        "decode_ms": {4: 4.0}, "chunk_ms": {8: 6.0}}
+
+
 def test_step_thread_runs_at_most_max_ahead_steps_before_the_streams():
     """Backpressure: with a slow dispatch (the event loop behind), the step thread never runs
     more than MAX_AHEAD steps whose outputs the streams have not received; tokens unchanged."""

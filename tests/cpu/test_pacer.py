@@ -6,7 +6,7 @@ import pytest
 from raydecode.engine import engine as engine_mod
 from raydecode.engine.engine import EngineConfig, LLMEngine
 from raydecode.engine.loader import load_tokenizer
-from raydecode.engine.pacer import ChunkPacer, bucket, candidates
+from raydecode.engine.pacer import REPROBE, ChunkPacer, bucket, candidates
 from raydecode.engine.request import SamplingParams
 from raydecode.engine.sampling import StepResult
 from raydecode.engine.scheduler import Scheduler, SchedulerConfig
@@ -67,6 +67,57 @@ def test_split_chunk_follows_the_measured_line_and_backs_off():
     assert p.chunk_cap(512, 63) == 16                   # half the smallest measured
     p.observe(16, 0, 0.002)
     assert p.chunk_cap(512, 63) == 16
+
+
+def _settle(p, cost, steps, cap=448, decode=0.004):
+    """`steps` split chunks chosen by `p` against decode steps of `decode` s, each chunk
+    'taking' cost(n, i) s -> the chunk sizes chosen."""
+    p.observe(0, 63, decode)
+    chosen = []
+    for i in range(steps):
+        n = p.chunk_cap(cap, 63)
+        p.observe(n, 0, cost(n, i))
+        p.observe(0, 63, decode)
+        chosen.append(n)
+    return chosen
+
+
+def test_one_outlier_sample_neither_decides_nor_sticks():
+    """The H100 run's failure (8 K3 layers, split, limit 2): a few slow chunk steps (a 32-token
+    step 5.3 ms once where it mostly takes 3.6, 8 and 16 at 5.0 once each) walked the chunk
+    down to 1-4 tokens and kept it there, never sampling the larger sizes again: the 32k
+    prompt took 142 s instead of ≈ 9. Cost here: 2.8 ms + 25 µs per token, every size's first
+    step 2.2 ms slower; the allowance 4 ms fits 32 tokens (3.6 ms), not 64 (4.4)."""
+    seen = set()
+
+    def cost(n, i):
+        first = bucket(n) not in seen
+        seen.add(bucket(n))
+        return 0.0028 + 25e-6 * n + (0.0022 if first else 0.0)
+
+    p = ChunkPacer(2.0)
+    chosen = _settle(p, cost, 600)
+    assert chosen[:6] == [56, 32, 16, 8, 4, 2]          # the first samples all over: halving
+    late = chosen[300:]
+    assert max(set(late), key=late.count) == 32 and late.count(32) > 0.95 * len(late)
+    assert p.chunk_s[32] == pytest.approx(0.0036) and p.infeasible == 0
+    # the sizes above 32 are sampled again now and then (REPROBE): 64 stays over
+    assert 64 in late and late.count(64) <= len(late) // REPROBE + 1
+    assert p.chunk_s[64] == pytest.approx(0.0044)
+
+
+def test_a_limit_no_chunk_can_hold_gives_the_static_cap():
+    """A one-token chunk step over the allowance on TRUST samples: the limit is out of reach
+    (the split schedule's chunk step costs about a decode step at 8 layers), so the prompt
+    gets the static cap instead of one token per step, and the pacer says so; every
+    REPROBE-th chunk tries one token again."""
+    p = ChunkPacer(1.5)                                 # allowance 0.5 · 4 ms = 2 ms
+    chosen = _settle(p, lambda n, i: 0.0028 + 25e-6 * n, 40 + REPROBE)
+    assert chosen[:5] == [56, 32, 16, 8, 4] and chosen[5:9] == [2, 1, 1, 1]
+    assert set(chosen[9:]) == {1, 448} and chosen[9:].count(1) == 1
+    assert p.infeasible == len(chosen) - 10 and p.reprobes == 1
+    q = ChunkPacer(1.5, decode_s={64: 0.004}, chunk_s={1: 0.003})
+    assert q.chunk_cap(448, 63) == 1                    # one sample: not yet a verdict
 
 
 def test_mixed_steps_get_the_whole_limit_and_only_their_own_samples():
