@@ -29,11 +29,11 @@ change: every REPROBE-th chunk below the cap is the next candidate up instead (o
 REPROBE may run over the limit, below the 1 % a p99 allows), every REPROBE_SOON-th while that
 size's judgement stands on fewer than TRUST samples (at most TRUST − 1 such steps per size
 over the pacer's life), so a chunk size that fits again (an outlier aged out, a faster decode
-batch) is found. Where even a one-token chunk does not
-fit, the limit cannot be held on this schedule at all (H100, 8 K3 layers, split: a chunk
-step costs 2.8 ms at any size below 8 tokens against a 4.1 ms decode step, so a limit below
-≈ 1.7 is out of reach); the pacer then gives the static cap, `infeasible` counts such steps,
-and the prompt is not starved one token per step for a bound nothing could hold.
+batch) is found. Where even a one-token chunk does not fit, the limit cannot be held on this
+schedule at all (H100, 8 K3 layers, split: a chunk step costs 2.8 ms at any size below 8
+tokens against a 4.1 ms decode step, so a limit below ≈ 1.7 is out of reach); the pacer then
+gives the static cap, `infeasible` counts such steps, and the prompt is not starved one
+token per step for a bound nothing could hold.
 
 Deterministic given the observations; no clock of its own (the engine times its steps).
 """
