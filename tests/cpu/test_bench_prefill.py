@@ -357,6 +357,8 @@ def test_prefill_bench_paced_schedule_cpu(tmp_path):
         assert r["samples"][0]["chunk_tokens"] == 1              # the cold probe: 8 / 8
         assert all(1 <= x["chunk_tokens"] <= 8 for x in r["samples"])
         assert sum(r["chunks_chosen"].values()) == r["pairs_run"]
+        assert type(r["pacer"]["infeasible"]) is int and type(r["pacer"]["reprobes"]) is int
+        assert {int(b) for b in r["pacer"]["chunk_ms"]} <= {1, 2, 4, 8}   # buckets ≤ the cap
     split, mixed = paced
     # mixed: every chunk is a sample and the chunks tile the prompt
     assert sum(x["chunk_tokens"] for x in mixed["samples"]) == 40
