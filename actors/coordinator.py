@@ -481,6 +481,10 @@ class CoordinatorCore:
         the engine with them as its forks; on the stock pool each continues alone."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise RequestError(f"n = {n!r}; expected an integer >= 1")
+        cap = self.config.max_waiting_requests
+        if n > 1 and 1 <= cap < n:      # never admissible: a client error, not "try later"
+            raise RequestError(f"n = {n}; this deployment queues at most "
+                               f"max_waiting_requests = {cap} sequences, so n must be ≤ {cap}")
         if n > 1 and self.num_waiting + n > self.config.max_waiting_requests:
             raise Overloaded(f"{self.num_waiting} requests already wait and this one adds {n} "
                              f"(max_waiting_requests = {self.config.max_waiting_requests})")

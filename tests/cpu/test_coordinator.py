@@ -15,7 +15,7 @@ from raydecode.actors.serve import LocalServer
 from raydecode.actors.stock_pool import Continuation
 from raydecode.engine.engine import LLMEngine
 from raydecode.engine.loader import build_local_engine
-from raydecode.engine.request import SamplingParams
+from raydecode.engine.request import RequestError, SamplingParams
 
 torch.set_num_threads(1)
 MML = 96
@@ -301,6 +301,27 @@ def test_continuation_matches_engine_across_the_hand_over():
         cont.close()
         assert cont.req.finish_reason == "stop" and text == req.output_text, k
     assert text_engine.requests == {}
+
+
+def test_n_beyond_the_queue_is_a_request_error_not_overloaded(reference):
+    """A request whose n alone exceeds max_waiting_requests can never be queued: a 400 naming
+    n and the limit (the fuzz found it as a 503 on an empty queue, which a client retries
+    forever); n at the limit is admitted and completes."""
+    tok, ref = reference
+    c = cfg(max_num_seqs=8, max_waiting_requests=3)
+
+    async def run():
+        core = CoordinatorCore(c)
+        await core.start()
+        with pytest.raises(RequestError, match="n = 4; .*max_waiting_requests = 3.*n must be ≤ 3"):
+            await core.generate("a", ref[0][0], GREEDY, n=4).__anext__()
+        assert core.num_waiting == 0 and not core.streams
+        outs = [o async for o in core.generate("b", ref[0][0], GREEDY, n=3)]
+        await core.close()
+        return outs
+
+    outs = asyncio.run(run())
+    assert sum(o.finished for o in outs) == 3
 
 
 def test_http_503_retry_after_and_mid_stream_error_event_without_stock_pool(reference):
