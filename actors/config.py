@@ -251,7 +251,8 @@ class DeployConfig(_Model):
                     "fixed max_prefill_tokens_while_decoding alone.")
     max_waiting_requests: int = Field(
         default=256, ge=0, description="Requests queued beyond the running ones before new ones "
-                                       "get 503 + Retry-After.")
+                                       "get 503 + Retry-After (a request's n samples count "
+                                       "n; n above this limit is a 400).")
     block_size: int = Field(default=16, ge=1, description="Tokens per latent-cache block.")
     enable_prefix_caching: bool | None = Field(
         default=None, description="Reuse the cache of earlier requests that share a token "
