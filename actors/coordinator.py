@@ -485,9 +485,9 @@ class CoordinatorCore:
         if n > 1 and 1 <= cap < n:      # never admissible: a client error, not "try later"
             raise RequestError(f"n = {n}; this deployment queues at most "
                                f"max_waiting_requests = {cap} sequences, so n must be ≤ {cap}")
-        if n > 1 and self.num_waiting + n > self.config.max_waiting_requests:
+        if n > 1 and self.num_waiting + n > cap:
             raise Overloaded(f"{self.num_waiting} requests already wait and this one adds {n} "
-                             f"(max_waiting_requests = {self.config.max_waiting_requests})")
+                             f"(max_waiting_requests = {cap})")
         ids = [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
         taken = [i for i in ids[1:] if i in self.streams]
         if taken:

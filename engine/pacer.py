@@ -130,6 +130,15 @@ class ChunkPacer:
             line = t_hi + max((t_hi - self.chunk_s[lo]) / (hi - lo), 0.0) * (n - hi)
         return line if own is None else min(own, line)
 
+    def _reprobe_due(self, every: int) -> bool:
+        """Count one chunk that could be a reprobe; True (counted as one) every `every`-th."""
+        self._below += 1
+        if self._below < every:
+            return False
+        self._below = 0
+        self.reprobes += 1
+        return True
+
     def chunk_cap(self, cap: int, decodes: int) -> int:
         """The prompt tokens a step may carry beside `decodes` decoding streams, ≤ `cap`."""
         if decodes < 1 or cap <= 1:
@@ -150,10 +159,7 @@ class ChunkPacer:
                 # the next size up, once in a while: fresh samples for a size judged over
                 # (sooner while its judgement stands on fewer than TRUST samples)
                 up = sizes[sizes.index(best) + 1]
-                self._below += 1
-                if self._below >= (REPROBE if self._trusted(bucket(up)) else REPROBE_SOON):
-                    self._below = 0
-                    self.reprobes += 1
+                if self._reprobe_due(REPROBE if self._trusted(bucket(up)) else REPROBE_SOON):
                     return up
             return best
         if min(self.chunk_s) <= 1:
@@ -162,10 +168,7 @@ class ChunkPacer:
             # not even one token fits: the limit is out of this schedule's reach; the
             # static cap, rather than a prompt starved a token per step for nothing (every
             # REPROBE-th such chunk one token again: the limit may come within reach)
-            self._below += 1
-            if self._below >= REPROBE:
-                self._below = 0
-                self.reprobes += 1
+            if self._reprobe_due(REPROBE):
                 return 1
             self.infeasible += 1
             return cap

@@ -55,12 +55,14 @@ from collections.abc import Sequence
 
 import torch
 
+from raydecode.kernels import settings
+
 MAX_HEAD_DIM = 256          # fla's chunk_kda asserts K ≤ 256
 CHUNK = 64                  # fla's chunk size (its default; 32 or 64 allowed)
 WARMUP_TOKENS = 256         # engine/scheduler.py's default step budget (max_num_batched_tokens)
 
 
-PRECISIONS = ("tf32", "bf16x3", "tf32x3", "ieee")     # Triton's fp32 dot input precisions
+PRECISIONS = settings.KDA_PRECISIONS                   # Triton's fp32 dot input precisions
 _applied: list[str] = []                               # the precision this process runs
 
 
@@ -111,7 +113,6 @@ def _chunk_kda():
         from fla.ops.kda import chunk_kda
     except Exception:  # ImportError, or a broken install / no Triton driver
         return None
-    from raydecode.kernels import settings
     apply_precision(settings.kda_precision())
     return chunk_kda
 

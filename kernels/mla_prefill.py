@@ -172,10 +172,10 @@ def mla_prefill_into(out, q, rows, ctx: int, kv_b_weight, *, nope: int, vdim: in
     route, v4 = sdpa_route(q4, k4, buf, vdim, pad_v)
     # the route's backend alone: at ctx = 0 the chunk is plain is_causal SDPA, which torch may
     # hand to cuDNN on sm90, whose attention builds a graph per shape on its first call: on
-    # the request path for every new prompt length (the suspected cause of a 448-token chunk
-    # at position 0 taking 78 ms once on the H100, 8-11 ms at later positions; not yet
-    # confirmed on a GPU, docs/perf-log/prefill.md); flash and memory-efficient take any
-    # length without a build
+    # the request path for every new prompt length (a 448-token chunk at position 0 took 78
+    # ms once on the H100; held to flash, new prompts' first chunks ran within 1.21x of
+    # steady, docs/perf-log/prefill.md); flash and memory-efficient take any length without
+    # a build
     only = _ONLY.get(route)
     with sdpa_kernel(only) if only else contextlib.nullcontext():
         o = F.scaled_dot_product_attention(q4, k4, v4,

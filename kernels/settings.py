@@ -77,6 +77,10 @@ def is_token_bucket(n: int) -> bool:
     return 1 <= n <= 8192 and (n & (n - 1) == 0 if n <= 256 else n % 256 == 0)
 
 
+# Triton's fp32 dot input precisions a rank's fla KDA may run at (kernels/kda_prefill.py)
+KDA_PRECISIONS = ("tf32", "bf16x3", "tf32x3", "ieee")
+
+
 def _token_bucket(raw: str, s: Setting) -> int:     # 0 (off) or a token bucket
     if not raw.isdigit() or not (int(raw) == 0 or is_token_bucket(int(raw))):
         raise ValueError(f"{s.name}={raw!r}; accepted: {s.accepted}")
@@ -139,7 +143,7 @@ _ALL = (
             "solve). tf32: fla's own default, the final state ≈ 1e-3 from the fp64 reference at "
             "8k tokens; ieee: 3.7e-6 at 1.64x the KDA call's time (H200; docs/perf-log/"
             "prefill.md); bf16x3 / tf32x3 in between",
-            "tf32, bf16x3, tf32x3 or ieee", _choice("tf32", "bf16x3", "tf32x3", "ieee")),
+            "tf32, bf16x3, tf32x3 or ieee", _choice(*KDA_PRECISIONS)),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
             _flag),
