@@ -22,7 +22,8 @@ import torch
 
 from raydecode.kernels import moe_mxfp4_decode as _cuda_core
 from raydecode.kernels._triton import triton as _triton
-from raydecode.kernels.moe_mxfp4 import MXFP4Experts, fused_moe_mxfp4, moe_mxfp4_reference
+from raydecode.kernels.moe_mxfp4 import (MXFP4Experts, check_out, fused_moe_mxfp4,
+                                         moe_mxfp4_reference)
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 KERNELS = ("reference", "resident", "cuda_core", "grouped")
@@ -111,22 +112,35 @@ def moe_decode(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
 
 def routed_moe(z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                experts: MXFP4Experts, path: str = "stock",
-               options: DecodeOptions = DEFAULT_OPTIONS) -> torch.Tensor:
+               options: DecodeOptions = DEFAULT_OPTIONS,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """z (T, L), weights (T, k), ids (T, k) -> Σ_k w·expert(z) (T, L) fp32 on the kernel the
-    module docstring's rule picks for these tensors."""
+    module docstring's rule picks for these tensors. out: fp32 (T, L), unit column stride
+    (kernels/moe_mxfp4.py `check_out`): the stock kernels' weighted sum writes into it (a
+    column block of a buffer shared with other partials, no copy); elsewhere a copy."""
     weights = weights.float()
     if not (z.is_cuda and _triton is not None):
-        return moe_mxfp4_reference(z, weights, ids, experts)      # host sync (CPU)
+        return _into(moe_mxfp4_reference(z, weights, ids, experts), out)   # host sync (CPU)
     if (path == "specialized"
             and _cuda_core.use_decode_kernel(z, ids, experts, options.moe_max_pairs)):
-        return moe_decode(z, weights, ids, experts, options=options)   # bf16 or fp32 z
+        return _into(moe_decode(z, weights, ids, experts, options=options), out)
     zb = z.to(torch.bfloat16)                                       # the stock kernel's input
     step = max(1, MAX_FUSED_PAIRS // ids.shape[1])                 # tokens per launch group
     if z.shape[0] <= step:
-        return fused_moe_mxfp4(zb, weights, ids, experts)
-    return torch.cat([fused_moe_mxfp4(zb[i:i + step], weights[i:i + step], ids[i:i + step],
-                                      experts)
-                      for i in range(0, z.shape[0], step)])
+        return fused_moe_mxfp4(zb, weights, ids, experts, out=out)
+    if out is None:
+        out = torch.empty(z.shape[0], experts.latent, dtype=torch.float32, device=z.device)
+    for i in range(0, z.shape[0], step):
+        fused_moe_mxfp4(zb[i:i + step], weights[i:i + step], ids[i:i + step], experts,
+                        out=out[i:i + step])
+    return out
+
+
+def _into(r: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return r
+    check_out(out, r.shape[0], r.shape[1], r.device)
+    return out.copy_(r)
 
 
 __all__ = ["KERNELS", "MAX_FUSED_PAIRS", "RESIDENT", "decode_config", "decode_config_for",

@@ -67,6 +67,7 @@ MAX_SCALE = 240          # (s + 14) << 23 must stay a finite fp32 exponent
 BLOCK_M = 16             # pair rows per dot (tl.dot's minimum M)
 RUNS_MIN_BLOCK = 64
 SUM_BLOCK = (16, 256)    # (tokens, latent columns) per program of the weighted sum over k
+MAX_GRID_Y = 65535       # CUDA's grid y limit: past it a tile-major launch stays chunk-major
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,16 @@ if triton is not None:
 
 
     @triton.jit
+    def _chunk_and_tile(TILE_MAJOR: tl.constexpr):
+        """(chunk, output tile) of this program. Chunk-major: grid (chunks, tiles), consecutive
+        programs take consecutive chunks of one tile column. Tile-major: grid (tiles, chunks),
+        a chunk's tiles run back to back, so its gathered activation rows are read from HBM
+        once and from L2 by its other tiles (`MoEConfig.tile_major`)."""
+        if TILE_MAJOR:
+            return tl.program_id(1), tl.program_id(0)
+        return tl.program_id(0), tl.program_id(1)
+
+    @triton.jit
     def _dot(a, b, acc, DOT_F32: tl.constexpr):
         """acc + a·b with fp32 accumulation. DOT_F32: fp32 operands, exact products (only under
         TRITON_INTERPRET, whose bf16 dot reads raw bits as values in Triton 3.9)."""
@@ -354,15 +365,16 @@ if triton is not None:
                         chunk_end_ptr, num_chunks_ptr, a_ptr, top_k, beta, lin_beta,
                         L: tl.constexpr, I: tl.constexpr, HAS_LIN: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        WPR: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr):
-        """a[p, n] = SiTU(W1_e z[t], W3_e z[t])[n] for the pairs of chunk program_id(0).
+                        WPR: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr,
+                        TILE_MAJOR: tl.constexpr = False):
+        """a[p, n] = SiTU(W1_e z[t], W3_e z[t])[n] for the pairs of chunk c.
         WPR: elements of w per row (L/2 bytes, or L/8 int32 words for the pairs decode)."""
-        c = tl.program_id(0)
+        c, tile = _chunk_and_tile(TILE_MAJOR)
         if c >= tl.load(num_chunks_ptr):
             return
         pair, m_ok, e = _chunk(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr, sorted_e_ptr, BM)
         tok = pair // top_k
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n = tile * BN + tl.arange(0, BN)
         n_ok = n < I
         w_e = w_ptr + e * (2 * I * WPR)
         s_e = s_ptr + e * (2 * I * (L // 32))
@@ -386,14 +398,15 @@ if triton is not None:
     def _down_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                      chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr, I: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     WPR: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr):
-        """y[p, n] = bf16(W2_e a[p])[n] (bf16) for the pairs of chunk program_id(0); the
+                     WPR: tl.constexpr, DECODE: tl.constexpr, DOT_F32: tl.constexpr,
+                     TILE_MAJOR: tl.constexpr = False):
+        """y[p, n] = bf16(W2_e a[p])[n] (bf16) for the pairs of chunk c; the
         routing weight is applied by `_weighted_sum_kernel`."""
-        c = tl.program_id(0)
+        c, tile = _chunk_and_tile(TILE_MAJOR)
         if c >= tl.load(num_chunks_ptr):
             return
         pair, m_ok, e = _chunk(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr, sorted_e_ptr, BM)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n = tile * BN + tl.arange(0, BN)
         n_ok = n < L
         w_e = w_ptr + e * (L * WPR)
         s_e = s_ptr + e * (L * (I // 32))
@@ -418,16 +431,17 @@ if triton is not None:
                              chunk_end_ptr, num_chunks_ptr, a_ptr, top_k, beta, lin_beta,
                              L: tl.constexpr, I: tl.constexpr, HAS_LIN: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             DOT_F32: tl.constexpr):
+                             DOT_F32: tl.constexpr,
+                             TILE_MAJOR: tl.constexpr = False):
         """a_sorted[m, n] = SiTU(W1_e z[t], W3_e z[t])[n] for the sorted positions m of chunk
-        program_id(0), computed transposed (n rows, pairs columns)."""
-        c = tl.program_id(0)
+        c, computed transposed (n rows, pairs columns)."""
+        c, tile = _chunk_and_tile(TILE_MAJOR)
         if c >= tl.load(num_chunks_ptr):
             return
         m, pair, m_ok, e = _chunk_rows(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr,
                                        sorted_e_ptr, BM)
         tok = pair // top_k
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n = tile * BN + tl.arange(0, BN)
         n_ok = n < I
         w_e = w_ptr + e * (2 * I * (L // 2))
         s_e = s_ptr + e * (2 * I * (L // 32))
@@ -452,15 +466,16 @@ if triton is not None:
     def _down_swap_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                           chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                           I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, DOT_F32: tl.constexpr):
-        """y[p, n] = bf16(W2_e a[p])[n] for the pairs of chunk program_id(0), computed
+                          BK: tl.constexpr, DOT_F32: tl.constexpr,
+                          TILE_MAJOR: tl.constexpr = False):
+        """y[p, n] = bf16(W2_e a[p])[n] for the pairs of chunk c, computed
         transposed; a in sorted order (`_gate_up_swap_kernel`), y in pair order."""
-        c = tl.program_id(0)
+        c, tile = _chunk_and_tile(TILE_MAJOR)
         if c >= tl.load(num_chunks_ptr):
             return
         m, pair, m_ok, e = _chunk_rows(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr,
                                        sorted_e_ptr, BM)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n = tile * BN + tl.arange(0, BN)
         n_ok = n < L
         w_e = w_ptr + e * (L * (I // 2))
         s_e = s_ptr + e * (L * (I // 32))
@@ -474,9 +489,10 @@ if triton is not None:
                  mask=m_ok[None, :] & n_ok[:, None])
 
     @triton.jit(do_not_specialize=["T"])
-    def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, K: tl.constexpr, L: tl.constexpr,
-                             BT: tl.constexpr, BL: tl.constexpr):
-        """out[t, n] = Σ_j w[t, j] · y[t·K + j, n] in fp32, j in order (y bf16 (T·K, L))."""
+    def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, K: tl.constexpr,
+                             L: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
+        """out[t, n] = Σ_j w[t, j] · y[t·K + j, n] in fp32, j in order (y bf16 (T·K, L); out
+        rows `out_stride` elements apart: a column block of a wider buffer)."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         n = tl.program_id(1) * BL + tl.arange(0, BL)
         ok = (t < T)[:, None] & (n < L)[None, :]
@@ -485,7 +501,7 @@ if triton is not None:
             wt = tl.load(topw_ptr + t * K + j, mask=t < T, other=0.0)
             y = tl.load(y_ptr + (t[:, None] * K + j) * L + n[None, :], mask=ok, other=0.0)
             acc += y.to(tl.float32) * wt[:, None]
-        tl.store(out_ptr + t[:, None] * L + n[None, :], acc, mask=ok)
+        tl.store(out_ptr + t[:, None] * out_stride + n[None, :], acc, mask=ok)
 
 
 # ---- launch configuration ------------------------------------------------------------------
@@ -504,7 +520,11 @@ class MoEConfig:
     elementwise decode): the `_gate_up_swap_kernel` / `_down_swap_kernel` pair, which compute
     the transposed products so the decoded tile is the register operand and block_m is the
     dots' N (up to wgmma's 256; two (BN, block_m) fp32 accumulators per program); BN is then
-    the dots' M (64 rows per warpgroup)."""
+    the dots' M (64 rows per warpgroup). tile_major: the programs of one chunk (its I / BN
+    gate/up tiles, its L / BN down tiles) are consecutive in the grid, so the chunk's gathered
+    z rows (gate/up) and `a` rows (down) come from HBM once and from L2 for its other tiles;
+    chunk-major (the default before) runs every chunk of tile 0 first and re-reads each
+    chunk's rows per tile from HBM once they have left L2."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -514,6 +534,7 @@ class MoEConfig:
     decode: str = "elementwise"
     block_m: int = BLOCK_M      # pairs per chunk (the dots' M): 16 for decode, more for prefill
     swap_ab: bool = False       # prefill: weight tile as the dots' A (register) operand
+    tile_major: bool = False    # grid (tiles, chunks): a chunk's output tiles run back to back
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -539,10 +560,12 @@ def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     and feeds the tensor cores from registers; 64 weight rows × 64 k per tile, 4 warps. In
     the 8,191-token step of 8 K3 layers the experts took 22.1 ms against 23.8 on the unswapped
     64-pair kernels; gate and up in one tile with 256-pair chunks (faster alone on uniform
-    routing) and Triton's scaled dot (2.5× slower) lost: docs/perf-log/prefill.md."""
+    routing) and Triton's scaled dot (2.5× slower) lost: docs/perf-log/prefill.md. Tile-major
+    grid: a chunk's 3 gate/up and 56 down tiles (K3 TP16) run back to back, so its gathered
+    rows are read from HBM once, not once per tile."""
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
-                     decode="elementwise", block_m=128, swap_ab=True)
+                     decode="elementwise", block_m=128, swap_ab=True, tile_major=True)
 
 
 def _largest_block(k: int, cap: int) -> int:
@@ -674,9 +697,13 @@ DECODES = {"elementwise": 0, "pairs": 1, "split": 2}
 
 def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor, experts: MXFP4Experts,
-                           config: MoEConfig | None = None) -> torch.Tensor:
-    """The fused path: runs → gate_up → down → Σ_k. -> (T, L) fp32. No host sync."""
+                           config: MoEConfig | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused path: runs → gate_up → down → Σ_k. -> (T, L) fp32. No host sync. out: an
+    fp32 (T, L) tensor with unit column stride to write into (e.g. the column block of a
+    buffer that other partial sums share; `check_out`)."""
     _check_inputs(z, topk_weights, topk_ids, experts)
+    check_out(out, z.shape[0], experts.latent, z.device)
     T, L = z.shape
     k = topk_ids.shape[1]
     P, E, I = T * k, experts.num_experts, experts.intermediate
@@ -700,34 +727,57 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         extra13, extra2 = dict(DECODE=dec, WPR=w13.shape[-1]), dict(DECODE=dec, WPR=w2.shape[-1])
-    common = dict(BM=bm, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
     chunks = max_chunks(P, E, bm)
+    tm = cfg.tile_major and chunks <= MAX_GRID_Y
+    common = dict(BM=bm, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, TILE_MAJOR=tm)
+
+    def grid(tiles: int) -> tuple[int, int]:
+        return (tiles, chunks) if tm else (chunks, tiles)
+
     a = torch.empty(P, I, dtype=x_dtype, device=z.device)
     lin = experts.linear_beta
-    gate_up[(chunks, triton.cdiv(I, cfg.gate_up_bn))](
+    gate_up[grid(triton.cdiv(I, cfg.gate_up_bn))](
         z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
         n_chunks, a, k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
         HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **extra13, **common)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
-    down[(chunks, triton.cdiv(L, cfg.down_bn))](
+    down[grid(triton.cdiv(L, cfg.down_bn))](
         a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
         BN=cfg.down_bn, BK=cfg.down_bk, **extra2, **common)
-    out = torch.empty(T, L, dtype=torch.float32, device=z.device)
+    if out is None:
+        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
     bt, bl = SUM_BLOCK
     _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
-        y, topk_weights.contiguous(), out, T, K=k, L=L, BT=bt, BL=bl, num_warps=4)
+        y, topk_weights.contiguous(), out, T, out.stride(0), K=k, L=L, BT=bt, BL=bl,
+        num_warps=4)
     return out
 
 
+def check_out(out: torch.Tensor | None, T: int, L: int, device: torch.device) -> None:
+    """An `out` for the routed experts' sum: fp32 (T, L) on the inputs' device, unit column
+    stride, rows at least L apart (a contiguous tensor or a column block of a wider one)."""
+    if out is None:
+        return
+    if (out.dtype != torch.float32 or tuple(out.shape) != (T, L) or out.device != device
+            or (T > 1 and out.stride(1) != 1) or (T > 1 and out.stride(0) < L)):
+        raise ValueError(f"routed experts out: {out.dtype} {tuple(out.shape)} strides "
+                         f"{out.stride()} on {out.device}; expected float32 ({T}, {L}) on "
+                         f"{device} with unit column stride and rows ≥ {L} apart")
+
+
 def fused_moe_mxfp4(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    experts: MXFP4Experts, config: MoEConfig | None = None) -> torch.Tensor:
+                    experts: MXFP4Experts, config: MoEConfig | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_k w·expert(z) (T, L) fp32: the fused Triton kernels when Triton can run on these
-    tensors (CUDA, or CPU under TRITON_INTERPRET=1), else `moe_mxfp4_reference`."""
+    tensors (CUDA, or CPU under TRITON_INTERPRET=1), else `moe_mxfp4_reference`; written
+    into `out` when given (`check_out`)."""
     if _use_triton(z, experts.w13):
-        return fused_moe_mxfp4_triton(z, topk_weights, topk_ids, experts, config)
+        return fused_moe_mxfp4_triton(z, topk_weights, topk_ids, experts, config, out)
     _check_inputs(z, topk_weights, topk_ids, experts)
-    return moe_mxfp4_reference(z, topk_weights, topk_ids, experts)
+    check_out(out, z.shape[0], experts.latent, z.device)
+    ref = moe_mxfp4_reference(z, topk_weights, topk_ids, experts)
+    return ref if out is None else out.copy_(ref)
 
 
 def touched_expert_bytes(topk_ids: torch.Tensor, experts: MXFP4Experts) -> int:
@@ -736,6 +786,6 @@ def touched_expert_bytes(topk_ids: torch.Tensor, experts: MXFP4Experts) -> int:
     return int(torch.unique(topk_ids).numel()) * experts.expert_bytes()
 
 
-__all__ = ["MXFP4Experts", "MoEConfig", "TUNED", "default_config", "fused_moe_mxfp4",
-           "fused_moe_mxfp4_triton", "moe_mxfp4_reference", "moe_runs", "touched_expert_bytes",
-           "MAX_SCALE"]
+__all__ = ["MXFP4Experts", "MoEConfig", "TUNED", "check_out", "default_config",
+           "fused_moe_mxfp4", "fused_moe_mxfp4_triton", "moe_mxfp4_reference", "moe_runs",
+           "touched_expert_bytes", "MAX_SCALE"]

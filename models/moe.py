@@ -109,22 +109,35 @@ class MoEGate(nn.Module):
         return linear_fp32_out(x, self.weight)
 
 
-_MM_OUT_DTYPE = [True]     # cleared when this torch build has no mm(..., out_dtype=) for it
+# [0] cleared when this torch build has no mm(..., out_dtype=) for the operands, [1] when it
+# has no out= for it (then the op and a copy)
+_MM_OUT_DTYPE = [True, True]
 
 
-def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_fp32_out(x: torch.Tensor, w: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, K) · w (N, K)ᵀ -> fp32 (T, N), products exact and summed in fp32. For bf16 / fp16
     CUDA operands one tensor-core GEMM with fp32 output (`torch.mm(..., out_dtype=)`, cuBLAS),
     instead of upcasting both operands to fp32 and running the fp32 GEMM without tensor cores
     (the K3 router at a 2,048-token prefill chunk: 3.6 ms of 39 per 8 layers on an H200).
-    Elsewhere, and where this torch build lacks the op, the fp32 upcast (the CPU reference)."""
+    Elsewhere, and where this torch build lacks the op, the fp32 upcast (the CPU reference).
+    out: an fp32 (T, N) tensor (e.g. a column block of a wider buffer) the GEMM writes into."""
     half = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
     if half and x.is_cuda and _MM_OUT_DTYPE[0] and x.dim() == 2:
         try:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
+            if out is not None and _MM_OUT_DTYPE[1]:
+                try:
+                    return torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+                except (TypeError, RuntimeError, NotImplementedError):
+                    _MM_OUT_DTYPE[1] = False       # the op without out=, and a copy
+            return _into(torch.mm(x, w.t(), out_dtype=torch.float32), out)
         except (TypeError, RuntimeError, NotImplementedError):
             _MM_OUT_DTYPE[0] = False
-    return F.linear(x.float(), w.float())
+    return _into(F.linear(x.float(), w.float()), out)
+
+
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return y if out is None else out.copy_(y)
 
 
 # ---- routed experts ------------------------------------------------------------------------
@@ -221,18 +234,22 @@ class RoutedExperts(nn.Module):
             getattr(dst, name).copy_(getattr(experts, name))
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                path: str = "stock") -> torch.Tensor:
+                path: str = "stock", out: torch.Tensor | None = None) -> torch.Tensor:
         """z (T, L), weights (T, k) fp32, ids (T, k) -> Σ_k w·expert(z) (T, L) fp32 (partial
-        over I shards). MXFP4: the kernel kernels/moe_decode.py `routed_moe` picks (on CUDA
-        the ids stay on the device: no host sync)."""
+        over I shards), written into `out` when given (fp32 (T, L), unit column stride).
+        MXFP4: the kernel kernels/moe_decode.py `routed_moe` picks (on CUDA the ids stay on
+        the device: no host sync)."""
         if not self.mxfp4:
-            return self._forward_dense(z, weights, ids, path)
-        return routed_moe(z, weights, ids, self.packed(), path, self.options)
+            return self._forward_dense(z, weights, ids, path, out)
+        return routed_moe(z, weights, ids, self.packed(), path, self.options, out=out)
 
-    def _forward_dense(self, z, weights, ids, path: str) -> torch.Tensor:
+    def _forward_dense(self, z, weights, ids, path: str, out=None) -> torch.Tensor:
         """Loops over the selected experts (host sync on the unique ids), never over tokens."""
         lin = linear_for(path, self.options)
-        out = z.new_zeros(z.shape, dtype=torch.float32)
+        if out is None:
+            out = z.new_zeros(z.shape, dtype=torch.float32)
+        else:
+            out.zero_()
         for e in torch.unique(ids).tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             h = z[tok]
@@ -278,24 +295,34 @@ class LatentMoE(nn.Module):
             w, ids = route(logits, self.gate.e_score_correction_bias, m.top_k,
                            m.num_expert_group, m.topk_group, m.renormalize,
                            m.routed_scaling_factor)
-        lat, shared = self._reduce(self.experts(self.routed_expert_down_proj(x), w, ids), x,
-                                   "stock")
+        lat, shared = self._reduce(self.routed_expert_down_proj(x), w, ids, x, "stock")
         if self.routed_expert_norm is not None:
             lat = self.routed_expert_norm.stock(lat)
         out = self.routed_expert_up_proj(lat)
         return out if shared is None else out + shared
 
-    def _reduce(self, lat: torch.Tensor, x: torch.Tensor, path: str):
-        """One all-reduce for the routed latent partial (T, L) fp32 and the shared experts'
-        partial output (T, H): -> (full latent sum, full shared output or None), x's dtype.
-        The latent must be summed before its norm, the shared output anyway: one collective."""
+    def _reduce(self, z: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
+                path: str):
+        """The routed experts on z (their latent partial (T, L) fp32) and the shared experts on
+        x (their partial output (T, H)) under one all-reduce: -> (full latent sum, full shared
+        output or None), x's dtype. The latent must be summed before its norm, the shared
+        output anyway: one collective. Both partials are written into the column blocks of
+        one (T, L + H) fp32 buffer (the experts' weighted sum and, on the fused stock path,
+        the shared down GEMM write there), not concatenated after: at an 8,191-token step of
+        K3 the concatenation copied 302 MB per MoE layer (2.2 ms of 68 on 8 layers, H100)."""
         if self.shared_experts is None:
-            return self.comm.all_reduce(lat).to(x.dtype), None
-        L = lat.shape[1]
-        # the shared down GEMM straight to fp32 on the fused stock path (no bf16 round trip,
-        # no upcast kernel); the chains round it to x's dtype first, as before
-        down = linear_fp32_out if path == "stock" and stock_fused(x) else None
-        both = torch.cat([lat, self.shared_experts.partial(x, path, down=down).float()], -1)
+            return self.comm.all_reduce(self.experts(z, w, ids, path)).to(x.dtype), None
+        L, H = z.shape[1], x.shape[1]
+        both = torch.empty(x.shape[0], L + H, dtype=torch.float32, device=x.device)
+        self.experts(z, w, ids, path, out=both[:, :L])
+        shared = both[:, L:]
+        if path == "stock" and stock_fused(x):
+            # the shared down GEMM straight to fp32 into its block (no bf16 round trip, no
+            # upcast kernel); the chains round it to x's dtype first, as before
+            self.shared_experts.partial(x, path, down=lambda a, wd: linear_fp32_out(
+                a, wd, out=shared))
+        else:
+            shared.copy_(self.shared_experts.partial(x, path))
         both = self.comm.all_reduce(both).to(x.dtype)       # (T, L + H)
         return both[:, :L], both[:, L:]
 
@@ -386,7 +413,7 @@ class LatentMoE(nn.Module):
                             gather=self.options.router_gather)
         z = sharded_gemv(x, [self.routed_expert_down_proj.weight], self.par, self.comm,
                          self.options)
-        lat, shared = self._reduce(self.experts(z, w, ids, "specialized"), x, "specialized")
+        lat, shared = self._reduce(z, w, ids, x, "specialized")
         if self.routed_expert_norm is not None:
             lat = self.routed_expert_norm(lat)
         out = sharded_gemv(lat, [self.routed_expert_up_proj.weight], self.par, self.comm,

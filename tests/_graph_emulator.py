@@ -119,11 +119,12 @@ def capture(fn):
 _DENSE: dict = {}
 
 
-def gathered_moe(z, weights, ids, experts, path="stock", options=None):
+def gathered_moe(z, weights, ids, experts, path="stock", options=None, out=None):
     """Σ_k w·expert(z) (T, L) fp32 with every pair's expert gathered from the dequantized
     stack: kernels/moe_mxfp4.py `moe_mxfp4_reference`'s math without its host read of the
     unique ids. The stack is dequantized once per layer (its validity check reads the scales
-    on the host), at the first call: an eager step, before any capture."""
+    on the host), at the first call: an eager step, before any capture. out: written into,
+    as kernels/moe_decode.py `routed_moe` does."""
     key = (experts.w13.data_ptr(), z.dtype)
     if key not in _DENSE:     # the codes held too: their storage (the key) is never reused
         _DENSE[key] = (experts.w13, experts.dequantized(z.dtype))
@@ -134,4 +135,5 @@ def gathered_moe(z, weights, ids, experts, path="stock", options=None):
     a = situ(torch.einsum("pl,pil->pi", h, w1[flat]), torch.einsum("pl,pil->pi", h, w3[flat]),
              experts.beta, experts.linear_beta)
     y = torch.einsum("pi,pli->pl", a, w2[flat])        # (P, L)
-    return (y.float().view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+    r = (y.float().view(T, k, -1) * weights.float().unsqueeze(-1)).sum(1)
+    return r if out is None else out.copy_(r)

@@ -2,7 +2,7 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped]
+        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -11,7 +11,8 @@ dequantization (integer ops per weight element) costs more than the bf16 dots it
 candidates trade that against padding (a chunk of 73 pairs in a 128-row tile) and registers
 (block_m × BN fp32 accumulators, twice for gate and up). `--candidates swap`: the swapped
 kernels (`MoEConfig.swap_ab`: the decoded weight tile as the dots' register operand, chunks
-of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_config` alone.
+of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_config` alone;
+`order`: the grid order (`MoEConfig.tile_major`), chunk-major first as the baseline.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -42,6 +43,12 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         return [base]
     if which == "shipped":          # what a prefill step runs (e.g. one config under ncu)
         return [M.prefill_config(L, I)]
+    if which == "order":            # the grid order: chunk-major (first, the baseline) or not
+        sw = M.prefill_config(L, I)
+        return unique([rep(sw, tile_major=False), rep(sw, tile_major=True),
+                       rep(sw, tile_major=True, block_m=256, num_warps=8, num_stages=2),
+                       rep(sw, tile_major=True, num_stages=2),
+                       rep(base, tile_major=True)])
     out = [base,
            rep(base, num_warps=8),
            rep(base, gate_up_bk=M._largest_block(L, 128)),
@@ -114,7 +121,8 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print)
             except Exception as e:       # compile / run / accuracy failure: recorded, skipped
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-            log(f"moe prefill TP{tp} T={T} bm{c.block_m}{'s' if c.swap_ab else ''} "
+            log(f"moe prefill TP{tp} T={T} bm{c.block_m}{'s' if c.swap_ab else ''}"
+                f"{'t' if c.tile_major else ''} "
                 f"{c.decode:11s} gu{c.gate_up_bn}x"
                 f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps} s{c.num_stages}: "
                 + (f"{row['ms']:7.3f} ms {row['tflop_s']:6.1f} TFLOP/s" if "ms" in row
@@ -136,7 +144,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=16)
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
-                    choices=["all", "base", "pairs", "swap", "shipped"])
+                    choices=["all", "base", "pairs", "swap", "shipped", "order"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)

@@ -93,9 +93,9 @@ def _record(monkeypatch):
                       "fp32" if (out_dtype or x.dtype) == torch.float32 else "bf16"))
         return real_lin(x, w, out_dtype, **kw)
 
-    def routed(z, weights, ids, experts, path="stock", options=DEFAULT_OPTIONS):
+    def routed(z, weights, ids, experts, path="stock", options=DEFAULT_OPTIONS, out=None):
         moes.append((z.shape[0], ids.shape[1], path, options))
-        return real_moe(z, weights, ids, experts, path, options)
+        return real_moe(z, weights, ids, experts, path, options, out=out)
 
     from raydecode.models import moe as moe_mod
     monkeypatch.setattr(spec, "_gemv_linear", linear)

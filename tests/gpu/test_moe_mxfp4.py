@@ -10,6 +10,7 @@ with no intermediate rounding.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -201,7 +202,6 @@ def test_prefill_chunks_match_reference(E, L, I, k, block_m):
     cfg = M.default_config(ids.numel(), E, I, L)
     assert cfg.block_m == 128 and cfg.swap_ab
     if block_m is not None:
-        from dataclasses import replace
         cfg = replace(cfg, block_m=block_m)
     _poison_allocator()
     out = M.fused_moe_mxfp4(z, w, ids, ex, cfg)
@@ -225,6 +225,32 @@ def test_swapped_operands_match_reference(block_m, bn, warps):
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
     assert rel_err(out, ref) < REL_TOL, f"seed {seed}: rel err {rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_tile_major_grid_and_out_block(swap):
+    """`tile_major` (grid (tiles, chunks)) only reorders the programs: its output equals the
+    chunk-major launch's bit for bit. `out`, a column block of a wider fp32 buffer (as
+    models/moe.py `_reduce` passes it), gets the sum and the buffer's other columns are left
+    alone; a wrong out is refused naming its dtype and shape."""
+    seed = fresh_seed()
+    E, L, I, k, T = (896, 3584, 192, 16, 200) if ON_GPU else (16, 128, 64, 4, 40)
+    ex, z, w, ids = _case(E, L, I, k, T, seed, skew=True)
+    cfg = (M.MoEConfig(64, 64, 64, 64, block_m=128, swap_ab=True) if swap
+           else M.MoEConfig(64, 64, 64, 64, block_m=64))
+    _poison_allocator()
+    chunk_major = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
+    buf = torch.full((T, L + 96), 7.0, device=z.device)
+    out = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(cfg, tile_major=True),
+                                   out=buf[:, :L])
+    assert out.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:, :L], chunk_major), f"seed {seed}: tile-major differs"
+    assert bool((buf[:, L:] == 7.0).all()), "columns past the block were written"
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    err = rel_err(chunk_major, ref)
+    assert err < REL_TOL, f"seed {seed}: rel err {err:.2e}"
+    with pytest.raises(ValueError, match="bfloat16"):
+        M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg, out=buf[:, :L].to(torch.bfloat16))
 
 
 def test_swapped_operands_refuse_other_decodes():
