@@ -20,10 +20,11 @@ What fla-core 0.6.0 requires (read from its source) and how the call meets it:
 - K ≤ 256 (asserted); v may have more heads than q/k (GVA), here they are equal.
 - dtypes: any float q/k/v; its intermediates (per-chunk states, A⁻¹, w, u) are stored in k's
   dtype and o comes back in q's dtype. We pass fp32 (bf16/fp16 inputs are upcast): on sm_80+
-  Triton runs fp32 `tl.dot` as TF32 (its default; the intra-chunk solve asks for TF32
-  explicitly), so o and the final state sit ≈ 4e-4 (‖·‖ relative) from the fp32 reference
-  (fla under the Triton interpreter with TF32 operand rounding emulated; 2e-6 without it).
-  bf16 inputs would in addition round the per-chunk states to bf16.
+  Triton runs fp32 `tl.dot` as TF32 by default (and the intra-chunk solve asks for TF32
+  explicitly), so o and the final state would sit ≈ 4e-4-1e-3 (‖·‖ relative) from the fp32
+  reference; a rank runs them at RAYDECODE_KDA_PRECISION, bf16x3 by default (three bf16
+  products per fp32 one: 6.1e-6 at 8k tokens on the H100, and no slower there than TF32;
+  `apply_precision`). bf16 inputs would in addition round the per-chunk states to bf16.
 - flags: use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel off (ours
   are applied before: our L2 norm is x·rsqrt(Σx² + 1e-6)); scale passed explicitly.
 - the chunk index: chunk_kda builds it from `cu_seqlens_cpu` and copies it to the device from
