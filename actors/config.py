@@ -16,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
                       model_validator)
 
 from raydecode.engine.engine import EngineConfig
+from raydecode.engine.pacer import STRETCH
 from raydecode.engine.spec_engine import SpecConfig
 from raydecode.kernels.settings import DEFAULT_OPTIONS, OPTION_DOCS, DecodeOptions
 
@@ -249,6 +250,16 @@ class DeployConfig(_Model):
                     "steps' measured times (engine/pacer.py: probes from 1/8 of the cap, then "
                     "the largest chunk whose measured or extrapolated step fits). null: the "
                     "fixed max_prefill_tokens_while_decoding alone.")
+    prompt_stretch_limit: float = Field(
+        default=STRETCH, ge=1, allow_inf_nan=False,
+        description="With decode_slowdown_limit set: the pacer never slows a prompt's prefill "
+                    "below 1/this of its rate at max_prefill_tokens_while_decoding. Where the "
+                    "largest chunk under the slowdown limit would (a chunk step's fixed cost "
+                    "near a decode step's: on the H100 at 24 K3 layers the 2.0 limit fit 8-32 "
+                    "token chunks and a 32k prompt took 36.9 s against 2.4 s), the chunk is "
+                    "the smallest that keeps that rate, and the streams' slowdown goes over "
+                    "the limit by what it costs (engine/pacer.py). 1: the static cap "
+                    "whenever it is measured.")
     max_waiting_requests: int = Field(
         default=256, ge=0, description="Requests queued beyond the running ones before new ones "
                                        "get 503 + Retry-After (a request's n samples count "
@@ -385,7 +396,8 @@ class DeployConfig(_Model):
                             enable_prefix_caching=on,
                             num_snapshots=self.kda_snapshot_slots if on else 0,
                             prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-                            decode_slowdown_limit=self.decode_slowdown_limit)
+                            decode_slowdown_limit=self.decode_slowdown_limit,
+                            prompt_stretch_limit=self.prompt_stretch_limit)
 
     def decode_options(self) -> DecodeOptions:
         """The replica's DecodeOptions (the `decode` section), for every rank's shard spec."""

@@ -86,11 +86,12 @@ class ReplicaExecutor(Protocol):
 
 
 def _pacer_stats(p) -> dict:
-    """The decode-slowdown pacer's state for /stats (engine/pacer.py): its limit, the chunk
-    steps it gave the static cap because no size fits (`infeasible`), its reprobes, and the
-    step times it judges by (ms)."""
-    return {"limit": p.limit, "mixed_steps": p.mixed, "infeasible": p.infeasible,
-            "reprobes": p.reprobes,
+    """The decode-slowdown pacer's state for /stats (engine/pacer.py): its limit and prompt
+    stretch limit, the chunk steps where no size fits the limit (`infeasible`), those raised
+    to the prompt's rate floor (`stretched`), its reprobes, and the step times it judges by
+    (ms)."""
+    return {"limit": p.limit, "mixed_steps": p.mixed, "stretch": p.stretch,
+            "infeasible": p.infeasible, "stretched": p.stretched, "reprobes": p.reprobes,
             "decode_ms": {b: round(t * 1e3, 3) for b, t in sorted(p.decode_s.items())},
             "chunk_ms": {b: round(t * 1e3, 3) for b, t in sorted(p.chunk_s.items())}}
 

@@ -13,6 +13,7 @@ from typing import Protocol, Sequence
 from .request import Request, RequestError, SamplingParams, Status, sample_seed
 from .runner import ModelRunner
 from .sampling import NO_LOGPROBS, SamplingRows, StepResult
+from .pacer import STRETCH, check_stretch
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 
 
@@ -42,6 +43,7 @@ class EngineConfig:
     split_mixed: bool = False              # decode tokens never ride a prefill step (scheduler)
     prefill_tokens_while_decoding: int | None = None   # prompt tokens per step beside decodes
     decode_slowdown_limit: float | None = None   # those sized to this TPOT bound (engine/pacer.py)
+    prompt_stretch_limit: float = STRETCH   # ... but a prompt keeps ≥ 1/this of its rate
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -58,6 +60,7 @@ class EngineConfig:
             raise ValueError(f"decode_slowdown_limit = {lim!r}; expected a number > 1 (the "
                              "streams' TPOT beside a prompt over their TPOT without it) or "
                              "None (off)")
+        check_stretch(self.prompt_stretch_limit)
         if isinstance(self.num_snapshots, bool) or not isinstance(self.num_snapshots, int) \
                 or self.num_snapshots < 0:
             raise ValueError(f"num_snapshots = {self.num_snapshots!r}; expected an integer >= 0")
@@ -81,7 +84,8 @@ class EngineConfig:
                                num_snapshots=self.num_snapshots, fork=self.fork,
                                split_mixed=self.split_mixed,
                                prefill_tokens_while_decoding=self.prefill_tokens_while_decoding,
-                               decode_slowdown_limit=self.decode_slowdown_limit)
+                               decode_slowdown_limit=self.decode_slowdown_limit,
+                               prompt_stretch_limit=self.prompt_stretch_limit)
 
 
 @dataclass

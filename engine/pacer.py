@@ -35,6 +35,19 @@ tokens against a 4.1 ms decode step, so a limit below ≈ 1.7 is out of reach); 
 gives the static cap, `infeasible` counts such steps, and the prompt is not starved one
 token per step for a bound nothing could hold.
 
+The limit is held for the streams, but not at any price to the prompt: where the largest chunk
+that fits moves the prompt at less than 1/`stretch` of the rate the static cap would
+(`prompt_stretch_limit`, default 4), the chunk is the smallest candidate that keeps that rate
+instead, and `stretched` counts such steps. The prompt's rate is its tokens per second of
+wall time: n / t_mixed(n) on mixed steps, n / (t_chunk(n) + t_decode(B)) on the split
+schedule (each chunk step is followed by a decode step). Measured on the H100 at 24 K3
+layers: a chunk step's cost is nearly flat below ≈ 128 tokens (split: 8 tokens 11.4 ms, 64
+tokens 12.6; the decode step 11.9), so the largest size under a 2.0 limit came out at 8-32
+tokens, noise deciding between sizes 5 % apart, and the 32k prompt took 36.9 s against 2.4 s
+at a 448-token cap (mixed steps, where a one-token step already sits at 2.08×: 6,160
+one-token chunks, 130 s). Where no size fits at all the chunk is this floor too (not the
+cap): the least slowdown that keeps the prompt's rate.
+
 Deterministic given the observations; no clock of its own (the engine times its steps).
 """
 from __future__ import annotations
@@ -49,6 +62,7 @@ WINDOW = 8                   # a chunk bucket's time: the median of its last WIN
 REPROBE = 128                # every REPROBE-th chunk below the cap: the next candidate up
 REPROBE_SOON = 32            # the same where the size up has fewer than TRUST samples
 TRUST = 3                    # samples before a bucket's own median outweighs its neighbours'
+STRETCH = 4.0                # default prompt_stretch_limit: the prompt keeps ≥ 1/4 of its rate
 
 
 def bucket(n: int) -> int:
@@ -56,6 +70,16 @@ def bucket(n: int) -> int:
     if n < 1:
         raise ValueError(f"count {n}: expected ≥ 1")
     return 1 << (n - 1).bit_length()
+
+
+def check_stretch(stretch) -> float:
+    """A prompt_stretch_limit: a number ≥ 1 (1: the static cap whenever it is measured)."""
+    if isinstance(stretch, bool) or not isinstance(stretch, (int, float)) \
+            or not stretch >= 1.0 or stretch == float("inf"):
+        raise ValueError(f"prompt_stretch_limit = {stretch!r}; expected a finite number ≥ 1 "
+                         "(how many times slower than at the static cap a paced prompt may "
+                         "prefill)")
+    return float(stretch)
 
 
 def candidates(cap: int) -> list[int]:
@@ -67,16 +91,19 @@ def candidates(cap: int) -> list[int]:
 class ChunkPacer:
     limit: float                    # the streams' TPOT beside a prompt / their decode-only TPOT
     mixed: bool = False             # False: the split schedule; True: mixed steps
+    stretch: float = STRETCH        # the prompt's rate at the cap / its least paced rate
     decode_s: dict[int, float] = field(default_factory=dict)   # batch bucket -> seconds
     chunk_s: dict[int, float] = field(default_factory=dict)    # token bucket -> seconds (median)
-    infeasible: int = 0             # chunks given the static cap: no size fits the limit
+    infeasible: int = 0             # chunks where no size fits the limit (given the floor)
     reprobes: int = 0               # chunks run one candidate above the fitting one
+    stretched: int = 0              # chunks raised to the floor that keeps the prompt's rate
 
     def __post_init__(self) -> None:
         if isinstance(self.limit, bool) or not isinstance(self.limit, (int, float)) \
                 or not self.limit > 1.0:
             raise ValueError(f"decode_slowdown_limit = {self.limit!r}; expected a number > 1 "
                              "(the streams' TPOT beside a prompt over their TPOT without it)")
+        check_stretch(self.stretch)
         # each bucket's recent samples (seeded with any chunk_s given); chunk_s their medians
         self._window = {k: deque([v], maxlen=WINDOW) for k, v in self.chunk_s.items()}
         self._below = 0             # chunks below the cap since the last reprobe
@@ -130,6 +157,29 @@ class ChunkPacer:
             line = t_hi + max((t_hi - self.chunk_s[lo]) / (hi - lo), 0.0) * (n - hi)
         return line if own is None else min(own, line)
 
+    def _floor(self, sizes: list[int], base: float) -> int | None:
+        """The smallest candidate whose estimated prompt rate (tokens per second of wall time:
+        n / t(n) on mixed steps, n / (t(n) + base) split) is at least 1/stretch of the cap's.
+        Sizes below the smallest measured one have no estimate; for a cost concave in the
+        tokens t(n) ≥ t(m)·n/m below a measured m, so their rate is at most m's: they are
+        ruled out where m's rate is short, and where it is not the floor is unknown (None:
+        the limit's own probing finds them). None too before the cap's step has an estimate."""
+        extra = 0.0 if self.mixed else base
+        top = self._estimate(sizes[-1])
+        if top is None:
+            return None
+        want = sizes[-1] / (top + extra) / self.stretch
+        unknown = False
+        for n in sizes:
+            e = self._estimate(n)
+            if e is None:
+                unknown = True          # below every measured size
+                continue
+            if n / (e + extra) >= want:
+                return None if unknown else n
+            unknown = False             # the smallest measured size is short: so are those below
+        return sizes[-1]
+
     def _reprobe_due(self, every: int) -> bool:
         """Count one chunk that could be a reprobe; True (counted as one) every `every`-th."""
         self._below += 1
@@ -153,6 +203,13 @@ class ChunkPacer:
         measured = [k for k in self.chunk_s if k <= bucket(cap)]
         if fit and len(measured) == 1 and max(fit) == measured[0] > 1:
             return measured[0] // 2      # one point fits: half of it gives the cost's slope
+        floor = self._floor(sizes, base)
+        if floor is not None and (not fit or max(fit) < floor):
+            # the limit would cost the prompt more than `stretch`: the least slowdown that
+            # keeps its rate (no size fits at all: the same, counted as infeasible too)
+            self.stretched += 1
+            self.infeasible += 0 if fit else 1
+            return floor
         if fit:
             best = max(fit)
             if best < cap:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from raydecode.models.cache import SeqSlice, StepBatch
 
 from .cache import BlockAllocator, CacheFullError, SlotAllocator
-from .pacer import ChunkPacer
+from .pacer import STRETCH, ChunkPacer
 from .prefix_cache import PrefixCache, Snapshot, snapshot_ref
 from .request import Request, Status
 from .sampling import SamplingRows
@@ -85,6 +85,8 @@ class SchedulerConfig:
     # beside a prompt over their TPOT without it) from the steps' measured times
     # (engine/pacer.py), at most prefill_tokens_while_decoding; None: that static cap alone
     decode_slowdown_limit: float | None = None
+    # the pacer never slows a prompt's prefill below 1/this of its rate at the static cap
+    prompt_stretch_limit: float = STRETCH
 
 
 class Scheduler:
@@ -107,7 +109,8 @@ class Scheduler:
         self._prefill_turn = True                 # split_mixed: the next mixed step's half
         self.num_split_steps = 0                  # steps that left one half for the next
         self.pacer = None if cfg.decode_slowdown_limit is None else \
-            ChunkPacer(cfg.decode_slowdown_limit, mixed=not cfg.split_mixed)
+            ChunkPacer(cfg.decode_slowdown_limit, mixed=not cfg.split_mixed,
+                       stretch=cfg.prompt_stretch_limit)
         self._last_counts: tuple[int, int, int] | None = None   # step id, prompt, decodes
 
     def add(self, req: Request) -> None:

@@ -597,7 +597,8 @@ def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, 
             "prompt_ttft_s": round(total, 3), "prompt_ttft_s_all_layers": round(total * scale, 3),
             "pacer": {"decode_ms": {k: _ms(v) for k, v in pacer.decode_s.items()},
                       "chunk_ms": {k: _ms(v) for k, v in sorted(pacer.chunk_s.items())},
-                      "infeasible": pacer.infeasible, "reprobes": pacer.reprobes},
+                      "infeasible": pacer.infeasible, "reprobes": pacer.reprobes,
+                      "stretch": pacer.stretch, "stretched": pacer.stretched},
             "samples": samples}
 
 

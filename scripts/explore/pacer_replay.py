@@ -11,7 +11,8 @@ spread. What it does not: time correlations (the draws are independent) and the 
 chunk sizes the GPU run did not sample (extrapolated along that line).
 
     python3 -m raydecode.scripts.explore.pacer_replay \\
-        --source bench/results/prefill-h100-2026-12-06-paced.json --out X.json [--seeds 3]
+        --source bench/results/prefill-h100-2026-12-06-paced.json --out X.json [--seeds 3] \\
+        [--stretch 4]
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import random
 import statistics
 import time
 
-from raydecode.engine.pacer import ChunkPacer
+from raydecode.engine.pacer import STRETCH, ChunkPacer, check_stretch
 
 
 def measured(source: dict) -> tuple[dict, list[float], dict]:
@@ -40,7 +41,7 @@ def measured(source: dict) -> tuple[dict, list[float], dict]:
 
 
 def replay(chunks: dict, decodes: list[float], row: dict, limit: float, seed: int,
-           min_samples: int) -> dict:
+           stretch: float, min_samples: int) -> dict:
     sizes = sorted(n for n, v in chunks.items() if len(v) >= min_samples)
     if len(sizes) < 2:
         raise SystemExit(f"fewer than two chunk sizes with ≥ {min_samples} samples: {sizes}")
@@ -52,7 +53,8 @@ def replay(chunks: dict, decodes: list[float], row: dict, limit: float, seed: in
         near = min(sizes, key=lambda k: abs(k - n))
         return max(1e-4, rng.choice(chunks[near]) + slope * (n - near))
 
-    pacer, cap, prompt = ChunkPacer(limit), row["chunk_cap"], row["prompt_tokens"]
+    pacer = ChunkPacer(limit, stretch=stretch)
+    cap, prompt = row["chunk_cap"], row["prompt_tokens"]
     for _ in range(3):
         pacer.observe(0, row["decodes"], rng.choice(decodes))
     pos, total, tpot, chosen = 0, 0.0, [], {}
@@ -74,7 +76,7 @@ def replay(chunks: dict, decodes: list[float], row: dict, limit: float, seed: in
             "p50_over_decode_only": round(pct(0.5) / base, 3),
             "p99_over_decode_only": round(pct(0.99) / base, 3),
             "prompt_s": round(total, 3), "infeasible": pacer.infeasible,
-            "reprobes": pacer.reprobes}
+            "reprobes": pacer.reprobes, "stretched": pacer.stretched}
 
 
 def main(argv=None) -> None:
@@ -84,7 +86,13 @@ def main(argv=None) -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--min-samples", type=int, default=10)
+    ap.add_argument("--stretch", type=float, default=STRETCH,
+                    help="the pacer's prompt_stretch_limit (≥ 1)")
     a = ap.parse_args(argv)
+    try:
+        check_stretch(a.stretch)
+    except ValueError as e:
+        ap.error(str(e))
     if a.seeds < 1 or a.min_samples < 1:
         ap.error(f"--seeds {a.seeds} --min-samples {a.min_samples}: expected ≥ 1 each")
     from raydecode.scripts.bench.report_io import report_header, write_report
@@ -92,12 +100,12 @@ def main(argv=None) -> None:
     with open(a.source) as f:
         source = json.load(f)
     chunks, decodes, row = measured(source)
-    runs = [replay(chunks, decodes, row, row["pacer_limit"], s, a.min_samples)
+    runs = [replay(chunks, decodes, row, row["pacer_limit"], s, a.stretch, a.min_samples)
             for s in range(a.seeds)]
     report = report_header(
         a.commit, method=__doc__, source=a.source, source_gpu=source.get("gpu"),
         source_commit=source.get("commit"), source_date=source.get("date"),
-        limit=row["pacer_limit"], prompt_tokens=row["prompt_tokens"],
+        limit=row["pacer_limit"], stretch=a.stretch, prompt_tokens=row["prompt_tokens"],
         chunk_cap=row["chunk_cap"], decodes=row["decodes"],
         measured={"chunk_sizes_sampled": {n: len(v) for n, v in sorted(chunks.items())},
                   "decode_ms_median": round(statistics.median(decodes) * 1e3, 3),

@@ -6,7 +6,7 @@ import pytest
 from raydecode.engine import engine as engine_mod
 from raydecode.engine.engine import EngineConfig, LLMEngine
 from raydecode.engine.loader import load_tokenizer
-from raydecode.engine.pacer import REPROBE, ChunkPacer, bucket, candidates
+from raydecode.engine.pacer import REPROBE, STRETCH, ChunkPacer, bucket, candidates
 from raydecode.engine.request import SamplingParams
 from raydecode.engine.sampling import StepResult
 from raydecode.engine.scheduler import Scheduler, SchedulerConfig
@@ -49,7 +49,10 @@ def test_cold_pacer_probes_an_eighth_of_the_cap_then_half_of_it():
 
 
 def test_split_chunk_follows_the_measured_line_and_backs_off():
-    p = ChunkPacer(2.0)
+    """The limit's own logic; the prompt's rate floor held out of the way (stretch 64), else
+    at the end 128 tokens (every size's step 8 ms: 128 keeps 1/4 of the cap's rate, 16
+    could not) would be the chunk instead of the search below 32."""
+    p = ChunkPacer(2.0, stretch=64.0)
     p.observe(0, 63, 0.004)
     p.observe(32, 0, 0.001)
     p.observe(64, 0, 0.0015)                            # 15.6 µs per token
@@ -67,6 +70,11 @@ def test_split_chunk_follows_the_measured_line_and_backs_off():
     assert p.chunk_cap(512, 63) == 16                   # half the smallest measured
     p.observe(16, 0, 0.002)
     assert p.chunk_cap(512, 63) == 16
+    q = ChunkPacer(2.0, decode_s=dict(p.decode_s))      # the default stretch (4): the floor
+    for n in (32, 64, 128):
+        for _ in range(3):
+            q.observe(n, 0, 0.008)
+    assert q.chunk_cap(512, 63) == 128 and q.stretched == 1 and q.infeasible == 1
 
 
 def _settle(p, cost, steps, cap=448, decode=0.004):
@@ -88,7 +96,8 @@ def test_one_outlier_sample_neither_decides_nor_sticks():
     down to 1-4 tokens and kept it there, never sampling the larger sizes again: the 32k
     prompt took 142 s against 0.81 s at fixed 448-token chunks. Cost here: 2.8 ms + 25 µs
     per token, every size's first step 2.2 ms slower; the allowance 4 ms fits 32 tokens
-    (3.6 ms), not 64 (4.4)."""
+    (3.6 ms), not 64 (4.4). The prompt's rate floor is lifted (stretch 16: 32-token chunks
+    keep more than 1/16 of the cap's rate), so the limit's own logic is what is tested."""
     seen = set()
 
     def cost(n, i):
@@ -96,29 +105,80 @@ def test_one_outlier_sample_neither_decides_nor_sticks():
         seen.add(bucket(n))
         return 0.0028 + 25e-6 * n + (0.0022 if first else 0.0)
 
-    p = ChunkPacer(2.0)
-    chosen = _settle(p, cost, 600)
-    assert chosen[:6] == [56, 32, 16, 8, 4, 2]          # the first samples all over: halving
+    p = ChunkPacer(2.0, stretch=16.0)
+    chosen = _settle(p, cost, 300)
+    early = p.infeasible        # while every measured size stood on its slow first sample
+    chosen += _settle(p, cost, 300)
+    assert chosen[:4] == [56, 32, 16, 8]                # the first samples all over: halving
     late = chosen[300:]
     assert max(set(late), key=late.count) == 32 and late.count(32) > 0.95 * len(late)
-    assert p.chunk_s[32] == pytest.approx(0.0036) and p.infeasible == 0
+    assert p.chunk_s[32] == pytest.approx(0.0036) and p.infeasible == early < 4
     # the sizes above 32 are sampled again now and then (REPROBE): 64 stays over
     assert 64 in late and late.count(64) <= len(late) // REPROBE + 1
     assert p.chunk_s[64] == pytest.approx(0.0044)
 
 
-def test_a_limit_no_chunk_can_hold_gives_the_static_cap():
-    """A one-token chunk step over the allowance on TRUST samples: the limit is out of reach
-    (the split schedule's chunk step costs about a decode step at 8 layers), so the prompt
-    gets the static cap instead of one token per step, and the pacer says so; every
-    REPROBE-th chunk tries one token again."""
+def _rate_floor(cost, decode, cap, stretch, mixed=False):
+    """The smallest candidate whose prompt rate (tokens per second of wall time) under
+    `cost` is ≥ 1/stretch of the cap's: what the pacer should settle on below it."""
+    extra = 0.0 if mixed else decode
+    want = cap / (cost(cap) + extra) / stretch
+    return min(n for n in candidates(cap) if n / (cost(n) + extra) >= want)
+
+
+def test_a_limit_no_chunk_can_hold_gives_the_rate_floor_or_the_cap():
+    """A one-token chunk step over the allowance: the limit is out of reach (the split
+    schedule's chunk step costs about a decode step at 8 layers). The prompt is not starved
+    one token per step: it gets the smallest chunk that keeps 1/stretch of the rate the
+    static cap would give it (the least slowdown at that price), and the pacer counts those
+    steps; at stretch 1 that is the static cap itself."""
+    def cost(n, i=0):
+        return 0.0028 + 25e-6 * n
+
     p = ChunkPacer(1.5)                                 # allowance 0.5 · 4 ms = 2 ms
-    chosen = _settle(p, lambda n, i: 0.0028 + 25e-6 * n, 40 + REPROBE)
-    assert chosen[:5] == [56, 32, 16, 8, 4] and chosen[5:9] == [2, 1, 1, 1]
-    assert set(chosen[9:]) == {1, 448} and chosen[9:].count(1) == 1
-    assert p.infeasible == len(chosen) - 10 and p.reprobes == 1
-    q = ChunkPacer(1.5, decode_s={64: 0.004}, chunk_s={1: 0.003})
-    assert q.chunk_cap(448, 63) == 1                    # one sample: not yet a verdict
+    chosen = _settle(p, cost, 40 + REPROBE)
+    floor = _rate_floor(cost, 0.004, 448, STRETCH)
+    assert 1 < floor < 448 and chosen[0] == 56          # the probe, then the floor's search
+    assert set(chosen[20:]) == {floor}
+    assert p.infeasible == p.stretched >= len(chosen) - 20 and p.reprobes == 0
+    q = ChunkPacer(1.5, stretch=1.0)
+    chosen = _settle(q, cost, 40)
+    assert chosen[0] == 56 and set(chosen[1:]) == {448} and q.stretched == 39
+    r = ChunkPacer(1.5, decode_s={64: 0.004}, chunk_s={1: 0.003})
+    assert r.chunk_cap(448, 63) == 1                    # one sample, no cap estimate: resample
+
+
+def test_the_prompt_keeps_its_rate_where_the_limit_would_starve_it():
+    """Where the largest chunk under the limit moves the prompt at less than 1/stretch of the
+    cap's rate, the chunk is the rate floor. The split schedule on the H100 at 24 K3 layers
+    (`prefill-h100-2026-12-06-paced24.json`, the medians the pacer reported): a decode step
+    11.89 ms, chunk steps flat from 11.4 ms at 8 tokens to 14.1 at 128, so the 2.0 limit fits
+    only 8 tokens and the 32k prompt took 36.9 s against 2.4 s at 448-token chunks."""
+    table = {8: 11.367, 16: 12.024, 32: 12.099, 64: 12.588, 128: 14.13}
+    p = ChunkPacer(2.0)
+    for _ in range(3):
+        p.observe(0, 63, 0.011893)
+        for n, ms in table.items():
+            p.observe(n, 0, ms / 1e3)
+    n = p.chunk_cap(448, 63)
+    # the cap's step by the pacer's own line through 8 and 128 tokens
+    slope = (table[128] - table[8]) / 120
+
+    def cost(k):
+        return (table[8] + slope * (k - 8)) / 1e3
+
+    assert n == _rate_floor(cost, 0.011893, 448, STRETCH) and n > 8
+    assert p.stretched == 1 and p.infeasible == 0       # 8 tokens fit: not infeasible
+    loose = ChunkPacer(2.0, stretch=64.0, decode_s=dict(p.decode_s))
+    loose._window, loose.chunk_s = p._window, p.chunk_s
+    assert loose.chunk_cap(448, 63) == 8 and loose.stretched == 0   # the limit's own choice
+
+
+@pytest.mark.parametrize("stretch", [0.5, 0.999, True, "4", None, float("inf"),
+                                     float("nan")])
+def test_stretch_must_be_a_finite_number_of_at_least_one(stretch):
+    with pytest.raises(ValueError, match="prompt_stretch_limit = .*finite number ≥ 1"):
+        ChunkPacer(2.0, stretch=stretch)
 
 
 def test_mixed_steps_get_the_whole_limit_and_only_their_own_samples():

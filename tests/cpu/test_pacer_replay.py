@@ -40,3 +40,25 @@ def test_replay_needs_two_sampled_sizes(tmp_path):
     with pytest.raises(SystemExit, match="fewer than two chunk sizes"):
         pacer_replay.main(["--source", str(_source(tmp_path, samples)),
                            "--out", str(tmp_path / "r.json")])
+
+
+def test_replay_takes_the_stretch_and_refuses_a_bad_one(tmp_path):
+    """Chunk steps with a large fixed cost (8 ms + 10 µs per token) against 4 ms decode steps
+    at limit 2: nothing fits, so at stretch 4 the chunk is the smallest size keeping 1/4 of
+    the cap's rate (448 tokens per 16.48 ms of chunk + decode step: 27.2 per ms, a quarter
+    6.8; 128: 9.6, 64: 5.1), at stretch 1 the cap."""
+    samples = [{"chunk_tokens": n, "chunk_ms": 8.0 + 0.01 * n, "decode_ms": 4.0}
+               for n in (16, 256) for _ in range(12)]
+    src = _source(tmp_path, samples)
+    for stretch, want in (("4", 128), ("1", 448)):
+        out = tmp_path / f"r{stretch}.json"
+        pacer_replay.main(["--source", str(src), "--out", str(out), "--seeds", "1",
+                           "--stretch", stretch])
+        rep = json.loads(out.read_text())
+        assert rep["stretch"] == float(stretch)
+        r = rep["runs"][0]
+        chosen = {int(k): v for k, v in r["chunks_chosen"].items()}
+        assert max(chosen, key=chosen.get) == want and r["stretched"] > 0.9 * r["pairs"]
+    with pytest.raises(SystemExit):
+        pacer_replay.main(["--source", str(src), "--out", str(tmp_path / "x.json"),
+                           "--stretch", "0.5"])
