@@ -36,6 +36,7 @@ from raydecode.engine.spec import AcceptanceStats
 from raydecode.engine.spec_engine import SpecEngine
 from raydecode.kernels.settings import pad_prefill as pad_prefill_setting
 from raydecode.kernels.settings import stock_graphs as stock_graphs_setting
+from raydecode.kernels.settings import stock_mixed as stock_mixed_setting
 from raydecode.kernels.settings import stock_single as stock_single_setting
 
 from . import envelope
@@ -190,7 +191,8 @@ def build_executor(config: DeployConfig) -> ReplicaExecutor:
                           num_snapshots=ecfg.num_snapshots, pad_prefill=pad_prefill_setting(),
                           prefill_budget=ecfg.max_num_batched_tokens,
                           stock_graphs=stock_graphs_setting(),
-                          stock_single=stock_single_setting())
+                          stock_single=stock_single_setting(),
+                          stock_mixed=stock_mixed_setting())
         runner = load_runner(shard, Parallel(), LocalComm(), device)
         prepare_runner(runner, Parallel(), device)       # kernels, then the step graphs
         return LocalReplicaExecutor(runner)

@@ -36,6 +36,7 @@ from raydecode.engine.step_graph import bucket_for, setting as step_graphs_setti
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from raydecode.kernels.settings import pad_prefill as pad_prefill_setting
 from raydecode.kernels.settings import stock_graphs as stock_graphs_setting
+from raydecode.kernels.settings import stock_mixed as stock_mixed_setting
 from raydecode.kernels.settings import stock_single as stock_single_setting
 from raydecode.models.specialized import check_path
 
@@ -440,7 +441,8 @@ def make_rank_group_executor(model: str, tp: int, dcp: int, dtype: str, num_slot
                      decode=decode, num_snapshots=num_snapshots,
                      pad_prefill=pad_prefill_setting(), prefill_budget=prefill_budget,
                      stock_graphs=stock_graphs_setting(),
-                     stock_single=stock_single_setting())
+                     stock_single=stock_single_setting(),
+                     stock_mixed=stock_mixed_setting())
     opts = GroupOptions(tp_size=tp, dcp_size=dcp, step_timeout_s=step_timeout_s,
                         init_timeout_s=init_timeout_s, num_gpus_per_rank=num_gpus_per_rank,
                         num_cpus_per_rank=num_cpus_per_rank, placement=placement,

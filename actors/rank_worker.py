@@ -59,6 +59,7 @@ class ShardSpec:
     prefill_budget: int | None = None  # the step token budget: the padded buckets warmed at build
     stock_graphs: int = 0              # stock steps of ≤ this many tokens piecewise-graphed
     stock_single: bool = False         # and single-sequence graphs (KDA cores inside)
+    stock_mixed: bool = False          # and mixed-step graphs (every KDA core inside)
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -95,7 +96,8 @@ def load_runner(spec: ShardSpec, par: Parallel, comm: Comm, device: str) -> Mode
                            num_blocks=spec.num_blocks, max_blocks=spec.max_blocks(par.dcp_size),
                            buckets=spec.graph_buckets, pad_prefill=spec.pad_prefill,
                            prefill_budget=spec.prefill_budget,
-                           stock_graphs=spec.stock_graphs, stock_single=spec.stock_single)
+                           stock_graphs=spec.stock_graphs, stock_single=spec.stock_single,
+                           stock_mixed=spec.stock_mixed)
     if spec.step_graphs is None and not runner.support[0]:
         # auto: a model the graphs do not support runs the eager specialized step (with '1'
         # it captures nothing and runs stock, DESIGN §3); the scratch rows stay unused
@@ -143,6 +145,8 @@ def prepare_runner(runner: ModelRunner, par: Parallel, device) -> tuple:
                               for b, why in sorted(runner.stock_failed.items())]
                            + [f"stock single-sequence bucket {b}: {why}"
                               for b, why in sorted(runner.stock_single_failed.items())]
+                           + [f"stock mixed-step bucket {b}: {why}"
+                              for b, why in sorted(runner.stock_mixed_failed.items())]
                            + ([f"stock graphs off: {runner.stock_support[1]}"]
                               if runner.stock_graphs_asked and not runner.stock_support[0]
                               else []))

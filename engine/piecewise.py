@@ -150,6 +150,8 @@ class SingleSeq:
     life; otherwise a fresh one each call, so nothing fla cached for an eager pass is what
     the capture reads."""
 
+    mixed = False               # MixedSeq: a prompt chunk beside one-token continuations
+
     def __init__(self, device):
         self.device = torch.device(device)
         self._dev = torch.zeros(3, dtype=torch.int64, device=self.device)
@@ -173,6 +175,43 @@ class SingleSeq:
         else:
             self._dev.copy_(host)
         torch.ne(self._dev[1:2], 0, out=self.cont)
+
+
+class MixedSeq(SingleSeq):
+    """The device tensors a mixed-step stock graph reads (RAYDECODE_STOCK_MIXED): one prompt
+    chunk (`slot`, `cont`, `n` as `SingleSeq`, and `start`, its first row in the bucket) and
+    the step's one-token continuations as fixed-length lists of `spare` = bucket − 1 entries:
+    `dec_rows`, `dec_slots` and `dec_count` (1,), the live entries first; the others name the
+    chunk's first row and the scratch slot (kernels/kda_decode.py `kda_decode_rows` with
+    `count` skips them). models/kda.py `_core_single` gathers the chunk's rows to the front
+    (rows start … start + n − 1, then the rest, β = g = 0 past n), runs the single-sequence
+    core on them, scatters its rows back, and steps the continuations with the decode-row
+    kernel: every KDA core of a mixed step inside the graph. One pinned copy per replay."""
+
+    mixed = True
+
+    def __init__(self, device, bucket: int):
+        super().__init__(device)
+        self.spare = max(1, bucket - 1)
+        self._mix = torch.zeros(2 + 2 * self.spare, dtype=torch.int64, device=self.device)
+        self.start, self.dec_count = self._mix[0:1], self._mix[1:2]
+        self.dec_rows = self._mix[2:2 + self.spare]
+        self.dec_slots = self._mix[2 + self.spare:]
+
+    def set_mixed(self, chunk, decodes, pad_slot: int) -> None:
+        """The step's prompt chunk (a SeqSlice) and its one-token continuations (SeqSlices);
+        the spare entries name the chunk's first row and `pad_slot` (the scratch slot)."""
+        d = len(decodes)
+        if not 0 <= d <= self.spare:
+            raise ValueError(f"{d} decode rows in a mixed graph of {self.spare} entries")
+        rows = [s.start for s in decodes] + [chunk.start] * (self.spare - d)
+        slots = [s.slot for s in decodes] + [int(pad_slot)] * (self.spare - d)
+        self.set(chunk.slot, chunk.pos, chunk.length)
+        host = torch.tensor([chunk.start, d] + rows + slots, dtype=torch.int64)
+        if self.device.type == "cuda":
+            self._mix.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self._mix.copy_(host)
 
 
 @dataclass
@@ -342,5 +381,5 @@ def check_replay(forward: Callable[[], torch.Tensor], caches, sg: StockGraph,
     return bad[0] if bad else max(errs, key=lambda e: e[0])
 
 
-__all__ = ["Buffers", "CudaPieces", "GraphBackend", "Pieces", "Signature", "SingleSeq",
-           "StockGraph", "capture_stock_graph", "check_replay"]
+__all__ = ["Buffers", "CudaPieces", "GraphBackend", "MixedSeq", "Pieces", "Signature",
+           "SingleSeq", "StockGraph", "capture_stock_graph", "check_replay"]

@@ -41,8 +41,8 @@ from raydecode.kernels import settings
 from raydecode.models.cache import ModelCaches, SeqSlice, StepBatch
 from raydecode.models.decode_plan import BUCKETS     # the plan's batch buckets (DESIGN §3)
 
-from .piecewise import (Buffers, CudaPieces, SingleSeq, StockGraph, capture_stock_graph,
-                        check_replay)
+from .piecewise import (Buffers, CudaPieces, MixedSeq, SingleSeq, StockGraph,
+                        capture_stock_graph, check_replay)
 from .runner import ModelRunner
 from .scheduler import StepPlan
 
@@ -257,7 +257,19 @@ def graph_support(model, caches: ModelCaches) -> tuple[bool, str]:
     return True, "ok"
 
 
+def mixed_parts(batch: StepBatch):
+    """(the prompt chunk, the one-token continuations) of a mixed step that a mixed-step
+    graph serves: exactly one sequence of ≥ 2 tokens and at least one other, every other one
+    token at pos > 0 (what models/kda.py `_core` steps as a decode row); else None."""
+    chunks = [s for s in batch.seqs if s.length >= 2]
+    rest = [s for s in batch.seqs if s.length < 2]
+    if len(chunks) != 1 or not rest or any(s.length != 1 or s.pos <= 0 for s in rest):
+        return None
+    return chunks[0], rest
+
+
 SINGLE_MIN_BUCKET = 2    # the smallest bucket with a single-sequence graph (`capture_stock`)
+MIXED_MIN_BUCKET = 4     # ... with a mixed-step graph (a ≥ 2-token chunk and ≥ 1 continuation)
 PAD_MAX = 8192           # the largest padded stock step (tokens); above it a step runs as is
 
 
@@ -325,7 +337,8 @@ class GraphedRunner(ModelRunner):
                  num_blocks: int, max_blocks: int | None = None, buckets=BUCKETS,
                  capture: bool | None = None, pad_prefill: bool | None = None,
                  prefill_budget: int | None = None, stock_graphs: int | None = None,
-                 stock_backend=None, stock_single: bool | None = None):
+                 stock_backend=None, stock_single: bool | None = None,
+                 stock_mixed: bool | None = None):
         super().__init__(model, caches, device)
         self.buckets = check_buckets(buckets)
         need_slots, need_blocks = graph_cache_sizes(num_slots, num_blocks, self.buckets)
@@ -356,7 +369,7 @@ class GraphedRunner(ModelRunner):
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.counts = {"graphed": 0, "eager_statics": 0, "plain": 0, "captured": 0,
                        "padded": 0, "stock_graphed": 0, "stock_captured": 0,
-                       "stock_single": 0}
+                       "stock_single": 0, "stock_mixed": 0}
         # stock steps padded to `prefill_bucket` (None: RAYDECODE_PAD_PREFILL, unset: on for a
         # CUDA runner); prefill_budget: the step token budget, whose buckets `warm_prefill`
         # runs at build
@@ -389,6 +402,13 @@ class GraphedRunner(ModelRunner):
         self.stock_single_graphs: dict[int, StockGraph] = {}
         self.stock_single_failed: dict[int, str] = {}
         self._single = SingleSeq(self.device)
+        # mixed-step stock graphs (stock_mixed; None: RAYDECODE_STOCK_MIXED, default off): a
+        # third graph per bucket for a prompt chunk beside one-token continuations, every KDA
+        # core inside (models/kda.py `_core_mixed`), each bucket its own device lists
+        self.stock_mixed = bool(self.stock_graph_tokens) and (
+            settings.stock_mixed() if stock_mixed is None else bool(stock_mixed))
+        self.stock_mixed_graphs: dict[int, StockGraph] = {}
+        self.stock_mixed_failed: dict[int, str] = {}
         self._stock_buffers = Buffers(self.device)
         self._side = None                                 # the capture stream (CUDA)
 
@@ -508,6 +528,8 @@ class GraphedRunner(ModelRunner):
         b = prefill_bucket(T)
         if len(plan.batch.seqs) == 1 and b in self.stock_single_graphs:
             return self.stock_single_graphs[b]
+        if b in self.stock_mixed_graphs and mixed_parts(plan.batch) is not None:
+            return self.stock_mixed_graphs[b]
         return self.stock_graphs.get(b)
 
     def _padded(self, plan: StepPlan, bucket: int) -> StepPlan:
@@ -563,7 +585,10 @@ class GraphedRunner(ModelRunner):
         rows' logits from the graphs' hidden state."""
         padded = self._padded(plan, sg.bucket)
         sg.tokens.copy_(self.prepare(padded))        # the plan's cache updates, then its tokens
-        if sg.single is not None:                    # its one sequence: slot, start, length
+        if sg.single is not None and sg.single.mixed:   # the chunk and the continuations
+            sg.single.set_mixed(*mixed_parts(plan.batch), pad_slot=self.scratch.slots[0])
+            self.counts["stock_mixed"] += 1
+        elif sg.single is not None:                  # its one sequence: slot, start, length
             s, = plan.batch.seqs
             sg.single.set(s.slot, s.pos, s.length)
             self.counts["stock_single"] += 1
@@ -622,16 +647,25 @@ class GraphedRunner(ModelRunner):
                 and bucket not in self.stock_single_graphs \
                 and bucket not in self.stock_single_failed:
             self._capture_variant(bucket, self._single)
+        if self.stock_mixed and bucket >= MIXED_MIN_BUCKET \
+                and bucket not in self.stock_mixed_graphs \
+                and bucket not in self.stock_mixed_failed:
+            self._capture_variant(bucket, MixedSeq(self.device, bucket))
         return ok
 
     def _capture_variant(self, bucket: int, single: SingleSeq | None) -> bool:
-        """`capture_stock` of the general graph (single None) or of the single-sequence one
-        (its tensors set to the scratch slot, a start, all rows real)."""
+        """`capture_stock` of the general graph (single None), of the single-sequence one (its
+        tensors set to the scratch slot, a start, all rows real) or of the mixed-step one (a
+        MixedSeq: the same chunk, no continuation live)."""
         graphs, failed = ((self.stock_graphs, self.stock_failed) if single is None else
-                          (self.stock_single_graphs, self.stock_single_failed))
+                          (self.stock_mixed_graphs, self.stock_mixed_failed) if single.mixed
+                          else (self.stock_single_graphs, self.stock_single_failed))
         plan = self._padded(StepPlan(0, StepBatch([]), [], [], {}, [], "stock"), bucket)
         tokens = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        if single is not None:
+        if single is not None and single.mixed:
+            pad = self.scratch.slots[0]
+            single.set_mixed(SeqSlice(pad, 0, bucket, 0), [], pad_slot=pad)
+        elif single is not None:
             single.set(self.scratch.slots[0], 0, bucket)
 
         def forward():

@@ -198,16 +198,27 @@ def kda_decode(proj, fb_w, conv_state, conv_w, exp_a, dt_bias, o_norm_w, rec_sta
 
 
 def kda_decode_rows_reference(qkv, g, beta, conv_state, conv_w, rec_state, o, rows, slots, *,
-                              heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                              heads: int, head_dim: int, scale: float,
+                              count: torch.Tensor | None = None) -> torch.Tensor:
     """The stock step's one-token continuations (models/kda.py `_decode_rows`), in PyTorch:
     row rows[n] of qkv (T, 3C) with slot slots[n]'s W−1 conv taps -> conv, SiLU, model-dtype
     rounding, L2 norms of q and k; S' = Diag(e^g) S, S ← S' + β k (v − kᵀS')ᵀ; o's row ←
-    scale · qᵀS (fp32, before the gated norm); the slot's taps and state stored."""
-    cs, rs = conv_state.index_select(0, slots), rec_state.index_select(0, slots)
-    o.index_copy_(0, rows, _conv_delta_step(qkv.index_select(0, rows), cs, conv_w,
-                                            g.index_select(0, rows).float(),
-                                            beta.index_select(0, rows).float(), rs, heads,
-                                            head_dim, scale))
+    scale · qᵀS (fp32, before the gated norm); the slot's taps and state stored. `count`
+    (1,) on the device: only the first count[0] entries are rows; the others are computed
+    and their writes put back what was there (no host read: capturable). Such entries must
+    name a row and a slot no counted entry names."""
+    cs, rs = conv_state.index_select(0, slots), rec_state.index_select(0, slots)   # copies
+    if count is not None:
+        cs0, rs0 = cs.clone(), rs.clone()
+    out = _conv_delta_step(qkv.index_select(0, rows), cs, conv_w,
+                           g.index_select(0, rows).float(), beta.index_select(0, rows).float(),
+                           rs, heads, head_dim, scale)
+    if count is not None:
+        live = torch.arange(rows.shape[0], device=rows.device) < count       # (n,)
+        out = torch.where(live[:, None, None], out, o.index_select(0, rows))
+        cs = torch.where(live[:, None, None], cs, cs0)
+        rs = torch.where(live[:, None, None, None], rs, rs0)
+    o.index_copy_(0, rows, out)
     conv_state.index_copy_(0, slots, cs)
     rec_state.index_copy_(0, slots, rs)
     return o
@@ -222,14 +233,16 @@ def _rows_kernel_ok(qkv, g, beta, conv_state, rec_state, o, rows, slots, head_di
 
 
 def kda_decode_rows(qkv, g, beta, conv_state, conv_w, rec_state, o, rows, slots, *,
-                    heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                    heads: int, head_dim: int, scale: float,
+                    count: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_decode_rows_reference` as one kernel (kernels/kda_decode_triton.py
     `_kda_rows_kernel`) on CUDA bf16 with Triton, the conv state in the model dtype and a
     head_dim in HEAD_DIMS; else the reference. qkv (T, 3C) (unit channel stride; a column view
     of the in_proj output is fine), g (T, h, d) and beta (T, h) fp32, conv_state (S, 3C, W−1),
     conv_w (3C, W), rec_state (S, h, d, d) fp32, o (T, h, d) fp32 written at rows; rows and
-    slots (n,) device indices, slots distinct (a caller invariant: a check would sync).
-    -> o."""
+    slots (n,) device indices, slots distinct (a caller invariant: a check would sync);
+    count (1,) on the device: only the first count[0] entries are rows (a graph's
+    fixed-length lists; the reference's contract for the others). -> o."""
     C3, W = conv_w.shape
     if qkv.dim() != 2 or qkv.shape[1] != C3 or C3 != 3 * heads * head_dim:
         raise ValueError(f"kda_decode_rows: qkv {tuple(qkv.shape)}, conv_w {tuple(conv_w.shape)};"
@@ -237,7 +250,7 @@ def kda_decode_rows(qkv, g, beta, conv_state, conv_w, rec_state, o, rows, slots,
     if rows.shape != slots.shape:
         raise ValueError(f"kda_decode_rows: rows {tuple(rows.shape)} and slots "
                          f"{tuple(slots.shape)}; expected one slot per row")
-    kw = dict(heads=heads, head_dim=head_dim, scale=scale)
+    kw = dict(heads=heads, head_dim=head_dim, scale=scale, count=count)
     if _rows_kernel_ok(qkv, g, beta, conv_state, rec_state, o, rows, slots, head_dim, W):
         return _tri.kda_rows_triton(qkv, g, beta, conv_state, conv_w, rec_state, o, rows,
                                     slots, **kw)

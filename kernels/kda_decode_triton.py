@@ -281,14 +281,18 @@ if triton is not None:
             qkv_ptr, x_st, x_sc, g_ptr, g_st, g_sh, g_sd, b_ptr, b_st, b_sh,
             conv_ptr, c_st, c_sc, c_sw, cw_ptr, cw_sc, cw_sw,
             rec_ptr, r_st, r_sh, r_sk, r_sv, o_ptr, o_st, o_sh, o_sd, row_ptr, slot_ptr,
-            NH, scale, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-            BV: tl.constexpr, NV: tl.constexpr):
+            count_ptr, NH, scale, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+            BV: tl.constexpr, NV: tl.constexpr, HAS_COUNT: tl.constexpr):
         """The stock step's one-token continuations (models/kda.py `_decode_rows`): program
         (n, head) takes token row rows[n] of qkv (its q, k, v inputs), its g and β (computed
         by the step over every row), the state and conv taps of slot slots[n]; writes o's row
-        (fp32, before the gated norm) and the slot's state and taps in place."""
+        (fp32, before the gated norm) and the slot's state and taps in place. HAS_COUNT: only
+        the first count[0] entries are rows (a graph's fixed-length lists); the others exit."""
         n = tl.program_id(0)
         hh = tl.program_id(1)
+        if HAS_COUNT:
+            if n >= tl.load(count_ptr):
+                return
         t = tl.load(row_ptr + n).to(tl.int64)
         r = tl.load(slot_ptr + n).to(tl.int64)
         C = NH * D
@@ -318,9 +322,11 @@ if triton is not None:
 def kda_rows_triton(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     conv_state: torch.Tensor, conv_w: torch.Tensor, rec_state: torch.Tensor,
                     o: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, heads: int,
-                    head_dim: int, scale: float) -> torch.Tensor:
+                    head_dim: int, scale: float,
+                    count: torch.Tensor | None = None) -> torch.Tensor:
     """Launch `_kda_rows_kernel` over len(rows) rows × heads on validated inputs (kda_decode.py
-    `kda_decode_rows`); any strides with unit channel stride in qkv. No host sync."""
+    `kda_decode_rows`); any strides with unit channel stride in qkv; `count` (1,) on the
+    device: only the first count[0] entries are rows. No host sync."""
     n, D, W = rows.shape[0], head_dim, conv_w.shape[1]
     if n == 0:
         return o
@@ -328,8 +334,10 @@ def kda_rows_triton(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     _kda_rows_kernel[(n, heads)](
         qkv, qkv.stride(0), qkv.stride(1), g, *g.stride(), beta, *beta.stride(),
         conv_state, *conv_state.stride(), conv_w, conv_w.stride(0), conv_w.stride(1),
-        rec_state, *rec_state.stride(), o, *o.stride(), rows, slots, heads, float(scale),
-        D=D, W=W, WP=triton.next_power_of_2(W), BV=bv, NV=D // bv, num_warps=nw)
+        rec_state, *rec_state.stride(), o, *o.stride(), rows, slots,
+        rows if count is None else count, heads, float(scale), D=D, W=W,
+        WP=triton.next_power_of_2(W), BV=bv, NV=D // bv, HAS_COUNT=count is not None,
+        num_warps=nw)
     return o
 
 

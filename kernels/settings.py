@@ -129,6 +129,15 @@ _ALL = (
             "512-token chunk came out 2.8-3.1x the graphed decode in four H100 runs (3.5x with "
             "the general graph, an earlier run). '0': the general graph only",
             "'0' (off) or '1' (on)", _strict_bool),
+    Setting("RAYDECODE_STOCK_MIXED", "0", "with stock graphs on, each bucket from 4 tokens up "
+            "also gets a mixed-step graph (one prompt chunk of ≥ 2 tokens beside one-token "
+            "continuations: the mixed schedule's step) with every KDA attention core inside the "
+            "graph (models/kda.py `_core_mixed`: the chunk through the single-sequence core, the "
+            "continuations through the decode-row kernel on fixed-length device lists), only "
+            "the MLA cores eager. Off until measured on a GPU: at 24 K3 layers on the H100 a "
+            "mixed step's 18 eager KDA cores put a one-token chunk beside 63 streams at 2.08x "
+            "their decode step (docs/perf-log/prefill.md). '1': on",
+            "'0' (off) or '1' (on)", _strict_bool),
     Setting("RAYDECODE_STOCK_FUSED", "1", "'0': the stock path (prefill, mixed and stock "
             "decode steps) runs its PyTorch chains where it has fused kernels on CUDA bf16 "
             "(the KDA decode rows, gate and gated norm, the MLA decode rows through the paged "
@@ -214,6 +223,10 @@ def stock_graphs() -> int:
 
 def stock_single() -> bool:
     return get("RAYDECODE_STOCK_SINGLE")
+
+
+def stock_mixed() -> bool:
+    return get("RAYDECODE_STOCK_MIXED")
 
 
 def stock_fused() -> bool:

@@ -383,7 +383,18 @@ class KDAAttention(nn.Module):
         rows: each such row leaves the state as it was (no decay, no update), so the final
         state is the state after row n − 1, and rows < n never read later ones (causal). The
         slot stores that state and the last W − 1 real conv inputs; pad rows of o are zeros
-        (as `_core` leaves a skipped pad). -> o (T, h, d) fp32."""
+        (as `_core` leaves a skipped pad). A `MixedSeq` (engine/piecewise.py): the prompt
+        chunk's rows [start, start + n) gathered to the front first (a device rotation: the
+        rows after them, masked, follow), its rows of o scattered back, then the step's
+        one-token continuations through the decode-row kernel on its fixed-length lists
+        (`_decode_rows`' math, `count` live entries). -> o (T, h, d) fp32."""
+        if getattr(single, "mixed", False):
+            return self._core_mixed(caches, single, qkv_in, g, beta)
+        return self._core_chunk(caches, single, qkv_in, g, beta)
+
+    def _core_chunk(self, caches: ModelCaches, single, qkv_in: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """`_core_single` for one sequence in rows [0, n) (its docstring)."""
         T, h, d, W = qkv_in.shape[0], self.heads, self.dim, self.width
         cache, row = caches.kda, caches.kda_index[self.layer_idx]
         conv_w = self._conv_w()
@@ -407,6 +418,23 @@ class KDAAttention(nn.Module):
                                     xs.index_select(0, last).t().unsqueeze(0)
                                     .to(cache.conv.dtype))
         cache.rec[row].index_copy_(0, single.slot, S.to(cache.rec.dtype))
+        return o
+
+    def _core_mixed(self, caches: ModelCaches, mixed, qkv_in: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+        """`_core_single`'s mixed-step form (its docstring): capturable, nothing read on the
+        host."""
+        T = qkv_in.shape[0]
+        idx = (torch.arange(T, device=qkv_in.device) + mixed.start) % T      # a rotation
+        o_front = self._core_chunk(caches, mixed, qkv_in.index_select(0, idx),
+                                   g.index_select(0, idx), beta.index_select(0, idx))
+        o = torch.empty_like(o_front).index_copy_(0, idx, o_front)   # every row: a permutation
+        cache, row = caches.kda, caches.kda_index[self.layer_idx]
+        op = (kda_decode_op.kda_decode_rows if stock_fused(qkv_in)
+              else kda_decode_op.kda_decode_rows_reference)
+        op(qkv_in, g, beta, cache.conv[row], self._conv_w(), cache.rec[row], o, mixed.dec_rows,
+           mixed.dec_slots, heads=self.heads, head_dim=self.dim, scale=self.scale,
+           count=mixed.dec_count)
         return o
 
     def forward(self, x: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,

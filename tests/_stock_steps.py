@@ -54,6 +54,23 @@ SINGLE_STEPS = [[SeqSlice(0, 0, 37, 0)],
                 [SeqSlice(3, 0, 9, 0)]]
 
 
+# mixed-step graphs (RAYDECODE_STOCK_MIXED): a prompt chunk beside one-token continuations,
+# the chunk after, before and between them, a new prompt's first chunk and a continued one,
+# one and several continuations, a bucket filled exactly (16 tokens); between them steps a
+# mixed graph must not take (a chunk alone, two chunks, decodes only, a one-token prompt
+# beside a decode). Slots 0..3; positions stay under 64.
+MIXED_STEPS = [[SeqSlice(0, 0, 37, 0)],
+               [SeqSlice(1, 0, 20, 0)],
+               [SeqSlice(0, 0, 1, 37), SeqSlice(1, 1, 9, 20)],
+               [SeqSlice(2, 0, 12, 0), SeqSlice(0, 12, 1, 38)],
+               [SeqSlice(0, 0, 1, 39), SeqSlice(2, 1, 5, 12), SeqSlice(1, 6, 1, 29)],
+               [SeqSlice(0, 0, 1, 40), SeqSlice(1, 1, 1, 30)],
+               [SeqSlice(3, 0, 15, 0), SeqSlice(0, 15, 1, 41)],
+               [SeqSlice(2, 0, 3, 17), SeqSlice(3, 3, 4, 15)],
+               [SeqSlice(1, 0, 1, 31), SeqSlice(2, 1, 1, 0)],
+               [SeqSlice(0, 0, 1, 42), SeqSlice(1, 1, 1, 32), SeqSlice(3, 2, 2, 19)]]
+
+
 def tables(num_slots: int, blocks_each: int) -> dict[int, list[int]]:
     """Slot s owns blocks [s·n, (s+1)·n): the block tables the first step ships."""
     return {s: list(range(blocks_each * s, blocks_each * (s + 1))) for s in range(num_slots)}

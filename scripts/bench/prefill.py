@@ -255,7 +255,8 @@ class PrefillRank:
 
     def __init__(self, model: K3ForCausalLM, device, max_prompt: int, budget: int,
                  decodes: int, context: int, seed: int = 0, graphed: bool = True,
-                 pad: bool = False, stock_graphs: int = 0, stock_single: bool = False):
+                 pad: bool = False, stock_graphs: int = 0, stock_single: bool = False,
+                 stock_mixed: bool = False):
         self.model, self.device = model, torch.device(device)
         self.budget, self.context = budget, context
         self.prompt_blocks = -(-max(max_prompt, context + budget) // BLOCK)
@@ -266,7 +267,7 @@ class PrefillRank:
         self.runner = GraphedRunner(model, caches, device, num_slots=num_slots,
                                     num_blocks=num_blocks, max_blocks=per_decoder,
                                     pad_prefill=pad, stock_graphs=stock_graphs,
-                                    stock_single=stock_single)
+                                    stock_single=stock_single, stock_mixed=stock_mixed)
         slots, blocks = SlotAllocator(num_slots), BlockAllocator(num_blocks, BLOCK)
         self.slot = slots.allocate()
         blocks.ensure(self.slot, self.prompt_blocks * BLOCK)
@@ -770,6 +771,8 @@ def capture_stock(rank: PrefillRank, budget: int) -> dict:
             "single_failed": {str(b): why for b, why in sorted(r.stock_single_failed.items())},
             "single_graphs_per_bucket": sorted({len(g.graphs)
                                                 for g in r.stock_single_graphs.values()}),
+            "mixed": r.stock_mixed, "mixed_captured": sorted(r.stock_mixed_graphs),
+            "mixed_failed": {str(b): why for b, why in sorted(r.stock_mixed_failed.items())},
             "graphs_per_bucket": sorted(per), "core_buffer_bytes": r._stock_buffers.nbytes}
 
 
@@ -845,7 +848,8 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                 args.schedule_prompt])
     rank = PrefillRank(model, args.device, room, args.prefill_budget,
                        args.mixed_decodes, args.context, args.seed, bool(args.graphed),
-                       bool(args.pad_prefill), args.stock_graphs, bool(args.stock_single))
+                       bool(args.pad_prefill), args.stock_graphs, bool(args.stock_single),
+                       bool(args.stock_mixed))
     buckets = buckets_for(args.prefill_budget, bool(args.pad_prefill))
     if args.stock_graphs:
         run["stock_graphs"] = sg = capture_stock(rank, args.prefill_budget)
@@ -1092,6 +1096,10 @@ def main(argv=None) -> int:
                     help="with --stock-graphs: 1 also captures each bucket's single-sequence "
                          "graph (KDA cores inside; RAYDECODE_STOCK_SINGLE): the chunk-alone "
                          "steps replay it")
+    ap.add_argument("--stock-mixed", type=int, default=0, choices=(0, 1),
+                    help="with --stock-graphs: 1 also captures each bucket's mixed-step graph "
+                         "(every KDA core inside; RAYDECODE_STOCK_MIXED): mixed steps of one "
+                         "chunk beside decode rows replay it")
     ap.add_argument("--stock-graphs", type=int, default=0,
                     help="stock steps of up to this many tokens replay piecewise CUDA graphs "
                          "(engine/piecewise.py; 0: eager, the default; else a token bucket), "
@@ -1176,7 +1184,7 @@ def main(argv=None) -> int:
         kernels=args.kernels, prefill_budget=args.prefill_budget, context=args.context,
         cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING", "default (LAZY)"),
         pad_prefill=bool(args.pad_prefill), stock_graphs=args.stock_graphs,
-        stock_single=bool(args.stock_single),
+        stock_single=bool(args.stock_single), stock_mixed=bool(args.stock_mixed),
         mixed_decodes=args.mixed_decodes, random_counts=args.random_counts,
         max_seconds=args.max_seconds, seed=args.seed, flops_method=FLOPS_METHOD,
         summary_method="from the TP16 run: the 8192-token prompt's MFU and TTFT (all layers), "

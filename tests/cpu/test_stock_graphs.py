@@ -27,7 +27,8 @@ from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, init_random_, make_caches
 
 from _graph_emulator import CaptureError, EmulatedGraphs, capture, gathered_moe
-from _stock_steps import SINGLE_STEPS, STEPS, plan as _step_plan, real_rows, tables
+from _stock_steps import (MIXED_STEPS, SINGLE_STEPS, STEPS, plan as _step_plan, real_rows,
+                          tables)
 
 torch.set_num_threads(1)
 NS, NB, BS = 4, 48, 16
@@ -125,6 +126,69 @@ def test_single_sequence_graphs_keep_the_kda_cores_inside(model):
     assert 0 < singles < len(SINGLE_STEPS) - 1
     assert g.counts["stock_single"] == singles
     assert g.counts["stock_graphed"] == len(SINGLE_STEPS)
+
+
+def test_mixed_step_graphs_keep_every_kda_core_inside(model):
+    """RAYDECODE_STOCK_MIXED: each bucket from 4 tokens also gets a graph for a prompt chunk
+    beside one-token continuations, its KDA cores inside (models/kda.py `_core_mixed`: the
+    chunk's rows rotated to the front for the single-sequence core, the continuations through
+    the decode-row op on fixed-length device lists with a live count), only the MLA cores eager.
+    Over mixed steps with the chunk first, last and between continuations, and steps the
+    mixed graph must leave to the others, logits and the real slots' and blocks' contents
+    equal a plain eager runner's, and the scratch slot the spare entries name is untouched."""
+    from raydecode.engine.step_graph import MIXED_MIN_BUCKET, mixed_parts
+    plain = ModelRunner(model, _caches(model))
+    g = _graphed(model, stock_single=True, stock_mixed=True)
+    g.warm_prefill(CAP)
+    assert sorted(g.stock_mixed_graphs) == [b for b in prefill_buckets(CAP)
+                                           if b >= MIXED_MIN_BUCKET], g.stock_mixed_failed
+    mla = sum(k == "mla" for k in model.cfg.layer_kinds)
+    assert all(len(sg.graphs) == mla + 1 and sg.single.mixed
+               for sg in g.stock_mixed_graphs.values())
+    pad = g.scratch.slots[0]
+    pad_state = g.caches.kda.rec[:, pad].clone()
+    V = model.cfg.vocab_size
+    for i, seqs in enumerate(MIXED_STEPS):
+        plan = _plan(i + 1, seqs, V, TABLES if i == 0 else None)
+        want, got = plain.logits(plan), g.logits(plan)
+        assert torch.allclose(got, want, rtol=TOL, atol=TOL), (i, (got - want).abs().max())
+        for a, b in zip(_real(plain.caches), _real(g.caches)):
+            assert torch.allclose(a, b, rtol=TOL, atol=TOL), i
+    mixed = sum(mixed_parts(StepBatch(seqs)) is not None for seqs in MIXED_STEPS)
+    assert 3 < mixed < len(MIXED_STEPS) - 3
+    assert g.counts["stock_mixed"] == mixed
+    assert g.counts["stock_graphed"] == len(MIXED_STEPS)
+    assert torch.equal(g.caches.kda.rec[:, pad], pad_state)
+
+
+def test_mixed_parts_names_what_a_mixed_graph_serves():
+    from raydecode.engine.step_graph import mixed_parts
+
+    def batch(*spec):           # (slot, length, pos) back to back
+        seqs, at = [], 0
+        for slot, n, pos in spec:
+            seqs.append(SeqSlice(slot, at, n, pos))
+            at += n
+        return StepBatch(seqs)
+
+    b = batch((0, 1, 39), (2, 5, 12), (1, 1, 29))
+    assert mixed_parts(b) == (b.seqs[1], [b.seqs[0], b.seqs[2]])
+    assert mixed_parts(batch((2, 5, 12))) is None                      # a chunk alone
+    assert mixed_parts(batch((0, 1, 39), (1, 1, 29))) is None           # decodes only
+    assert mixed_parts(batch((2, 5, 12), (3, 2, 0))) is None            # two chunks
+    assert mixed_parts(batch((2, 5, 12), (3, 1, 0))) is None            # a one-token prompt
+
+
+def test_mixed_seq_lists_and_their_limits():
+    from raydecode.engine.piecewise import MixedSeq
+    m = MixedSeq("cpu", 8)
+    c, ds = SeqSlice(5, 2, 4, 9), [SeqSlice(1, 0, 1, 3), SeqSlice(3, 1, 1, 7)]
+    m.set_mixed(c, ds, pad_slot=9)
+    assert (int(m.slot), bool(m.cont), int(m.n), int(m.start)) == (5, True, 4, 2)
+    assert int(m.dec_count) == 2 and m.dec_rows.tolist() == [0, 1] + [2] * 5
+    assert m.dec_slots.tolist() == [1, 3] + [9] * 5
+    with pytest.raises(ValueError, match="8 decode rows in a mixed graph of 7 entries"):
+        m.set_mixed(c, [SeqSlice(i, i, 1, 1) for i in range(8)], pad_slot=9)
 
 
 def test_a_single_sequence_graph_left_reading_the_batch_is_refused(model, monkeypatch):

@@ -113,3 +113,36 @@ def test_public_op_dispatch_and_errors():
         K.kda_decode_rows(x["qkv"], x["g"], x["beta"], x["conv_state"], x["conv_w"],
                           x["rec_state"], x["o"], rows, slots[:1], heads=h, head_dim=d,
                           scale=1.0)
+
+
+@pytest.mark.parametrize("counted", [0, 1, 3])
+def test_a_device_count_limits_the_rows(counted):
+    """`count` (a mixed step's graph: fixed-length row and slot lists, the live count on the
+    device): the first count[0] entries are stepped exactly as a call on those entries alone;
+    the others (here all naming one pad row and one pad slot, as the graph's spare entries do)
+    leave o, the conv taps and the states as they were — the kernel and the reference."""
+    T, n, h, d, S = 7, 3, 2, 32, 8
+    x, rows, slots, seed = _case(T, n, h, d, S)
+    pad_row = int(torch.ones(T).index_fill_(0, rows.cpu(), 0).nonzero()[0])
+    pad_slot = int(torch.ones(S).index_fill_(0, slots.cpu(), 0).nonzero()[0])
+    spare = 4
+    lr = torch.cat([rows[:counted], torch.full((n - counted + spare,), pad_row, device=DEV)])
+    ls = torch.cat([slots[:counted], torch.full((n - counted + spare,), pad_slot, device=DEV)])
+    count = torch.tensor([counted], device=DEV)
+    want = _run(K.kda_decode_rows_reference, x, rows[:counted], slots[:counted], h, d)
+    def kernel(*a, heads, head_dim, scale, count):      # the launch itself (also on CPU)
+        return KT.kda_rows_triton(*a, heads, head_dim, scale, count=count)
+
+    for fn in (kernel, K.kda_decode_rows, K.kda_decode_rows_reference):
+        got = {k: v.clone() for k, v in x.items()}
+        fn(got["qkv"], got["g"], got["beta"], got["conv_state"], got["conv_w"],
+           got["rec_state"], got["o"], lr, ls, heads=h, head_dim=d, scale=d ** -0.5,
+           count=count)
+        what = f"seed {seed} counted={counted} {fn.__name__}"
+        for k, tol in (("o", TOL["o"]), ("rec_state", TOL["rec"])):
+            a, b = got[k], want[k]
+            live = torch.isfinite(b)
+            assert torch.equal(torch.isfinite(a), live), f"{what}: {k} written outside the count"
+            if live.any():
+                assert rel_err(a[live], b[live]) < tol, what
+        assert torch.equal(got["conv_state"].isnan(), want["conv_state"].isnan()), what

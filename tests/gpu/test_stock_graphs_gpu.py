@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from raydecode.engine.step_graph import GraphedRunner, graph_cache_sizes, prefill_buckets
-from raydecode.models.cache import SeqSlice
+from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.k3 import make_caches
 
 from _numerics import max_rel_err
 from _prefill_forced import k3_slice, tiny_model
-from _stock_steps import SINGLE_STEPS, STEPS, plan as _plan, real_rows, tables
+from _stock_steps import MIXED_STEPS, SINGLE_STEPS, STEPS, plan as _plan, real_rows, tables
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 NS, NB, BS = 4, 96, 16
@@ -38,14 +38,14 @@ def _model(which: str, dtype):
     return model, rank_vocab_rows(model), 256
 
 
-def _runner(model, cap: int, single: bool = False) -> GraphedRunner:
+def _runner(model, cap: int, single: bool = False, mixed: bool = False) -> GraphedRunner:
     ns, nb = graph_cache_sizes(NS, NB)
     c = make_caches(model.cfg, model.par, ns, nb, BS, model.dtype, device="cuda")
     c.kda.conv.fill_(SENTINEL)
     c.kda.rec.fill_(SENTINEL)
     c.mla.pool.fill_(SENTINEL)
     return GraphedRunner(model, c, "cuda", num_slots=NS, num_blocks=NB, pad_prefill=True,
-                         stock_graphs=cap, stock_single=single)
+                         stock_graphs=cap, stock_single=single, stock_mixed=mixed)
 
 
 def _real(c):
@@ -102,6 +102,31 @@ def test_single_sequence_graphs_equal_the_eager_padded_steps(which, dtype):
     # one-token steps keep the general graph (the eager core's fp32 recurrent update)
     assert graphed.counts["stock_single"] == sum(len(q) == 1 and q[0].length > 1
                                                 for q in steps)
+
+
+BIG_MIXED = [[SeqSlice(0, 0, 1, 60), SeqSlice(1, 1, 180, 33), SeqSlice(2, 181, 1, 23)]]
+
+
+@pytest.mark.parametrize("which,dtype", [("tiny", torch.bfloat16), ("k3", torch.bfloat16)])
+def test_mixed_step_graphs_equal_the_eager_padded_steps(which, dtype):
+    """RAYDECODE_STOCK_MIXED: the mixed-step graphs (the chunk rotated to the front through
+    fla's forward inside the graph, the continuations through the decode-row kernel on
+    fixed-length device lists with a live count) against the eager padded step, over
+    tests/_stock_steps.py `MIXED_STEPS` (the K3 slice adds a 180-token chunk between two
+    continuations, bucket 256)."""
+    from raydecode.engine.step_graph import MIXED_MIN_BUCKET, mixed_parts
+    model, ids, cap = _model(which, dtype)
+    graphed, eager = _runner(model, cap, single=True, mixed=True), _runner(model, 0)
+    with torch.inference_mode():
+        graphed.warm_prefill(cap)
+        eager.warm_prefill(cap)
+    assert graphed.stock_mixed_failed == {} and graphed.stock_failed == {}
+    assert sorted(graphed.stock_mixed_graphs) == [b for b in prefill_buckets(cap)
+                                                 if b >= MIXED_MIN_BUCKET]
+    steps = MIXED_STEPS + (BIG_MIXED if which == "k3" else [])
+    _twin_steps(graphed, eager, steps, ids, 1e-2, (which, dtype, "mixed"))
+    assert graphed.counts["stock_mixed"] == sum(mixed_parts(StepBatch(q)) is not None
+                                               for q in steps)
 
 
 def test_a_replayed_step_does_not_sync_with_the_host():
