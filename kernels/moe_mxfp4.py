@@ -463,6 +463,53 @@ if triton is not None:
                  mask=m_ok[None, :] & n_ok[:, None])
 
     @triton.jit
+    def _gate_up_split_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                              chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k,
+                              L: tl.constexpr, I2: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+                              TILE_MAJOR: tl.constexpr = False):
+        """gu_sorted[m, n] = bf16(W13_e z[t])[n] for one BN-row tile of the 2I gate ‖ up rows
+        and the sorted positions m of chunk c (`MoEConfig.split_gate_up`): one (BN, BM) fp32
+        accumulator per program where `_gate_up_swap_kernel` holds two, so a program needs
+        about half the registers (that kernel: 255 per thread, 2 CTAs of 4 warps per SM on
+        the H100); `_situ_rows_kernel` then makes `a` from gu. bf16 is the reference's
+        rounding point of W1 z and W3 z, so the split is exact."""
+        c, tile = _chunk_and_tile(TILE_MAJOR)
+        if c >= tl.load(num_chunks_ptr):
+            return
+        m, pair, m_ok, e = _chunk_rows(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr,
+                                       sorted_e_ptr, BM)
+        tok = pair // top_k
+        n = tile * BN + tl.arange(0, BN)
+        n_ok = n < I2
+        w_e = w_ptr + e * (I2 * (L // 2))
+        s_e = s_ptr + e * (I2 * (L // 32))
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(0, L, BK):
+            x = tl.load(z_ptr + tok[:, None] * L + k0 + tl.arange(0, BK)[None, :],
+                        mask=m_ok[:, None], other=0.0)
+            acc = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, L, BN, BK), tl.trans(x), acc,
+                       DOT_F32)
+        tl.store(gu_ptr + m[None, :] * I2 + n[:, None], acc.to(tl.bfloat16),
+                 mask=m_ok[None, :] & n_ok[:, None])
+
+    @triton.jit(do_not_specialize=["P"])
+    def _situ_rows_kernel(gu_ptr, a_ptr, P, beta, lin_beta, I: tl.constexpr,
+                          HAS_LIN: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
+        """a[m, j] = SiTU(gu[m, j], gu[m, I + j]) in bf16 for rows m < P (the gate/up
+        kernel's epilogue on the split form's gu buffer, the same fp32 arithmetic)."""
+        m = tl.program_id(0) * BT + tl.arange(0, BT)
+        j = tl.program_id(1) * BL + tl.arange(0, BL)
+        ok = (m < P)[:, None] & (j < I)[None, :]
+        g = tl.load(gu_ptr + m[:, None] * (2 * I) + j[None, :], mask=ok, other=0.0)
+        u = tl.load(gu_ptr + m[:, None] * (2 * I) + I + j[None, :], mask=ok, other=0.0)
+        g, u = g.to(tl.float32), u.to(tl.float32)
+        act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
+        if HAS_LIN:
+            u = lin_beta * tanh_f32(u / lin_beta)
+        tl.store(a_ptr + m[:, None] * I + j[None, :], (act * u).to(tl.bfloat16), mask=ok)
+
+    @triton.jit
     def _down_swap_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                           chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                           I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -524,7 +571,11 @@ class MoEConfig:
     gate/up tiles, its L / BN down tiles) are consecutive in the grid, so the chunk's gathered
     z rows (gate/up) and `a` rows (down) come from HBM once and from L2 for its other tiles;
     chunk-major (the default before) runs every chunk of tile 0 first and re-reads each
-    chunk's rows per tile from HBM once they have left L2."""
+    chunk's rows per tile from HBM once they have left L2. split_gate_up (with swap_ab): the
+    gate/up kernel takes one BN-row tile of the 2I gate ‖ up rows per program (one
+    accumulator instead of two: about half the registers, more CTAs per SM; block_m 256 fits)
+    and writes bf16 W13 z to a (P, 2I) buffer, then `_situ_rows_kernel` makes `a` (exact:
+    bf16 is the reference's rounding point there)."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -535,6 +586,7 @@ class MoEConfig:
     block_m: int = BLOCK_M      # pairs per chunk (the dots' M): 16 for decode, more for prefill
     swap_ab: bool = False       # prefill: weight tile as the dots' A (register) operand
     tile_major: bool = False    # grid (tiles, chunks): a chunk's output tiles run back to back
+    split_gate_up: bool = False  # swap_ab: gate and up rows in separate tiles + a SiTU pass
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -717,6 +769,9 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"MoEConfig.block_m {bm}: expected a power of two ≥ {BLOCK_M}")
     if cfg.swap_ab and cfg.decode != "elementwise":
         raise ValueError(f"MoEConfig.swap_ab takes the elementwise decode, got {cfg.decode!r}")
+    if cfg.split_gate_up and not cfg.swap_ab:
+        raise ValueError("MoEConfig.split_gate_up needs swap_ab (the swapped kernels' sorted "
+                         "`a`)")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
     dec = DECODES[cfg.decode]
     x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
@@ -737,10 +792,20 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
 
     a = torch.empty(P, I, dtype=x_dtype, device=z.device)
     lin = experts.linear_beta
-    gate_up[grid(triton.cdiv(I, cfg.gate_up_bn))](
-        z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
-        n_chunks, a, k, float(experts.beta), float(lin if lin is not None else 1.0), L=L, I=I,
-        HAS_LIN=lin is not None, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **extra13, **common)
+    beta, lin_beta = float(experts.beta), float(lin if lin is not None else 1.0)
+    if cfg.split_gate_up:
+        gu = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
+        _gate_up_split_kernel[grid(triton.cdiv(2 * I, cfg.gate_up_bn))](
+            z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
+            n_chunks, gu, k, L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common)
+        bt, bl = SUM_BLOCK
+        _situ_rows_kernel[(triton.cdiv(P, bt), triton.cdiv(I, bl))](
+            gu, a, P, beta, lin_beta, I=I, HAS_LIN=lin is not None, BT=bt, BL=bl, num_warps=4)
+    else:
+        gate_up[grid(triton.cdiv(I, cfg.gate_up_bn))](
+            z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
+            n_chunks, a, k, beta, lin_beta, L=L, I=I, HAS_LIN=lin is not None,
+            BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **extra13, **common)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
     down[grid(triton.cdiv(L, cfg.down_bn))](
         a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,

@@ -2,7 +2,7 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order]
+        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -12,7 +12,9 @@ candidates trade that against padding (a chunk of 73 pairs in a 128-row tile) an
 (block_m × BN fp32 accumulators, twice for gate and up). `--candidates swap`: the swapped
 kernels (`MoEConfig.swap_ab`: the decoded weight tile as the dots' register operand, chunks
 of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_config` alone;
-`order`: the grid order (`MoEConfig.tile_major`), chunk-major first as the baseline.
+`order`: the grid order (`MoEConfig.tile_major`), chunk-major first as the baseline;
+`split`: gate and up rows as separate one-accumulator tiles (`MoEConfig.split_gate_up`)
+against the shipped kernels (first, the baseline).
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -43,6 +45,14 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         return [base]
     if which == "shipped":          # what a prefill step runs (e.g. one config under ncu)
         return [M.prefill_config(L, I)]
+    if which == "split":            # gate and up as separate tiles: one accumulator per program
+        sw = M.prefill_config(L, I)
+        return unique([sw, rep(sw, split_gate_up=True),
+                       rep(sw, split_gate_up=True, num_stages=4),
+                       rep(sw, split_gate_up=True, block_m=256),
+                       rep(sw, split_gate_up=True, block_m=256, num_stages=2),
+                       rep(sw, split_gate_up=True, block_m=256, num_warps=8),
+                       rep(sw, split_gate_up=True, gate_up_bk=M._largest_block(L, 128))])
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
         sw = M.prefill_config(L, I)
         return unique([rep(sw, tile_major=False), rep(sw, tile_major=True),
@@ -122,7 +132,7 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print)
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             log(f"moe prefill TP{tp} T={T} bm{c.block_m}{'s' if c.swap_ab else ''}"
-                f"{'t' if c.tile_major else ''} "
+                f"{'t' if c.tile_major else ''}{'g' if c.split_gate_up else ''} "
                 f"{c.decode:11s} gu{c.gate_up_bn}x"
                 f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps} s{c.num_stages}: "
                 + (f"{row['ms']:7.3f} ms {row['tflop_s']:6.1f} TFLOP/s" if "ms" in row
@@ -144,7 +154,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=16)
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
-                    choices=["all", "base", "pairs", "swap", "shipped", "order"])
+                    choices=["all", "base", "pairs", "swap", "shipped", "order",
+                             "split"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)

@@ -253,6 +253,31 @@ def test_tile_major_grid_and_out_block(swap):
         M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg, out=buf[:, :L].to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("block_m", [128, 256])
+def test_split_gate_up_matches_the_two_accumulator_kernel(block_m):
+    """`split_gate_up`: gate and up rows as separate tiles (one accumulator each) into a bf16
+    (P, 2I) buffer, then the SiTU pass: the same rounding points as the two-accumulator
+    kernel, so the interpreter gives the same bits and CUDA the reference's tolerance; every
+    row written (poisoned allocator); it refuses the unswapped kernels."""
+    seed = fresh_seed()
+    E, L, I, k, T = (896, 3584, 192, 16, 200) if ON_GPU else (16, 128, 64, 4, 40)
+    ex, z, w, ids = _case(E, L, I, k, T, seed, skew=True)
+    cfg = M.MoEConfig(64, 64, 64, 64, num_warps=4, block_m=block_m, swap_ab=True,
+                      tile_major=True)
+    _poison_allocator()
+    two = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
+    one = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(cfg, split_gate_up=True))
+    assert torch.isfinite(one).all(), f"seed {seed}: unwritten (NaN) output"
+    if not ON_GPU:
+        assert torch.equal(one, two), f"seed {seed}"
+    ref = M.moe_mxfp4_reference(z, w, ids, ex)
+    err = rel_err(one, ref)
+    assert err < REL_TOL, f"seed {seed}: rel err {err:.2e}"
+    with pytest.raises(ValueError, match="split_gate_up needs swap_ab"):
+        M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(cfg, swap_ab=False, block_m=64,
+                                                          split_gate_up=True))
+
+
 def test_swapped_operands_refuse_other_decodes():
     ex, z, w, ids = _case(16, 128, 64, 4, 4, 0)
     with pytest.raises(ValueError, match="swap_ab takes the elementwise decode"):
