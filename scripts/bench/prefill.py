@@ -720,6 +720,49 @@ def prompt_case(rank: PrefillRank, tokens: int, fm: dict, rate: float, max_secon
             "chunk_ms": [None if t is None else round(t * 1e3, 3) for *_, t in chunks]}
 
 
+def routing_balance(rank: PrefillRank, tokens: int, block_m: int = 128) -> dict:
+    """How the bench's router (random weights) spreads one step's (token, expert) pairs over
+    the experts, per MoE layer of one eager chunk step of `tokens` tokens at position 0 (the
+    routes recorded through models/moe.py `route` / `route_topk`; a step its stock graph
+    replays records nothing). The grouped expert kernels' work follows it: each expert's
+    pairs run in ⌈n / block_m⌉ chunks, each decoding the expert's tile once, so a skewed
+    routing (few experts, long runs) is cheaper than a trained router's balanced one (K3 is
+    trained with aux-free balancing). -> per layer and averaged: experts touched, max / mean
+    pairs per touched expert, the chunks at block_m against a balanced routing's."""
+    from raydecode.models import moe as moe_mod
+    real, seen = (moe_mod.route, moe_mod.route_topk), []
+
+    def recording(fn):
+        def wrapped(*a, **kw):
+            w, ids = fn(*a, **kw)
+            seen.append(ids.detach().reshape(-1).to("cpu", torch.int64))
+            return w, ids
+        return wrapped
+
+    moe_mod.route, moe_mod.route_topk = recording(real[0]), recording(real[1])
+    try:
+        rank.step(tokens, 0, pos=0)
+    finally:
+        moe_mod.route, moe_mod.route_topk = real
+    E = rank.model.cfg.moe.num_experts
+    layers = []
+    for ids in seen:
+        c = torch.bincount(ids, minlength=E).double()
+        touched = c[c > 0]
+        P = int(ids.numel())
+        layers.append({"pairs": P, "experts_touched": int(touched.numel()),
+                       "max_over_mean": round(float(touched.max() / touched.mean()), 3),
+                       "chunks": int(torch.ceil(touched / block_m).sum()),
+                       "chunks_balanced": min(P, E) * math.ceil(P / min(P, E) / block_m)})
+    if not layers:
+        return {"tokens": tokens, "layers": [], "why": "no route recorded (a graphed step)"}
+    mean = {k: round(statistics.mean(x[k] for x in layers), 3)
+            for k in ("experts_touched", "max_over_mean", "chunks", "chunks_balanced")}
+    return {"tokens": tokens, "experts": E, "block_m": block_m, "mean": mean,
+            "chunks_over_balanced": round(mean["chunks"] / mean["chunks_balanced"], 3),
+            "layers": layers}
+
+
 def budget_sweep(rank: PrefillRank, args, fm: dict, rate: float, scale: float, tag: str
                  ) -> list[dict]:
     """The prompts again at each `--sweep-budgets` step budget (the scheduler's
@@ -937,6 +980,12 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
               f"{row['tflop_s']:.1f} TFLOP/s MFU {row['mfu']:.3f} chunks "
               f"{row['chunks_run']}/{row['chunks_total']}"
               + (" extrapolated" if row["extrapolated"] else ""), flush=True)
+        save(run)
+    if args.prompts:        # what the measured MFU's routing was (random router weights)
+        run["routing"] = routing_balance(rank, min(max(args.prompts), args.prefill_budget))
+        print(f"[prefill] {tag} routing of a {run['routing']['tokens']}-token step: "
+              f"{run['routing'].get('mean')} (chunks / balanced "
+              f"{run['routing'].get('chunks_over_balanced')})", flush=True)
         save(run)
     if args.sweep_budgets:
         run["budget_sweep"] = budget_sweep(rank, args, run["flops_model"], rate, scale, tag)

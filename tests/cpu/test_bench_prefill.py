@@ -79,8 +79,45 @@ def test_prefill_bench_cpu(tmp_path):
     # tiny TP2 bf16 runs the specialized decode (eagerly on the statics here)
     split = mx["ms"]["chunk_alone"] + mx["ms"]["decode_graphed"]
     assert mx["tpot_ms_split"] == pytest.approx(split, abs=2e-3)
+    # the routing of a budget-sized step (32 tokens): every MoE layer of the tiny model
+    rt, moe = run["routing"], prefill.load_config("tiny").moe
+    n_moe = sum(prefill.load_config("tiny").is_moe_layer(i) for i in range(6))
+    assert rt["tokens"] == 32 and rt["experts"] == moe.num_experts
+    assert len(rt["layers"]) == n_moe > 0
+    for layer in rt["layers"]:
+        assert layer["pairs"] == 32 * moe.top_k
+        assert 1 <= layer["experts_touched"] <= moe.num_experts
+        assert layer["max_over_mean"] >= 1.0 and layer["chunks"] >= layer["experts_touched"]
     pytest.importorskip("matplotlib")
     assert png.stat().st_size > 0
+
+
+def test_routing_balance_counts_chunks_against_a_balanced_routing(monkeypatch):
+    """The routing record on routes the test sets: 64 tokens × top-2 over 8 experts, all
+    on experts 0 and 1 (2 experts touched, 64 pairs each: 1 chunk of 128 each), against a
+    balanced routing's 8 experts × ⌈16 / 128⌉ = 8 chunks."""
+    from raydecode.models import moe as moe_mod
+
+    class Rank:
+        model = type("M", (), {"cfg": type("C", (), {"moe": type("E", (), {
+            "num_experts": 8})})})
+
+        def step(self, tokens, decodes, pos=None):
+            ids = torch.tensor([[0, 1]] * tokens)
+            moe_mod.route_topk(ids)
+            moe_mod.route(ids)
+
+    def fake(ids):
+        return None, ids
+
+    monkeypatch.setattr(moe_mod, "route_topk", fake)
+    monkeypatch.setattr(moe_mod, "route", fake)
+    rt = prefill.routing_balance(Rank(), 64)
+    assert [x["experts_touched"] for x in rt["layers"]] == [2, 2]
+    assert rt["layers"][0] == {"pairs": 128, "experts_touched": 2, "max_over_mean": 1.0,
+                               "chunks": 2, "chunks_balanced": 8}
+    assert rt["chunks_over_balanced"] == pytest.approx(0.25)
+    assert moe_mod.route_topk is fake and moe_mod.route is fake       # put back
 
 
 @pytest.mark.parametrize("config,tp", [("tiny", 1), ("tiny", 2), ("tiny", 4), ("k3", 16),
