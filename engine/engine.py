@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from .pacer import STRETCH, check_stretch
 from .request import Request, RequestError, SamplingParams, Status, sample_seed
 from .runner import ModelRunner
 from .sampling import NO_LOGPROBS, SamplingRows, StepResult
-from .pacer import STRETCH, check_stretch
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 
 

@@ -32,8 +32,9 @@ over the pacer's life), so a chunk size that fits again (an outlier aged out, a 
 batch) is found. Where even a one-token chunk does not fit, the limit cannot be held on this
 schedule at all (H100, 8 K3 layers, split: a chunk step costs 2.8 ms at any size below 8
 tokens against a 4.1 ms decode step, so a limit below ≈ 1.7 is out of reach); the pacer then
-gives the static cap, `infeasible` counts such steps, and the prompt is not starved one
-token per step for a bound nothing could hold.
+gives the prompt's rate floor below (the static cap while the cap's step has no estimate),
+`infeasible` counts such steps, and the prompt is not starved one token per step for a
+bound nothing could hold.
 
 The limit is held for the streams, but not at any price to the prompt: where the largest chunk
 that fits moves the prompt at less than 1/`stretch` of the rate the static cap would
