@@ -427,6 +427,20 @@ if triton is not None:
     # in the expert-grouped list), so the down kernel reads each chunk's rows contiguously.
 
     @triton.jit
+    def _swap_acc(x_ptr, rows, row_ok, K: tl.constexpr, w_e, s_e, n, n_ok, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+        """accᵀ (BN, BM) fp32 = W[n, :K] · x[rows, :K]ᵀ: the (BN, BK) tiles of one expert's
+        MXFP4 matrix (rows n) decoded in registers as the dots' A operand, x's BM rows (K
+        wide, bf16) the B operand; rows with row_ok False read zeros."""
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            x = tl.load(x_ptr + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            acc = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, K, BN, BK), tl.trans(x), acc,
+                       DOT_F32)
+        return acc
+
+    @triton.jit
     def _gate_up_swap_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                              chunk_end_ptr, num_chunks_ptr, a_ptr, top_k, beta, lin_beta,
                              L: tl.constexpr, I: tl.constexpr, HAS_LIN: tl.constexpr,
@@ -479,17 +493,10 @@ if triton is not None:
             return
         m, pair, m_ok, e = _chunk_rows(c, chunk_start_ptr, chunk_end_ptr, pairs_ptr,
                                        sorted_e_ptr, BM)
-        tok = pair // top_k
         n = tile * BN + tl.arange(0, BN)
         n_ok = n < I2
-        w_e = w_ptr + e * (I2 * (L // 2))
-        s_e = s_ptr + e * (I2 * (L // 32))
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in range(0, L, BK):
-            x = tl.load(z_ptr + tok[:, None] * L + k0 + tl.arange(0, BK)[None, :],
-                        mask=m_ok[:, None], other=0.0)
-            acc = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, L, BN, BK), tl.trans(x), acc,
-                       DOT_F32)
+        acc = _swap_acc(z_ptr, pair // top_k, m_ok, L, w_ptr + e * (I2 * (L // 2)),
+                        s_ptr + e * (I2 * (L // 32)), n, n_ok, BM, BN, BK, DOT_F32)
         tl.store(gu_ptr + m[None, :] * I2 + n[:, None], acc.to(tl.bfloat16),
                  mask=m_ok[None, :] & n_ok[:, None])
 
@@ -524,14 +531,8 @@ if triton is not None:
                                        sorted_e_ptr, BM)
         n = tile * BN + tl.arange(0, BN)
         n_ok = n < L
-        w_e = w_ptr + e * (L * (I // 2))
-        s_e = s_ptr + e * (L * (I // 32))
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            x = tl.load(a_ptr + m[:, None] * I + k0 + tl.arange(0, BK)[None, :],
-                        mask=m_ok[:, None], other=0.0)
-            acc = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, I, BN, BK), tl.trans(x), acc,
-                       DOT_F32)
+        acc = _swap_acc(a_ptr, m, m_ok, I, w_ptr + e * (L * (I // 2)),
+                        s_ptr + e * (L * (I // 32)), n, n_ok, BM, BN, BK, DOT_F32)
         tl.store(y_ptr + pair[None, :] * L + n[:, None], acc.to(tl.bfloat16),
                  mask=m_ok[None, :] & n_ok[:, None])
 

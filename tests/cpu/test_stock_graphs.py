@@ -70,6 +70,17 @@ def _real(c):
     return real_rows(c, NS, NB)
 
 
+def _twin_steps(model, plain, g, steps) -> None:
+    """Each step on both runners: logits and the real slots' and blocks' contents equal."""
+    V = model.cfg.vocab_size
+    for i, seqs in enumerate(steps):
+        plan = _plan(i + 1, seqs, V, TABLES if i == 0 else None)
+        want, got = plain.logits(plan), g.logits(plan)
+        assert torch.allclose(got, want, rtol=TOL, atol=TOL), (i, (got - want).abs().max())
+        for a, b in zip(_real(plain.caches), _real(g.caches)):
+            assert torch.allclose(a, b, rtol=TOL, atol=TOL), i
+
+
 def test_replayed_stock_steps_equal_the_eager_ones(model):
     plain = ModelRunner(model, _caches(model))
     g = _graphed(model)
@@ -114,13 +125,7 @@ def test_single_sequence_graphs_keep_the_kda_cores_inside(model):
     assert 0 < mla < model.cfg.num_layers
     assert all(len(sg.graphs) == mla + 1 and sg.single is not None
                for sg in g.stock_single_graphs.values())
-    V = model.cfg.vocab_size
-    for i, seqs in enumerate(SINGLE_STEPS):
-        plan = _plan(i + 1, seqs, V, TABLES if i == 0 else None)
-        want, got = plain.logits(plan), g.logits(plan)
-        assert torch.allclose(got, want, rtol=TOL, atol=TOL), (i, (got - want).abs().max())
-        for a, b in zip(_real(plain.caches), _real(g.caches)):
-            assert torch.allclose(a, b, rtol=TOL, atol=TOL), i
+    _twin_steps(model, plain, g, SINGLE_STEPS)
     # a one-token step keeps the general graph (its fp32 recurrent core, as the eager step)
     singles = sum(len(seqs) == 1 and seqs[0].length > 1 for seqs in SINGLE_STEPS)
     assert 0 < singles < len(SINGLE_STEPS) - 1
@@ -147,13 +152,7 @@ def test_mixed_step_graphs_keep_every_kda_core_inside(model):
                for sg in g.stock_mixed_graphs.values())
     pad = g.scratch.slots[0]
     pad_state = g.caches.kda.rec[:, pad].clone()
-    V = model.cfg.vocab_size
-    for i, seqs in enumerate(MIXED_STEPS):
-        plan = _plan(i + 1, seqs, V, TABLES if i == 0 else None)
-        want, got = plain.logits(plan), g.logits(plan)
-        assert torch.allclose(got, want, rtol=TOL, atol=TOL), (i, (got - want).abs().max())
-        for a, b in zip(_real(plain.caches), _real(g.caches)):
-            assert torch.allclose(a, b, rtol=TOL, atol=TOL), i
+    _twin_steps(model, plain, g, MIXED_STEPS)
     mixed = sum(mixed_parts(StepBatch(seqs)) is not None for seqs in MIXED_STEPS)
     assert 3 < mixed < len(MIXED_STEPS) - 3
     assert g.counts["stock_mixed"] == mixed
