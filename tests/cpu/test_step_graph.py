@@ -165,7 +165,7 @@ def test_graph_shaped_decode_equals_plain(model, monkeypatch):
     g = twin.graphed
     assert g.counts == {"graphed": 0, "eager_statics": decode_steps, "plain": 3, "captured": 0,
                         "padded": 0, "stock_graphed": 0, "stock_captured": 0,
-                        "stock_single": 0}
+                        "stock_single": 0, "stock_mixed": 0}
     kda_layers, mla_layers = len(model.cfg.kda_layer_ids), len(model.cfg.mla_layers)
     assert seen == {"kda": kda_layers * decode_steps, "mla": mla_layers * decode_steps}
     sc = g.scratch
@@ -241,7 +241,7 @@ def test_plans_outside_the_envelope_run_the_plain_path(model):
     big.decode(s5[:4])
     assert big.graphed.counts == {"graphed": 0, "eager_statics": 1, "plain": 2, "captured": 0,
                                   "padded": 0, "stock_graphed": 0, "stock_captured": 0,
-                                  "stock_single": 0}
+                                  "stock_single": 0, "stock_mixed": 0}
     plan = StepPlan(99, StepBatch.decode([0, 1], [3, 0]), [1, 2], [0, 1], {}, [], "specialized")
     assert "position 0" in g.why_not(plan)
     assert "path 'stock'" in g.why_not(StepPlan(99, plan.batch, [1, 2], [0, 1], {}, []))

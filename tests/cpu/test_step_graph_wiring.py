@@ -186,7 +186,7 @@ def test_tp1_worker_graphs_on_equal_off():
     n, k = len(plans), N_SPECIALIZED      # CUDA: captured at build, then every step replays
     # the stock graphs (RAYDECODE_STOCK_GRAPHS, default 512) need a graph backend: none on
     # the CPU; on CUDA they capture at the build, which these counts do not cover
-    stock = ("stock_graphed", "stock_captured", "stock_single")
+    stock = ("stock_graphed", "stock_captured", "stock_single", "stock_mixed")
     got = {key: v for key, v in counts.items() if key not in stock or not ON_CUDA}
     assert got == ({"graphed": k, "eager_statics": 0, "plain": n - k, "captured": 4,
                     "padded": 0} if ON_CUDA else
