@@ -32,9 +32,8 @@ over the pacer's life), so a chunk size that fits again (an outlier aged out, a 
 batch) is found. Where even a one-token chunk does not fit, the limit cannot be held on this
 schedule at all (H100, 8 K3 layers, split: a chunk step costs 2.8 ms at any size below 8
 tokens against a 4.1 ms decode step, so a limit below ≈ 1.7 is out of reach); the pacer then
-gives the prompt's rate floor below (the static cap while the cap's step has no estimate),
-`infeasible` counts such steps, and the prompt is not starved one token per step for a
-bound nothing could hold.
+gives the prompt's rate floor below, `infeasible` counts such steps, and the prompt is not
+starved one token per step for a bound nothing could hold.
 
 The limit is held for the streams, but not at any price to the prompt: where the largest chunk
 that fits moves the prompt at less than 1/`stretch` of the rate the static cap would
@@ -158,21 +157,23 @@ class ChunkPacer:
             line = t_hi + max((t_hi - self.chunk_s[lo]) / (hi - lo), 0.0) * (n - hi)
         return line if own is None else min(own, line)
 
-    def _floor(self, sizes: list[int], base: float) -> int | None:
+    def _floor(self, sizes: list[int], est: dict[int, float | None],
+               base: float) -> int | None:
         """The smallest candidate whose estimated prompt rate (tokens per second of wall time:
         n / t(n) on mixed steps, n / (t(n) + base) split) is at least 1/stretch of the cap's.
         Sizes below the smallest measured one have no estimate; for a cost concave in the
         tokens t(n) ≥ t(m)·n/m below a measured m, so their rate is at most m's: they are
         ruled out where m's rate is short, and where it is not the floor is unknown (None:
-        the limit's own probing finds them). None too before the cap's step has an estimate."""
+        the limit's own probing finds them). None too before the cap's step has an estimate.
+        est: each size's `_estimate`."""
         extra = 0.0 if self.mixed else base
-        top = self._estimate(sizes[-1])
+        top = est[sizes[-1]]
         if top is None:
             return None
         want = sizes[-1] / (top + extra) / self.stretch
         unknown = False
         for n in sizes:
-            e = self._estimate(n)
+            e = est[n]
             if e is None:
                 unknown = True          # below every measured size
                 continue
@@ -196,15 +197,15 @@ class ChunkPacer:
             return cap
         base = self.decode_s.get(bucket(decodes))
         sizes = candidates(cap)
-        if base is None or not any(self._estimate(n) is not None for n in sizes):
+        est = {n: self._estimate(n) for n in sizes}      # once per step: the hot path
+        if base is None or all(e is None for e in est.values()):
             return max(1, cap // PROBE_DIVISOR)          # nothing to judge by: a probe
         allowance = (self.limit - (0.0 if self.mixed else 1.0)) * base
-        fit = [n for n in sizes
-               if (e := self._estimate(n)) is not None and e <= allowance]
+        fit = [n for n in sizes if est[n] is not None and est[n] <= allowance]
         measured = [k for k in self.chunk_s if k <= bucket(cap)]
         if fit and len(measured) == 1 and max(fit) == measured[0] > 1:
             return measured[0] // 2      # one point fits: half of it gives the cost's slope
-        floor = self._floor(sizes, base)
+        floor = self._floor(sizes, est, base)
         if floor is not None and (not fit or max(fit) < floor):
             # the limit would cost the prompt more than `stretch`: the least slowdown that
             # keeps its rate (no size fits at all: the same, counted as infeasible too)
@@ -220,16 +221,8 @@ class ChunkPacer:
                 if self._reprobe_due(REPROBE if self._trusted(bucket(up)) else REPROBE_SOON):
                     return up
             return best
-        if min(self.chunk_s) <= 1:
-            if not self._trusted(1):
-                return 1                         # sample the one-token step again
-            # not even one token fits: the limit is out of this schedule's reach; the
-            # static cap, rather than a prompt starved a token per step for nothing (every
-            # REPROBE-th such chunk one token again: the limit may come within reach)
-            if self._reprobe_due(REPROBE):
-                return 1
-            self.infeasible += 1
-            return cap
-        # even the smallest measured bucket is over: probe half of it (never measured, so
-        # no estimate judged it) — the chunk halves until one fits
+        # even the smallest measured bucket is over, and it keeps the prompt's rate (else the
+        # floor above), so the smaller sizes may too: probe half of it (never measured, so
+        # no estimate judged it) — the chunk halves until one fits or the floor is known.
+        # (Once the one-token step is measured the floor always is: no size lies below it.)
         return max(1, min(cap, min(self.chunk_s) // 2))

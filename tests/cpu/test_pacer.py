@@ -145,7 +145,9 @@ def test_a_limit_no_chunk_can_hold_gives_the_rate_floor_or_the_cap():
     chosen = _settle(q, cost, 40)
     assert chosen[0] == 56 and set(chosen[1:]) == {448} and q.stretched == 39
     r = ChunkPacer(1.5, decode_s={64: 0.004}, chunk_s={1: 0.003})
-    assert r.chunk_cap(448, 63) == 1                    # one sample, no cap estimate: resample
+    # one one-token sample: the line through it and the origin puts the cap's step at 1.34 s,
+    # so one token already keeps 1/4 of the cap's rate: the floor is one token
+    assert r.chunk_cap(448, 63) == 1
 
 
 def test_the_prompt_keeps_its_rate_where_the_limit_would_starve_it():
