@@ -169,11 +169,15 @@ class SingleSeq:
         return self._held[T]
 
     def set(self, slot: int, pos: int, n: int) -> None:
-        host = torch.tensor([int(slot), int(pos > 0), int(n)], dtype=torch.int64)
+        self._write(self._dev, [int(slot), int(pos > 0), int(n)])
+
+    def _write(self, dev: torch.Tensor, values: list[int]) -> None:
+        """`values` into `dev` (starting with [slot, cont, n]) in one copy, then `cont`."""
+        host = torch.tensor(values, dtype=torch.int64)
         if self.device.type == "cuda":     # the host allocator keeps the block until copied
-            self._dev.copy_(host.pin_memory(), non_blocking=True)
+            dev.copy_(host.pin_memory(), non_blocking=True)
         else:
-            self._dev.copy_(host)
+            dev.copy_(host)
         torch.ne(self._dev[1:2], 0, out=self.cont)
 
 
@@ -186,17 +190,21 @@ class MixedSeq(SingleSeq):
     `count` skips them). models/kda.py `_core_single` gathers the chunk's rows to the front
     (rows start … start + n − 1, then the rest, β = g = 0 past n), runs the single-sequence
     core on them, scatters its rows back, and steps the continuations with the decode-row
-    kernel: every KDA core of a mixed step inside the graph. One pinned copy per replay."""
+    kernel: every KDA core of a mixed step inside the graph. One pinned copy per replay (one
+    device buffer holds SingleSeq's tensors and these)."""
 
     mixed = True
 
     def __init__(self, device, bucket: int):
         super().__init__(device)
         self.spare = max(1, bucket - 1)
-        self._mix = torch.zeros(2 + 2 * self.spare, dtype=torch.int64, device=self.device)
-        self.start, self.dec_count = self._mix[0:1], self._mix[1:2]
-        self.dec_rows = self._mix[2:2 + self.spare]
-        self.dec_slots = self._mix[2 + self.spare:]
+        # one buffer: SingleSeq's [slot, cont, n], then start, count, rows, slots (one copy)
+        self._all = torch.zeros(5 + 2 * self.spare, dtype=torch.int64, device=self.device)
+        self._dev = self._all[0:3]
+        self.slot, self.n = self._dev[0:1], self._dev[2:3]
+        self.start, self.dec_count = self._all[3:4], self._all[4:5]
+        self.dec_rows = self._all[5:5 + self.spare]
+        self.dec_slots = self._all[5 + self.spare:]
 
     def set_mixed(self, chunk, decodes, pad_slot: int) -> None:
         """The step's prompt chunk (a SeqSlice) and its one-token continuations (SeqSlices);
@@ -206,12 +214,8 @@ class MixedSeq(SingleSeq):
             raise ValueError(f"{d} decode rows in a mixed graph of {self.spare} entries")
         rows = [s.start for s in decodes] + [chunk.start] * (self.spare - d)
         slots = [s.slot for s in decodes] + [int(pad_slot)] * (self.spare - d)
-        self.set(chunk.slot, chunk.pos, chunk.length)
-        host = torch.tensor([chunk.start, d] + rows + slots, dtype=torch.int64)
-        if self.device.type == "cuda":
-            self._mix.copy_(host.pin_memory(), non_blocking=True)
-        else:
-            self._mix.copy_(host)
+        self._write(self._all, [chunk.slot, int(chunk.pos > 0), chunk.length, chunk.start, d]
+                    + rows + slots)
 
 
 @dataclass
