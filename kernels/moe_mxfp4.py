@@ -615,10 +615,15 @@ def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     64-pair kernels; gate and up in one tile with 256-pair chunks (faster alone on uniform
     routing) and Triton's scaled dot (2.5× slower) lost: docs/perf-log/prefill.md. Tile-major
     grid: a chunk's 3 gate/up and 56 down tiles (K3 TP16) run back to back, so its gathered
-    rows are read from HBM once, not once per tile."""
-    return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
+    rows are read from HBM once, not once per tile. Split gate/up (one accumulator per
+    program, BK 128, then the SiTU pass): the gate/up kernel held 255 registers per thread
+    and 2 CTAs per SM with two; split, one 8,192-token call took 4.65 ms against 5.28 on
+    the H100 (1.13×, balanced routing, bit-equal outputs:
+    bench/results/moe-prefill-sweep-h100-2026-12-06-split.json)."""
+    return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 128), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
-                     decode="elementwise", block_m=128, swap_ab=True, tile_major=True)
+                     decode="elementwise", block_m=128, swap_ab=True, tile_major=True,
+                     split_gate_up=True)
 
 
 def _largest_block(k: int, cap: int) -> int:

@@ -13,8 +13,9 @@ candidates trade that against padding (a chunk of 73 pairs in a 128-row tile) an
 kernels (`MoEConfig.swap_ab`: the decoded weight tile as the dots' register operand, chunks
 of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_config` alone;
 `order`: the grid order (`MoEConfig.tile_major`), chunk-major first as the baseline;
-`split`: gate and up rows as separate one-accumulator tiles (`MoEConfig.split_gate_up`)
-against the shipped kernels (first, the baseline).
+`split`: gate and up rows as separate one-accumulator tiles (`MoEConfig.split_gate_up`,
+shipped since the 1.13× of moe-prefill-sweep-h100-2026-12-06-split.json) against the fused
+form (first, the baseline).
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -39,14 +40,16 @@ from raydecode.scripts.explore.common import median_cuda_ms, rel_err, unique
 
 def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     rep = dataclasses.replace
+    # the fused gate/up form (two accumulators per program; prefill_config before the split)
+    fused = rep(M.prefill_config(L, I), split_gate_up=False, gate_up_bk=M._largest_block(L, 64))
     # the baseline: the unswapped kernels on 64-pair chunks (the prefill config before swap_ab)
-    base = rep(M.prefill_config(L, I), swap_ab=False, block_m=64)
+    base = rep(fused, swap_ab=False, block_m=64)
     if which == "base":
         return [base]
     if which == "shipped":          # what a prefill step runs (e.g. one config under ncu)
         return [M.prefill_config(L, I)]
     if which == "split":            # gate and up as separate tiles: one accumulator per program
-        sw = M.prefill_config(L, I)
+        sw = fused                  # the baseline: the fused form
         return unique([sw, rep(sw, split_gate_up=True),
                        rep(sw, split_gate_up=True, num_stages=4),
                        rep(sw, split_gate_up=True, block_m=256),
@@ -54,7 +57,7 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
                        rep(sw, split_gate_up=True, block_m=256, num_warps=8),
                        rep(sw, split_gate_up=True, gate_up_bk=M._largest_block(L, 128))])
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
-        sw = M.prefill_config(L, I)
+        sw = fused
         return unique([rep(sw, tile_major=False), rep(sw, tile_major=True),
                        rep(sw, tile_major=True, block_m=256, num_warps=8, num_stages=2),
                        rep(sw, tile_major=True, num_stages=2),
@@ -75,7 +78,7 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     if which == "pairs":
         return [base] + [c for c in out if c.decode == "pairs"]
     # swapped operands: BN is the dots' M (64 rows per warpgroup), block_m their N
-    sw = M.prefill_config(L, I)
+    sw = fused
     swap = [sw,
             rep(sw, num_stages=4),
             rep(sw, num_stages=2),

@@ -52,6 +52,7 @@ def test_prefill_steps_get_the_prefill_config():
     assert small.block_m == M.BLOCK_M and not small.swap_ab
     cfg = M.default_config(M.PREFILL_PAIRS, E, I, L)
     assert cfg.block_m == 128 and cfg.swap_ab and cfg.decode == "elementwise"
+    assert cfg.split_gate_up and cfg.tile_major and cfg.gate_up_bk == 128
     assert L % cfg.gate_up_bk == 0 and I % cfg.down_bk == 0
     assert M.max_chunks(4096, E, 64) == E + 64 and M.max_chunks(4096, E) == E + 256
 
