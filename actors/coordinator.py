@@ -90,7 +90,8 @@ def _pacer_stats(p) -> dict:
     """The decode-slowdown pacer's state for /stats (engine/pacer.py): its limit and prompt
     stretch limit, the chunk steps where no size fits the limit (`infeasible`), those raised
     to the prompt's rate floor (`stretched`), its reprobes, and the step times it judges by
-    (ms)."""
+    (ms; decode_ms keyed by the decode batch's bucket, chunk_ms by the step's token bucket:
+    the chunk's tokens on split steps, the chunk's and the decode rows' on mixed ones)."""
     return {"limit": p.limit, "mixed_steps": p.mixed, "stretch": p.stretch,
             "infeasible": p.infeasible, "stretched": p.stretched, "reprobes": p.reprobes,
             "decode_ms": {b: round(t * 1e3, 3) for b, t in sorted(p.decode_s.items())},

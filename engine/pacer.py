@@ -12,11 +12,19 @@ scheduler asks for the largest chunk whose step fits (`chunk_cap`):
     mixed:  t_mixed(n, B)           ≤ limit · t_decode(B)
 
 with B the decode batch. Decode times are exponential moving averages keyed by the batch's
-power-of-two bucket; a chunk bucket's time is the median of its last WINDOW samples, so one
-outlier (a bucket's first replay, a host stall: on the H100 a 2-token chunk step took 2.8 ms
-and once 28 ms) neither decides nor sticks. Candidates are the powers of two below the static
-cap, and the cap. A candidate never measured is judged by the line through the smallest and
-the largest measured buckets below it (a step's time is close to fixed + per-token cost, as
+power-of-two bucket; a chunk step's time is keyed by its token bucket (split: the chunk's
+tokens; mixed: the chunk's plus the B decode rows, the step's tokens, which pick the stock
+graph it replays and so its cost) and is the median of that bucket's last WINDOW samples, so
+one outlier (a bucket's first replay, a host stall: on the H100 a 2-token chunk step took 2.8
+ms and once 28 ms) neither decides nor sticks. Candidates on the split schedule are the
+powers of two below the static cap, and the cap; on mixed steps the chunks that fill a
+power-of-two step bucket beside the B rows (b − B: with 63 rows 1, 65, 193, 449), and the
+cap. (Measured on the H100 at 24 K3 layers with mixed-step graphs, 63 rows: a mixed step
+cost 14.8-15.8 ms in step bucket 128, 19.2 in 256, 24.1-24.4 in 512, against a 12.0 ms
+decode step, whatever the chunk inside the bucket: powers of two in chunk tokens paid a
+whole bucket's padding, 128 tokens a 256-token step and 256 a 512-token one.) A candidate
+never measured is judged by the line through the smallest and the largest measured buckets
+below it (a step's time is close to fixed + per-token cost, as
 the stock step's is below a few thousand tokens), or with one measured bucket the line
 through it and the origin (an upper bound for a concave cost); when that single bucket is the
 only one that fits, the next chunk is half of it, the second point of the line. With no
@@ -87,6 +95,13 @@ def candidates(cap: int) -> list[int]:
     return [1 << i for i in range(cap.bit_length()) if 1 << i < cap] + [cap]
 
 
+def mixed_candidates(cap: int, decodes: int) -> list[int]:
+    """Chunk sizes beside `decodes` one-token rows on mixed steps: each that fills a power-of-
+    two step bucket (b − decodes, at least one token, below `cap`), then `cap`."""
+    return [b - decodes for b in (1 << i for i in range((cap + decodes).bit_length() + 1))
+            if 1 <= b - decodes < cap] + [cap]
+
+
 @dataclass
 class ChunkPacer:
     limit: float                    # the streams' TPOT beside a prompt / their decode-only TPOT
@@ -124,7 +139,7 @@ class ChunkPacer:
         if prompt_tokens == 0 and decodes > 0:
             self._avg(self.decode_s, bucket(decodes), seconds)
         elif prompt_tokens > 0 and (decodes > 0) == self.mixed:
-            b = bucket(prompt_tokens)
+            b = bucket(prompt_tokens + decodes)         # split: decodes is 0
             w = self._window.setdefault(b, deque(maxlen=WINDOW))
             w.append(seconds)
             self.chunk_s[b] = statistics.median(w)
@@ -134,7 +149,8 @@ class ChunkPacer:
         return len(self._window.get(b, ())) >= TRUST
 
     def _estimate(self, n: int) -> float | None:
-        """Seconds of a chunk step of `n` tokens: its bucket's median where that stands on
+        """Seconds of a chunk step of `n` tokens (mixed: the chunk's and the decode rows'):
+        its bucket's median where that stands on
         TRUST samples. Else the line through the measured buckets below it (the smallest and
         the largest, slope ≥ 0; with one, the line through it and the origin, an upper bound
         for a cost concave in the tokens), from the trusted ones only where the bucket has
@@ -196,15 +212,18 @@ class ChunkPacer:
         if decodes < 1 or cap <= 1:
             return cap
         base = self.decode_s.get(bucket(decodes))
-        sizes = candidates(cap)
-        est = {n: self._estimate(n) for n in sizes}      # once per step: the hot path
+        shift = decodes if self.mixed else 0            # a mixed step's rows beside the chunk
+        sizes = mixed_candidates(cap, decodes) if self.mixed else candidates(cap)
+        est = {n: self._estimate(n + shift) for n in sizes}   # once per step: the hot path
         if base is None or all(e is None for e in est.values()):
             return max(1, cap // PROBE_DIVISOR)          # nothing to judge by: a probe
         allowance = (self.limit - (0.0 if self.mixed else 1.0)) * base
         fit = [n for n in sizes if est[n] is not None and est[n] <= allowance]
-        measured = [k for k in self.chunk_s if k <= bucket(cap)]
-        if fit and len(measured) == 1 and max(fit) == measured[0] > 1:
-            return measured[0] // 2      # one point fits: half of it gives the cost's slope
+        measured = [k for k in self.chunk_s if k <= bucket(cap + shift)]
+        if fit and len(measured) == 1 and max(fit) + shift == measured[0] > 1 \
+                and measured[0] // 2 > shift:
+            # one point fits: the step of half its tokens gives the cost's slope
+            return measured[0] // 2 - shift
         floor = self._floor(sizes, est, base)
         if floor is not None and (not fit or max(fit) < floor):
             # the limit would cost the prompt more than `stretch`: the least slowdown that
@@ -218,11 +237,12 @@ class ChunkPacer:
                 # the next size up, once in a while: fresh samples for a size judged over
                 # (sooner while its judgement stands on fewer than TRUST samples)
                 up = sizes[sizes.index(best) + 1]
-                if self._reprobe_due(REPROBE if self._trusted(bucket(up)) else REPROBE_SOON):
+                if self._reprobe_due(REPROBE if self._trusted(bucket(up + shift))
+                                     else REPROBE_SOON):
                     return up
             return best
         # even the smallest measured bucket is over, and it keeps the prompt's rate (else the
         # floor above), so the smaller sizes may too: probe half of it (never measured, so
         # no estimate judged it) — the chunk halves until one fits or the floor is known.
         # (Once the one-token step is measured the floor always is: no size lies below it.)
-        return max(1, min(cap, min(self.chunk_s) // 2))
+        return max(1, min(cap, min(self.chunk_s) // 2 - shift))

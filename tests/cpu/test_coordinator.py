@@ -432,7 +432,7 @@ def test_stats_show_the_pacer_where_one_paces():
     assert pacer(cfg()) is None
     assert pacer(cfg(decode_slowdown_limit=2.5)) == {
         "limit": 2.5, "mixed_steps": True, "stretch": 4.0, "infeasible": 0, "stretched": 0,
-        "reprobes": 0, "decode_ms": {4: 4.0}, "chunk_ms": {8: 6.0}}
+        "reprobes": 0, "decode_ms": {4: 4.0}, "chunk_ms": {16: 6.0}}   # mixed: 8 + 3 rows
     assert pacer(cfg(decode_slowdown_limit=2.5, prompt_stretch_limit=6))["stretch"] == 6.0
 
 

@@ -6,12 +6,25 @@ import pytest
 from raydecode.engine import engine as engine_mod
 from raydecode.engine.engine import EngineConfig, LLMEngine
 from raydecode.engine.loader import load_tokenizer
-from raydecode.engine.pacer import REPROBE, STRETCH, ChunkPacer, bucket, candidates
+from raydecode.engine.pacer import (REPROBE, STRETCH, ChunkPacer, bucket, candidates,
+                                    mixed_candidates)
 from raydecode.engine.request import SamplingParams
 from raydecode.engine.sampling import StepResult
 from raydecode.engine.scheduler import Scheduler, SchedulerConfig
 
 from test_scheduler import req, run_step
+
+
+def test_mixed_candidates_fill_the_step_buckets():
+    """Beside B one-token rows a mixed step of n prompt tokens replays the stock graph of
+    bucket(n + B): the candidates are the chunks that fill one (and the cap)."""
+    assert mixed_candidates(448, 63) == [1, 65, 193, 448]
+    assert mixed_candidates(512, 63) == [1, 65, 193, 449, 512]
+    assert mixed_candidates(512, 0) == candidates(512)
+    assert mixed_candidates(100, 200) == [56, 100]      # 256 − 200; nothing smaller fits
+    assert mixed_candidates(1, 63) == [1]
+    for cap, B in [(448, 63), (512, 5), (8192, 1)]:
+        assert all(bucket(n + B) == n + B for n in mixed_candidates(cap, B)[:-1])
 
 
 def test_buckets_and_candidates():
@@ -189,9 +202,12 @@ def test_mixed_steps_get_the_whole_limit_and_only_their_own_samples():
     p.observe(64, 0, 0.001)                             # a chunk alone: not a mixed sample
     assert p.chunk_s == {}
     p.observe(64, 63, 0.005)                            # 64 + 63 decode rows: 5 ms
-    assert p.chunk_cap(512, 63) == 32                   # fits: half of it for the slope
-    p.observe(32, 63, 0.0046)
-    assert p.chunk_cap(512, 63) == 256                  # 256: 7.4 ms ≤ 2 · 4; 512: 10.6
+    assert p.chunk_s == {128: 0.005}                    # keyed by the step's tokens
+    assert p.chunk_cap(512, 63) == 1                    # fits: the 64-token step for a slope
+    p.observe(1, 63, 0.0042)
+    # the line through the 64- and 128-token steps: 256 tokens 6.6 ms ≤ 2 · 4 ms, 512 tokens
+    # 9.8: the chunk that fills the 256-token step beside the 63 rows
+    assert p.chunk_cap(512, 63) == 256 - 63
     q = ChunkPacer(2.0)                                 # split ignores mixed samples
     q.observe(64, 63, 0.005)
     assert q.chunk_s == {}
