@@ -279,6 +279,7 @@ class PrefillRank:
         self.vocab = rank_vocab_rows(model)
         self.rng = random.Random(seed)
         self.step_id = 0
+        self.last_device_s: float | None = None      # step(): the last step's device time
         # whether the cases run the decode-only specialized step (graph-shaped) at all
         self.graphs = graphed and self.runner.support[0]
         self.why_no_graphs = None if self.graphs else \
@@ -306,13 +307,24 @@ class PrefillRank:
 
     def step(self, chunk: int, decodes: int, path: str = "stock", pos: int | None = None
              ) -> float:
-        """Wall seconds of one served step (ModelRunner.execute: forward, sampling, sync)."""
+        """Wall seconds of one served step (ModelRunner.execute: forward, sampling, sync).
+        `last_device_s`: the same step's seconds between CUDA events recorded on the stream
+        before and after it (None off CUDA), so a slow step says whether the GPU was slow or
+        the host."""
         plan = self.plan(chunk, decodes, path, pos)
         device_sync(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
         t0 = time.perf_counter()
         self.runner.execute(plan)
+        if cuda:
+            e1.record()
         device_sync(self.device)
-        return time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        self.last_device_s = e0.elapsed_time(e1) / 1e3 if cuda else None
+        return wall
 
     def prompt(self, ids: list[int], max_seconds: float = math.inf
                ) -> tuple[list[tuple[int, int, float | None]], torch.Tensor, int]:
@@ -576,16 +588,18 @@ def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, 
             tm = rank.step(n, decodes, "stock", pos=pos)
             pacer.observe(n, decodes, tm)
             samples.append({"pos": pos, "chunk_tokens": n, "mixed_ms": _ms(tm),
-                            "tpot_ms": _ms(tm)})
+                            "tpot_ms": _ms(tm), **_device_ms(rank.last_device_s)})
             total += tm
         else:
             tc = rank.step(n, 0, "stock", pos=pos)
+            dc = rank.last_device_s
             pacer.observe(n, 0, tc)
             td = rank.step(0, decodes, path) if pos + n < prompt else 0.0
             if td:
                 pacer.observe(0, decodes, td)
                 samples.append({"pos": pos, "chunk_tokens": n, "chunk_ms": _ms(tc),
-                                "decode_ms": _ms(td), "tpot_ms": _ms(tc + td)})
+                                "decode_ms": _ms(td), "tpot_ms": _ms(tc + td),
+                                **_device_ms(dc, rank.last_device_s)})
             total += tc + td
         pos += n
     chosen: dict[int, int] = {}
@@ -603,18 +617,48 @@ def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, 
             "samples": samples}
 
 
+def _device_ms(*steps: float | None) -> dict:
+    """A schedule sample's device time (the CUDA-event seconds of its steps, summed), or
+    nothing where a step has none (off CUDA)."""
+    if not steps or any(x is None for x in steps):
+        return {}
+    return {"device_ms": _ms(sum(steps))}
+
+
+def _stall_note(sc: dict) -> str:
+    """The schedule line's device p99 and its slow samples (pos, wall ms, device ms)."""
+    if "device_ms_p99" not in sc:
+        return ""
+    slow = [(x["pos"], x["tpot_ms"], x["device_ms"]) for x in sc["slow_samples"]]
+    return (f"; device p50 {sc['device_ms_p50']} p99 {sc['device_ms_p99']} ms, "
+            f"{len(slow)} slow: {slow[:8]}")
+
+
+def _pct(sorted_ms: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted values."""
+    return sorted_ms[min(len(sorted_ms) - 1, max(0, math.ceil(q * len(sorted_ms)) - 1))]
+
+
 def _tpot_stats(samples: list[dict], base: list[float], scale: float) -> dict:
     """The schedule cases' TPOT figures: p50 / p99 / max (nearest rank) of the samples'
-    tpot_ms against the median decode-only step of `base` (seconds)."""
+    tpot_ms (wall: what a stream waits) against the median decode-only step of `base`
+    (seconds); with device times, the same of the samples' device_ms, and the samples whose
+    wall time is over 1.5× the median with their device share (a stall of the GPU or of the
+    host: the acceptance counts both)."""
     tp = sorted(x["tpot_ms"] for x in samples)
     b = statistics.median(base) * 1e3
-
-    def pct(q: float) -> float:      # nearest rank
-        return tp[min(len(tp) - 1, max(0, math.ceil(q * len(tp)) - 1))]
-    return {"tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": pct(0.5),
-            "tpot_ms_p99": pct(0.99), "tpot_ms_max": tp[-1],
-            "p99_over_decode_only": round(pct(0.99) / b, 3),
-            "tpot_ms_p99_all_layers": round(pct(0.99) * scale, 3)}
+    out = {"tpot_ms_decode_only": round(b, 3), "tpot_ms_p50": _pct(tp, 0.5),
+           "tpot_ms_p99": _pct(tp, 0.99), "tpot_ms_max": tp[-1],
+           "p99_over_decode_only": round(_pct(tp, 0.99) / b, 3),
+           "tpot_ms_p99_all_layers": round(_pct(tp, 0.99) * scale, 3)}
+    if samples and all("device_ms" in x for x in samples):
+        dv = sorted(x["device_ms"] for x in samples)
+        out.update(device_ms_p50=_pct(dv, 0.5), device_ms_p99=_pct(dv, 0.99),
+                   device_ms_max=dv[-1],
+                   slow_samples=[{"pos": x["pos"], "tpot_ms": x["tpot_ms"],
+                                  "device_ms": x["device_ms"]} for x in samples
+                                 if x["tpot_ms"] > 1.5 * _pct(tp, 0.5)])
+    return out
 
 
 def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pairs: int,
@@ -639,12 +683,14 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
     for pos in starts:
         if mode == "mixed":
             tm = rank.step(min(chunk, prompt - pos), decodes, "stock", pos=pos)
-            samples.append({"pos": pos, "mixed_ms": _ms(tm), "tpot_ms": _ms(tm)})
+            samples.append({"pos": pos, "mixed_ms": _ms(tm), "tpot_ms": _ms(tm),
+                            **_device_ms(rank.last_device_s)})
             continue
         tc = rank.step(min(chunk, prompt - pos), 0, "stock", pos=pos)
+        dc = rank.last_device_s
         td = rank.step(0, decodes, path)
         samples.append({"pos": pos, "chunk_ms": _ms(tc), "decode_ms": _ms(td),
-                        "tpot_ms": _ms(tc + td)})
+                        "tpot_ms": _ms(tc + td), **_device_ms(dc, rank.last_device_s)})
     # the prompt's TTFT on this schedule: every chunk step and the decode step between two
     # (pairs_total − 1 of them), at the sampled pairs' mean times (positions spread evenly)
     n = len(range(0, prompt, chunk))
@@ -761,6 +807,60 @@ def routing_balance(rank: PrefillRank, tokens: int, block_m: int = 128) -> dict:
     return {"tokens": tokens, "experts": E, "block_m": block_m, "mean": mean,
             "chunks_over_balanced": round(mean["chunks"] / mean["chunks_balanced"], 3),
             "layers": layers}
+
+
+def balance_router(rank: PrefillRank, tokens: int, passes: int = 3, iters: int = 64) -> dict:
+    """Set every MoE layer's noaux_tc selection bias (`e_score_correction_bias`, fp32, used
+    for the top-k choice only, never in the weights) so that a `tokens`-token step's pairs
+    spread evenly over the experts, as K3's training balances them (the aux-loss-free rule:
+    raise an under-loaded expert's bias, lower an over-loaded one's). The bench's router has
+    random weights, which routes unevenly (H100 runs: 562 of 896 experts touched, max / mean
+    pairs 10.5, 0.77× a balanced routing's 128-pair chunks), so its grouped expert kernels
+    ran less work than a served K3's would. Per pass: one eager chunk step at position 0
+    records each layer's router logits and bias tensor (models/moe.py `route` /
+    `route_topk`); per layer `iters` sign steps on those logits, from half the scores'
+    standard deviation down to 1 % of it, on the bias in place (graphs captured before read
+    the same tensor); passes repeat because a layer's input follows the routing before it.
+    -> the routing record (`routing_balance`) before and after, and per pass the mean
+    max / mean load over the layers before its update."""
+    from raydecode.models import moe as moe_mod
+    real, seen = (moe_mod.route, moe_mod.route_topk), []
+
+    def recording(fn):
+        def wrapped(logits, bias, top_k, *a, **kw):
+            seen.append((logits.detach().float().clone(), bias, top_k))
+            return fn(logits, bias, top_k, *a, **kw)
+        return wrapped
+
+    before = routing_balance(rank, tokens)
+    history = []
+    for _ in range(passes):
+        seen.clear()
+        moe_mod.route, moe_mod.route_topk = recording(real[0]), recording(real[1])
+        try:
+            rank.step(tokens, 0, pos=0)
+        finally:
+            moe_mod.route, moe_mod.route_topk = real
+        if not seen or any(b is None for _, b, _ in seen):
+            return {"why_not": "no route with a correction bias recorded", "before": before}
+        skew = []
+        with torch.inference_mode():
+            for logits, bias, k in seen:
+                s = torch.sigmoid(logits)
+                E = s.shape[1]
+                target = s.shape[0] * k / E
+                step = 0.5 * float(s.std())
+                for i in range(iters):
+                    ids = (s + bias.float()).topk(k, dim=-1).indices
+                    load = torch.bincount(ids.reshape(-1), minlength=E).float()
+                    if i == 0:
+                        skew.append(float(load.max() / load.mean()))
+                    bias.add_((torch.sign(target - load) * step).to(bias.dtype))
+                    step *= 0.01 ** (1 / max(iters - 1, 1))
+        history.append(round(statistics.fmean(skew), 3))
+    after = routing_balance(rank, tokens)
+    return {"tokens": tokens, "passes": passes, "iters": iters,
+            "max_over_mean_per_pass": history, "before": before, "after": after}
 
 
 def budget_sweep(rank: PrefillRank, args, fm: dict, rate: float, scale: float, tag: str
@@ -902,6 +1002,23 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         save(run)
     run["warmup_first_ms"] = warm_up(rank, buckets, args.mixed_decodes)
     save(run)
+    if args.router == "balanced":
+        # the random router's largest one-step prompt first (this run's baseline), then the
+        # bias balanced: every later case routes like a trained K3
+        one = [P for P in args.prompts if P <= args.prefill_budget]
+        if one:
+            run["prompt_random_router"] = row = prompt_case(
+                rank, max(one), run["flops_model"], rate, args.max_seconds, scale)
+            print(f"[prefill] {tag} prompt {max(one)} on the random router: TTFT "
+                  f"{row['ttft_s']:.3f} s MFU {row['mfu']:.3f}", flush=True)
+        tokens = min(max(args.prompts or [args.prefill_budget]), args.prefill_budget)
+        run["router_balance"] = rb = balance_router(rank, tokens)
+        print(f"[prefill] {tag} router balanced on a {tokens}-token step: max / mean load per "
+              f"pass {rb.get('max_over_mean_per_pass')}, chunks / balanced "
+              f"{rb['before'].get('chunks_over_balanced')} -> "
+              f"{rb.get('after', {}).get('chunks_over_balanced')}{rb.get('why_not', '')}",
+              flush=True)
+        save(run)
     rc = random_counts(rank, buckets, args.mixed_decodes, args.random_counts, args.repeats,
                        args.seed, args.max_seconds, tuple(args.gc_modes.split(",")))
     run["random_counts"] = rc
@@ -956,8 +1073,8 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                   f"{sc['tpot_ms_p50']} p99 {sc['tpot_ms_p99']} max {sc['tpot_ms_max']} ms vs "
                   f"{sc['tpot_ms_decode_only']} ms decode-only ({sc['decode_path']}): p99 "
                   f"{sc['p99_over_decode_only']}x; the prompt's TTFT ≈ "
-                  f"{sc['prompt_ttft_s_est']} s (all layers {sc['prompt_ttft_s_est_all_layers']})",
-                  flush=True)
+                  f"{sc['prompt_ttft_s_est']} s (all layers {sc['prompt_ttft_s_est_all_layers']})"
+                  f"{_stall_note(sc)}", flush=True)
             save(run)
     if args.schedule_prompt and args.schedule_pacer:
         for mode in args.schedule_modes:
@@ -969,7 +1086,7 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                   f"{sc['tpot_ms_p99']} max {sc['tpot_ms_max']} ms vs "
                   f"{sc['tpot_ms_decode_only']} ms decode-only: p99 "
                   f"{sc['p99_over_decode_only']}x; the prompt's TTFT {sc['prompt_ttft_s']} s "
-                  f"(all layers {sc['prompt_ttft_s_all_layers']})", flush=True)
+                  f"(all layers {sc['prompt_ttft_s_all_layers']}){_stall_note(sc)}", flush=True)
             save(run)
     run["prompts"] = []
     for P in args.prompts:
@@ -981,7 +1098,7 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
               f"{row['chunks_run']}/{row['chunks_total']}"
               + (" extrapolated" if row["extrapolated"] else ""), flush=True)
         save(run)
-    if args.prompts:        # what the measured MFU's routing was (random router weights)
+    if args.prompts:        # what the measured MFU's routing was (--router)
         run["routing"] = routing_balance(rank, min(max(args.prompts), args.prefill_budget))
         print(f"[prefill] {tag} routing of a {run['routing']['tokens']}-token step: "
               f"{run['routing'].get('mean')} (chunks / balanced "
@@ -1166,6 +1283,12 @@ def main(argv=None) -> int:
                          "MLA flash SDPA, 64-pair MoE chunks); reference: the PyTorch "
                          "references and 16-pair MoE chunks (the stock path before them, the "
                          "baseline)")
+    ap.add_argument("--router", default="balanced", choices=("balanced", "random"),
+                    help="balanced (default): after the warm-up, each MoE layer's selection "
+                         "bias is set so a budget step's pairs spread evenly over the experts "
+                         "(as K3's training balances them), the random router's largest "
+                         "one-step prompt measured first as the baseline; random: the random "
+                         "weights' own, uneven routing (cheaper expert kernels: flatters MFU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--png", default=None, help="TTFT against prompt length (matplotlib)")
@@ -1235,7 +1358,8 @@ def main(argv=None) -> int:
         pad_prefill=bool(args.pad_prefill), stock_graphs=args.stock_graphs,
         stock_single=bool(args.stock_single), stock_mixed=bool(args.stock_mixed),
         mixed_decodes=args.mixed_decodes, random_counts=args.random_counts,
-        max_seconds=args.max_seconds, seed=args.seed, flops_method=FLOPS_METHOD,
+        max_seconds=args.max_seconds, seed=args.seed, router=args.router,
+        flops_method=FLOPS_METHOD,
         summary_method="from the TP16 run: the 8192-token prompt's MFU and TTFT (all layers), "
                        "the stock batch-1 decode step's kernels / layers; null where not run "
                        "(another TP, other prompts, or no CUDA for the kernel count)",
