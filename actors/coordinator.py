@@ -433,11 +433,15 @@ class CoordinatorCore:
         """The deployment's split_mixed_steps, or (auto) on when decode steps can take the
         specialized path and replay captured graphs: a decode token riding a prefill step
         would run it on the eager stock path (H200, K3 TP16: a 128-token stock step 1.7 s
-        against a 22 ms graphed batch-16 decode step)."""
+        against a 22 ms graphed batch-16 decode step). Off again where the ranks capture
+        mixed-step graphs (RAYDECODE_STOCK_MIXED=1): a mixed step then replays one graph,
+        and beside 63 streams at 24 K3 layers on the H100 it cost them 1.55x their decode
+        step (192-token chunks) where the split pair cost 2.46x (docs/perf-log/prefill.md)."""
         want = self.config.split_mixed_steps
         if want is not None:
             return bool(want)
-        return bool(self.policy.enabled and getattr(inner, "decode_graphed", False))
+        return bool(self.policy.enabled and getattr(inner, "decode_graphed", False)
+                    and not stock_mixed_setting())
 
     async def close(self) -> None:
         self.loop_state = self.loop_state if self.loop_state != "ok" else "closed"

@@ -134,9 +134,12 @@ _ALL = (
             "continuations: the mixed schedule's step) with every KDA attention core inside the "
             "graph (models/kda.py `_core_mixed`: the chunk through the single-sequence core, the "
             "continuations through the decode-row kernel on fixed-length device lists), only "
-            "the MLA cores eager. Off until measured on a GPU: at 24 K3 layers on the H100 a "
-            "mixed step's 18 eager KDA cores put a one-token chunk beside 63 streams at 2.08x "
-            "their decode step (docs/perf-log/prefill.md). '1': on",
+            "the MLA cores eager. Measured on the H100 at 24 K3 layers beside 63 streams: a "
+            "mixed step in step bucket 128 / 256 / 512 costs 1.25x / 1.6x / 2.0x their "
+            "decode step (eager KDA cores: a one-token chunk already 2.08x), and with it on "
+            "split_mixed_steps (auto) keeps mixed steps (docs/perf-log/prefill.md). Off by "
+            "default until its memory is measured at full depth (a third graph per bucket) "
+            "and the build's replay check covers live continuations. '1': on",
             "'0' (off) or '1' (on)", _strict_bool),
     Setting("RAYDECODE_STOCK_FUSED", "1", "'0': the stock path (prefill, mixed and stock "
             "decode steps) runs its PyTorch chains where it has fused kernels on CUDA bf16 "

@@ -381,10 +381,11 @@ def test_coordinator_sets_its_gil_switch_interval_and_bad_values_are_named():
             cfg(coordinator_switch_interval_ms=bad)
 
 
-def test_split_mixed_steps_auto_follows_graphed_decode():
+def test_split_mixed_steps_auto_follows_graphed_decode(monkeypatch):
     """split_mixed_steps null: on when the executor's decode steps replay captured graphs and
-    the envelope is on (a decode token riding a prefill step would run eager stock); an
-    explicit value wins; the CPU tiny replica (no graphs) keeps mixed steps."""
+    the envelope is on (a decode token riding a prefill step would run eager stock), off
+    with mixed-step graphs (RAYDECODE_STOCK_MIXED=1); an explicit value wins; the CPU tiny
+    replica (no graphs) keeps mixed steps."""
     from raydecode.actors.coordinator import CoordinatorCore, build_executor
 
     class Graphed:
@@ -410,6 +411,9 @@ def test_split_mixed_steps_auto_follows_graphed_decode():
     assert split(cfg(split_mixed_steps=False), graphed=True) == (False, False)
     assert split(cfg(split_mixed_steps=True), graphed=False) == (True, True)
     assert split(cfg(envelope={"enabled": False}), graphed=True) == (False, False)
+    monkeypatch.setenv("RAYDECODE_STOCK_MIXED", "1")
+    assert split(cfg(), graphed=True) == (False, False)
+    assert split(cfg(split_mixed_steps=True), graphed=True) == (True, True)
 
 
 def test_stats_show_the_pacer_where_one_paces():
