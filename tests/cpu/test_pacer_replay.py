@@ -62,3 +62,53 @@ def test_replay_takes_the_stretch_and_refuses_a_bad_one(tmp_path):
     with pytest.raises(SystemExit):
         pacer_replay.main(["--source", str(src), "--out", str(tmp_path / "x.json"),
                            "--stretch", "0.5"])
+
+
+def _mixed_source(tmp_path, name, cost, chunks, decodes=63, prompt=4096):
+    """A prefill JSON with one fixed-chunk mixed schedule row per chunk size: every step's
+    time `cost(step bucket)` ms; the decode-only median 4 ms."""
+    rows = []
+    for c in chunks:
+        samples = [{"pos": p, "mixed_ms": cost(1 << (min(c, prompt - p) + decodes - 1)
+                                               .bit_length())}
+                   for p in range(0, prompt, c)]
+        rows.append({"mode": "mixed", "decodes": decodes, "prompt_tokens": prompt,
+                     "chunk_tokens": c, "tpot_ms_decode_only": 4.0, "samples": samples})
+    p = tmp_path / name
+    p.write_text(json.dumps({"gpu": "X", "commit": "abc", "date": "d",
+                             "runs": [{"schedule": rows}]}))
+    return p
+
+
+def test_mixed_replay_pools_the_step_buckets_and_fills_one(tmp_path):
+    """Mixed steps costing 5 / 6 / 9 ms in step buckets 128 / 256 / 512 (whatever the chunk
+    inside), decode 4 ms, limit 1.6 (6.4 ms): the pacer settles on 193 tokens, the chunk that
+    fills bucket 256 beside 63 rows; two sources' rows pool into one table per bucket."""
+    table = {128: 5.0, 256: 6.0, 512: 9.0}
+    a = _mixed_source(tmp_path, "a.json", table.get, [64, 128])
+    b = _mixed_source(tmp_path, "b.json", table.get, [256, 448])
+    out = tmp_path / "r.json"
+    pacer_replay.main(["--mode", "mixed", "--limit", "1.6", "--cap", "448", "--source",
+                       f"{a},{b}", "--out", str(out), "--seeds", "2"])
+    rep = json.loads(out.read_text())
+    assert rep["mode"] == "mixed" and rep["limit"] == 1.6 and rep["chunk_cap"] == 448
+    # 64-token chunks: 64 steps of 127 tokens; 128: 32 of 191; 256: 16 of 319; 448: 9 of
+    # 511 and the last 64 tokens in one of 127
+    assert rep["measured"]["step_buckets_sampled"] == {"128": 64 + 1, "256": 32,
+                                                       "512": 16 + 9}
+    for r in rep["runs"]:
+        chosen = {int(k): v for k, v in r["chunks_chosen"].items()}
+        assert sum(n * c for n, c in chosen.items()) == 4096
+        assert max(chosen, key=chosen.get) == 256 - 63
+        assert r["p50_over_decode_only"] == pytest.approx(1.5)
+
+
+def test_mixed_replay_refuses_sources_of_other_schedules(tmp_path):
+    a = _mixed_source(tmp_path, "a.json", lambda k: 5.0, [64])
+    b = _mixed_source(tmp_path, "b.json", lambda k: 5.0, [64], decodes=31)
+    with pytest.raises(SystemExit, match="pool one schedule"):
+        pacer_replay.main(["--mode", "mixed", "--limit", "1.6", "--source", f"{a},{b}",
+                           "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="give --limit"):
+        pacer_replay.main(["--mode", "mixed", "--source", str(a),
+                           "--out", str(tmp_path / "r.json")])
