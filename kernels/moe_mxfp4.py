@@ -588,6 +588,7 @@ class MoEConfig:
     swap_ab: bool = False       # prefill: weight tile as the dots' A (register) operand
     tile_major: bool = False    # grid (tiles, chunks): a chunk's output tiles run back to back
     split_gate_up: bool = False  # swap_ab: gate and up rows in separate tiles + a SiTU pass
+    grouped_bf16: bool = False  # kernels/moe_grouped.py: dequantize, then bf16 grouped GEMMs
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -766,6 +767,9 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     k = topk_ids.shape[1]
     P, E, I = T * k, experts.num_experts, experts.intermediate
     cfg = config or default_config(P, E, I, L)
+    if cfg.grouped_bf16:            # decode the weights once, then bf16 grouped GEMMs
+        from .moe_grouped import moe_mxfp4_grouped
+        return moe_mxfp4_grouped(z, topk_weights, topk_ids, experts, out)
     if cfg.decode not in DECODES:
         raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of {list(DECODES)}")
     if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:

@@ -2,7 +2,7 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split]
+        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split|grouped]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -15,7 +15,9 @@ of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_conf
 `order`: the grid order (`MoEConfig.tile_major`), chunk-major first as the baseline;
 `split`: gate and up rows as separate one-accumulator tiles (`MoEConfig.split_gate_up`,
 shipped since the 1.13× of moe-prefill-sweep-h100-2026-12-06-split.json) against the fused
-form (first, the baseline).
+form (first, the baseline); `grouped`: the weights decoded once per call to bf16, then
+`torch._grouped_mm` (`MoEConfig.grouped_bf16`, kernels/moe_grouped.py) against the shipped
+kernels (first, the baseline).
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -56,6 +58,8 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
                        rep(sw, split_gate_up=True, block_m=256, num_stages=2),
                        rep(sw, split_gate_up=True, block_m=256, num_warps=8),
                        rep(sw, split_gate_up=True, gate_up_bk=M._largest_block(L, 128))])
+    if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
+        return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
         sw = fused
         return unique([rep(sw, tile_major=False), rep(sw, tile_major=True),
@@ -134,8 +138,8 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print)
             except Exception as e:       # compile / run / accuracy failure: recorded, skipped
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-            log(f"moe prefill TP{tp} T={T} bm{c.block_m}{'s' if c.swap_ab else ''}"
-                f"{'t' if c.tile_major else ''}{'g' if c.split_gate_up else ''} "
+            log(f"moe prefill TP{tp} T={T} {'grouped-bf16 ' if c.grouped_bf16 else ''}"
+                f"bm{c.block_m}{'s' if c.swap_ab else ''}{'t' if c.tile_major else ''}{'g' if c.split_gate_up else ''} "
                 f"{c.decode:11s} gu{c.gate_up_bn}x"
                 f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps} s{c.num_stages}: "
                 + (f"{row['ms']:7.3f} ms {row['tflop_s']:6.1f} TFLOP/s" if "ms" in row
@@ -158,7 +162,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
                     choices=["all", "base", "pairs", "swap", "shipped", "order",
-                             "split"])
+                             "split", "grouped"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
