@@ -36,7 +36,7 @@ try:  # CPU-only installs have no Triton: the PyTorch path serves them
     import triton
     import triton.language as tl
 
-    from .moe_mxfp4 import _dequant_tile, _situ_rows_kernel
+    from .moe_mxfp4 import _dequant_tile, _situ_rows_kernel, _weighted_sum_kernel
 except Exception:  # ImportError, or a broken install
     triton = tl = None
 
@@ -60,23 +60,6 @@ if triton is not None:
         v = _dequant_tile(w_ptr, s_ptr, rows, ok, k0, K, BR, BK)
         cols = k0 + tl.arange(0, BK)
         tl.store(out_ptr + rows[:, None] * K + cols[None, :], v, mask=ok[:, None])
-
-    @triton.jit
-    def _weighted_rows_kernel(y_ptr, row_ptr, topw_ptr, out_ptr, T, out_stride,
-                              K: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
-                              BL: tl.constexpr):
-        """out[t, n] = Σ_j w[t, j] · y[row[t·K + j], n] in fp32, j in order (y bf16 in the
-        expert-sorted order; row: each pair's row in it)."""
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
-        n = tl.program_id(1) * BL + tl.arange(0, BL)
-        ok = (t < T)[:, None] & (n < L)[None, :]
-        acc = tl.zeros((BT, BL), dtype=tl.float32)
-        for j in tl.static_range(K):
-            wt = tl.load(topw_ptr + t * K + j, mask=t < T, other=0.0)
-            row = tl.load(row_ptr + t * K + j, mask=t < T, other=0).to(tl.int64)
-            y = tl.load(y_ptr + row[:, None] * L + n[None, :], mask=ok, other=0.0)
-            acc += y.to(tl.float32) * wt[:, None]
-        tl.store(out_ptr + t[:, None] * out_stride + n[None, :], acc, mask=ok)
 
 
 def dequant_experts(packed: torch.Tensor, scales: torch.Tensor,
@@ -140,9 +123,9 @@ def moe_mxfp4_grouped(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
         row = torch.empty_like(order)
         row[order] = torch.arange(order.numel(), device=z.device)
         bt, bl = SUM_BLOCK
-        _weighted_rows_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
-            y, row, topk_weights.contiguous(), out, T, out.stride(0), K=k, L=L, BT=bt,
-            BL=bl, num_warps=4)
+        _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
+            y, topk_weights.contiguous(), out, T, out.stride(0), row, K=k, L=L, BT=bt,
+            BL=bl, HAS_ROW=True, num_warps=4)
         return out
     w = topk_weights.reshape(-1)[order].float().unsqueeze(-1)
     out.zero_()

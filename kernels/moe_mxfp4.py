@@ -537,17 +537,24 @@ if triton is not None:
                  mask=m_ok[None, :] & n_ok[:, None])
 
     @triton.jit(do_not_specialize=["T"])
-    def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, K: tl.constexpr,
-                             L: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
+    def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, row_ptr,
+                             K: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
+                             BL: tl.constexpr, HAS_ROW: tl.constexpr = False):
         """out[t, n] = Σ_j w[t, j] · y[t·K + j, n] in fp32, j in order (y bf16 (T·K, L); out
-        rows `out_stride` elements apart: a column block of a wider buffer)."""
+        rows `out_stride` elements apart: a column block of a wider buffer). HAS_ROW: pair
+        (t, j)'s row of y is row[t·K + j] (y in another order, kernels/moe_grouped.py's
+        expert-sorted one)."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         n = tl.program_id(1) * BL + tl.arange(0, BL)
         ok = (t < T)[:, None] & (n < L)[None, :]
         acc = tl.zeros((BT, BL), dtype=tl.float32)
         for j in tl.static_range(K):
             wt = tl.load(topw_ptr + t * K + j, mask=t < T, other=0.0)
-            y = tl.load(y_ptr + (t[:, None] * K + j) * L + n[None, :], mask=ok, other=0.0)
+            if HAS_ROW:
+                r = tl.load(row_ptr + t * K + j, mask=t < T, other=0).to(tl.int64)
+            else:
+                r = t * K + j
+            y = tl.load(y_ptr + r[:, None] * L + n[None, :], mask=ok, other=0.0)
             acc += y.to(tl.float32) * wt[:, None]
         tl.store(out_ptr + t[:, None] * out_stride + n[None, :], acc, mask=ok)
 
@@ -824,7 +831,7 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
         out = torch.empty(T, L, dtype=torch.float32, device=z.device)
     bt, bl = SUM_BLOCK
     _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
-        y, topk_weights.contiguous(), out, T, out.stride(0), K=k, L=L, BT=bt, BL=bl,
+        y, topk_weights.contiguous(), out, T, out.stride(0), y, K=k, L=L, BT=bt, BL=bl,
         num_warps=4)
     return out
 
