@@ -615,6 +615,35 @@ TUNED: dict[tuple[bool, int, int, int], MoEConfig] = {
 }
 
 
+def _grouped_pairs_from_env() -> int:
+    raw = os.environ.get("RAYDECODE_MOE_GROUPED_PAIRS", "0")
+    try:
+        v = int(raw)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise ValueError(f"RAYDECODE_MOE_GROUPED_PAIRS={raw!r}: expected a pair count ≥ 0 "
+                         "(0: never the grouped bf16 path)")
+    return v
+
+
+# From this many pairs an eager call with no explicit config takes the grouped bf16 path
+# (kernels/moe_grouped.py: the touched experts decoded once into a bf16 scratch, then
+# torch._grouped_mm) instead of `prefill_config`; 0: never. A call inside a CUDA graph capture
+# never does (its scratch is allocated per call), nor one on a GPU below sm90.
+GROUPED_PAIRS = _grouped_pairs_from_env()
+
+
+def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = None) -> bool:
+    """Whether `fused_moe_mxfp4_triton` runs this call on the grouped bf16 path."""
+    if config is not None:
+        return config.grouped_bf16
+    if not GROUPED_PAIRS or pairs < GROUPED_PAIRS or device.type != "cuda":
+        return False
+    return (torch.cuda.get_device_capability(device) >= (9, 0)
+            and not torch.cuda.is_current_stream_capturing())
+
+
 def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     """Prefill steps (≥ PREFILL_PAIRS pairs, tens to hundreds per expert): the swapped kernels
     on 128-pair chunks, so an expert's tile is decoded once per 128 of its pairs (not per 16)
@@ -773,10 +802,10 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     T, L = z.shape
     k = topk_ids.shape[1]
     P, E, I = T * k, experts.num_experts, experts.intermediate
-    cfg = config or default_config(P, E, I, L)
-    if cfg.grouped_bf16:            # decode the weights once, then bf16 grouped GEMMs
+    if grouped_wanted(P, z.device, config):   # decode the weights once, then bf16 GEMMs
         from .moe_grouped import moe_mxfp4_grouped
         return moe_mxfp4_grouped(z, topk_weights, topk_ids, experts, out)
+    cfg = config or default_config(P, E, I, L)
     if cfg.decode not in DECODES:
         raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of {list(DECODES)}")
     if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:
@@ -868,6 +897,6 @@ def touched_expert_bytes(topk_ids: torch.Tensor, experts: MXFP4Experts) -> int:
     return int(torch.unique(topk_ids).numel()) * experts.expert_bytes()
 
 
-__all__ = ["MXFP4Experts", "MoEConfig", "TUNED", "check_out", "default_config",
-           "fused_moe_mxfp4", "fused_moe_mxfp4_triton", "moe_mxfp4_reference", "moe_runs",
-           "touched_expert_bytes", "MAX_SCALE"]
+__all__ = ["GROUPED_PAIRS", "MAX_SCALE", "MXFP4Experts", "MoEConfig", "TUNED", "check_out",
+           "default_config", "fused_moe_mxfp4", "fused_moe_mxfp4_triton", "grouped_wanted",
+           "moe_mxfp4_reference", "moe_runs", "touched_expert_bytes"]

@@ -127,6 +127,7 @@ from raydecode.engine.sampling import SamplingRows, sample_isolated
 from raydecode.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from raydecode.engine.step_graph import (GraphedRunner, graph_cache_sizes, prefill_buckets,
                                          resolve_pad, unpadded_buckets)
+from raydecode.kernels import moe_mxfp4
 from raydecode.kernels.settings import is_token_bucket
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
@@ -1089,15 +1090,24 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                   f"(all layers {sc['prompt_ttft_s_all_layers']}){_stall_note(sc)}", flush=True)
             save(run)
     run["prompts"] = []
+    shipped = moe_mxfp4.GROUPED_PAIRS
+    for v in args.grouped_pairs:          # each alternative's kernels compiled before timing
+        if v != shipped:
+            with grouped_experts(v):
+                rank.step(args.prefill_budget, 0, pos=0)
     for P in args.prompts:
-        row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
-        run["prompts"].append(row)
-        print(f"[prefill] {tag} prompt {P}: TTFT {row['ttft_s']:.3f} s (all layers "
-              f"{row['ttft_s_all_layers']:.3f} s) {row['prefill_tok_s']:.0f} tok/s "
-              f"{row['tflop_s']:.1f} TFLOP/s MFU {row['mfu']:.3f} chunks "
-              f"{row['chunks_run']}/{row['chunks_total']}"
-              + (" extrapolated" if row["extrapolated"] else ""), flush=True)
-        save(run)
+        for v in args.grouped_pairs:      # interleaved per prompt: same-run alternatives
+            with grouped_experts(v):
+                row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
+            row.update(grouped_pairs=v, shipped=v == shipped)
+            run["prompts"].append(row)
+            print(f"[prefill] {tag} prompt {P} (experts grouped from {v or 'never'} pairs"
+                  f"{', as shipped' if v == shipped else ''}): TTFT {row['ttft_s']:.3f} s (all "
+                  f"layers {row['ttft_s_all_layers']:.3f} s) {row['prefill_tok_s']:.0f} tok/s "
+                  f"{row['tflop_s']:.1f} TFLOP/s MFU {row['mfu']:.3f} chunks "
+                  f"{row['chunks_run']}/{row['chunks_total']}"
+                  + (" extrapolated" if row["extrapolated"] else ""), flush=True)
+            save(run)
     if args.prompts:        # what the measured MFU's routing was (--router)
         run["routing"] = routing_balance(rank, min(max(args.prompts), args.prefill_budget))
         print(f"[prefill] {tag} routing of a {run['routing']['tokens']}-token step: "
@@ -1134,10 +1144,12 @@ def _per_layer(kern: dict) -> float:
 
 
 def summarize(runs: list[dict]) -> dict:
-    """SUMMARY_KEYS from the TP16 run's 8192-token prompt and batch-1 kernel count; None
-    where this run has no such case (another TP, prompts, or no CUDA)."""
+    """SUMMARY_KEYS from the TP16 run's 8192-token prompt (on the experts as shipped, not a
+    --grouped-pairs alternative) and batch-1 kernel count; None where this run has no such
+    case (another TP, prompts, or no CUDA)."""
     tp16 = next((r for r in runs if r["tp"] == 16), {})
-    p8k = next((p for p in tp16.get("prompts", ()) if p["prompt_tokens"] == 8192), None)
+    p8k = next((p for p in tp16.get("prompts", ())
+                if p["prompt_tokens"] == 8192 and p.get("shipped", True)), None)
     kern = tp16.get("stock_kernels_b1")
     return {"mfu_8k_tp16": p8k["mfu"] if p8k else None,
             "ttft_s_8k_tp16": p8k["ttft_s_all_layers"] if p8k else None,
@@ -1180,11 +1192,23 @@ KERNEL_SETS = {
 }
 
 
+@contextlib.contextmanager
+def grouped_experts(pairs: int):
+    """kernels/moe_mxfp4.py GROUPED_PAIRS = pairs inside (the pair count from which an eager
+    expert call takes the grouped bf16 path; 0: never), restored after."""
+    was = moe_mxfp4.GROUPED_PAIRS
+    moe_mxfp4.GROUPED_PAIRS = pairs
+    try:
+        yield
+    finally:
+        moe_mxfp4.GROUPED_PAIRS = was
+
+
 def use_kernels(name: str) -> None:
     """Select the stock path's prefill kernels for this process (`KERNEL_SETS`): the switches
     the model reads at each step (the KDA varlen predicate, the MLA prefill impl, the MoE
     prefill threshold)."""
-    from raydecode.kernels import kda_prefill, moe_mxfp4
+    from raydecode.kernels import kda_prefill
     from raydecode.models.mla import MLAAttention
     if name not in KERNEL_SETS:
         raise SystemExit(f"--kernels {name!r}: expected one of {', '.join(KERNEL_SETS)}")
@@ -1289,6 +1313,12 @@ def main(argv=None) -> int:
                          "(as K3's training balances them), the random router's largest "
                          "one-step prompt measured first as the baseline; random: the random "
                          "weights' own, uneven routing (cheaper expert kernels: flatters MFU)")
+    ap.add_argument("--grouped-pairs", default=None,
+                    help="comma-separated values of kernels/moe_mxfp4.py GROUPED_PAIRS (the "
+                         "pairs from which an eager expert call decodes the weights once and "
+                         "runs bf16 grouped GEMMs; 0: never) each prompt runs under, "
+                         "interleaved (default: the shipped value alone); the summary takes "
+                         "the shipped value's row")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--png", default=None, help="TTFT against prompt length (matplotlib)")
@@ -1301,6 +1331,8 @@ def main(argv=None) -> int:
     if args.schedule_pacer and not args.schedule_pacer > 1:
         raise SystemExit(f"--schedule-pacer {args.schedule_pacer}: expected 0 (off) or a "
                          "limit > 1")
+    args.grouped_pairs = (int_list("--grouped-pairs", args.grouped_pairs, 0)
+                          if args.grouped_pairs else [moe_mxfp4.GROUPED_PAIRS])
     args.schedule_modes = args.schedule_modes.split(",")
     if not args.schedule_modes or set(args.schedule_modes) - {"split", "mixed"}:
         raise SystemExit(f"--schedule-modes {','.join(args.schedule_modes)}: expected a "

@@ -228,6 +228,7 @@ def test_ttft_extrapolation_and_buckets():
     (["--layers", "7"], "--layers 7: expected 1..6"),
     (["--schedule-pairs", "0"], "--schedule-pairs 0: expected"),
     (["--schedule-prompt", "-1"], "--schedule-prompt -1"),
+    (["--grouped-pairs", "-5"], "--grouped-pairs -5: expected comma-separated integers >= 0"),
 ])
 def test_bad_flags_exit_with_the_value(argv, match):
     with pytest.raises(SystemExit, match=match):
@@ -281,6 +282,30 @@ def test_prefill_bench_budget_sweep_cpu(tmp_path):
     for r in sweep:
         assert r["ttft_s"] == pytest.approx(sum(r["chunk_ms"]) / 1e3, rel=1e-3)
         assert r["mfu"] > 0 and r["mixed_step_ms"] > 0
+
+
+def test_prefill_bench_grouped_pairs_alternatives_cpu(tmp_path):
+    """--grouped-pairs: every prompt once per value, interleaved, each row naming its value
+    and whether it is the shipped one; the module's value restored after; the summary from
+    the shipped row (none here: the tiny run is not TP16, so the rows are checked)."""
+    from raydecode.kernels import moe_mxfp4
+    out = tmp_path / "grouped.json"
+    shipped = moe_mxfp4.GROUPED_PAIRS
+    other = shipped + 64
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "20,40",
+                         "--prefill-budget", "16", "--grouped-pairs", f"{shipped},{other}",
+                         "--mixed-decodes", "2", "--context", "8", "--random-counts", "0",
+                         "--repeats", "1", "--steps", "1", "--graphed", "0",
+                         "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert [(p["prompt_tokens"], p["grouped_pairs"], p["shipped"]) for p in run["prompts"]] == [
+        (20, shipped, True), (20, other, False), (40, shipped, True), (40, other, False)]
+    assert moe_mxfp4.GROUPED_PAIRS == shipped
+    rows = [{"tp": 16, "prompts": [dict(p, prompt_tokens=8192, mfu=m, ttft_s_all_layers=1.0)
+                                   for p, m in zip(run["prompts"][:2], (0.3, 0.5))]}]
+    assert prefill.summarize(rows)["mfu_8k_tp16"] == 0.3
+    rows[0]["prompts"].reverse()
+    assert prefill.summarize(rows)["mfu_8k_tp16"] == 0.3
 
 
 def test_prefill_bench_refuses_a_padded_sweep():

@@ -59,3 +59,33 @@ def test_grouped_refuses_a_non_bf16_input():
     ex, z, w, ids = _case(8, 64, 32, 2, 4, 0)
     with pytest.raises(ValueError, match="grouped experts: z torch.float32"):
         G.moe_mxfp4_grouped(z.float(), w, ids, ex)
+
+
+def test_grouped_pairs_switch(monkeypatch):
+    """GROUPED_PAIRS picks the grouped path for an eager CUDA call of that many pairs or more
+    and never on the CPU, below it, at 0, or where an explicit config says otherwise; a bad
+    RAYDECODE_MOE_GROUPED_PAIRS is refused naming the value."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(M, "GROUPED_PAIRS", 4096)
+    assert M.grouped_wanted(4096, cuda) and M.grouped_wanted(1 << 17, cuda)
+    assert not M.grouped_wanted(4095, cuda)
+    assert not M.grouped_wanted(1 << 17, torch.device("cpu"))
+    assert not M.grouped_wanted(1 << 17, cuda, M.prefill_config(64, 32))
+    assert M.grouped_wanted(8, torch.device("cpu"), M.MoEConfig(64, 64, 64, 32,
+                                                                grouped_bf16=True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not M.grouped_wanted(1 << 17, cuda), "a graph capture never takes the grouped path"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert not M.grouped_wanted(1 << 17, cuda), "sm80 has no grouped_mm kernels"
+    monkeypatch.setattr(M, "GROUPED_PAIRS", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert not M.grouped_wanted(1 << 17, cuda)
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv("RAYDECODE_MOE_GROUPED_PAIRS", bad)
+        with pytest.raises(ValueError, match=f"RAYDECODE_MOE_GROUPED_PAIRS='{bad}'"):
+            M._grouped_pairs_from_env()
+    monkeypatch.setenv("RAYDECODE_MOE_GROUPED_PAIRS", "32768")
+    assert M._grouped_pairs_from_env() == 32768
