@@ -583,13 +583,16 @@ def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, 
         base.append(rank.step(0, decodes, path))
         pacer.observe(0, decodes, base[-1])
     samples, pos, total = [], 0, 0.0
+    probe = StepProbe(rank.device)
     while pos < prompt:
         n = min(pacer.chunk_cap(cap, decodes), prompt - pos)
         if mode == "mixed":
-            tm = rank.step(n, decodes, "stock", pos=pos)
+            host: dict = {}
+            with probe.measure(host):
+                tm = rank.step(n, decodes, "stock", pos=pos)
             pacer.observe(n, decodes, tm)
             samples.append({"pos": pos, "chunk_tokens": n, "mixed_ms": _ms(tm),
-                            "tpot_ms": _ms(tm), **_device_ms(rank.last_device_s)})
+                            "tpot_ms": _ms(tm), **_device_ms(rank.last_device_s), **host})
             total += tm
         else:
             tc = rank.step(n, 0, "stock", pos=pos)
@@ -603,6 +606,7 @@ def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, 
                                 **_device_ms(dc, rank.last_device_s)})
             total += tc + td
         pos += n
+    probe.close()
     chosen: dict[int, int] = {}
     for x in samples:
         chosen[x["chunk_tokens"]] = chosen.get(x["chunk_tokens"], 0) + 1
@@ -627,10 +631,11 @@ def _device_ms(*steps: float | None) -> dict:
 
 
 def _stall_note(sc: dict) -> str:
-    """The schedule line's device p99 and its slow samples (pos, wall ms, device ms)."""
+    """The schedule line's device p99 and its slow samples (pos, wall ms, device ms, and on
+    mixed steps GC ms, new segments, alloc retries)."""
     if "device_ms_p99" not in sc:
         return ""
-    slow = [(x["pos"], x["tpot_ms"], x["device_ms"]) for x in sc["slow_samples"]]
+    slow = [tuple(x.values()) for x in sc["slow_samples"]]
     return (f"; device p50 {sc['device_ms_p50']} p99 {sc['device_ms_p99']} ms, "
             f"{len(slow)} slow: {slow[:8]}")
 
@@ -638,6 +643,11 @@ def _stall_note(sc: dict) -> str:
 def _pct(sorted_ms: list[float], q: float) -> float:
     """Nearest-rank percentile of sorted values."""
     return sorted_ms[min(len(sorted_ms) - 1, max(0, math.ceil(q * len(sorted_ms)) - 1))]
+
+
+# what a slow schedule sample keeps: where, wall and device time, and (mixed steps) what the
+# host paid besides the kernels (StepProbe: GC ms, new allocator segments, alloc retries)
+SLOW_KEYS = ("pos", "tpot_ms", "device_ms", "gc_ms", "new_segments", "alloc_retries")
 
 
 def _tpot_stats(samples: list[dict], base: list[float], scale: float) -> dict:
@@ -656,8 +666,7 @@ def _tpot_stats(samples: list[dict], base: list[float], scale: float) -> dict:
         dv = sorted(x["device_ms"] for x in samples)
         out.update(device_ms_p50=_pct(dv, 0.5), device_ms_p99=_pct(dv, 0.99),
                    device_ms_max=dv[-1],
-                   slow_samples=[{"pos": x["pos"], "tpot_ms": x["tpot_ms"],
-                                  "device_ms": x["device_ms"]} for x in samples
+                   slow_samples=[{k: x[k] for k in SLOW_KEYS if k in x} for x in samples
                                  if x["tpot_ms"] > 1.5 * p50])
     return out
 
@@ -681,17 +690,21 @@ def schedule_case(rank: PrefillRank, decodes: int, prompt: int, chunk: int, pair
         starts = sorted({starts[round(i * (len(starts) - 1) / (pairs - 1))]
                          for i in range(pairs)}) if pairs > 1 else [starts[-1]]
     samples = []
+    probe = StepProbe(rank.device)
     for pos in starts:
         if mode == "mixed":
-            tm = rank.step(min(chunk, prompt - pos), decodes, "stock", pos=pos)
+            host: dict = {}
+            with probe.measure(host):
+                tm = rank.step(min(chunk, prompt - pos), decodes, "stock", pos=pos)
             samples.append({"pos": pos, "mixed_ms": _ms(tm), "tpot_ms": _ms(tm),
-                            **_device_ms(rank.last_device_s)})
+                            **_device_ms(rank.last_device_s), **host})
             continue
         tc = rank.step(min(chunk, prompt - pos), 0, "stock", pos=pos)
         dc = rank.last_device_s
         td = rank.step(0, decodes, path)
         samples.append({"pos": pos, "chunk_ms": _ms(tc), "decode_ms": _ms(td),
                         "tpot_ms": _ms(tc + td), **_device_ms(dc, rank.last_device_s)})
+    probe.close()
     # the prompt's TTFT on this schedule: every chunk step and the decode step between two
     # (pairs_total − 1 of them), at the sampled pairs' mean times (positions spread evenly)
     n = len(range(0, prompt, chunk))

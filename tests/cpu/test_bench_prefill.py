@@ -415,6 +415,8 @@ def test_prefill_bench_schedule_case_cpu(tmp_path):
     assert mixed["chunk_tokens"] == 8 and mixed["pairs_run"] == 4
     for x in mixed["samples"]:
         assert x["tpot_ms"] == x["mixed_ms"] and "decode_ms" not in x
+        # what the host paid besides the kernels (CPU: no allocator, so no segments)
+        assert x["gc_ms"] >= 0 and x["new_segments"] == x["alloc_retries"] == 0
     assert mixed["prompt_ttft_s_est"] == pytest.approx(
         8 * sum(x["mixed_ms"] for x in mixed["samples"]) / 4 / 1e3, abs=2e-3)
     # 32 is above the 16-token budget: a chunk holds at most the budget
@@ -461,6 +463,7 @@ def test_prefill_bench_paced_schedule_cpu(tmp_path):
                                                              if b <= top}
     split, mixed = paced
     # mixed: every chunk is a sample and the chunks tile the prompt
+    assert all(x["gc_ms"] >= 0 and "new_segments" in x for x in mixed["samples"])
     assert sum(x["chunk_tokens"] for x in mixed["samples"]) == 40
     assert mixed["prompt_ttft_s"] == pytest.approx(
         sum(x["mixed_ms"] for x in mixed["samples"]) / 1e3, abs=2e-3)
@@ -472,3 +475,16 @@ def test_prefill_bench_paced_schedule_cpu(tmp_path):
 def test_prefill_bench_refuses_a_pacer_limit_of_one_or_less():
     with pytest.raises(SystemExit, match="--schedule-pacer 1.0: expected 0 .off. or a limit"):
         prefill.main(["--config", "tiny", "--device", "cpu", "--schedule-pacer", "1"])
+
+
+def test_tpot_stats_name_the_slow_samples_and_what_the_host_paid():
+    """Samples over 1.5× the median are listed with their device time and, where the step
+    was probed, its GC ms, new allocator segments and alloc retries."""
+    samples = [{"pos": i, "tpot_ms": 10.0, "device_ms": 9.5, "gc_ms": 0.0, "new_segments": 0,
+                "alloc_retries": 0, "mixed_ms": 10.0} for i in range(9)]
+    samples.append({"pos": 9, "tpot_ms": 40.0, "device_ms": 39.0, "gc_ms": 0.1,
+                    "new_segments": 2, "alloc_retries": 1, "mixed_ms": 40.0})
+    st = prefill._tpot_stats(samples, [0.008, 0.008], 1.0)
+    assert st["slow_samples"] == [{"pos": 9, "tpot_ms": 40.0, "device_ms": 39.0, "gc_ms": 0.1,
+                                   "new_segments": 2, "alloc_retries": 1}]
+    assert st["p99_over_decode_only"] == 5.0 and st["device_ms_max"] == 39.0
