@@ -1229,6 +1229,7 @@ def use_kernels(name: str) -> None:
         kda_prefill.available = lambda *ts: False
         MLAAttention.prefill_impl = "reference"
         moe_mxfp4.PREFILL_PAIRS = 1 << 62
+        moe_mxfp4.GROUPED_PAIRS = 0
 
 
 def main(argv=None) -> int:

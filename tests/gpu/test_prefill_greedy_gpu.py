@@ -56,6 +56,7 @@ def _reference_runs(model, prompts, monkeypatch, forced=None, budget=BUDGET):
         m.setattr(kda_prefill, "available", kda_prefill.available)     # restored after
         m.setattr(MLAAttention, "prefill_impl", MLAAttention.prefill_impl)
         m.setattr(moe_mxfp4, "PREFILL_PAIRS", moe_mxfp4.PREFILL_PAIRS)
+        m.setattr(moe_mxfp4, "GROUPED_PAIRS", moe_mxfp4.GROUPED_PAIRS)
         use_kernels("reference")
         return [run_forced(model, p, N_TOKENS, forced=None if forced is None else f.tokens,
                            budget=budget)
@@ -64,15 +65,20 @@ def _reference_runs(model, prompts, monkeypatch, forced=None, budget=BUDGET):
 
 # (model, step budget): at 96 tokens K3's top-16 makes 1,536 (token, expert) pairs, below the
 # MoE's PREFILL_PAIRS; at 160 a chunk of 131 or 160 tokens (2,096 / 2,560 pairs) runs the
-# prefill MoE kernels (kernels/moe_mxfp4.py `prefill_config`: the swapped-operand kernels).
-@pytest.mark.parametrize("which,budget", [("tiny", BUDGET), ("k3-slice", BUDGET),
-                                          ("k3-slice", 160)])
-def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, budget, monkeypatch):
+# prefill MoE kernels (kernels/moe_mxfp4.py `prefill_config`: the swapped-operand kernels);
+# grouped: those chunks on the grouped bf16 experts instead (GROUPED_PAIRS at PREFILL_PAIRS,
+# kernels/moe_grouped.py), which a deployment turns on for its large eager steps.
+@pytest.mark.parametrize("which,budget,grouped", [("tiny", BUDGET, 0), ("k3-slice", BUDGET, 0),
+                                                  ("k3-slice", 160, 0),
+                                                  ("k3-slice", 160, moe_mxfp4.PREFILL_PAIRS)])
+def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, budget, grouped,
+                                                                 monkeypatch):
     model, prompts = _model(which, torch.float32)
     refs = _reference_runs(model, prompts, monkeypatch, budget=budget)
     total = ties = 0
     with monkeypatch.context() as m:
         m.setattr(MLAAttention, "prefill_impl", "sdpa")      # "auto" keeps fp32 on the reference
+        m.setattr(moe_mxfp4, "GROUPED_PAIRS", grouped)
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             got = run_forced(model, p, N_TOKENS, forced=ref.tokens, budget=budget)
             msg = f"{which} fp32 budget {budget} prompt {i}"
