@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels._triton import tanh_f32
+from raydecode.kernels.settings import moe_grouped_pairs
 from raydecode.models.layers import situ
 from raydecode.models.mxfp4 import GROUP_SIZE, SCALE_BIAS, MXFP4Error, unpack_mxfp4
 
@@ -615,23 +616,12 @@ TUNED: dict[tuple[bool, int, int, int], MoEConfig] = {
 }
 
 
-def _grouped_pairs_from_env() -> int:
-    raw = os.environ.get("RAYDECODE_MOE_GROUPED_PAIRS", "0")
-    try:
-        v = int(raw)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise ValueError(f"RAYDECODE_MOE_GROUPED_PAIRS={raw!r}: expected a pair count ≥ 0 "
-                         "(0: never the grouped bf16 path)")
-    return v
-
-
 # From this many pairs an eager call with no explicit config takes the grouped bf16 path
 # (kernels/moe_grouped.py: the touched experts decoded once into a bf16 scratch, then
 # torch._grouped_mm) instead of `prefill_config`; 0: never. A call inside a CUDA graph capture
-# never does (its scratch is allocated per call), nor one on a GPU below sm90.
-GROUPED_PAIRS = _grouped_pairs_from_env()
+# never does (its scratch is allocated per call), nor one on a GPU below sm90. The setting
+# RAYDECODE_MOE_GROUPED_PAIRS (kernels/settings.py) at import.
+GROUPED_PAIRS = moe_grouped_pairs()
 
 
 def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = None) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from raydecode.kernels import moe_grouped as G
 from raydecode.kernels import moe_mxfp4 as M
+from raydecode.kernels.settings import moe_grouped_pairs
 
 from _numerics import fresh_seed, rel_err
 
@@ -85,7 +86,7 @@ def test_grouped_pairs_switch(monkeypatch):
     assert not M.grouped_wanted(1 << 17, cuda)
     for bad in ("-1", "lots"):
         monkeypatch.setenv("RAYDECODE_MOE_GROUPED_PAIRS", bad)
-        with pytest.raises(ValueError, match=f"RAYDECODE_MOE_GROUPED_PAIRS='{bad}'"):
-            M._grouped_pairs_from_env()
+        with pytest.raises(ValueError, match=f"RAYDECODE_MOE_GROUPED_PAIRS='{bad}'; accepted"):
+            moe_grouped_pairs()
     monkeypatch.setenv("RAYDECODE_MOE_GROUPED_PAIRS", "32768")
-    assert M._grouped_pairs_from_env() == 32768
+    assert moe_grouped_pairs() == 32768
