@@ -418,18 +418,27 @@ class StepProbe:
             self.gc_s += time.perf_counter() - self._t
             self._t = None
 
-    def _alloc(self) -> tuple[int, int]:
+    def _alloc(self) -> tuple[int, int, int, float]:
+        """(device segments, alloc retries, pinned host blocks created, µs spent creating
+        them: a cudaHostAlloc can take milliseconds, e.g. a host-built index crossing a
+        power-of-two size)."""
         if not self.cuda:
-            return 0, 0
+            return 0, 0, 0, 0.0
         st = torch.cuda.memory_stats()
-        return st.get("segment.all.allocated", 0), st.get("num_alloc_retries", 0)
+        try:
+            hs = torch.cuda.host_memory_stats()
+        except (AttributeError, RuntimeError):      # a torch without the pinned stats
+            hs = {}
+        return (st.get("segment.all.allocated", 0), st.get("num_alloc_retries", 0),
+                hs.get("num_host_alloc", 0), hs.get("host_alloc_time.total", 0.0))
 
     @contextlib.contextmanager
     def measure(self, into: dict):
-        g0, (s0, r0) = self.gc_s, self._alloc()
+        g0, (s0, r0, h0, t0) = self.gc_s, self._alloc()
         yield
-        s1, r1 = self._alloc()
-        into.update(gc_ms=_ms(self.gc_s - g0), new_segments=s1 - s0, alloc_retries=r1 - r0)
+        s1, r1, h1, t1 = self._alloc()
+        into.update(gc_ms=_ms(self.gc_s - g0), new_segments=s1 - s0, alloc_retries=r1 - r0,
+                    new_pinned=h1 - h0, pinned_alloc_ms=round((t1 - t0) / 1e3, 3))
 
     def close(self) -> None:
         gc.callbacks.remove(self._cb)
@@ -646,8 +655,10 @@ def _pct(sorted_ms: list[float], q: float) -> float:
 
 
 # what a slow schedule sample keeps: where, wall and device time, and (mixed steps) what the
-# host paid besides the kernels (StepProbe: GC ms, new allocator segments, alloc retries)
-SLOW_KEYS = ("pos", "tpot_ms", "device_ms", "gc_ms", "new_segments", "alloc_retries")
+# host paid besides the kernels (StepProbe: GC ms, new allocator segments, alloc retries,
+# new pinned host blocks and the ms creating them)
+SLOW_KEYS = ("pos", "tpot_ms", "device_ms", "gc_ms", "new_segments", "alloc_retries",
+             "new_pinned", "pinned_alloc_ms")
 
 
 def _tpot_stats(samples: list[dict], base: list[float], scale: float) -> dict:
