@@ -54,7 +54,6 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels._triton import tanh_f32
-from raydecode.kernels.settings import moe_grouped_pairs
 from raydecode.models.layers import situ
 from raydecode.models.mxfp4 import GROUP_SIZE, SCALE_BIAS, MXFP4Error, unpack_mxfp4
 
@@ -619,9 +618,13 @@ TUNED: dict[tuple[bool, int, int, int], MoEConfig] = {
 # From this many pairs an eager call with no explicit config takes the grouped bf16 path
 # (kernels/moe_grouped.py: the touched experts decoded once into a bf16 scratch, then
 # torch._grouped_mm) instead of `prefill_config`; 0: never. A call inside a CUDA graph capture
-# never does (its scratch is allocated per call), nor one on a GPU below sm90. The setting
-# RAYDECODE_MOE_GROUPED_PAIRS (kernels/settings.py) at import.
-GROUPED_PAIRS = moe_grouped_pairs()
+# never does (its scratch is allocated per call), nor one on a GPU below sm90. 0 as shipped:
+# the grouped path measured slower on the H100 (K3 TP16, balanced routing: one 8,192-token
+# call 5.91 ms against the split kernel's 4.43, 2,048 tokens 4.55 against 2.47; the 24-layer
+# 8k prompt's MFU 0.265 against 0.327 in the same run: bench/results/moe-prefill-sweep-h100-
+# 2026-12-07-grouped.json, prefill-h100-2026-12-07-grouped24.json). Kept as the prefill
+# bench's same-run alternative (`--grouped-pairs`), not as a deployment setting.
+GROUPED_PAIRS = 0
 
 
 def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = None) -> bool:

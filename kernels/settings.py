@@ -87,12 +87,6 @@ def _token_bucket(raw: str, s: Setting) -> int:     # 0 (off) or a token bucket
     return int(raw)
 
 
-def _count(raw: str, s: Setting) -> int:           # an integer ≥ 0
-    if not raw.isdigit():
-        raise ValueError(f"{s.name}={raw!r}; accepted: {s.accepted}")
-    return int(raw)
-
-
 def _multiple_of_16(raw: str, s: Setting) -> int:
     if not raw.isdigit() or int(raw) == 0 or int(raw) % 16:
         raise ValueError(f"{s.name}={raw!r}; accepted: {s.accepted}")
@@ -147,14 +141,6 @@ _ALL = (
             "default until its memory is measured at full depth (a third graph per bucket) "
             "and the build's replay check covers live continuations. '1': on",
             "'0' (off) or '1' (on)", _strict_bool),
-    Setting("RAYDECODE_MOE_GROUPED_PAIRS", "0", "from this many (token, expert) pairs an "
-            "eager routed-expert call (a prefill step above the stock-graph cap) decodes the "
-            "touched experts' MXFP4 weights once into a bf16 scratch and runs them as "
-            "torch._grouped_mm GEMMs (kernels/moe_grouped.py) instead of the fused MXFP4 "
-            "kernels; never inside a CUDA graph capture or below sm90. The scratch is the "
-            "rank's w13 in bf16 (2.5 GB at K3 TP16) on top of the step's activations. 0: never",
-            "an integer ≥ 0 (e.g. 32768: steps of 2,048 tokens and more at K3's top-16)",
-            _count),
     Setting("RAYDECODE_STOCK_FUSED", "1", "'0': the stock path (prefill, mixed and stock "
             "decode steps) runs its PyTorch chains where it has fused kernels on CUDA bf16 "
             "(the KDA decode rows, gate and gated norm, the MLA decode rows through the paged "
@@ -244,10 +230,6 @@ def stock_single() -> bool:
 
 def stock_mixed() -> bool:
     return get("RAYDECODE_STOCK_MIXED")
-
-
-def moe_grouped_pairs() -> int:
-    return get("RAYDECODE_MOE_GROUPED_PAIRS")
 
 
 def stock_fused() -> bool:
