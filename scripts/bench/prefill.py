@@ -791,7 +791,8 @@ def prompt_case(rank: PrefillRank, tokens: int, fm: dict, rate: float, max_secon
             "chunk_ms": [None if t is None else round(t * 1e3, 3) for *_, t in chunks]}
 
 
-def routing_balance(rank: PrefillRank, tokens: int, block_m: int = 128) -> dict:
+def routing_balance(rank: PrefillRank, tokens: int, block_m: int = 128,
+                    decodes: int = 0) -> dict:
     """How the bench's router (random weights) spreads one step's (token, expert) pairs over
     the experts, per MoE layer of one eager chunk step of `tokens` tokens at position 0 (the
     routes recorded through models/moe.py `route` / `route_topk`; a step its stock graph
@@ -799,7 +800,9 @@ def routing_balance(rank: PrefillRank, tokens: int, block_m: int = 128) -> dict:
     pairs run in ⌈n / block_m⌉ chunks, each decoding the expert's tile once, so a skewed
     routing (few experts, long runs) is cheaper than a trained router's balanced one (K3 is
     trained with aux-free balancing). -> per layer and averaged: experts touched, max / mean
-    pairs per touched expert, the chunks at block_m against a balanced routing's."""
+    pairs per touched expert, the chunks at block_m against a balanced routing's. With
+    `decodes`: one eager stock decode-only step of that many one-token rows instead (the
+    streams' routing, which sets what their decode step's experts read)."""
     from raydecode.models import moe as moe_mod
     real, seen = (moe_mod.route, moe_mod.route_topk), []
 
@@ -811,8 +814,14 @@ def routing_balance(rank: PrefillRank, tokens: int, block_m: int = 128) -> dict:
         return wrapped
 
     moe_mod.route, moe_mod.route_topk = recording(real[0]), recording(real[1])
+    runner = getattr(rank, "runner", None)
     try:
-        rank.step(tokens, 0, pos=0)
+        with (stock_graphs_off(runner) if hasattr(runner, "stock_graph_tokens")
+              else contextlib.nullcontext()):           # eager, so the routes are recorded
+            if decodes:
+                rank.step(0, decodes)
+            else:
+                rank.step(tokens, 0, pos=0)
     finally:
         moe_mod.route, moe_mod.route_topk = real
     E = rank.model.cfg.moe.num_experts
@@ -826,10 +835,12 @@ def routing_balance(rank: PrefillRank, tokens: int, block_m: int = 128) -> dict:
                        "chunks": int(torch.ceil(touched / block_m).sum()),
                        "chunks_balanced": min(P, E) * math.ceil(P / min(P, E) / block_m)})
     if not layers:
-        return {"tokens": tokens, "layers": [], "why": "no route recorded (a graphed step)"}
+        return {"tokens": tokens, "decodes": decodes, "layers": [],
+                "why": "no route recorded (a graphed step)"}
     mean = {k: round(statistics.mean(x[k] for x in layers), 3)
             for k in ("experts_touched", "max_over_mean", "chunks", "chunks_balanced")}
-    return {"tokens": tokens, "experts": E, "block_m": block_m, "mean": mean,
+    return {"tokens": tokens, "decodes": decodes, "experts": E, "block_m": block_m,
+            "mean": mean,
             "chunks_over_balanced": round(mean["chunks"] / mean["chunks_balanced"], 3),
             "layers": layers}
 
@@ -1036,8 +1047,14 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                 rank, max(one), run["flops_model"], rate, args.max_seconds, scale)
             print(f"[prefill] {tag} prompt {max(one)} on the random router: TTFT "
                   f"{row['ttft_s']:.3f} s MFU {row['mfu']:.3f}", flush=True)
+        run["routing_decode_random_router"] = routing_balance(
+            rank, 0, decodes=args.mixed_decodes)
         tokens = min(max(args.prompts or [args.prefill_budget]), args.prefill_budget)
         run["router_balance"] = rb = balance_router(rank, tokens)
+        run["routing_decode"] = routing_balance(rank, 0, decodes=args.mixed_decodes)
+        print(f"[prefill] {tag} routing of {args.mixed_decodes} decode rows: random router "
+              f"{run['routing_decode_random_router'].get('mean')}, balanced "
+              f"{run['routing_decode'].get('mean')}", flush=True)
         print(f"[prefill] {tag} router balanced on a {tokens}-token step: max / mean load per "
               f"pass {rb.get('max_over_mean_per_pass')}, chunks / balanced "
               f"{rb['before'].get('chunks_over_balanced')} -> "

@@ -109,7 +109,7 @@ def test_routing_balance_counts_chunks_against_a_balanced_routing(monkeypatch):
             "num_experts": 8})})})
 
         def step(self, tokens, decodes, pos=None):
-            ids = torch.tensor([[0, 1]] * tokens)
+            ids = torch.tensor([[0, 1]] * (tokens or decodes))
             moe_mod.route_topk(ids)
             moe_mod.route(ids)
 
@@ -124,6 +124,9 @@ def test_routing_balance_counts_chunks_against_a_balanced_routing(monkeypatch):
                                "chunks": 2, "chunks_balanced": 8}
     assert rt["chunks_over_balanced"] == pytest.approx(0.25)
     assert moe_mod.route_topk is fake and moe_mod.route is fake       # put back
+    # the streams' routing: one decode-only step of 5 rows
+    rt = prefill.routing_balance(Rank(), 0, decodes=5)
+    assert rt["decodes"] == 5 and rt["layers"][0]["pairs"] == 10
 
 
 def test_balance_router_spreads_a_skewed_routing_in_place():
