@@ -39,11 +39,12 @@ size's judgement stands on fewer than TRUST samples of its own and the line thro
 trusted buckets below does not put it over too (at most TRUST − 1 such steps per size over
 the pacer's life), so a chunk size that fits again (an outlier aged out, a faster decode
 batch) is found, while a size both its own sample and its neighbours rule out costs the
-streams one over-limit step per REPROBE, not three in the first hundred. Where even a one-token chunk does not fit, the limit cannot be held on this
-schedule at all (H100, 8 K3 layers, split: a chunk step costs 2.8 ms at any size below 8
-tokens against a 4.1 ms decode step, so a limit below ≈ 1.7 is out of reach); the pacer then
-gives the prompt's rate floor below, `infeasible` counts such steps, and the prompt is not
-starved one token per step for a bound nothing could hold.
+streams one over-limit step per REPROBE, not three in the first hundred. Where even a
+one-token chunk does not fit, the limit cannot be held on this schedule at all (H100, 8 K3
+layers, split: a chunk step costs 2.8 ms at any size below 8 tokens against a 4.1 ms decode
+step, so a limit below ≈ 1.7 is out of reach); the pacer then gives the prompt's rate floor
+below, `infeasible` counts such steps, and the prompt is not starved one token per step for
+a bound nothing could hold.
 
 The limit is held for the streams, but not at any price to the prompt: where the largest chunk
 that fits moves the prompt at less than 1/`stretch` of the rate the static cap would

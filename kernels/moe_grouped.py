@@ -1,5 +1,9 @@
-"""The routed experts of a large prefill step as dequantize-then-grouped-GEMM (a candidate
-for kernels/moe_mxfp4.py `prefill_config`; `MoEConfig.grouped_bf16`).
+"""The routed experts of a large prefill step as dequantize-then-grouped-GEMM (an alternative
+to kernels/moe_mxfp4.py `prefill_config`: `MoEConfig.grouped_bf16`, or every eager call from
+`GROUPED_PAIRS` pairs, 0 as shipped). Measured slower on the H100 (K3 TP16, balanced routing,
+one call: 5.91 ms against the split kernel's 4.43 at 8,192 tokens, 4.55 against 2.47 at
+2,048; bench/results/moe-prefill-sweep-h100-2026-12-07-grouped.json), so it is the prefill
+bench's same-run A/B (`--grouped-pairs`), not the shipped path.
 
 Why: at thousands of tokens every expert gets a hundred or more pairs, and the fused MXFP4
 kernels decode each weight tile once per 128 pairs inside the GEMM's loop, which keeps them

@@ -75,7 +75,15 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             (schedule + step; the last chunk's sample is the first token). Once a prompt has
             run `--max-seconds`, its chunks but the last are skipped (their block tables still
             applied) and their time extrapolated: seconds per token linear in the chunk's mean
-            position, least squares over the chunks run ("extrapolated": true).
+            position, least squares over the chunks run ("extrapolated": true). With
+            --grouped-pairs A,B: each prompt once per value of kernels/moe_mxfp4.py
+            GROUPED_PAIRS, interleaved (each row its `grouped_pairs` and `shipped`), the
+            grouped bf16 experts' same-run A/B; the summary takes the shipped row.
+  routing   with --router balanced: the random router's largest one-step prompt first, the
+            streams' routing (one eager decode-only step of --mixed-decodes rows:
+            `routing_decode_random_router`), then the bias balanced on a budget step
+            (`router_balance`) and the streams' routing again (`routing_decode`); after the
+            prompts, the routing of a budget step (`routing`).
   profile   with --profile-first-run: torch.profiler over the first and the second prefill
             step of an unmet count: wall ms, the device's kernel time (`device_busy_ms`: the
             kernels' own events; below the wall time, the step is host-bound) and the top
@@ -640,8 +648,8 @@ def _device_ms(*steps: float | None) -> dict:
 
 
 def _stall_note(sc: dict) -> str:
-    """The schedule line's device p99 and its slow samples (pos, wall ms, device ms, and on
-    mixed steps GC ms, new segments, alloc retries)."""
+    """The schedule line's device p99 and its slow samples (`SLOW_KEYS`: pos, wall ms, device
+    ms, and on mixed steps GC ms, new segments, alloc retries, new pinned blocks, their ms)."""
     if "device_ms_p99" not in sc:
         return ""
     slow = [tuple(x.values()) for x in sc["slow_samples"]]
