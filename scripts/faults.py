@@ -149,13 +149,14 @@ class ServeStack:
         from raydecode.actors.serve import deployment_for
 
         from raydecode.actors import proxy_guard
+        from raydecode.commands.serve import start_http
 
         os.environ.setdefault(proxy_guard.ENV_VAR, proxy_guard.IMPORT_PATH)
         ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False,
                  object_store_memory=150 * 2**20, log_to_driver=False)
         self.stock.start()
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_http("127.0.0.1", port, retry_free=2)
         cfg = parse_deploy_config(replica_config(self.stock.url, self.tp, self.step_timeout_s))
         serve.run(deployment_for(cfg), name="raydecode", route_prefix="/")
         self.root, self.url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/v1"

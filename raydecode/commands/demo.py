@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import time
 
@@ -22,12 +21,6 @@ PROMPTS = [("chat", "What is the capital of France?"),
            ("completion", "Once upon a time"),
            ("chat", "Write a haiku about GPUs."),
            ("completion", "def fibonacci(n):")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _ask(client, model: str, kind: str, text: str, max_tokens: int, stream: bool):
@@ -99,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from raydecode.actors.coordinator import executor_supports
     from raydecode.actors.envelope import DEVELOPMENT_NOTE
 
-    from .serve import start_serving
+    from .serve import free_loopback_port, start_serving
 
     def config(tp: int, dcp: int):
         return parse_deploy_config({
@@ -107,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             "max_model_len": 256, "max_num_seqs": 8, "placement": {"profile": "development"},
             # K3's thinking preamble alone fills most of 256 tokens; the demo answers directly
             "default_chat_template_kwargs": {"thinking": False},
-            "serve": {"host": "127.0.0.1", "port": _free_port(), "num_cpus": 0}})
+            "serve": {"host": "127.0.0.1", "port": free_loopback_port(), "num_cpus": 0}})
 
     if (args.tp, args.dcp) not in TP_DCP:
         ok = ", ".join(f"{tp}/{dcp}" for tp, dcp in TP_DCP)
@@ -122,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     local = not os.environ.get("RAY_ADDRESS")
     t0 = time.perf_counter()
     try:
-        url = start_serving(cfg, num_cpus=2, include_dashboard=False,
+        url = start_serving(cfg, retry_free_port=2, num_cpus=2, include_dashboard=False,
                             object_store_memory=100 * 2**20, log_to_driver=False)
         print(f"endpoint: {url}  (tiny K3 with random weights: the text is noise; "
               f"TP={cfg.tensor_parallel_size}, DCP={cfg.decode_context_parallel_size}, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -162,9 +163,38 @@ def local_cpus() -> float:
     return n
 
 
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's choice; nothing holds it after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_http(host: str, port: int, retry_free: int = 0) -> int:
+    """serve.start with its HTTP proxy on host:port -> the port it bound. With retry_free > 0
+    the caller picked the port free (`free_loopback_port`) and any free one will do: a port
+    picked before Ray's own processes started can be taken by one of them (CI: the proxy's
+    "Failed to bind to address"), so on that failure Serve is shut down and started again on
+    a fresh free port, up to retry_free times. A port an operator chose is never replaced."""
+    from ray import serve
+
+    for attempt in range(retry_free + 1):
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            return port
+        except Exception as e:       # RayTaskError(RuntimeError) from the proxy actor
+            if attempt == retry_free or "Failed to bind" not in str(e):
+                raise
+            serve.shutdown()
+            port = free_loopback_port()
+    raise AssertionError("unreachable")
+
+
 def start_serving(cfg, executor_factory=None, app_name: str = "raydecode",
-                  **ray_init) -> str:
-    """Start (or join) Ray and Serve, deploy the replica app; returns the OpenAI base URL."""
+                  retry_free_port: int = 0, **ray_init) -> str:
+    """Start (or join) Ray and Serve, deploy the replica app; returns the OpenAI base URL.
+    retry_free_port: `start_http`'s retry_free (cfg.serve.port was picked free by the
+    caller, e.g. the demo)."""
     import ray
     from ray import serve
 
@@ -178,10 +208,10 @@ def start_serving(cfg, executor_factory=None, app_name: str = "raydecode",
         os.environ.setdefault(proxy_guard.ENV_VAR, proxy_guard.IMPORT_PATH)
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", **ray_init)
     s = cfg.serve
-    serve.start(http_options={"host": s.host, "port": s.port})
+    port = start_http(s.host, s.port, retry_free_port)
     serve.run(deployment_for(cfg, executor_factory), name=app_name, route_prefix=s.route_prefix)
     host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
-    return f"http://{host}:{s.port}{s.route_prefix.rstrip('/')}/v1"
+    return f"http://{host}:{port}{s.route_prefix.rstrip('/')}/v1"
 
 
 def run(args: argparse.Namespace) -> int:

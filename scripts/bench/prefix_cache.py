@@ -222,6 +222,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
+    from raydecode.commands.serve import start_http
     from raydecode.scripts.load import free_port
 
     convs = prompts(args, args.warmup + args.repeats)
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
     ray.init(address="local", num_gpus=1 if args.device == "cuda" else 0,
              num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_http("127.0.0.1", port, retry_free=2)
         for caching, mode in ((True, "cached"), (False, "uncached")):
             report[mode] = run_mode(args, ckpt, caching, port, convs)
             ratios = [r["ttft_ratio_turn2_over_turn1"] for r in report[mode]["runs"]]

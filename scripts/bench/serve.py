@@ -246,6 +246,7 @@ def serve_levels(args, ckpt: str, report: dict, out_path) -> tuple[list, list, l
 
     from raydecode.actors.config import parse_deploy_config
     from raydecode.actors.serve import deployment_for
+    from raydecode.commands.serve import start_http
     from raydecode.scripts.load import free_port
 
     levels = [int(x) for x in args.levels.split(",")]
@@ -273,7 +274,7 @@ def serve_levels(args, ckpt: str, report: dict, out_path) -> tuple[list, list, l
     prompts = [[rng.randrange(lo, hi) for _ in range(args.prompt_tokens)] for _ in range(S)]
     rows = []
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_http("127.0.0.1", port, retry_free=2)
         t = time.perf_counter()
         serve.run(deployment_for(cfg, factory), name="bench", route_prefix="/",
                   blocking=False)

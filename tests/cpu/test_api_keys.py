@@ -169,7 +169,7 @@ def ray_server(tmp_path_factory):
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              object_store_memory=80 * 2**20, log_to_driver=False)
     port, ops_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = serve_cmd.start_http("127.0.0.1", port, retry_free=2)
     c = cfg(tmp, num_cpus=0, metrics_port=ops_port)
     serve.run(deployment_for(c), name="keys", route_prefix="/")
     yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ops_port}"

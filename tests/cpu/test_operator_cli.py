@@ -231,3 +231,37 @@ def test_kernels_warmup_takes_the_known_archs(arch, capsys):
     assert main(["kernels-warmup", "--config", "k3", "--tp", "16", "--arch", arch,
                  "--dry-run"]) == 0
     assert arch in capsys.readouterr().out
+
+
+def test_start_http_replaces_a_picked_port_taken_meanwhile(monkeypatch):
+    """A port the caller picked free can be taken by a process Ray starts before the Serve
+    proxy binds it (a CI failure: "Failed to bind to address"): with retry_free Serve is shut
+    down and started on a fresh free port; an operator's port (retry_free 0) and any other
+    error are never retried."""
+    from ray import serve
+
+    from raydecode.commands import serve as serve_cmd
+
+    import socket
+    port = serve_cmd.free_loopback_port()
+    with socket.socket() as sock:                 # the real pick is bindable
+        sock.bind(("127.0.0.1", port))
+    calls, shutdowns = [], []
+
+    def start(http_options):
+        calls.append(http_options["port"])
+        if http_options["port"] == 1111:
+            raise RuntimeError("Failed to bind to address '127.0.0.1:1111'.")
+        if http_options["port"] == 2222:
+            raise RuntimeError("the controller died")
+
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "shutdown", lambda: shutdowns.append(1))
+    monkeypatch.setattr(serve_cmd, "free_loopback_port", lambda: 3333)
+    assert serve_cmd.start_http("127.0.0.1", 1111, retry_free=2) == 3333
+    assert calls == [1111, 3333] and shutdowns == [1]
+    with pytest.raises(RuntimeError, match="Failed to bind"):
+        serve_cmd.start_http("127.0.0.1", 1111)                  # the operator's port
+    with pytest.raises(RuntimeError, match="controller died"):
+        serve_cmd.start_http("127.0.0.1", 2222, retry_free=2)    # not a bind failure
+    assert shutdowns == [1]

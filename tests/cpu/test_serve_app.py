@@ -19,6 +19,7 @@ import torch
 from raydecode.actors.config import parse_deploy_config
 from raydecode.actors.coordinator import build_executor
 from raydecode.actors.serve import LocalServer, deployment_for
+from raydecode.commands.serve import start_http
 from raydecode.engine.k3_channels import parse
 from raydecode.engine.k3_chat import ChatOptions
 from raydecode.engine.loader import build_local_engine
@@ -87,7 +88,7 @@ def server():
     stock = LocalServer(cfg(served_model_name=NAME, envelope={"enabled": False}))
     stock_url = stock.start()
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_http("127.0.0.1", port, retry_free=2)
     replica = cfg(served_model_name=NAME, stock_pool={"base_url": stock_url + "/v1"})
     serve.run(deployment_for(replica, FaultyFactory(replica, after=5)), name="replica",
               route_prefix="/")

@@ -28,7 +28,7 @@ from raydecode.actors.config import DeployConfigError, check_speculative, parse_
 from raydecode.actors.coordinator import CoordinatorCore, build_executor
 from raydecode.actors.serve import WARNING_HEADER, LocalServer, build_app, deployment_for
 from raydecode.cli import main as cli
-from raydecode.commands.serve import check_servable
+from raydecode.commands.serve import check_servable, start_http
 from raydecode.engine.loader import build_local_engine
 from raydecode.engine.request import SamplingParams
 from raydecode.models.dspark import load_dspark_config
@@ -97,7 +97,7 @@ def server(matched_drafter):
              object_store_memory=100 * 2**20, log_to_driver=False)
     try:
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_http("127.0.0.1", port, retry_free=2)
         c = cfg(served_model_name=NAME, tensor_parallel_size=2, decode_context_parallel_size=2,
                 speculative_config={"method": "dspark", "num_speculative_tokens": K,
                                     "model": str(matched_drafter)})
