@@ -67,7 +67,7 @@ def _reference_runs(model, prompts, monkeypatch, forced=None, budget=BUDGET):
 # MoE's PREFILL_PAIRS; at 160 a chunk of 131 or 160 tokens (2,096 / 2,560 pairs) runs the
 # prefill MoE kernels (kernels/moe_mxfp4.py `prefill_config`: the swapped-operand kernels);
 # grouped: those chunks on the grouped bf16 experts instead (GROUPED_PAIRS at PREFILL_PAIRS,
-# kernels/moe_grouped.py), which a deployment turns on for its large eager steps.
+# kernels/moe_grouped.py): shipped off (slower on the H100), the prefill bench's A/B path.
 @pytest.mark.parametrize("which,budget,grouped", [("tiny", BUDGET, 0), ("k3-slice", BUDGET, 0),
                                                   ("k3-slice", 160, 0),
                                                   ("k3-slice", 160, moe_mxfp4.PREFILL_PAIRS)])
