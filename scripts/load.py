@@ -387,11 +387,9 @@ def tiny_config(port: int, tp: int = 1, dcp: int = 1, max_model_len: int = 512,
 
 
 def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now (raydecode.commands.serve `free_loopback_port`)."""
+    from raydecode.commands.serve import free_loopback_port
+    return free_loopback_port()
 
 
 def start_server(config: dict, num_cpus: int = 4) -> str:

@@ -139,7 +139,8 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print)
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             log(f"moe prefill TP{tp} T={T} {'grouped-bf16 ' if c.grouped_bf16 else ''}"
-                f"bm{c.block_m}{'s' if c.swap_ab else ''}{'t' if c.tile_major else ''}{'g' if c.split_gate_up else ''} "
+                f"bm{c.block_m}{'s' if c.swap_ab else ''}{'t' if c.tile_major else ''}"
+                f"{'g' if c.split_gate_up else ''} "
                 f"{c.decode:11s} gu{c.gate_up_bn}x"
                 f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps} s{c.num_stages}: "
                 + (f"{row['ms']:7.3f} ms {row['tflop_s']:6.1f} TFLOP/s" if "ms" in row

@@ -1,10 +1,6 @@
 """Shared test helper: a free local TCP port (gloo rendezvous, HTTP servers)."""
 from __future__ import annotations
 
-import socket
+from raydecode.commands.serve import free_loopback_port as free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]
