@@ -1,5 +1,6 @@
 """Helpers the exploration scripts share: the relative error they check candidates with, a
-CUDA-event median timing, and order-keeping de-duplication of candidate lists."""
+CUDA-event median timing, a per-kernel device-time breakdown and order-keeping de-duplication
+of candidate lists."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,30 @@ def median_cuda_ms(fn, reps: int = 10, warm: bool = True) -> float:
         b.synchronize()
         ts.append(a.elapsed_time(b))
     return statistics.median(ts)
+
+
+def kernel_ms(fn, calls: int = 3, top: int = 12) -> dict[str, float]:
+    """Device ms per call of each kernel fn() launches (torch.profiler over `calls` calls,
+    averaged), the `top` slowest by name (first 60 characters), plus "total"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    per: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or 0
+        if getattr(e, "device_type", None) == cuda and us > 0:
+            name = e.key[:60]
+            per[name] = per.get(name, 0.0) + us / 1e3 / calls
+    out = dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
+    out = {k: round(v, 4) for k, v in out.items()}
+    out["total"] = round(sum(per.values()), 4)
+    return out
 
 
 def unique(items) -> list:

@@ -3,6 +3,7 @@ per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entri
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
         [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split|grouped]
+        [--profile]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -37,7 +38,7 @@ import torch
 from raydecode.kernels import moe_mxfp4 as M
 from raydecode.models.config import load_config
 from raydecode.scripts.bench.report_io import report_header, write_report
-from raydecode.scripts.explore.common import median_cuda_ms, rel_err, unique
+from raydecode.scripts.explore.common import kernel_ms, median_cuda_ms, rel_err, unique
 
 
 def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
@@ -99,7 +100,8 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     return unique(out + swap)
 
 
-def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print) -> list[dict]:
+def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print,
+        profile: bool = False) -> list[dict]:
     m = load_config("k3").moe
     E, L, I, k = m.num_experts, m.latent_size, m.expert_intermediate // tp, m.top_k
     bank = M.MXFP4Experts.random(E, L, I, 4.0, 25.0, fan_in_13=L, fan_in_2=m.expert_intermediate,
@@ -135,6 +137,10 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print)
                 ms = median_cuda_ms(lambda c=c: M.fused_moe_mxfp4_triton(z, w, ids, bank, c), reps,
                                     warm=False)
                 row.update(ms=ms, tflop_s=flops / (ms * 1e-3) / 1e12)
+                if profile:            # where the call's time goes, kernel by kernel
+                    row["kernel_ms"] = kernel_ms(
+                        lambda c=c: M.fused_moe_mxfp4_triton(z, w, ids, bank, c))
+                    log(f"  kernels: {row['kernel_ms']}")
             except Exception as e:       # compile / run / accuracy failure: recorded, skipped
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
@@ -166,11 +172,13 @@ def main(argv=None) -> None:
                              "split", "grouped"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="also each candidate's device ms per kernel (torch.profiler)")
     a = ap.parse_args(argv)
     t0 = time.time()
     report = report_header(a.commit, tp=a.tp, method=__doc__, rows=[])
     report["rows"] = run(a.tp, [int(x) for x in a.tokens.split(",")], a.candidates, a.reps,
-                         a.seed)
+                         a.seed, profile=a.profile)
     write_report(report, a.out, t0)
 
 
