@@ -2,7 +2,7 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split|grouped]
+        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles]
         [--profile]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
@@ -16,7 +16,9 @@ of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_conf
 `order`: the grid order (`MoEConfig.tile_major`), chunk-major first as the baseline;
 `split`: gate and up rows as separate one-accumulator tiles (`MoEConfig.split_gate_up`,
 shipped since the 1.13× of moe-prefill-sweep-h100-2026-12-06-split.json) against the fused
-form (first, the baseline); `grouped`: the weights decoded once per call to bf16, then
+form (first, the baseline); `tiles`: the split kernels' BN (64 or 128 weight rows: how often a chunk's activation rows
+are re-read) against block_m (64-256 pairs: padding against decodes per pair); `grouped`:
+the weights decoded once per call to bf16, then
 `torch._grouped_mm` (`MoEConfig.grouped_bf16`, kernels/moe_grouped.py) against the shipped
 kernels (first, the baseline).
 
@@ -59,6 +61,13 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
                        rep(sw, split_gate_up=True, block_m=256, num_stages=2),
                        rep(sw, split_gate_up=True, block_m=256, num_warps=8),
                        rep(sw, split_gate_up=True, gate_up_bk=M._largest_block(L, 128))])
+    if which == "tiles":            # the split kernels' output tile (BN: weight rows, the
+        sh = M.prefill_config(L, I)  # activation re-reads) against block_m (padding, decodes)
+        return unique([sh, rep(sh, block_m=64), rep(sh, block_m=64, gate_up_bn=128),
+                       rep(sh, block_m=64, gate_up_bn=128, down_bn=128),
+                       rep(sh, gate_up_bn=128), rep(sh, down_bn=128),
+                       rep(sh, block_m=256, gate_up_bk=M._largest_block(L, 64)),
+                       rep(sh, block_m=64, num_stages=4)])
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -169,7 +178,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
                     choices=["all", "base", "pairs", "swap", "shipped", "order",
-                             "split", "grouped"])
+                             "split", "grouped", "tiles"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",
