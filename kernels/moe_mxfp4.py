@@ -596,6 +596,7 @@ class MoEConfig:
     tile_major: bool = False    # grid (tiles, chunks): a chunk's output tiles run back to back
     split_gate_up: bool = False  # swap_ab: gate and up rows in separate tiles + a SiTU pass
     grouped_bf16: bool = False  # kernels/moe_grouped.py: dequantize, then bf16 grouped GEMMs
+    down_warps: int = 0         # the down kernel's warps (0: num_warps, as the gate/up's)
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -846,6 +847,8 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
             n_chunks, a, k, beta, lin_beta, L=L, I=I, HAS_LIN=lin is not None,
             BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **extra13, **common)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
+    if cfg.down_warps:
+        common["num_warps"] = cfg.down_warps
     down[grid(triton.cdiv(L, cfg.down_bn))](
         a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
         BN=cfg.down_bn, BK=cfg.down_bk, **extra2, **common)

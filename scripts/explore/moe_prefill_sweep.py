@@ -67,7 +67,11 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
                        rep(sh, block_m=64, gate_up_bn=128, down_bn=128),
                        rep(sh, gate_up_bn=128), rep(sh, down_bn=128),
                        rep(sh, block_m=256, gate_up_bk=M._largest_block(L, 64)),
-                       rep(sh, block_m=64, num_stages=4)])
+                       rep(sh, block_m=64, num_stages=4),
+                       rep(sh, gate_up_bn=128, num_warps=8, down_warps=4),
+                       rep(sh, block_m=64, gate_up_bn=128, num_warps=8, down_warps=4),
+                       rep(sh, block_m=256, gate_up_bk=M._largest_block(L, 64),
+                           gate_up_bn=128, num_warps=8, down_warps=4)])
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -157,7 +161,8 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print,
                 f"bm{c.block_m}{'s' if c.swap_ab else ''}{'t' if c.tile_major else ''}"
                 f"{'g' if c.split_gate_up else ''} "
                 f"{c.decode:11s} gu{c.gate_up_bn}x"
-                f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps} s{c.num_stages}: "
+                f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps}"
+                f"{f'/{c.down_warps}' if c.down_warps else ''} s{c.num_stages}: "
                 + (f"{row['ms']:7.3f} ms {row['tflop_s']:6.1f} TFLOP/s" if "ms" in row
                    else row["error"]))
         ok = [r for r in rows if r["tokens"] == T and "ms" in r]
