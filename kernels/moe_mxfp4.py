@@ -536,6 +536,144 @@ if triton is not None:
         tl.store(y_ptr + pair[None, :] * L + n[:, None], acc.to(tl.bfloat16),
                  mask=m_ok[None, :] & n_ok[:, None])
 
+    # ---- blocked (prefill): one decode per weight tile for up to 4 × 64 pairs -------------
+    #
+    # A chunk of ≤ 4·SUB pairs of one expert is cut into NB sub-blocks of SUB = 64 pairs;
+    # each K step decodes the (BN, BK) weight tile ONCE and feeds it to NB dots (one (BN, SUB)
+    # fp32 accumulator each), so an expert of 146 pairs costs one decode and 3 × 64 dot
+    # columns, where 128-pair chunks cost two decodes and 2 × 128. NB is a compile-time
+    # constant: the chunks are grouped by their sub-block count (`moe_block_classes`) and
+    # each class is one launch, so no dot is predicated at run time.
+
+    @triton.jit
+    def _blocked_chunk(slot, order_ptr, class_start_ptr, class_count_ptr, chunk_start_ptr,
+                       chunk_end_ptr, sorted_e_ptr, NB: tl.constexpr):
+        """(valid, start, end, expert) of the slot-th chunk of class NB (NB sub-blocks)."""
+        ok = slot < tl.load(class_count_ptr + NB - 1)
+        c = tl.load(order_ptr + tl.load(class_start_ptr + NB - 1) + slot, mask=ok, other=0)
+        start = tl.load(chunk_start_ptr + c, mask=ok, other=0)
+        end = tl.load(chunk_end_ptr + c, mask=ok, other=0)
+        e = tl.load(sorted_e_ptr + start, mask=ok, other=0).to(tl.int64)
+        return ok, start, end, e
+
+    @triton.jit
+    def _blocked_accs(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, n, n_ok,
+                      SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GATHER: tl.constexpr, DOT_F32: tl.constexpr):
+        """NB accumulators (BN, SUB): acc_i = W[n, :K] · x[rows_i, :K]ᵀ for sub-block i
+        (sorted positions start + SUB·i + [0, SUB), < end). GATHER: x row = the position's
+        pair // top_k (z's token rows, gate/up), else the position itself (sorted `a`)."""
+        j = tl.arange(0, SUB)
+        m0 = start + j
+        m1 = start + SUB + j
+        m2 = start + 2 * SUB + j
+        m3 = start + 3 * SUB + j
+        ok0, ok1, ok2, ok3 = m0 < end, m1 < end, m2 < end, m3 < end
+        if GATHER:
+            r0 = tl.load(xrow_ptr + m0, mask=ok0, other=0) // top_k
+            r1 = tl.load(xrow_ptr + m1, mask=ok1, other=0) // top_k
+            r2 = tl.load(xrow_ptr + m2, mask=ok2, other=0) // top_k
+            r3 = tl.load(xrow_ptr + m3, mask=ok3, other=0) // top_k
+        else:
+            r0, r1, r2, r3 = m0, m1, m2, m3
+        acc0 = tl.zeros((BN, SUB), dtype=tl.float32)
+        acc1 = tl.zeros((BN, SUB), dtype=tl.float32)
+        acc2 = tl.zeros((BN, SUB), dtype=tl.float32)
+        acc3 = tl.zeros((BN, SUB), dtype=tl.float32)
+        kk = tl.arange(0, BK)
+        for k0 in range(0, K, BK):
+            w = _dequant_tile(w_e, s_e, n, n_ok, k0, K, BN, BK)
+            x0 = tl.load(x_ptr + r0[:, None] * K + k0 + kk[None, :], mask=ok0[:, None],
+                         other=0.0)
+            acc0 = _dot(w, tl.trans(x0), acc0, DOT_F32)
+            if NB > 1:
+                x1 = tl.load(x_ptr + r1[:, None] * K + k0 + kk[None, :], mask=ok1[:, None],
+                             other=0.0)
+                acc1 = _dot(w, tl.trans(x1), acc1, DOT_F32)
+            if NB > 2:
+                x2 = tl.load(x_ptr + r2[:, None] * K + k0 + kk[None, :], mask=ok2[:, None],
+                             other=0.0)
+                acc2 = _dot(w, tl.trans(x2), acc2, DOT_F32)
+            if NB > 3:
+                x3 = tl.load(x_ptr + r3[:, None] * K + k0 + kk[None, :], mask=ok3[:, None],
+                             other=0.0)
+                acc3 = _dot(w, tl.trans(x3), acc3, DOT_F32)
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _gate_up_blocked_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                                chunk_end_ptr, order_ptr, class_start_ptr, class_count_ptr,
+                                gu_ptr, top_k, L: tl.constexpr, I2: tl.constexpr,
+                                SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
+                                BK: tl.constexpr, DOT_F32: tl.constexpr):
+        """gu_sorted[m, n] = bf16(W13_e z[t])[n] (the split form's buffer) for the chunks of
+        class NB; grid (2I / BN tiles, worst-case chunks), a chunk's tiles back to back."""
+        tile, slot = tl.program_id(0), tl.program_id(1)
+        ok, start, end, e = _blocked_chunk(slot, order_ptr, class_start_ptr, class_count_ptr,
+                                           chunk_start_ptr, chunk_end_ptr, sorted_e_ptr, NB)
+        if not ok:
+            return
+        n = tile * BN + tl.arange(0, BN)
+        n_ok = n < I2
+        acc0, acc1, acc2, acc3 = _blocked_accs(
+            z_ptr, pairs_ptr, top_k, start, end, L, w_ptr + e * (I2 * (L // 2)),
+            s_ptr + e * (I2 * (L // 32)), n, n_ok, SUB, NB, BN, BK, True, DOT_F32)
+        j = tl.arange(0, SUB)
+        base = gu_ptr + n[:, None]
+        tl.store(base + (start + j)[None, :] * I2, acc0.to(tl.bfloat16),
+                 mask=n_ok[:, None] & (start + j < end)[None, :])
+        if NB > 1:
+            m = start + SUB + j
+            tl.store(base + m[None, :] * I2, acc1.to(tl.bfloat16),
+                     mask=n_ok[:, None] & (m < end)[None, :])
+        if NB > 2:
+            m = start + 2 * SUB + j
+            tl.store(base + m[None, :] * I2, acc2.to(tl.bfloat16),
+                     mask=n_ok[:, None] & (m < end)[None, :])
+        if NB > 3:
+            m = start + 3 * SUB + j
+            tl.store(base + m[None, :] * I2, acc3.to(tl.bfloat16),
+                     mask=n_ok[:, None] & (m < end)[None, :])
+
+    @triton.jit
+    def _down_blocked_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                             chunk_end_ptr, order_ptr, class_start_ptr, class_count_ptr, y_ptr,
+                             L: tl.constexpr, I: tl.constexpr, SUB: tl.constexpr,
+                             NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             DOT_F32: tl.constexpr):
+        """y[p, n] = bf16(W2_e a[m])[n] (pair order) for the chunks of class NB, a in sorted
+        order (the gate/up's)."""
+        tile, slot = tl.program_id(0), tl.program_id(1)
+        ok, start, end, e = _blocked_chunk(slot, order_ptr, class_start_ptr, class_count_ptr,
+                                           chunk_start_ptr, chunk_end_ptr, sorted_e_ptr, NB)
+        if not ok:
+            return
+        n = tile * BN + tl.arange(0, BN)
+        n_ok = n < L
+        acc0, acc1, acc2, acc3 = _blocked_accs(
+            a_ptr, pairs_ptr, 1, start, end, I, w_ptr + e * (L * (I // 2)),
+            s_ptr + e * (L * (I // 32)), n, n_ok, SUB, NB, BN, BK, False, DOT_F32)
+        j = tl.arange(0, SUB)
+        m = start + j
+        p = tl.load(pairs_ptr + m, mask=m < end, other=0)
+        tl.store(y_ptr + p[None, :] * L + n[:, None], acc0.to(tl.bfloat16),
+                 mask=n_ok[:, None] & (m < end)[None, :])
+        if NB > 1:
+            m = start + SUB + j
+            p = tl.load(pairs_ptr + m, mask=m < end, other=0)
+            tl.store(y_ptr + p[None, :] * L + n[:, None], acc1.to(tl.bfloat16),
+                     mask=n_ok[:, None] & (m < end)[None, :])
+        if NB > 2:
+            m = start + 2 * SUB + j
+            p = tl.load(pairs_ptr + m, mask=m < end, other=0)
+            tl.store(y_ptr + p[None, :] * L + n[:, None], acc2.to(tl.bfloat16),
+                     mask=n_ok[:, None] & (m < end)[None, :])
+        if NB > 3:
+            m = start + 3 * SUB + j
+            p = tl.load(pairs_ptr + m, mask=m < end, other=0)
+            tl.store(y_ptr + p[None, :] * L + n[:, None], acc3.to(tl.bfloat16),
+                     mask=n_ok[:, None] & (m < end)[None, :])
+
     @triton.jit(do_not_specialize=["T"])
     def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, row_ptr,
                              K: tl.constexpr, L: tl.constexpr, BT: tl.constexpr,
@@ -583,7 +721,11 @@ class MoEConfig:
     gate/up kernel takes one BN-row tile of the 2I gate ‖ up rows per program (one
     accumulator instead of two: about half the registers, more CTAs per SM; block_m 256 fits)
     and writes bf16 W13 z to a (P, 2I) buffer, then `_situ_rows_kernel` makes `a` (exact:
-    bf16 is the reference's rounding point there)."""
+    bf16 is the reference's rounding point there). blocked (the split form's buffers): the
+    `_gate_up_blocked_kernel` / `_down_blocked_kernel` pair, chunks of ≤ block_m (64-256)
+    pairs cut into 64-pair sub-blocks that share each decoded weight tile, one launch per
+    sub-block count (`moe_block_classes`); num_stages, swap_ab, split_gate_up and tile_major
+    do not apply (always tile-major)."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -597,6 +739,7 @@ class MoEConfig:
     split_gate_up: bool = False  # swap_ab: gate and up rows in separate tiles + a SiTU pass
     grouped_bf16: bool = False  # kernels/moe_grouped.py: dequantize, then bf16 grouped GEMMs
     down_warps: int = 0         # the down kernel's warps (0: num_warps, as the gate/up's)
+    blocked: bool = False       # chunks of ≤ block_m pairs in 64-pair sub-blocks, one decode
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -761,6 +904,33 @@ def max_chunks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
     return min(pairs, num_experts) + pairs // block_m
 
 
+SUB_BLOCK = 64       # pairs per sub-block of the blocked kernels (one dot's N)
+
+
+def moe_block_classes(chunk_start: torch.Tensor, chunk_end: torch.Tensor,
+                      num_chunks: torch.Tensor, nb_max: int, sub: int = SUB_BLOCK):
+    """The chunks grouped by sub-block count nb = ⌈len / sub⌉ ∈ [1, nb_max] for the blocked
+    kernels: order (C,) int32 (chunk ids, class 1 first, entries past the valid chunks
+    last), class_start / class_count (nb_max,) int32. Library ops only, no host sync."""
+    C, dev = chunk_start.numel(), chunk_start.device
+    length = (chunk_end.to(torch.int64) - chunk_start.to(torch.int64))
+    nb = torch.div(length + sub - 1, sub, rounding_mode="floor").clamp(max=nb_max)
+    valid = (torch.arange(C, device=dev) < num_chunks.to(torch.int64)) & (nb >= 1)
+    key = torch.where(valid, nb, nb_max + 1)
+    order = torch.sort(key, stable=True).indices
+    count = (key[None, :] == torch.arange(1, nb_max + 1, device=dev)[:, None]).sum(1)
+    start = torch.cumsum(count, 0) - count
+    i32 = torch.int32
+    return order.to(i32), start.to(i32), count.to(i32)
+
+
+def class_grid(pairs: int, num_experts: int, block_m: int, nb: int,
+               sub: int = SUB_BLOCK) -> int:
+    """Worst-case chunk count of class nb: every chunk of it holds > (nb − 1)·sub pairs."""
+    worst = max_chunks(pairs, num_experts, block_m)
+    return worst if nb == 1 else min(worst, pairs // ((nb - 1) * sub + 1))
+
+
 def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts,
                   z_dtypes: tuple = (torch.bfloat16,)) -> None:
     T, L = z.shape if z.dim() == 2 else (None, None)
@@ -807,6 +977,8 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     bm = cfg.block_m
     if bm < BLOCK_M or bm & (bm - 1):
         raise ValueError(f"MoEConfig.block_m {bm}: expected a power of two ≥ {BLOCK_M}")
+    if cfg.blocked:
+        return _blocked_moe(z, topk_weights, topk_ids, experts, cfg, out)
     if cfg.swap_ab and cfg.decode != "elementwise":
         raise ValueError(f"MoEConfig.swap_ab takes the elementwise decode, got {cfg.decode!r}")
     if cfg.split_gate_up and not cfg.swap_ab:
@@ -855,6 +1027,53 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     if out is None:
         out = torch.empty(T, L, dtype=torch.float32, device=z.device)
     bt, bl = SUM_BLOCK
+    _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
+        y, topk_weights.contiguous(), out, T, out.stride(0), y, K=k, L=L, BT=bt, BL=bl,
+        num_warps=4)
+    return out
+
+
+def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfig,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """`MoEConfig.blocked`: runs (chunks of ≤ block_m) → classes → per class gate/up
+    (bf16 W13 z into the sorted (P, 2I) buffer) → SiTU pass → per class down → Σ_k."""
+    T, L = z.shape
+    k = topk_ids.shape[1]
+    P, E, I = T * k, experts.num_experts, experts.intermediate
+    bm = cfg.block_m
+    if bm not in (SUB_BLOCK, 2 * SUB_BLOCK, 3 * SUB_BLOCK, 4 * SUB_BLOCK) or bm & (bm - 1):
+        raise ValueError(f"MoEConfig.blocked needs block_m 64, 128 or 256 (≤ 4 sub-blocks "
+                         f"of {SUB_BLOCK}), got {bm}")
+    if cfg.decode != "elementwise":
+        raise ValueError(f"MoEConfig.blocked takes the elementwise decode, got {cfg.decode!r}")
+    nb_max = bm // SUB_BLOCK
+    pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
+    order, cls_start, cls_count = moe_block_classes(c_start, c_end, n_chunks, nb_max)
+    dot32 = not z.is_cuda
+    gu = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
+    zb = z.to(torch.bfloat16).contiguous()
+    for nb in range(1, nb_max + 1):
+        _gate_up_blocked_kernel[(triton.cdiv(2 * I, cfg.gate_up_bn),
+                                 class_grid(P, E, bm, nb))](
+            zb, experts.w13, experts.s13, pairs, sorted_e, c_start, c_end, order, cls_start,
+            cls_count, gu, k, L=L, I2=2 * I, SUB=SUB_BLOCK, NB=nb, BN=cfg.gate_up_bn,
+            BK=cfg.gate_up_bk, DOT_F32=dot32, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
+    lin = experts.linear_beta
+    bt, bl = SUM_BLOCK
+    _situ_rows_kernel[(triton.cdiv(P, bt), triton.cdiv(I, bl))](
+        gu, a, P, float(experts.beta), float(lin if lin is not None else 1.0), I=I,
+        HAS_LIN=lin is not None, BT=bt, BL=bl, num_warps=4)
+    y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
+    for nb in range(1, nb_max + 1):
+        _down_blocked_kernel[(triton.cdiv(L, cfg.down_bn), class_grid(P, E, bm, nb))](
+            a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, order, cls_start,
+            cls_count, y, L=L, I=I, SUB=SUB_BLOCK, NB=nb, BN=cfg.down_bn, BK=cfg.down_bk,
+            DOT_F32=dot32, num_warps=cfg.down_warps or cfg.num_warps,
+            num_stages=cfg.num_stages)
+    if out is None:
+        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
     _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
         y, topk_weights.contiguous(), out, T, out.stride(0), y, K=k, L=L, BT=bt, BL=bl,
         num_warps=4)

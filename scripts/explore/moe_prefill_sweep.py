@@ -2,7 +2,7 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles]
+        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked]
         [--profile]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
@@ -17,7 +17,9 @@ of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_conf
 `split`: gate and up rows as separate one-accumulator tiles (`MoEConfig.split_gate_up`,
 shipped since the 1.13× of moe-prefill-sweep-h100-2026-12-06-split.json) against the fused
 form (first, the baseline); `tiles`: the split kernels' BN (64 or 128 weight rows: how often a chunk's activation rows
-are re-read) against block_m (64-256 pairs: padding against decodes per pair); `grouped`:
+are re-read) against block_m (64-256 pairs: padding against decodes per pair); `blocked`: chunks of ≤ 256 pairs in
+64-pair sub-blocks that share each decoded weight tile (`MoEConfig.blocked`: one decode per
+expert and 64-pair padding) against the shipped kernels; `grouped`:
 the weights decoded once per call to bf16, then
 `torch._grouped_mm` (`MoEConfig.grouped_bf16`, kernels/moe_grouped.py) against the shipped
 kernels (first, the baseline).
@@ -72,6 +74,16 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
                        rep(sh, block_m=64, gate_up_bn=128, num_warps=8, down_warps=4),
                        rep(sh, block_m=256, gate_up_bk=M._largest_block(L, 64),
                            gate_up_bn=128, num_warps=8, down_warps=4)])
+    if which == "blocked":          # 64-pair sub-blocks sharing one decode (`blocked`)
+        sh = M.prefill_config(L, I)
+        bl = rep(sh, blocked=True, block_m=256, gate_up_bk=M._largest_block(L, 64))
+        return unique([sh, bl, rep(bl, num_warps=8, down_warps=4),
+                       rep(bl, gate_up_bk=M._largest_block(L, 128), num_stages=2),
+                       rep(sh, blocked=True, block_m=128),
+                       rep(bl, gate_up_bn=128, num_warps=8, down_warps=4),
+                       rep(bl, down_bn=128), rep(bl, num_stages=4),
+                       rep(sh, block_m=64), rep(sh, gate_up_bn=128, num_warps=8,
+                                                down_warps=4)])
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -158,6 +170,7 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print,
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             log(f"moe prefill TP{tp} T={T} {'grouped-bf16 ' if c.grouped_bf16 else ''}"
+                f"{'blocked ' if c.blocked else ''}"
                 f"bm{c.block_m}{'s' if c.swap_ab else ''}{'t' if c.tile_major else ''}"
                 f"{'g' if c.split_gate_up else ''} "
                 f"{c.decode:11s} gu{c.gate_up_bn}x"
@@ -183,7 +196,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
                     choices=["all", "base", "pairs", "swap", "shipped", "order",
-                             "split", "grouped", "tiles"])
+                             "split", "grouped", "tiles", "blocked"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",
