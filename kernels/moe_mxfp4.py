@@ -781,6 +781,13 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
             and not torch.cuda.is_current_stream_capturing())
 
 
+# The prefill steps' expert kernels: "split" (the swapped split kernels on 128-pair chunks,
+# below) or "blocked" (`MoEConfig.blocked`: ≤ 256-pair chunks in 64-pair sub-blocks sharing
+# each decoded tile). The prefill bench's `--prefill-experts` runs both in one process.
+PREFILL_EXPERTS = "split"
+PREFILL_EXPERT_KINDS = ("split", "blocked")
+
+
 def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     """Prefill steps (≥ PREFILL_PAIRS pairs, tens to hundreds per expert): the swapped kernels
     on 128-pair chunks, so an expert's tile is decoded once per 128 of its pairs (not per 16)
@@ -794,6 +801,10 @@ def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     and 2 CTAs per SM with two; split, one 8,192-token call took 4.65 ms against 5.28 on
     the H100 (1.13×, balanced routing, bit-equal outputs:
     bench/results/moe-prefill-sweep-h100-2026-12-06-split.json)."""
+    if PREFILL_EXPERTS == "blocked":
+        return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
+                         down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
+                         decode="elementwise", block_m=4 * SUB_BLOCK, blocked=True)
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 128), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
                      decode="elementwise", block_m=128, swap_ab=True, tile_major=True,

@@ -78,7 +78,9 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             position, least squares over the chunks run ("extrapolated": true). With
             --grouped-pairs A,B: each prompt once per value of kernels/moe_mxfp4.py
             GROUPED_PAIRS, interleaved (each row its `grouped_pairs` and `shipped`), the
-            grouped bf16 experts' same-run A/B; the summary takes the shipped row.
+            grouped bf16 experts' same-run A/B; with --prefill-experts split,blocked the same
+            for PREFILL_EXPERTS (each row its `prefill_experts`); the summary takes the
+            shipped row.
   routing   with --router balanced: the random router's largest one-step prompt first, the
             streams' routing (one eager decode-only step of --mixed-decodes rows:
             `routing_decode_random_router`), then the bias balanced on a budget step
@@ -1139,19 +1141,21 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                   f"(all layers {sc['prompt_ttft_s_all_layers']}){_stall_note(sc)}", flush=True)
             save(run)
     run["prompts"] = []
-    shipped = moe_mxfp4.GROUPED_PAIRS
-    for v in args.grouped_pairs:          # each alternative's kernels compiled before timing
+    shipped = (moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS)
+    variants = [(g, shipped[1]) for g in args.grouped_pairs] + [
+        (shipped[0], x) for x in args.prefill_experts if x != shipped[1]]
+    for v in variants:                    # each alternative's kernels compiled before timing
         if v != shipped:
-            with grouped_experts(v):
+            with expert_kernels(*v):
                 rank.step(args.prefill_budget, 0, pos=0)
     for P in args.prompts:
-        for v in args.grouped_pairs:      # interleaved per prompt: same-run alternatives
-            with grouped_experts(v):
+        for v in variants:                # interleaved per prompt: same-run alternatives
+            with expert_kernels(*v):
                 row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
-            row.update(grouped_pairs=v, shipped=v == shipped)
+            row.update(grouped_pairs=v[0], prefill_experts=v[1], shipped=v == shipped)
             run["prompts"].append(row)
-            print(f"[prefill] {tag} prompt {P} (experts grouped from {v or 'never'} pairs"
-                  f"{', as shipped' if v == shipped else ''}): TTFT {row['ttft_s']:.3f} s (all "
+            print(f"[prefill] {tag} prompt {P} ({v[1]} experts, grouped from {v[0] or 'never'} "
+                  f"pairs{', as shipped' if v == shipped else ''}): TTFT {row['ttft_s']:.3f} s (all "
                   f"layers {row['ttft_s_all_layers']:.3f} s) {row['prefill_tok_s']:.0f} tok/s "
                   f"{row['tflop_s']:.1f} TFLOP/s MFU {row['mfu']:.3f} chunks "
                   f"{row['chunks_run']}/{row['chunks_total']}"
@@ -1242,15 +1246,16 @@ KERNEL_SETS = {
 
 
 @contextlib.contextmanager
-def grouped_experts(pairs: int):
-    """kernels/moe_mxfp4.py GROUPED_PAIRS = pairs inside (the pair count from which an eager
-    expert call takes the grouped bf16 path; 0: never), restored after."""
-    was = moe_mxfp4.GROUPED_PAIRS
-    moe_mxfp4.GROUPED_PAIRS = pairs
+def expert_kernels(pairs: int, prefill: str):
+    """kernels/moe_mxfp4.py GROUPED_PAIRS = pairs (the pair count from which an eager expert
+    call takes the grouped bf16 path; 0: never) and PREFILL_EXPERTS = prefill (the prefill
+    steps' kernels: split or blocked) inside, restored after."""
+    was = moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS
+    moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS = pairs, prefill
     try:
         yield
     finally:
-        moe_mxfp4.GROUPED_PAIRS = was
+        moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS = was
 
 
 def use_kernels(name: str) -> None:
@@ -1369,6 +1374,11 @@ def main(argv=None) -> int:
                          "runs bf16 grouped GEMMs; 0: never) each prompt runs under, "
                          "interleaved (default: the shipped value alone); the summary takes "
                          "the shipped value's row")
+    ap.add_argument("--prefill-experts", default=None,
+                    help="comma-separated kernels/moe_mxfp4.py PREFILL_EXPERTS values (split, "
+                         "blocked: the prefill steps' expert kernels) each prompt also runs "
+                         "under, interleaved with the --grouped-pairs values (default: the "
+                         "shipped one alone); the summary takes the shipped row")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--png", default=None, help="TTFT against prompt length (matplotlib)")
@@ -1383,6 +1393,11 @@ def main(argv=None) -> int:
                          "limit > 1")
     args.grouped_pairs = (int_list("--grouped-pairs", args.grouped_pairs, 0)
                           if args.grouped_pairs else [moe_mxfp4.GROUPED_PAIRS])
+    args.prefill_experts = (args.prefill_experts.split(",") if args.prefill_experts
+                            else [moe_mxfp4.PREFILL_EXPERTS])
+    if set(args.prefill_experts) - set(moe_mxfp4.PREFILL_EXPERT_KINDS):
+        raise SystemExit(f"--prefill-experts {','.join(args.prefill_experts)}: expected a "
+                         f"comma-separated list of {', '.join(moe_mxfp4.PREFILL_EXPERT_KINDS)}")
     args.schedule_modes = args.schedule_modes.split(",")
     if not args.schedule_modes or set(args.schedule_modes) - {"split", "mixed"}:
         raise SystemExit(f"--schedule-modes {','.join(args.schedule_modes)}: expected a "

@@ -304,6 +304,7 @@ def test_prefill_bench_grouped_pairs_alternatives_cpu(tmp_path):
     assert [(p["prompt_tokens"], p["grouped_pairs"], p["shipped"]) for p in run["prompts"]] == [
         (20, shipped, True), (20, other, False), (40, shipped, True), (40, other, False)]
     assert moe_mxfp4.GROUPED_PAIRS == shipped
+    assert {p["prefill_experts"] for p in run["prompts"]} == {moe_mxfp4.PREFILL_EXPERTS}
     rows = [{"tp": 16, "prompts": [dict(p, prompt_tokens=8192, mfu=m, ttft_s_all_layers=1.0)
                                    for p, m in zip(run["prompts"][:2], (0.3, 0.5))]}]
     assert prefill.summarize(rows)["mfu_8k_tp16"] == 0.3
@@ -491,3 +492,24 @@ def test_tpot_stats_name_the_slow_samples_and_what_the_host_paid():
     assert st["slow_samples"] == [{"pos": 9, "tpot_ms": 40.0, "device_ms": 39.0, "gc_ms": 0.1,
                                    "new_segments": 2, "alloc_retries": 1}]
     assert st["p99_over_decode_only"] == 5.0 and st["device_ms_max"] == 39.0
+
+
+def test_prefill_bench_prefill_experts_alternatives_cpu(tmp_path):
+    """--prefill-experts split,blocked: every prompt once per kind, interleaved, each row
+    naming its kind; the shipped kind's row is the shipped one; the module's value restored;
+    an unknown kind is refused naming it and the accepted ones."""
+    from raydecode.kernels import moe_mxfp4
+    out = tmp_path / "experts.json"
+    shipped = moe_mxfp4.PREFILL_EXPERTS
+    other = next(k for k in moe_mxfp4.PREFILL_EXPERT_KINDS if k != shipped)
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "20",
+                         "--prefill-budget", "16", "--prefill-experts", f"{shipped},{other}",
+                         "--mixed-decodes", "2", "--context", "8", "--random-counts", "0",
+                         "--repeats", "1", "--steps", "1", "--graphed", "0",
+                         "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert [(p["prefill_experts"], p["shipped"]) for p in run["prompts"]] == [
+        (shipped, True), (other, False)]
+    assert moe_mxfp4.PREFILL_EXPERTS == shipped
+    with pytest.raises(SystemExit, match="--prefill-experts bogus: expected .*blocked"):
+        prefill.main(["--config", "tiny", "--device", "cpu", "--prefill-experts", "bogus"])
