@@ -79,11 +79,7 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         bl = rep(sh, blocked=True, block_m=256, gate_up_bk=M._largest_block(L, 64))
         return unique([sh, bl, rep(bl, num_warps=8, down_warps=4),
                        rep(bl, gate_up_bk=M._largest_block(L, 128), num_stages=2),
-                       rep(sh, blocked=True, block_m=128),
-                       rep(bl, gate_up_bn=128, num_warps=8, down_warps=4),
-                       rep(bl, down_bn=128), rep(bl, num_stages=4),
-                       rep(sh, block_m=64), rep(sh, gate_up_bn=128, num_warps=8,
-                                                down_warps=4)])
+                       rep(sh, blocked=True, block_m=128), rep(bl, down_bn=128)])
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
