@@ -538,31 +538,22 @@ if triton is not None:
 
     # ---- blocked (prefill): one decode per weight tile for up to 4 × 64 pairs -------------
     #
-    # A chunk of ≤ 4·SUB pairs of one expert is cut into NB sub-blocks of SUB = 64 pairs;
-    # each K step decodes the (BN, BK) weight tile ONCE and feeds it to NB dots (one (BN, SUB)
-    # fp32 accumulator each), so an expert of 146 pairs costs one decode and 3 × 64 dot
-    # columns, where 128-pair chunks cost two decodes and 2 × 128. NB is a compile-time
-    # constant: the chunks are grouped by their sub-block count (`moe_block_classes`) and
-    # each class is one launch, so no dot is predicated at run time.
-
-    @triton.jit
-    def _blocked_chunk(slot, order_ptr, class_start_ptr, class_count_ptr, chunk_start_ptr,
-                       chunk_end_ptr, sorted_e_ptr, NB: tl.constexpr):
-        """(valid, start, end, expert) of the slot-th chunk of class NB (NB sub-blocks)."""
-        ok = slot < tl.load(class_count_ptr + NB - 1)
-        c = tl.load(order_ptr + tl.load(class_start_ptr + NB - 1) + slot, mask=ok, other=0)
-        start = tl.load(chunk_start_ptr + c, mask=ok, other=0)
-        end = tl.load(chunk_end_ptr + c, mask=ok, other=0)
-        e = tl.load(sorted_e_ptr + start, mask=ok, other=0).to(tl.int64)
-        return ok, start, end, e
+    # A chunk of ≤ NBMAX·SUB pairs of one expert is cut into nb = ⌈len / SUB⌉ sub-blocks of
+    # SUB = 64 pairs; each K step decodes the (BN, BK) weight tile ONCE and feeds it to nb
+    # dots (one (BN, SUB) fp32 accumulator each), so an expert of 146 pairs costs one decode
+    # and 3 × 64 dot columns, where 128-pair chunks cost two decodes and 2 × 128. One launch:
+    # each program branches on its chunk's nb to a body compiled for that many sub-blocks
+    # (uniform per program, so no dot is predicated and no program is spent on another
+    # class's chunks).
 
     @triton.jit
     def _blocked_accs(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, n, n_ok,
                       SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GATHER: tl.constexpr, DOT_F32: tl.constexpr):
         """NB accumulators (BN, SUB): acc_i = W[n, :K] · x[rows_i, :K]ᵀ for sub-block i
-        (sorted positions start + SUB·i + [0, SUB), < end). GATHER: x row = the position's
-        pair // top_k (z's token rows, gate/up), else the position itself (sorted `a`)."""
+        (sorted positions start + SUB·i + [0, SUB), < end); unused ones stay zero. GATHER:
+        x row = the position's pair // top_k (z's token rows, gate/up), else the position
+        itself (the sorted `a`, down)."""
         j = tl.arange(0, SUB)
         m0 = start + j
         m1 = start + SUB + j
@@ -601,78 +592,90 @@ if triton is not None:
         return acc0, acc1, acc2, acc3
 
     @triton.jit
-    def _gate_up_blocked_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
-                                chunk_end_ptr, order_ptr, class_start_ptr, class_count_ptr,
-                                gu_ptr, top_k, L: tl.constexpr, I2: tl.constexpr,
-                                SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
-                                BK: tl.constexpr, DOT_F32: tl.constexpr):
-        """gu_sorted[m, n] = bf16(W13_e z[t])[n] (the split form's buffer) for the chunks of
-        class NB; grid (2I / BN tiles, worst-case chunks), a chunk's tiles back to back."""
-        tile, slot = tl.program_id(0), tl.program_id(1)
-        ok, start, end, e = _blocked_chunk(slot, order_ptr, class_start_ptr, class_count_ptr,
-                                           chunk_start_ptr, chunk_end_ptr, sorted_e_ptr, NB)
-        if not ok:
-            return
-        n = tile * BN + tl.arange(0, BN)
-        n_ok = n < I2
-        acc0, acc1, acc2, acc3 = _blocked_accs(
-            z_ptr, pairs_ptr, top_k, start, end, L, w_ptr + e * (I2 * (L // 2)),
-            s_ptr + e * (I2 * (L // 32)), n, n_ok, SUB, NB, BN, BK, True, DOT_F32)
-        j = tl.arange(0, SUB)
-        base = gu_ptr + n[:, None]
-        tl.store(base + (start + j)[None, :] * I2, acc0.to(tl.bfloat16),
-                 mask=n_ok[:, None] & (start + j < end)[None, :])
+    def _blocked_store(out_ptr, row_ptr, ROW: tl.constexpr, start, end, i: tl.constexpr, acc,
+                       n, n_ok, N: tl.constexpr, SUB: tl.constexpr):
+        """Sub-block i's accumulator (BN, SUB) as bf16 into out[row, n] (row = the sorted
+        position, or with ROW the pair row_ptr[position])."""
+        m = start + i * SUB + tl.arange(0, SUB)
+        ok = m < end
+        r = tl.load(row_ptr + m, mask=ok, other=0) if ROW else m
+        tl.store(out_ptr + r[None, :] * N + n[:, None], acc.to(tl.bfloat16),
+                 mask=n_ok[:, None] & ok[None, :])
+
+    @triton.jit
+    def _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, n, n_ok,
+                      out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr, SUB: tl.constexpr,
+                      NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GATHER: tl.constexpr, DOT_F32: tl.constexpr):
+        acc0, acc1, acc2, acc3 = _blocked_accs(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e,
+                                               n, n_ok, SUB, NB, BN, BK, GATHER, DOT_F32)
+        _blocked_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, N, SUB)
         if NB > 1:
-            m = start + SUB + j
-            tl.store(base + m[None, :] * I2, acc1.to(tl.bfloat16),
-                     mask=n_ok[:, None] & (m < end)[None, :])
+            _blocked_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, N, SUB)
         if NB > 2:
-            m = start + 2 * SUB + j
-            tl.store(base + m[None, :] * I2, acc2.to(tl.bfloat16),
-                     mask=n_ok[:, None] & (m < end)[None, :])
+            _blocked_store(out_ptr, row_ptr, ROW, start, end, 2, acc2, n, n_ok, N, SUB)
         if NB > 3:
-            m = start + 3 * SUB + j
-            tl.store(base + m[None, :] * I2, acc3.to(tl.bfloat16),
-                     mask=n_ok[:, None] & (m < end)[None, :])
+            _blocked_store(out_ptr, row_ptr, ROW, start, end, 3, acc3, n, n_ok, N, SUB)
+
+    @triton.jit
+    def _blocked_dispatch(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, n,
+                          n_ok, out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr,
+                          SUB: tl.constexpr, NBMAX: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr):
+        """The body for this chunk's sub-block count nb = ⌈(end − start) / SUB⌉ ≤ NBMAX."""
+        nb = (end - start + SUB - 1) // SUB
+        if nb == 1:
+            _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, n, n_ok, out_ptr,
+                          row_ptr, ROW, N, SUB, 1, BN, BK, GATHER, DOT_F32)
+        if NBMAX > 1:
+            if nb == 2:
+                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, n, n_ok,
+                              out_ptr, row_ptr, ROW, N, SUB, 2, BN, BK, GATHER, DOT_F32)
+        if NBMAX > 2:
+            if nb == 3:
+                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, n, n_ok,
+                              out_ptr, row_ptr, ROW, N, SUB, 3, BN, BK, GATHER, DOT_F32)
+        if NBMAX > 3:
+            if nb == 4:
+                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, n, n_ok,
+                              out_ptr, row_ptr, ROW, N, SUB, 4, BN, BK, GATHER, DOT_F32)
+
+    @triton.jit
+    def _gate_up_blocked_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                                chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k,
+                                L: tl.constexpr, I2: tl.constexpr, SUB: tl.constexpr,
+                                NBMAX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                DOT_F32: tl.constexpr):
+        """gu_sorted[m, n] = bf16(W13_e z[t])[n] (the split form's buffer) for the sorted
+        positions m of chunk c; grid (2I / BN tiles, worst-case chunks): tile-major."""
+        tile, c = tl.program_id(0), tl.program_id(1)
+        if c >= tl.load(num_chunks_ptr):
+            return
+        start = tl.load(chunk_start_ptr + c)
+        end = tl.load(chunk_end_ptr + c)
+        e = tl.load(sorted_e_ptr + start).to(tl.int64)
+        n = tile * BN + tl.arange(0, BN)
+        _blocked_dispatch(z_ptr, pairs_ptr, top_k, start, end, L, w_ptr + e * (I2 * (L // 2)),
+                          s_ptr + e * (I2 * (L // 32)), n, n < I2, gu_ptr, pairs_ptr, False,
+                          I2, SUB, NBMAX, BN, BK, True, DOT_F32)
 
     @triton.jit
     def _down_blocked_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
-                             chunk_end_ptr, order_ptr, class_start_ptr, class_count_ptr, y_ptr,
-                             L: tl.constexpr, I: tl.constexpr, SUB: tl.constexpr,
-                             NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             DOT_F32: tl.constexpr):
-        """y[p, n] = bf16(W2_e a[m])[n] (pair order) for the chunks of class NB, a in sorted
-        order (the gate/up's)."""
-        tile, slot = tl.program_id(0), tl.program_id(1)
-        ok, start, end, e = _blocked_chunk(slot, order_ptr, class_start_ptr, class_count_ptr,
-                                           chunk_start_ptr, chunk_end_ptr, sorted_e_ptr, NB)
-        if not ok:
+                             chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
+                             I: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+        """y[p, n] = bf16(W2_e a[m])[n] (pair order) for chunk c, a in sorted order (the
+        gate/up's); tile-major grid."""
+        tile, c = tl.program_id(0), tl.program_id(1)
+        if c >= tl.load(num_chunks_ptr):
             return
+        start = tl.load(chunk_start_ptr + c)
+        end = tl.load(chunk_end_ptr + c)
+        e = tl.load(sorted_e_ptr + start).to(tl.int64)
         n = tile * BN + tl.arange(0, BN)
-        n_ok = n < L
-        acc0, acc1, acc2, acc3 = _blocked_accs(
-            a_ptr, pairs_ptr, 1, start, end, I, w_ptr + e * (L * (I // 2)),
-            s_ptr + e * (L * (I // 32)), n, n_ok, SUB, NB, BN, BK, False, DOT_F32)
-        j = tl.arange(0, SUB)
-        m = start + j
-        p = tl.load(pairs_ptr + m, mask=m < end, other=0)
-        tl.store(y_ptr + p[None, :] * L + n[:, None], acc0.to(tl.bfloat16),
-                 mask=n_ok[:, None] & (m < end)[None, :])
-        if NB > 1:
-            m = start + SUB + j
-            p = tl.load(pairs_ptr + m, mask=m < end, other=0)
-            tl.store(y_ptr + p[None, :] * L + n[:, None], acc1.to(tl.bfloat16),
-                     mask=n_ok[:, None] & (m < end)[None, :])
-        if NB > 2:
-            m = start + 2 * SUB + j
-            p = tl.load(pairs_ptr + m, mask=m < end, other=0)
-            tl.store(y_ptr + p[None, :] * L + n[:, None], acc2.to(tl.bfloat16),
-                     mask=n_ok[:, None] & (m < end)[None, :])
-        if NB > 3:
-            m = start + 3 * SUB + j
-            p = tl.load(pairs_ptr + m, mask=m < end, other=0)
-            tl.store(y_ptr + p[None, :] * L + n[:, None], acc3.to(tl.bfloat16),
-                     mask=n_ok[:, None] & (m < end)[None, :])
+        _blocked_dispatch(a_ptr, pairs_ptr, 1, start, end, I, w_ptr + e * (L * (I // 2)),
+                          s_ptr + e * (L * (I // 32)), n, n < L, y_ptr, pairs_ptr, True, L,
+                          SUB, NBMAX, BN, BK, False, DOT_F32)
 
     @triton.jit(do_not_specialize=["T"])
     def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, row_ptr,
@@ -724,8 +727,9 @@ class MoEConfig:
     bf16 is the reference's rounding point there). blocked (the split form's buffers): the
     `_gate_up_blocked_kernel` / `_down_blocked_kernel` pair, chunks of ≤ block_m (64-256)
     pairs cut into 64-pair sub-blocks that share each decoded weight tile, one launch per
-    sub-block count (`moe_block_classes`); num_stages, swap_ab, split_gate_up and tile_major
-    do not apply (always tile-major)."""
+    sub-block count, taken per program in one launch; blocked_down False: the down kernel is
+    the swapped one on 128-pair chunks of the same order. swap_ab, split_gate_up and
+    tile_major do not apply (always tile-major)."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -740,6 +744,7 @@ class MoEConfig:
     grouped_bf16: bool = False  # kernels/moe_grouped.py: dequantize, then bf16 grouped GEMMs
     down_warps: int = 0         # the down kernel's warps (0: num_warps, as the gate/up's)
     blocked: bool = False       # chunks of ≤ block_m pairs in 64-pair sub-blocks, one decode
+    blocked_down: bool = True   # blocked: the down kernel blocked too (else swapped, 128)
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -782,10 +787,11 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
 
 
 # The prefill steps' expert kernels: "split" (the swapped split kernels on 128-pair chunks,
-# below) or "blocked" (`MoEConfig.blocked`: ≤ 256-pair chunks in 64-pair sub-blocks sharing
-# each decoded tile). The prefill bench's `--prefill-experts` runs both in one process.
+# below), "blocked" (`MoEConfig.blocked`: ≤ 256-pair chunks in 64-pair sub-blocks sharing
+# each decoded tile, gate/up and down) or "hybrid" (blocked gate/up, the swapped down
+# kernel). The prefill bench's `--prefill-experts` runs them side by side in one process.
 PREFILL_EXPERTS = "split"
-PREFILL_EXPERT_KINDS = ("split", "blocked")
+PREFILL_EXPERT_KINDS = ("split", "blocked", "hybrid")   # hybrid: blocked gate/up, swapped down
 
 
 def prefill_config(latent: int, intermediate: int) -> MoEConfig:
@@ -801,10 +807,11 @@ def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     and 2 CTAs per SM with two; split, one 8,192-token call took 4.65 ms against 5.28 on
     the H100 (1.13×, balanced routing, bit-equal outputs:
     bench/results/moe-prefill-sweep-h100-2026-12-06-split.json)."""
-    if PREFILL_EXPERTS == "blocked":
+    if PREFILL_EXPERTS in ("blocked", "hybrid"):
         return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
                          down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
-                         decode="elementwise", block_m=4 * SUB_BLOCK, blocked=True)
+                         decode="elementwise", block_m=4 * SUB_BLOCK, blocked=True,
+                         blocked_down=PREFILL_EXPERTS == "blocked")
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 128), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
                      decode="elementwise", block_m=128, swap_ab=True, tile_major=True,
@@ -918,30 +925,6 @@ def max_chunks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
 SUB_BLOCK = 64       # pairs per sub-block of the blocked kernels (one dot's N)
 
 
-def moe_block_classes(chunk_start: torch.Tensor, chunk_end: torch.Tensor,
-                      num_chunks: torch.Tensor, nb_max: int, sub: int = SUB_BLOCK):
-    """The chunks grouped by sub-block count nb = ⌈len / sub⌉ ∈ [1, nb_max] for the blocked
-    kernels: order (C,) int32 (chunk ids, class 1 first, entries past the valid chunks
-    last), class_start / class_count (nb_max,) int32. Library ops only, no host sync."""
-    C, dev = chunk_start.numel(), chunk_start.device
-    length = (chunk_end.to(torch.int64) - chunk_start.to(torch.int64))
-    nb = torch.div(length + sub - 1, sub, rounding_mode="floor").clamp(max=nb_max)
-    valid = (torch.arange(C, device=dev) < num_chunks.to(torch.int64)) & (nb >= 1)
-    key = torch.where(valid, nb, nb_max + 1)
-    order = torch.sort(key, stable=True).indices
-    count = (key[None, :] == torch.arange(1, nb_max + 1, device=dev)[:, None]).sum(1)
-    start = torch.cumsum(count, 0) - count
-    i32 = torch.int32
-    return order.to(i32), start.to(i32), count.to(i32)
-
-
-def class_grid(pairs: int, num_experts: int, block_m: int, nb: int,
-               sub: int = SUB_BLOCK) -> int:
-    """Worst-case chunk count of class nb: every chunk of it holds > (nb − 1)·sub pairs."""
-    worst = max_chunks(pairs, num_experts, block_m)
-    return worst if nb == 1 else min(worst, pairs // ((nb - 1) * sub + 1))
-
-
 def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts,
                   z_dtypes: tuple = (torch.bfloat16,)) -> None:
     T, L = z.shape if z.dim() == 2 else (None, None)
@@ -1046,30 +1029,30 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
 
 def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfig,
                  out: torch.Tensor | None) -> torch.Tensor:
-    """`MoEConfig.blocked`: runs (chunks of ≤ block_m) → classes → per class gate/up
-    (bf16 W13 z into the sorted (P, 2I) buffer) → SiTU pass → per class down → Σ_k."""
+    """`MoEConfig.blocked`: runs (chunks of ≤ block_m) → gate/up (bf16 W13 z into the sorted
+    (P, 2I) buffer) → SiTU pass → down (`blocked_down`; else the swapped down kernel on its
+    own 128-pair chunks) → Σ_k."""
     T, L = z.shape
     k = topk_ids.shape[1]
     P, E, I = T * k, experts.num_experts, experts.intermediate
     bm = cfg.block_m
-    if bm not in (SUB_BLOCK, 2 * SUB_BLOCK, 3 * SUB_BLOCK, 4 * SUB_BLOCK) or bm & (bm - 1):
+    if bm not in (SUB_BLOCK, 2 * SUB_BLOCK, 4 * SUB_BLOCK):
         raise ValueError(f"MoEConfig.blocked needs block_m 64, 128 or 256 (≤ 4 sub-blocks "
                          f"of {SUB_BLOCK}), got {bm}")
     if cfg.decode != "elementwise":
         raise ValueError(f"MoEConfig.blocked takes the elementwise decode, got {cfg.decode!r}")
-    nb_max = bm // SUB_BLOCK
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
-    order, cls_start, cls_count = moe_block_classes(c_start, c_end, n_chunks, nb_max)
+    chunks = max_chunks(P, E, bm)
+    if chunks > MAX_GRID_Y:
+        raise ValueError(f"{P} pairs: {chunks} chunks of ≤ {bm} exceed the grid's "
+                         f"{MAX_GRID_Y}; split the batch")
     dot32 = not z.is_cuda
     gu = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
-    zb = z.to(torch.bfloat16).contiguous()
-    for nb in range(1, nb_max + 1):
-        _gate_up_blocked_kernel[(triton.cdiv(2 * I, cfg.gate_up_bn),
-                                 class_grid(P, E, bm, nb))](
-            zb, experts.w13, experts.s13, pairs, sorted_e, c_start, c_end, order, cls_start,
-            cls_count, gu, k, L=L, I2=2 * I, SUB=SUB_BLOCK, NB=nb, BN=cfg.gate_up_bn,
-            BK=cfg.gate_up_bk, DOT_F32=dot32, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+    _gate_up_blocked_kernel[(triton.cdiv(2 * I, cfg.gate_up_bn), chunks)](
+        z.to(torch.bfloat16).contiguous(), experts.w13, experts.s13, pairs, sorted_e, c_start,
+        c_end, n_chunks, gu, k, L=L, I2=2 * I, SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK,
+        BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, DOT_F32=dot32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
     lin = experts.linear_beta
     bt, bl = SUM_BLOCK
@@ -1077,12 +1060,21 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
         gu, a, P, float(experts.beta), float(lin if lin is not None else 1.0), I=I,
         HAS_LIN=lin is not None, BT=bt, BL=bl, num_warps=4)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
-    for nb in range(1, nb_max + 1):
-        _down_blocked_kernel[(triton.cdiv(L, cfg.down_bn), class_grid(P, E, bm, nb))](
-            a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, order, cls_start,
-            cls_count, y, L=L, I=I, SUB=SUB_BLOCK, NB=nb, BN=cfg.down_bn, BK=cfg.down_bk,
-            DOT_F32=dot32, num_warps=cfg.down_warps or cfg.num_warps,
-            num_stages=cfg.num_stages)
+    warps = cfg.down_warps or cfg.num_warps
+    if cfg.blocked_down:
+        _down_blocked_kernel[(triton.cdiv(L, cfg.down_bn), chunks)](
+            a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
+            SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK, BN=cfg.down_bn, BK=cfg.down_bk,
+            DOT_F32=dot32, num_warps=warps, num_stages=cfg.num_stages)
+    else:        # the swapped down kernel on 128-pair chunks of the same sorted order
+        _, _, _, _, d_start, d_end, d_chunks = moe_runs(topk_ids, E, 128)
+        dc = max_chunks(P, E, 128)
+        tm = dc <= MAX_GRID_Y
+        _down_swap_kernel[(triton.cdiv(L, cfg.down_bn), dc) if tm
+                          else (dc, triton.cdiv(L, cfg.down_bn))](
+            a, experts.w2, experts.s2, pairs, sorted_e, d_start, d_end, d_chunks, y, L=L, I=I,
+            BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=dot32, num_warps=warps,
+            num_stages=3, TILE_MAJOR=tm)
     if out is None:
         out = torch.empty(T, L, dtype=torch.float32, device=z.device)
     _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](

@@ -77,9 +77,8 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     if which == "blocked":          # 64-pair sub-blocks sharing one decode (`blocked`)
         sh = M.prefill_config(L, I)
         bl = rep(sh, blocked=True, block_m=256, gate_up_bk=M._largest_block(L, 64))
-        return unique([sh, bl, rep(bl, num_warps=8, down_warps=4),
-                       rep(bl, gate_up_bk=M._largest_block(L, 128), num_stages=2),
-                       rep(sh, blocked=True, block_m=128), rep(bl, down_bn=128)])
+        return unique([sh, bl, rep(bl, blocked_down=False),
+                       rep(bl, num_warps=8, down_warps=4), rep(bl, down_bn=128)])
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -166,7 +165,7 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print,
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             log(f"moe prefill TP{tp} T={T} {'grouped-bf16 ' if c.grouped_bf16 else ''}"
-                f"{'blocked ' if c.blocked else ''}"
+                f"{('blocked ' if c.blocked_down else 'blocked-gu ') if c.blocked else ''}"
                 f"bm{c.block_m}{'s' if c.swap_ab else ''}{'t' if c.tile_major else ''}"
                 f"{'g' if c.split_gate_up else ''} "
                 f"{c.decode:11s} gu{c.gate_up_bn}x"

@@ -69,31 +69,10 @@ def test_moe_runs_sends_large_batches_to_the_library_path(monkeypatch):
                                                                         1024]
 
 
-@pytest.mark.parametrize("nb_max", [1, 2, 4])
-def test_moe_block_classes_group_chunks_by_sub_blocks(nb_max):
-    """`moe_block_classes`: the valid chunks (index < num_chunks, length ≥ 1) grouped by
-    ⌈length / 64⌉, class 1 first, each class's chunk ids in their original order; counts and
-    starts consistent; the padding entries past num_chunks never listed in a class."""
-    gen = torch.Generator().manual_seed(nb_max)
-    for T in (1, 37, 300):
-        ids = torch.rand(T, 64, generator=gen).topk(8, dim=-1).indices
-        bm = 64 * nb_max
-        *_, c_start, c_end, n = M.moe_runs_torch(ids, 64, bm)
-        order, start, count = M.moe_block_classes(c_start, c_end, n, nb_max)
-        lens = (c_end - c_start)[: int(n)].tolist()
-        want = [[c for c, ln in enumerate(lens) if -(-ln // 64) == nb]
-                for nb in range(1, nb_max + 1)]
-        assert count.tolist() == [len(w) for w in want]
-        assert start.tolist() == [sum(len(w) for w in want[:i]) for i in range(nb_max)]
-        for nb in range(nb_max):
-            got = order[start[nb]: start[nb] + count[nb]].tolist()
-            assert got == want[nb], f"T={T} class {nb + 1}"
-        assert M.class_grid(T * 8, 64, bm, nb_max) >= count[-1]
-
-
 def test_prefill_experts_switch(monkeypatch):
     """PREFILL_EXPERTS picks the prefill steps' kernels: split (the swapped split kernels on
-    128-pair chunks) or blocked (≤ 256-pair chunks in 64-pair sub-blocks)."""
+    128-pair chunks), blocked (≤ 256-pair chunks in 64-pair sub-blocks) or hybrid (blocked
+    gate/up, swapped down)."""
     assert M.PREFILL_EXPERTS in M.PREFILL_EXPERT_KINDS
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "split")
     split = M.prefill_config(3584, 192)
@@ -101,3 +80,7 @@ def test_prefill_experts_switch(monkeypatch):
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked")
     blocked = M.default_config(1 << 17, 896, 192, 3584, tuned=False)
     assert blocked.blocked and blocked.block_m == 256 and 3584 % blocked.gate_up_bk == 0
+    assert blocked.blocked_down
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "hybrid")
+    hybrid = M.prefill_config(3584, 192)
+    assert hybrid.blocked and not hybrid.blocked_down

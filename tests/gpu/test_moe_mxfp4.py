@@ -296,13 +296,16 @@ def _counted_routing(counts: list[int], T: int, k: int, gen):
     return (w / w.sum(-1, keepdim=True)).float(), ids.to(DEV)
 
 
-@pytest.mark.parametrize("block_m", [64, 128, 256])
-def test_blocked_kernels_match_reference_every_class(block_m):
-    """`blocked`: chunks of ≤ block_m pairs in 64-pair sub-blocks, one launch per sub-block
-    count. Expert loads 1, 63, 64, 65, 128, 129, 150 and 200 pairs put chunks in every
-    class (and split the 129-200 loads over two chunks at block_m 64/128); every output row
-    written (poisoned allocator), within the reference's tolerance and within 1e-3 of the
-    split kernels (the same rounding points; only the dots' widths differ)."""
+@pytest.mark.parametrize("block_m,blocked_down", [(64, True), (128, True), (256, True),
+                                                  (256, False)])
+def test_blocked_kernels_match_reference_every_class(block_m, blocked_down):
+    """`blocked`: chunks of ≤ block_m pairs in 64-pair sub-blocks, each program running the
+    body compiled for its chunk's sub-block count. Expert loads 1, 63, 64, 65, 128, 129, 150
+    and 200 pairs give chunks of 1-4 sub-blocks (and split the 129-200 loads over two chunks
+    at block_m 64/128); with blocked_down False the down kernel is the swapped one on its own
+    128-pair chunks. Every output row written (poisoned allocator), within the reference's
+    tolerance and within 1e-3 of the split kernels (the same rounding points; only the dots'
+    widths differ)."""
     seed = fresh_seed()
     gen = torch.Generator(device=DEV).manual_seed(seed)
     E, L, I, k, T = 16, 128, 64, 4, 200
@@ -310,15 +313,7 @@ def test_blocked_kernels_match_reference_every_class(block_m):
     ex = M.MXFP4Experts.random(E, L, I, 4.0, 25.0, device=DEV, seed=seed).validate()
     z = torch.randn(T, L, generator=gen, device=DEV).to(torch.bfloat16)
     w, ids = _counted_routing(counts, T, k, gen)
-    order, start, count = M.moe_block_classes(*M.moe_runs(ids, E, block_m)[4:], block_m // 64)
-    want = [0] * (block_m // 64)
-    for n in counts:
-        while n > 0:
-            take = min(n, block_m)
-            want[-(-take // 64) - 1] += 1
-            n -= take
-    assert count.tolist() == want, f"classes {count.tolist()} != {want}"
-    cfg = M.MoEConfig(64, 64, 64, 64, block_m=block_m, blocked=True)
+    cfg = M.MoEConfig(64, 64, 64, 64, block_m=block_m, blocked=True, blocked_down=blocked_down)
     _poison_allocator()
     out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
@@ -339,7 +334,7 @@ def test_blocked_kernels_k3_prefill_shape():
     seed = fresh_seed()
     ex, z, w, ids = _case(896, 3584, 192, 16, 2048, seed)
     _poison_allocator()
-    cfg = replace(M.prefill_config(3584, 192), block_m=256, blocked=True, gate_up_bk=64)
+    cfg = M.MoEConfig(64, 64, 64, 64, block_m=256, blocked=True)
     out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
     base = M.fused_moe_mxfp4_triton(z, w, ids, ex, M.prefill_config(3584, 192))
