@@ -547,48 +547,48 @@ if triton is not None:
     # class's chunks).
 
     @triton.jit
+    def _sub_rows(xrow_ptr, top_k, start, end, i: tl.constexpr, SUB: tl.constexpr,
+                  GATHER: tl.constexpr):
+        """(x rows, valid) of sub-block i: sorted positions start + SUB·i + [0, SUB) below
+        end; GATHER: the row is the position's pair // top_k (z's token rows)."""
+        m = start + i * SUB + tl.arange(0, SUB)
+        ok = m < end
+        if GATHER:
+            m = tl.load(xrow_ptr + m, mask=ok, other=0) // top_k
+        return m, ok
+
+    @triton.jit
+    def _sub_dot(w, x_ptr, rows, ok, K: tl.constexpr, k0, BK: tl.constexpr, acc,
+                 DOT_F32: tl.constexpr):
+        """acc + w · x[rows, k0:k0+BK]ᵀ (invalid rows read zeros)."""
+        x = tl.load(x_ptr + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :],
+                    mask=ok[:, None], other=0.0)
+        return _dot(w, tl.trans(x), acc, DOT_F32)
+
+    @triton.jit
     def _blocked_accs(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, n, n_ok,
                       SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GATHER: tl.constexpr, DOT_F32: tl.constexpr):
         """NB accumulators (BN, SUB): acc_i = W[n, :K] · x[rows_i, :K]ᵀ for sub-block i
-        (sorted positions start + SUB·i + [0, SUB), < end); unused ones stay zero. GATHER:
-        x row = the position's pair // top_k (z's token rows, gate/up), else the position
-        itself (the sorted `a`, down)."""
-        j = tl.arange(0, SUB)
-        m0 = start + j
-        m1 = start + SUB + j
-        m2 = start + 2 * SUB + j
-        m3 = start + 3 * SUB + j
-        ok0, ok1, ok2, ok3 = m0 < end, m1 < end, m2 < end, m3 < end
-        if GATHER:
-            r0 = tl.load(xrow_ptr + m0, mask=ok0, other=0) // top_k
-            r1 = tl.load(xrow_ptr + m1, mask=ok1, other=0) // top_k
-            r2 = tl.load(xrow_ptr + m2, mask=ok2, other=0) // top_k
-            r3 = tl.load(xrow_ptr + m3, mask=ok3, other=0) // top_k
-        else:
-            r0, r1, r2, r3 = m0, m1, m2, m3
+        (`_sub_rows`); unused ones stay zero. GATHER: z's token rows (gate/up), else the
+        sorted `a` (down)."""
+        r0, ok0 = _sub_rows(xrow_ptr, top_k, start, end, 0, SUB, GATHER)
+        r1, ok1 = _sub_rows(xrow_ptr, top_k, start, end, 1, SUB, GATHER)
+        r2, ok2 = _sub_rows(xrow_ptr, top_k, start, end, 2, SUB, GATHER)
+        r3, ok3 = _sub_rows(xrow_ptr, top_k, start, end, 3, SUB, GATHER)
         acc0 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc1 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc2 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc3 = tl.zeros((BN, SUB), dtype=tl.float32)
-        kk = tl.arange(0, BK)
         for k0 in range(0, K, BK):
-            w = _dequant_tile(w_e, s_e, n, n_ok, k0, K, BN, BK)
-            x0 = tl.load(x_ptr + r0[:, None] * K + k0 + kk[None, :], mask=ok0[:, None],
-                         other=0.0)
-            acc0 = _dot(w, tl.trans(x0), acc0, DOT_F32)
+            w = _dequant_tile(w_e, s_e, n, n_ok, k0, K, BN, BK)    # decoded once, NB dots
+            acc0 = _sub_dot(w, x_ptr, r0, ok0, K, k0, BK, acc0, DOT_F32)
             if NB > 1:
-                x1 = tl.load(x_ptr + r1[:, None] * K + k0 + kk[None, :], mask=ok1[:, None],
-                             other=0.0)
-                acc1 = _dot(w, tl.trans(x1), acc1, DOT_F32)
+                acc1 = _sub_dot(w, x_ptr, r1, ok1, K, k0, BK, acc1, DOT_F32)
             if NB > 2:
-                x2 = tl.load(x_ptr + r2[:, None] * K + k0 + kk[None, :], mask=ok2[:, None],
-                             other=0.0)
-                acc2 = _dot(w, tl.trans(x2), acc2, DOT_F32)
+                acc2 = _sub_dot(w, x_ptr, r2, ok2, K, k0, BK, acc2, DOT_F32)
             if NB > 3:
-                x3 = tl.load(x_ptr + r3[:, None] * K + k0 + kk[None, :], mask=ok3[:, None],
-                             other=0.0)
-                acc3 = _dot(w, tl.trans(x3), acc3, DOT_F32)
+                acc3 = _sub_dot(w, x_ptr, r3, ok3, K, k0, BK, acc3, DOT_F32)
         return acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -641,41 +641,46 @@ if triton is not None:
                               out_ptr, row_ptr, ROW, N, SUB, 4, BN, BK, GATHER, DOT_F32)
 
     @triton.jit
+    def _blocked_gemm(x_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                      chunk_end_ptr, num_chunks_ptr, out_ptr, top_k, K: tl.constexpr,
+                      N: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+        """Program (tile, chunk c) of a blocked GEMM over one expert's (N, K) MXFP4 matrix:
+        GATE_UP, x = z (token rows gathered), out = the sorted (P, 2I) gu buffer; else x =
+        the sorted `a`, out = y in pair order. Grid (N / BN, worst-case chunks): tile-major."""
+        tile, c = tl.program_id(0), tl.program_id(1)
+        if c < tl.load(num_chunks_ptr):
+            start = tl.load(chunk_start_ptr + c)
+            end = tl.load(chunk_end_ptr + c)
+            e = tl.load(sorted_e_ptr + start).to(tl.int64)
+            n = tile * BN + tl.arange(0, BN)
+            _blocked_dispatch(x_ptr, pairs_ptr, top_k, start, end, K,
+                              w_ptr + e * (N * (K // 2)), s_ptr + e * (N * (K // 32)), n,
+                              n < N, out_ptr, pairs_ptr, not GATE_UP, N, SUB, NBMAX, BN, BK,
+                              GATE_UP, DOT_F32)
+
+    @triton.jit
     def _gate_up_blocked_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                                 chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k,
                                 L: tl.constexpr, I2: tl.constexpr, SUB: tl.constexpr,
                                 NBMAX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                                 DOT_F32: tl.constexpr):
         """gu_sorted[m, n] = bf16(W13_e z[t])[n] (the split form's buffer) for the sorted
-        positions m of chunk c; grid (2I / BN tiles, worst-case chunks): tile-major."""
-        tile, c = tl.program_id(0), tl.program_id(1)
-        if c >= tl.load(num_chunks_ptr):
-            return
-        start = tl.load(chunk_start_ptr + c)
-        end = tl.load(chunk_end_ptr + c)
-        e = tl.load(sorted_e_ptr + start).to(tl.int64)
-        n = tile * BN + tl.arange(0, BN)
-        _blocked_dispatch(z_ptr, pairs_ptr, top_k, start, end, L, w_ptr + e * (I2 * (L // 2)),
-                          s_ptr + e * (I2 * (L // 32)), n, n < I2, gu_ptr, pairs_ptr, False,
-                          I2, SUB, NBMAX, BN, BK, True, DOT_F32)
+        positions m of each chunk (its own kernel name: profiles tell the GEMMs apart)."""
+        _blocked_gemm(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                      chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k, L, I2, SUB, NBMAX, BN, BK,
+                      True, DOT_F32)
 
     @triton.jit
     def _down_blocked_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                              chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                              I: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
-        """y[p, n] = bf16(W2_e a[m])[n] (pair order) for chunk c, a in sorted order (the
-        gate/up's); tile-major grid."""
-        tile, c = tl.program_id(0), tl.program_id(1)
-        if c >= tl.load(num_chunks_ptr):
-            return
-        start = tl.load(chunk_start_ptr + c)
-        end = tl.load(chunk_end_ptr + c)
-        e = tl.load(sorted_e_ptr + start).to(tl.int64)
-        n = tile * BN + tl.arange(0, BN)
-        _blocked_dispatch(a_ptr, pairs_ptr, 1, start, end, I, w_ptr + e * (L * (I // 2)),
-                          s_ptr + e * (L * (I // 32)), n, n < L, y_ptr, pairs_ptr, True, L,
-                          SUB, NBMAX, BN, BK, False, DOT_F32)
+        """y[p, n] = bf16(W2_e a[m])[n] (pair order), a in sorted order (the gate/up's)."""
+        _blocked_gemm(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
+                      chunk_end_ptr, num_chunks_ptr, y_ptr, 1, I, L, SUB, NBMAX, BN, BK, False,
+                      DOT_F32)
 
     @triton.jit(do_not_specialize=["T"])
     def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, row_ptr,

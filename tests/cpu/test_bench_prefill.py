@@ -287,6 +287,16 @@ def test_prefill_bench_budget_sweep_cpu(tmp_path):
         assert r["mfu"] > 0 and r["mixed_step_ms"] > 0
 
 
+def _tiny_alternatives(out, prompts: str, flag: str, values: str) -> dict:
+    """The tiny model's prompts under a same-run alternatives flag (CPU, no graphs): its run."""
+    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", prompts,
+                         "--prefill-budget", "16", flag, values, "--mixed-decodes", "2",
+                         "--context", "8", "--random-counts", "0", "--repeats", "1",
+                         "--steps", "1", "--graphed", "0", "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    return run
+
+
 def test_prefill_bench_grouped_pairs_alternatives_cpu(tmp_path):
     """--grouped-pairs: every prompt once per value, interleaved, each row naming its value
     and whether it is the shipped one; the module's value restored after; the summary from
@@ -295,12 +305,7 @@ def test_prefill_bench_grouped_pairs_alternatives_cpu(tmp_path):
     out = tmp_path / "grouped.json"
     shipped = moe_mxfp4.GROUPED_PAIRS
     other = shipped + 64
-    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "20,40",
-                         "--prefill-budget", "16", "--grouped-pairs", f"{shipped},{other}",
-                         "--mixed-decodes", "2", "--context", "8", "--random-counts", "0",
-                         "--repeats", "1", "--steps", "1", "--graphed", "0",
-                         "--out", str(out)]) == 0
-    (run,) = json.loads(out.read_text())["runs"]
+    run = _tiny_alternatives(out, "20,40", "--grouped-pairs", f"{shipped},{other}")
     assert [(p["prompt_tokens"], p["grouped_pairs"], p["shipped"]) for p in run["prompts"]] == [
         (20, shipped, True), (20, other, False), (40, shipped, True), (40, other, False)]
     assert moe_mxfp4.GROUPED_PAIRS == shipped
@@ -502,12 +507,7 @@ def test_prefill_bench_prefill_experts_alternatives_cpu(tmp_path):
     out = tmp_path / "experts.json"
     shipped = moe_mxfp4.PREFILL_EXPERTS
     other = next(k for k in moe_mxfp4.PREFILL_EXPERT_KINDS if k != shipped)
-    assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", "20",
-                         "--prefill-budget", "16", "--prefill-experts", f"{shipped},{other}",
-                         "--mixed-decodes", "2", "--context", "8", "--random-counts", "0",
-                         "--repeats", "1", "--steps", "1", "--graphed", "0",
-                         "--out", str(out)]) == 0
-    (run,) = json.loads(out.read_text())["runs"]
+    run = _tiny_alternatives(out, "20", "--prefill-experts", f"{shipped},{other}")
     assert [(p["prefill_experts"], p["shipped"]) for p in run["prompts"]] == [
         (shipped, True), (other, False)]
     assert moe_mxfp4.PREFILL_EXPERTS == shipped
