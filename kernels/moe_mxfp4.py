@@ -645,10 +645,11 @@ if triton is not None:
                       chunk_end_ptr, num_chunks_ptr, out_ptr, top_k, K: tl.constexpr,
                       N: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+                      ROW: tl.constexpr, DOT_F32: tl.constexpr):
         """Program (tile, chunk c) of a blocked GEMM over one expert's (N, K) MXFP4 matrix:
         GATE_UP, x = z (token rows gathered), out = the sorted (P, 2I) gu buffer; else x =
-        the sorted `a`, out = y in pair order. Grid (N / BN, worst-case chunks): tile-major."""
+        the sorted `a`, out = y in pair order (ROW: out rows by pair). Grid (N / BN,
+        worst-case chunks): tile-major."""
         tile, c = tl.program_id(0), tl.program_id(1)
         if c < tl.load(num_chunks_ptr):
             start = tl.load(chunk_start_ptr + c)
@@ -657,8 +658,8 @@ if triton is not None:
             n = tile * BN + tl.arange(0, BN)
             _blocked_dispatch(x_ptr, pairs_ptr, top_k, start, end, K,
                               w_ptr + e * (N * (K // 2)), s_ptr + e * (N * (K // 32)), n,
-                              n < N, out_ptr, pairs_ptr, not GATE_UP, N, SUB, NBMAX, BN, BK,
-                              GATE_UP, DOT_F32)
+                              n < N, out_ptr, pairs_ptr, ROW, N, SUB, NBMAX, BN, BK, GATE_UP,
+                              DOT_F32)
 
     @triton.jit
     def _gate_up_blocked_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
@@ -670,7 +671,7 @@ if triton is not None:
         positions m of each chunk (its own kernel name: profiles tell the GEMMs apart)."""
         _blocked_gemm(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k, L, I2, SUB, NBMAX, BN, BK,
-                      True, DOT_F32)
+                      True, False, DOT_F32)
 
     @triton.jit
     def _down_blocked_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
@@ -680,7 +681,7 @@ if triton is not None:
         """y[p, n] = bf16(W2_e a[m])[n] (pair order), a in sorted order (the gate/up's)."""
         _blocked_gemm(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, y_ptr, 1, I, L, SUB, NBMAX, BN, BK, False,
-                      DOT_F32)
+                      True, DOT_F32)
 
     @triton.jit(do_not_specialize=["T"])
     def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, row_ptr,
@@ -732,7 +733,8 @@ class MoEConfig:
     bf16 is the reference's rounding point there). blocked (the split form's buffers): the
     `_gate_up_blocked_kernel` / `_down_blocked_kernel` pair, chunks of ≤ block_m (64-256)
     pairs cut into 64-pair sub-blocks that share each decoded weight tile, one launch per
-    sub-block count, taken per program in one launch; blocked_down False: the down kernel is
+    GEMM whose programs each run the body compiled for their chunk's sub-block count;
+    blocked_down False: the down kernel is
     the swapped one on 128-pair chunks of the same order. swap_ab, split_gate_up and
     tile_major do not apply (always tile-major)."""
     gate_up_bn: int
