@@ -1249,7 +1249,7 @@ KERNEL_SETS = {
 def expert_kernels(pairs: int, prefill: str):
     """kernels/moe_mxfp4.py GROUPED_PAIRS = pairs (the pair count from which an eager expert
     call takes the grouped bf16 path; 0: never) and PREFILL_EXPERTS = prefill (the prefill
-    steps' kernels: split or blocked) inside, restored after."""
+    steps' kernels: split, blocked or hybrid) inside, restored after."""
     was = moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS
     moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS = pairs, prefill
     try:
@@ -1376,7 +1376,7 @@ def main(argv=None) -> int:
                          "the shipped value's row")
     ap.add_argument("--prefill-experts", default=None,
                     help="comma-separated kernels/moe_mxfp4.py PREFILL_EXPERTS values (split, "
-                         "blocked: the prefill steps' expert kernels) each prompt also runs "
+                         "blocked, hybrid: the prefill steps' expert kernels) each prompt also runs "
                          "under, interleaved with the --grouped-pairs values (default: the "
                          "shipped one alone); the summary takes the shipped row")
     ap.add_argument("--seed", type=int, default=0)

@@ -2,8 +2,8 @@
 per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entries.
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
-        [--tokens 4096,8192] [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked]
-        [--profile]
+        [--tokens 4096,8192] [--profile]
+        [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -16,12 +16,13 @@ of 64-256 pairs) against the unswapped 64-pair kernels; `shipped`: `prefill_conf
 `order`: the grid order (`MoEConfig.tile_major`), chunk-major first as the baseline;
 `split`: gate and up rows as separate one-accumulator tiles (`MoEConfig.split_gate_up`,
 shipped since the 1.13× of moe-prefill-sweep-h100-2026-12-06-split.json) against the fused
-form (first, the baseline); `tiles`: the split kernels' BN (64 or 128 weight rows: how often a chunk's activation rows
-are re-read) against block_m (64-256 pairs: padding against decodes per pair); `blocked`: chunks of ≤ 256 pairs in
-64-pair sub-blocks that share each decoded weight tile (`MoEConfig.blocked`: one decode per
-expert and 64-pair padding) against the shipped kernels; `grouped`:
-the weights decoded once per call to bf16, then
-`torch._grouped_mm` (`MoEConfig.grouped_bf16`, kernels/moe_grouped.py) against the shipped
+form (first, the baseline); `tiles`: the split kernels' BN (64 or 128 weight rows: how
+often a chunk's activation rows are re-read) against block_m (64-256 pairs: padding against
+decodes per pair); `blocked`: chunks of ≤ 256 pairs in 64-pair sub-blocks that share each
+decoded weight tile (`MoEConfig.blocked`: one decode per expert and 64-pair padding; with
+blocked_down False the swapped down kernel) against the shipped kernels; `grouped`: the
+weights decoded once per call to bf16, then `torch._grouped_mm` (`MoEConfig.grouped_bf16`,
+kernels/moe_grouped.py) against the shipped
 kernels (first, the baseline).
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
