@@ -34,13 +34,14 @@ import torch
 from raydecode.models.layers import situ
 from raydecode.models.mxfp4 import unpack_mxfp4
 
-from .moe_mxfp4 import SUM_BLOCK, MXFP4Experts, _largest_block, _use_triton, check_out
+from .moe_mxfp4 import (MXFP4Experts, _largest_block, _use_triton, check_out, situ_rows,
+                         weighted_sum)
 
 try:  # CPU-only installs have no Triton: the PyTorch path serves them
     import triton
     import triton.language as tl
 
-    from .moe_mxfp4 import _dequant_tile, _situ_rows_kernel, _weighted_sum_kernel
+    from .moe_mxfp4 import _dequant_tile
 except Exception:  # ImportError, or a broken install
     triton = tl = None
 
@@ -109,28 +110,20 @@ def moe_mxfp4_grouped(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     del w13, x
     tri = _use_triton(z)
     if tri:
-        a = torch.empty(gu.shape[0], I, dtype=torch.bfloat16, device=z.device)
-        lin = experts.linear_beta
-        bt, bl = SUM_BLOCK
-        _situ_rows_kernel[(triton.cdiv(gu.shape[0], bt), triton.cdiv(I, bl))](
-            gu, a, gu.shape[0], float(experts.beta), float(lin if lin is not None else 1.0),
-            I=I, HAS_LIN=lin is not None, BT=bt, BL=bl, num_warps=4)
+        a = situ_rows(gu, torch.empty(gu.shape[0], I, dtype=torch.bfloat16, device=z.device),
+                      experts)
     else:
         a = situ(gu[:, :I], gu[:, I:], experts.beta, experts.linear_beta)
     del gu
     w2 = dequant_experts(experts.w2, experts.s2, counts)               # (E, L, I)
     y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)            # (P, L), sorted
     del w2, a
-    if out is None:
-        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
     if tri:
         row = torch.empty_like(order)
         row[order] = torch.arange(order.numel(), device=z.device)
-        bt, bl = SUM_BLOCK
-        _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
-            y, topk_weights.contiguous(), out, T, out.stride(0), row, K=k, L=L, BT=bt,
-            BL=bl, HAS_ROW=True, num_warps=4)
-        return out
+        return weighted_sum(y, topk_weights, out, row)
+    if out is None:
+        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
     w = topk_weights.reshape(-1)[order].float().unsqueeze(-1)
     out.zero_()
     out.index_add_(0, order // k, y.float() * w)

@@ -952,6 +952,32 @@ def _check_inputs(z, topk_weights, topk_ids, experts: MXFP4Experts,
                          "below 2**31; split the batch")
 
 
+def situ_rows(gu: torch.Tensor, a: torch.Tensor, experts: MXFP4Experts) -> torch.Tensor:
+    """a[m] = SiTU(gu[m, :I], gu[m, I:]) (bf16) for every row of the (P, 2I) bf16 gate ‖ up
+    buffer (`_situ_rows_kernel`) -> a."""
+    P, I, lin = gu.shape[0], experts.intermediate, experts.linear_beta
+    bt, bl = SUM_BLOCK
+    _situ_rows_kernel[(triton.cdiv(P, bt), triton.cdiv(I, bl))](
+        gu, a, P, float(experts.beta), float(lin if lin is not None else 1.0), I=I,
+        HAS_LIN=lin is not None, BT=bt, BL=bl, num_warps=4)
+    return a
+
+
+def weighted_sum(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor | None,
+                 row: torch.Tensor | None = None) -> torch.Tensor:
+    """out (T, L) fp32 (allocated when None) = Σ_j w[t, j] · y[pair row], j in order
+    (`_weighted_sum_kernel`); row: pair (t, j)'s row of y where y is not in pair order."""
+    T, k = topk_weights.shape
+    L = y.shape[1]
+    if out is None:
+        out = torch.empty(T, L, dtype=torch.float32, device=y.device)
+    bt, bl = SUM_BLOCK
+    _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
+        y, topk_weights.contiguous(), out, T, out.stride(0), y if row is None else row, K=k,
+        L=L, BT=bt, BL=bl, HAS_ROW=row is not None, num_warps=4)
+    return out
+
+
 DECODES = {"elementwise": 0, "pairs": 1, "split": 2}
 
 
@@ -1011,9 +1037,7 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
         _gate_up_split_kernel[grid(triton.cdiv(2 * I, cfg.gate_up_bn))](
             z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
             n_chunks, gu, k, L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common)
-        bt, bl = SUM_BLOCK
-        _situ_rows_kernel[(triton.cdiv(P, bt), triton.cdiv(I, bl))](
-            gu, a, P, beta, lin_beta, I=I, HAS_LIN=lin is not None, BT=bt, BL=bl, num_warps=4)
+        situ_rows(gu, a, experts)
     else:
         gate_up[grid(triton.cdiv(I, cfg.gate_up_bn))](
             z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
@@ -1025,13 +1049,7 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     down[grid(triton.cdiv(L, cfg.down_bn))](
         a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
         BN=cfg.down_bn, BK=cfg.down_bk, **extra2, **common)
-    if out is None:
-        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
-    bt, bl = SUM_BLOCK
-    _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
-        y, topk_weights.contiguous(), out, T, out.stride(0), y, K=k, L=L, BT=bt, BL=bl,
-        num_warps=4)
-    return out
+    return weighted_sum(y, topk_weights, out)
 
 
 def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfig,
@@ -1060,12 +1078,7 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
         c_end, n_chunks, gu, k, L=L, I2=2 * I, SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK,
         BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, DOT_F32=dot32, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
-    a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
-    lin = experts.linear_beta
-    bt, bl = SUM_BLOCK
-    _situ_rows_kernel[(triton.cdiv(P, bt), triton.cdiv(I, bl))](
-        gu, a, P, float(experts.beta), float(lin if lin is not None else 1.0), I=I,
-        HAS_LIN=lin is not None, BT=bt, BL=bl, num_warps=4)
+    a = situ_rows(gu, torch.empty(P, I, dtype=torch.bfloat16, device=z.device), experts)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
     warps = cfg.down_warps or cfg.num_warps
     if cfg.blocked_down:
@@ -1082,12 +1095,7 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
             a, experts.w2, experts.s2, pairs, sorted_e, d_start, d_end, d_chunks, y, L=L, I=I,
             BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=dot32, num_warps=warps,
             num_stages=3, TILE_MAJOR=tm)
-    if out is None:
-        out = torch.empty(T, L, dtype=torch.float32, device=z.device)
-    _weighted_sum_kernel[(triton.cdiv(T, bt), triton.cdiv(L, bl))](
-        y, topk_weights.contiguous(), out, T, out.stride(0), y, K=k, L=L, BT=bt, BL=bl,
-        num_warps=4)
-    return out
+    return weighted_sum(y, topk_weights, out)
 
 
 def check_out(out: torch.Tensor | None, T: int, L: int, device: torch.device) -> None:

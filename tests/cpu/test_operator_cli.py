@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -242,7 +243,6 @@ def test_start_http_replaces_a_picked_port_taken_meanwhile(monkeypatch):
 
     from raydecode.commands import serve as serve_cmd
 
-    import socket
     port = serve_cmd.free_loopback_port()
     with socket.socket() as sock:                 # the real pick is bindable
         sock.bind(("127.0.0.1", port))

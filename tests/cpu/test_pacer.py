@@ -216,10 +216,10 @@ def test_mixed_steps_get_the_whole_limit_and_only_their_own_samples():
 def test_a_size_its_neighbours_rule_out_too_is_reprobed_rarely():
     """The H100's mixed steps (24 K3 layers, 63 rows; pacer-replay-h100-2026-12-06-mixed24):
     step bucket 64 14.8 ms, 128 15.2, 256 19.0, 512 24.0, decode 12.2; limit 1.8 allows 22.0
-    ms, so the 193-token chunk (bucket 256) fits and 449 (bucket 512) does not. Once bucket 512 has
-    one sample over and the line through the trusted 128 and 256 (22.8 ms) agrees, 449 is
-    run again once per REPROBE chunks, not once per REPROBE_SOON until it is trusted: over
-    one 32k prompt (≈ 170 steps) at most one step beyond the first sample runs over."""
+    ms, so the 193-token chunk (bucket 256) fits and 449 (bucket 512) does not. Once bucket
+    512 has one sample over and the line through the trusted 128 and 256 (22.8 ms) agrees,
+    449 is run again once per REPROBE chunks, not once per REPROBE_SOON until it is trusted:
+    over one 32k prompt (≈ 170 steps) at most one step beyond the first sample runs over."""
     cost = {64: 0.0148, 128: 0.0152, 256: 0.019, 512: 0.024}
     p = ChunkPacer(1.8, mixed=True)
     chosen = []
