@@ -566,16 +566,11 @@ if triton is not None:
         return _dot(w, tl.trans(x), acc, DOT_F32)
 
     @triton.jit
-    def _blocked_accs(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, n, n_ok,
-                      SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GATHER: tl.constexpr, DOT_F32: tl.constexpr):
-        """NB accumulators (BN, SUB): acc_i = W[n, :K] · x[rows_i, :K]ᵀ for sub-block i
-        (`_sub_rows`); unused ones stay zero. GATHER: z's token rows (gate/up), else the
-        sorted `a` (down)."""
-        r0, ok0 = _sub_rows(xrow_ptr, top_k, start, end, 0, SUB, GATHER)
-        r1, ok1 = _sub_rows(xrow_ptr, top_k, start, end, 1, SUB, GATHER)
-        r2, ok2 = _sub_rows(xrow_ptr, top_k, start, end, 2, SUB, GATHER)
-        r3, ok3 = _sub_rows(xrow_ptr, top_k, start, end, 3, SUB, GATHER)
+    def _blocked_accs(x_ptr, r0, ok0, r1, ok1, r2, ok2, r3, ok3, K: tl.constexpr, w_e, s_e, n,
+                      n_ok, SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, DOT_F32: tl.constexpr):
+        """NB accumulators (BN, SUB): acc_i = W[n, :K] · x[r_i, :K]ᵀ for sub-block i's x rows
+        r_i (valid ok_i, `_sub_rows`); unused ones stay zero."""
         acc0 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc1 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc2 = tl.zeros((BN, SUB), dtype=tl.float32)
@@ -603,62 +598,72 @@ if triton is not None:
                  mask=n_ok[:, None] & ok[None, :])
 
     @triton.jit
-    def _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, n, n_ok,
+    def _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, tile,
                       out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr, SUB: tl.constexpr,
                       NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GATHER: tl.constexpr, DOT_F32: tl.constexpr):
-        acc0, acc1, acc2, acc3 = _blocked_accs(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e,
-                                               n, n_ok, SUB, NB, BN, BK, GATHER, DOT_F32)
-        _blocked_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, N, SUB)
-        if NB > 1:
-            _blocked_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, N, SUB)
-        if NB > 2:
-            _blocked_store(out_ptr, row_ptr, ROW, start, end, 2, acc2, n, n_ok, N, SUB)
-        if NB > 3:
-            _blocked_store(out_ptr, row_ptr, ROW, start, end, 3, acc3, n, n_ok, N, SUB)
+                      TILES: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr):
+        """Output tiles tile·TILES + [0, TILES) (BN weight rows each) of a chunk of NB
+        sub-blocks: its x rows are found once, then each tile's K loop and stores."""
+        r0, ok0 = _sub_rows(xrow_ptr, top_k, start, end, 0, SUB, GATHER)
+        r1, ok1 = _sub_rows(xrow_ptr, top_k, start, end, 1, SUB, GATHER)
+        r2, ok2 = _sub_rows(xrow_ptr, top_k, start, end, 2, SUB, GATHER)
+        r3, ok3 = _sub_rows(xrow_ptr, top_k, start, end, 3, SUB, GATHER)
+        for t in tl.static_range(TILES):
+            n = (tile * TILES + t) * BN + tl.arange(0, BN)
+            n_ok = n < N
+            acc0, acc1, acc2, acc3 = _blocked_accs(x_ptr, r0, ok0, r1, ok1, r2, ok2, r3, ok3,
+                                                   K, w_e, s_e, n, n_ok, SUB, NB, BN, BK,
+                                                   DOT_F32)
+            _blocked_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, N, SUB)
+            if NB > 1:
+                _blocked_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, N, SUB)
+            if NB > 2:
+                _blocked_store(out_ptr, row_ptr, ROW, start, end, 2, acc2, n, n_ok, N, SUB)
+            if NB > 3:
+                _blocked_store(out_ptr, row_ptr, ROW, start, end, 3, acc3, n, n_ok, N, SUB)
 
     @triton.jit
-    def _blocked_dispatch(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, n,
-                          n_ok, out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr,
+    def _blocked_dispatch(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, tile,
+                          out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr,
                           SUB: tl.constexpr, NBMAX: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr):
+                          BK: tl.constexpr, TILES: tl.constexpr, GATHER: tl.constexpr,
+                          DOT_F32: tl.constexpr):
         """The body for this chunk's sub-block count nb = ⌈(end − start) / SUB⌉ ≤ NBMAX."""
         nb = (end - start + SUB - 1) // SUB
         if nb == 1:
-            _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, n, n_ok, out_ptr,
-                          row_ptr, ROW, N, SUB, 1, BN, BK, GATHER, DOT_F32)
+            _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
+                          row_ptr, ROW, N, SUB, 1, BN, BK, TILES, GATHER, DOT_F32)
         if NBMAX > 1:
             if nb == 2:
-                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, n, n_ok,
-                              out_ptr, row_ptr, ROW, N, SUB, 2, BN, BK, GATHER, DOT_F32)
+                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
+                              row_ptr, ROW, N, SUB, 2, BN, BK, TILES, GATHER, DOT_F32)
         if NBMAX > 2:
             if nb == 3:
-                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, n, n_ok,
-                              out_ptr, row_ptr, ROW, N, SUB, 3, BN, BK, GATHER, DOT_F32)
+                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
+                              row_ptr, ROW, N, SUB, 3, BN, BK, TILES, GATHER, DOT_F32)
         if NBMAX > 3:
             if nb == 4:
-                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, n, n_ok,
-                              out_ptr, row_ptr, ROW, N, SUB, 4, BN, BK, GATHER, DOT_F32)
+                _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
+                              row_ptr, ROW, N, SUB, 4, BN, BK, TILES, GATHER, DOT_F32)
 
     @triton.jit
     def _blocked_gemm(x_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, out_ptr, top_k, K: tl.constexpr,
                       N: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
-                      ROW: tl.constexpr, DOT_F32: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
+                      GATE_UP: tl.constexpr, ROW: tl.constexpr, DOT_F32: tl.constexpr):
         """Program (tile, chunk c) of a blocked GEMM over one expert's (N, K) MXFP4 matrix:
         GATE_UP, x = z (token rows gathered), out = the sorted (P, 2I) gu buffer; else x =
-        the sorted `a`, out = y in pair order (ROW: out rows by pair). Grid (N / BN,
-        worst-case chunks): tile-major."""
+        the sorted `a`, out = y in pair order (ROW: out rows by pair). Each program writes
+        TILES output tiles of BN. Grid (N / (BN·TILES), worst-case chunks): tile-major."""
         tile, c = tl.program_id(0), tl.program_id(1)
         if c < tl.load(num_chunks_ptr):
             start = tl.load(chunk_start_ptr + c)
             end = tl.load(chunk_end_ptr + c)
             e = tl.load(sorted_e_ptr + start).to(tl.int64)
-            n = tile * BN + tl.arange(0, BN)
             _blocked_dispatch(x_ptr, pairs_ptr, top_k, start, end, K,
-                              w_ptr + e * (N * (K // 2)), s_ptr + e * (N * (K // 32)), n,
-                              n < N, out_ptr, pairs_ptr, ROW, N, SUB, NBMAX, BN, BK, GATE_UP,
+                              w_ptr + e * (N * (K // 2)), s_ptr + e * (N * (K // 32)), tile,
+                              out_ptr, pairs_ptr, ROW, N, SUB, NBMAX, BN, BK, TILES, GATE_UP,
                               DOT_F32)
 
     @triton.jit
@@ -671,17 +676,20 @@ if triton is not None:
         positions m of each chunk (its own kernel name: profiles tell the GEMMs apart)."""
         _blocked_gemm(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k, L, I2, SUB, NBMAX, BN, BK,
-                      True, False, DOT_F32)
+                      1, True, False, DOT_F32)
 
     @triton.jit
     def _down_blocked_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                              chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                              I: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
-                             BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
-        """y[p, n] = bf16(W2_e a[m])[n] (pair order), a in sorted order (the gate/up's)."""
+                             BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
+                             DOT_F32: tl.constexpr):
+        """y[p, n] = bf16(W2_e a[m])[n] (pair order), a in sorted order (the gate/up's);
+        TILES output tiles per program (K = I is short: its rows found once, more work per
+        program)."""
         _blocked_gemm(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
-                      chunk_end_ptr, num_chunks_ptr, y_ptr, 1, I, L, SUB, NBMAX, BN, BK, False,
-                      True, DOT_F32)
+                      chunk_end_ptr, num_chunks_ptr, y_ptr, 1, I, L, SUB, NBMAX, BN, BK,
+                      TILES, False, True, DOT_F32)
 
     @triton.jit(do_not_specialize=["T"])
     def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, row_ptr,
@@ -734,7 +742,9 @@ class MoEConfig:
     `_gate_up_blocked_kernel` / `_down_blocked_kernel` pair, chunks of ≤ block_m (64-256)
     pairs cut into 64-pair sub-blocks that share each decoded weight tile, one launch per
     GEMM whose programs each run the body compiled for their chunk's sub-block count;
-    blocked_down False: the down kernel is
+    down_tiles: the blocked down kernel's output tiles per program (its K = I is 3 k steps
+    at TP16: more tiles per program amortize finding the chunk's rows and the pipeline's
+    fill); blocked_down False: the down kernel is
     the swapped one on 128-pair chunks of the same order. swap_ab, split_gate_up and
     tile_major do not apply (always tile-major)."""
     gate_up_bn: int
@@ -752,6 +762,7 @@ class MoEConfig:
     down_warps: int = 0         # the down kernel's warps (0: num_warps, as the gate/up's)
     blocked: bool = False       # chunks of ≤ block_m pairs in 64-pair sub-blocks, one decode
     blocked_down: bool = True   # blocked: the down kernel blocked too (else swapped, 128)
+    down_tiles: int = 1         # blocked down: output tiles of down_bn per program
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -795,10 +806,11 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
 
 # The prefill steps' expert kernels: "split" (the swapped split kernels on 128-pair chunks,
 # below), "blocked" (`MoEConfig.blocked`: ≤ 256-pair chunks in 64-pair sub-blocks sharing
-# each decoded tile, gate/up and down) or "hybrid" (blocked gate/up, the swapped down
-# kernel). The prefill bench's `--prefill-experts` runs them side by side in one process.
+# each decoded tile, gate/up and down), "blocked-t4" (blocked, 4 output tiles per down
+# program: `MoEConfig.down_tiles`) or "hybrid" (blocked gate/up, the swapped down kernel).
+# The prefill bench's `--prefill-experts` runs them side by side in one process.
 PREFILL_EXPERTS = "split"
-PREFILL_EXPERT_KINDS = ("split", "blocked", "hybrid")   # hybrid: blocked gate/up, swapped down
+PREFILL_EXPERT_KINDS = ("split", "blocked", "blocked-t4", "hybrid")
 
 
 def prefill_config(latent: int, intermediate: int) -> MoEConfig:
@@ -814,11 +826,12 @@ def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     and 2 CTAs per SM with two; split, one 8,192-token call took 4.65 ms against 5.28 on
     the H100 (1.13×, balanced routing, bit-equal outputs:
     bench/results/moe-prefill-sweep-h100-2026-12-06-split.json)."""
-    if PREFILL_EXPERTS in ("blocked", "hybrid"):
+    if PREFILL_EXPERTS != "split":
         return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
                          down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
                          decode="elementwise", block_m=4 * SUB_BLOCK, blocked=True,
-                         blocked_down=PREFILL_EXPERTS == "blocked")
+                         blocked_down=PREFILL_EXPERTS != "hybrid",
+                         down_tiles=4 if PREFILL_EXPERTS == "blocked-t4" else 1)
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 128), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
                      decode="elementwise", block_m=128, swap_ab=True, tile_major=True,
@@ -1066,6 +1079,8 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
                          f"of {SUB_BLOCK}), got {bm}")
     if cfg.decode != "elementwise":
         raise ValueError(f"MoEConfig.blocked takes the elementwise decode, got {cfg.decode!r}")
+    if cfg.down_tiles < 1:
+        raise ValueError(f"MoEConfig.down_tiles must be ≥ 1, got {cfg.down_tiles}")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
     chunks = max_chunks(P, E, bm)
     if chunks > MAX_GRID_Y:
@@ -1082,10 +1097,10 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
     warps = cfg.down_warps or cfg.num_warps
     if cfg.blocked_down:
-        _down_blocked_kernel[(triton.cdiv(L, cfg.down_bn), chunks)](
+        _down_blocked_kernel[(triton.cdiv(L, cfg.down_bn * cfg.down_tiles), chunks)](
             a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
             SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK, BN=cfg.down_bn, BK=cfg.down_bk,
-            DOT_F32=dot32, num_warps=warps, num_stages=cfg.num_stages)
+            TILES=cfg.down_tiles, DOT_F32=dot32, num_warps=warps, num_stages=cfg.num_stages)
     else:        # the swapped down kernel on 128-pair chunks of the same sorted order
         _, _, _, _, d_start, d_end, d_chunks = moe_runs(topk_ids, E, 128)
         dc = max_chunks(P, E, 128)

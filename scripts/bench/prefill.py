@@ -1376,7 +1376,8 @@ def main(argv=None) -> int:
                          "the shipped value's row")
     ap.add_argument("--prefill-experts", default=None,
                     help="comma-separated kernels/moe_mxfp4.py PREFILL_EXPERTS values (split, "
-                         "blocked, hybrid: the prefill steps' expert kernels) each prompt also runs "
+                         "blocked, blocked-t4, hybrid: the prefill steps' expert kernels) each "
+                         "prompt also runs "
                          "under, interleaved with the --grouped-pairs values (default: the "
                          "shipped one alone); the summary takes the shipped row")
     ap.add_argument("--seed", type=int, default=0)

@@ -20,10 +20,10 @@ form (first, the baseline); `tiles`: the split kernels' BN (64 or 128 weight row
 often a chunk's activation rows are re-read) against block_m (64-256 pairs: padding against
 decodes per pair); `blocked`: chunks of ≤ 256 pairs in 64-pair sub-blocks that share each
 decoded weight tile (`MoEConfig.blocked`: one decode per expert and 64-pair padding; with
-blocked_down False the swapped down kernel) against the shipped kernels; `grouped`: the
-weights decoded once per call to bf16, then `torch._grouped_mm` (`MoEConfig.grouped_bf16`,
-kernels/moe_grouped.py) against the shipped
-kernels (first, the baseline).
+blocked_down False the swapped down kernel; down_tiles 4 / 8: output tiles per down
+program) against the shipped kernels; `grouped`: the weights decoded once per call to
+bf16, then `torch._grouped_mm` (`MoEConfig.grouped_bf16`, kernels/moe_grouped.py) against
+the shipped kernels (first, the baseline).
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -78,8 +78,8 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     if which == "blocked":          # 64-pair sub-blocks sharing one decode (`blocked`)
         sh = M.prefill_config(L, I)
         bl = rep(sh, blocked=True, block_m=256, gate_up_bk=M._largest_block(L, 64))
-        return unique([sh, bl, rep(bl, blocked_down=False),
-                       rep(bl, num_warps=8, down_warps=4), rep(bl, down_bn=128)])
+        return unique([sh, bl, rep(bl, blocked_down=False), rep(bl, down_tiles=4),
+                       rep(bl, down_tiles=8), rep(bl, down_bn=128)])
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -170,7 +170,8 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print,
                 f"bm{c.block_m}{'s' if c.swap_ab else ''}{'t' if c.tile_major else ''}"
                 f"{'g' if c.split_gate_up else ''} "
                 f"{c.decode:11s} gu{c.gate_up_bn}x"
-                f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk} w{c.num_warps}"
+                f"{c.gate_up_bk} dn{c.down_bn}x{c.down_bk}"
+                f"{f'x{c.down_tiles}t' if c.down_tiles > 1 else ''} w{c.num_warps}"
                 f"{f'/{c.down_warps}' if c.down_warps else ''} s{c.num_stages}: "
                 + (f"{row['ms']:7.3f} ms {row['tflop_s']:6.1f} TFLOP/s" if "ms" in row
                    else row["error"]))

@@ -71,8 +71,8 @@ def test_moe_runs_sends_large_batches_to_the_library_path(monkeypatch):
 
 def test_prefill_experts_switch(monkeypatch):
     """PREFILL_EXPERTS picks the prefill steps' kernels: split (the swapped split kernels on
-    128-pair chunks), blocked (≤ 256-pair chunks in 64-pair sub-blocks) or hybrid (blocked
-    gate/up, swapped down)."""
+    128-pair chunks), blocked (≤ 256-pair chunks in 64-pair sub-blocks), blocked-t4 (4
+    output tiles per down program) or hybrid (blocked gate/up, swapped down)."""
     assert M.PREFILL_EXPERTS in M.PREFILL_EXPERT_KINDS
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "split")
     split = M.prefill_config(3584, 192)
@@ -80,7 +80,10 @@ def test_prefill_experts_switch(monkeypatch):
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked")
     blocked = M.default_config(1 << 17, 896, 192, 3584, tuned=False)
     assert blocked.blocked and blocked.block_m == 256 and 3584 % blocked.gate_up_bk == 0
-    assert blocked.blocked_down
+    assert blocked.blocked_down and blocked.down_tiles == 1
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked-t4")
+    t4 = M.prefill_config(3584, 192)
+    assert t4.blocked and t4.blocked_down and t4.down_tiles == 4
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "hybrid")
     hybrid = M.prefill_config(3584, 192)
     assert hybrid.blocked and not hybrid.blocked_down

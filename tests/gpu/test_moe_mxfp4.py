@@ -296,16 +296,18 @@ def _counted_routing(counts: list[int], T: int, k: int, gen):
     return (w / w.sum(-1, keepdim=True)).float(), ids.to(DEV)
 
 
-@pytest.mark.parametrize("block_m,blocked_down", [(64, True), (128, True), (256, True),
-                                                  (256, False)])
-def test_blocked_kernels_match_reference_every_class(block_m, blocked_down):
+@pytest.mark.parametrize("block_m,blocked_down,down_tiles",
+                         [(64, True, 1), (128, True, 1), (256, True, 1), (256, False, 1),
+                          (256, True, 2), (128, True, 3)])
+def test_blocked_kernels_match_reference_every_class(block_m, blocked_down, down_tiles):
     """`blocked`: chunks of ≤ block_m pairs in 64-pair sub-blocks, each program running the
     body compiled for its chunk's sub-block count. Expert loads 1, 63, 64, 65, 128, 129, 150
     and 200 pairs give chunks of 1-4 sub-blocks (and split the 129-200 loads over two chunks
     at block_m 64/128); with blocked_down False the down kernel is the swapped one on its own
-    128-pair chunks. Every output row written (poisoned allocator), within the reference's
-    tolerance and within 1e-3 of the split kernels (the same rounding points; only the dots'
-    widths differ)."""
+    128-pair chunks; down_tiles 2 / 3: one down program writes all of L = 128 (3: its third
+    tile wholly past L, masked). Every output row written (poisoned allocator), within the
+    reference's tolerance and within 1e-3 of the split kernels (the same rounding points;
+    only the dots' widths differ)."""
     seed = fresh_seed()
     gen = torch.Generator(device=DEV).manual_seed(seed)
     E, L, I, k, T = 16, 128, 64, 4, 200
@@ -313,7 +315,8 @@ def test_blocked_kernels_match_reference_every_class(block_m, blocked_down):
     ex = M.MXFP4Experts.random(E, L, I, 4.0, 25.0, device=DEV, seed=seed).validate()
     z = torch.randn(T, L, generator=gen, device=DEV).to(torch.bfloat16)
     w, ids = _counted_routing(counts, T, k, gen)
-    cfg = M.MoEConfig(64, 64, 64, 64, block_m=block_m, blocked=True, blocked_down=blocked_down)
+    cfg = M.MoEConfig(64, 64, 64, 64, block_m=block_m, blocked=True, blocked_down=blocked_down,
+                      down_tiles=down_tiles)
     _poison_allocator()
     out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
@@ -325,6 +328,8 @@ def test_blocked_kernels_match_reference_every_class(block_m, blocked_down):
     assert err < 1e-3, f"seed {seed}: blocked vs split rel err {err:.2e}"
     with pytest.raises(ValueError, match="blocked needs block_m"):
         M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(cfg, block_m=32))
+    with pytest.raises(ValueError, match="down_tiles must be ≥ 1, got 0"):
+        M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(cfg, down_tiles=0))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="K3 shapes on CUDA")
