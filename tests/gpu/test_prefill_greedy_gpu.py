@@ -67,21 +67,26 @@ def _reference_runs(model, prompts, monkeypatch, forced=None, budget=BUDGET):
 # MoE's PREFILL_PAIRS; at 160 a chunk of 131 or 160 tokens (2,096 / 2,560 pairs) runs the
 # prefill MoE kernels (kernels/moe_mxfp4.py `prefill_config`: the swapped-operand kernels);
 # grouped: those chunks on the grouped bf16 experts instead (GROUPED_PAIRS at PREFILL_PAIRS,
-# kernels/moe_grouped.py): shipped off (slower on the H100), the prefill bench's A/B path.
-@pytest.mark.parametrize("which,budget,grouped", [("tiny", BUDGET, 0), ("k3-slice", BUDGET, 0),
-                                                  ("k3-slice", 160, 0),
-                                                  ("k3-slice", 160, moe_mxfp4.PREFILL_PAIRS)])
+# kernels/moe_grouped.py): shipped off (slower on the H100), the prefill bench's A/B path;
+# experts: the prefill chunks' expert kernels (PREFILL_EXPERTS, None: the shipped kind).
+@pytest.mark.parametrize("which,budget,grouped,experts",
+                         [("tiny", BUDGET, 0, None), ("k3-slice", BUDGET, 0, None),
+                          ("k3-slice", 160, 0, None),
+                          ("k3-slice", 160, moe_mxfp4.PREFILL_PAIRS, None)]
+                         + [("k3-slice", 160, 0, x) for x in moe_mxfp4.PREFILL_EXPERT_KINDS
+                            if x != moe_mxfp4.PREFILL_EXPERTS])
 def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, budget, grouped,
-                                                                 monkeypatch):
+                                                                 experts, monkeypatch):
     model, prompts = _model(which, torch.float32)
     refs = _reference_runs(model, prompts, monkeypatch, budget=budget)
     total = ties = 0
     with monkeypatch.context() as m:
         m.setattr(MLAAttention, "prefill_impl", "sdpa")      # "auto" keeps fp32 on the reference
         m.setattr(moe_mxfp4, "GROUPED_PAIRS", grouped)
+        m.setattr(moe_mxfp4, "PREFILL_EXPERTS", experts or moe_mxfp4.PREFILL_EXPERTS)
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             got = run_forced(model, p, N_TOKENS, forced=ref.tokens, budget=budget)
-            msg = f"{which} fp32 budget {budget} prompt {i}"
+            msg = f"{which} fp32 budget {budget} experts {experts} prompt {i}"
             first = rel_err(got.first_logits, ref.first_logits)
             assert first <= TOL_FP32, f"{msg}: first-token logits rel err {first:.2e} > {TOL_FP32}"
             for j, (a, b, gap) in enumerate(zip(got.argmax, ref.tokens, ref.gaps)):
