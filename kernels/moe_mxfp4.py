@@ -804,16 +804,26 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
             and not torch.cuda.is_current_stream_capturing())
 
 
-# The prefill steps' expert kernels: "split" (the swapped split kernels on 128-pair chunks,
-# below), "blocked" (`MoEConfig.blocked`: ≤ 256-pair chunks in 64-pair sub-blocks sharing
-# each decoded tile, gate/up and down), "blocked-t4" (blocked, 4 output tiles per down
-# program: `MoEConfig.down_tiles`) or "hybrid" (blocked gate/up, the swapped down kernel).
-# The prefill bench's `--prefill-experts` runs them side by side in one process.
-PREFILL_EXPERTS = "split"
-PREFILL_EXPERT_KINDS = ("split", "blocked", "blocked-t4", "hybrid")
+# The prefill steps' expert kernels: "auto" (per call: "blocked" with 128-row down tiles
+# where the experts' mean load exceeds AUTO_BLOCKED_LOAD pairs, else "split"), "split" (the
+# swapped split kernels on 128-pair chunks, below), "blocked" (`MoEConfig.blocked`: ≤ 256-pair
+# chunks in 64-pair sub-blocks sharing each decoded tile, gate/up and down; the down kernel's
+# tiles 128 rows: faster than 64 at 2,048-8,192 tokens in every run of the sweep) or "hybrid"
+# (blocked gate/up, the swapped down kernel). The prefill bench's `--prefill-experts` runs
+# them side by side in one process. Why auto, on the H200 (K3 TP16, balanced routing, one
+# call; bench/results/moe-prefill-sweep-h200-2026-12-07-crossover.json): past 128 pairs per
+# expert the split kernels take two chunks, so two decodes, per expert (8,192 tokens: 4.41
+# ms) where the blocked ones decode once (down BN 128: 4.01 ms, 1.10×); at or below it one
+# chunk each, and the split kernels' 128-wide dots win (5,120 tokens: 2.71 against 3.30,
+# 7,168 = 128 per expert: 3.63 against 3.67). The outputs are bit-equal either way. The
+# choice depends on the pair count alone, so the warm-up's budget-sized step compiles it.
+PREFILL_EXPERTS = "auto"
+PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid")
+AUTO_BLOCKED_LOAD = 128
 
 
-def prefill_config(latent: int, intermediate: int) -> MoEConfig:
+def prefill_config(latent: int, intermediate: int, pairs: int = 0,
+                   num_experts: int = 0) -> MoEConfig:
     """Prefill steps (≥ PREFILL_PAIRS pairs, tens to hundreds per expert): the swapped kernels
     on 128-pair chunks, so an expert's tile is decoded once per 128 of its pairs (not per 16)
     and feeds the tensor cores from registers; 64 weight rows × 64 k per tile, 4 warps. In
@@ -825,13 +835,18 @@ def prefill_config(latent: int, intermediate: int) -> MoEConfig:
     program, BK 128, then the SiTU pass): the gate/up kernel held 255 registers per thread
     and 2 CTAs per SM with two; split, one 8,192-token call took 4.65 ms against 5.28 on
     the H100 (1.13×, balanced routing, bit-equal outputs:
-    bench/results/moe-prefill-sweep-h100-2026-12-06-split.json)."""
-    if PREFILL_EXPERTS != "split":
-        return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64), down_bn=64,
+    bench/results/moe-prefill-sweep-h100-2026-12-06-split.json). PREFILL_EXPERTS picks the
+    form; "auto" needs the call's pairs and num_experts (without them: split)."""
+    kind = PREFILL_EXPERTS
+    if kind == "auto":
+        kind = ("blocked" if num_experts and pairs > AUTO_BLOCKED_LOAD * num_experts
+                else "split")
+    if kind != "split":
+        return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64),
+                         down_bn=64 if kind == "hybrid" else 128,
                          down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
                          decode="elementwise", block_m=4 * SUB_BLOCK, blocked=True,
-                         blocked_down=PREFILL_EXPERTS != "hybrid",
-                         down_tiles=4 if PREFILL_EXPERTS == "blocked-t4" else 1)
+                         blocked_down=kind != "hybrid")
     return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 128), down_bn=64,
                      down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
                      decode="elementwise", block_m=128, swap_ab=True, tile_major=True,
@@ -853,7 +868,7 @@ def default_config(pairs: int, num_experts: int, intermediate: int, latent: int,
     BN = 128 over the latent, BK ≤ 128."""
     if pairs >= PREFILL_PAIRS:
         hit = PREFILL_TUNED.get((num_experts, intermediate, latent)) if tuned else None
-        return hit or prefill_config(latent, intermediate)
+        return hit or prefill_config(latent, intermediate, pairs, num_experts)
     hit = TUNED.get((pairs <= SMALL_PAIRS, num_experts, intermediate, latent)) if tuned else None
     if hit is not None:
         return hit

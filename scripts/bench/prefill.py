@@ -1375,8 +1375,8 @@ def main(argv=None) -> int:
                          "interleaved (default: the shipped value alone); the summary takes "
                          "the shipped value's row")
     ap.add_argument("--prefill-experts", default=None,
-                    help="comma-separated kernels/moe_mxfp4.py PREFILL_EXPERTS values (split, "
-                         "blocked, blocked-t4, hybrid: the prefill steps' expert kernels) each "
+                    help="comma-separated kernels/moe_mxfp4.py PREFILL_EXPERTS values (auto, "
+                         "split, blocked, hybrid: the prefill steps' expert kernels) each "
                          "prompt also runs "
                          "under, interleaved with the --grouped-pairs values (default: the "
                          "shipped one alone); the summary takes the shipped row")

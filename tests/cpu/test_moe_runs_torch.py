@@ -71,19 +71,24 @@ def test_moe_runs_sends_large_batches_to_the_library_path(monkeypatch):
 
 def test_prefill_experts_switch(monkeypatch):
     """PREFILL_EXPERTS picks the prefill steps' kernels: split (the swapped split kernels on
-    128-pair chunks), blocked (≤ 256-pair chunks in 64-pair sub-blocks), blocked-t4 (4
-    output tiles per down program) or hybrid (blocked gate/up, swapped down)."""
+    128-pair chunks), blocked (≤ 256-pair chunks in 64-pair sub-blocks, 128-row down tiles),
+    hybrid (blocked gate/up, swapped down) or auto (blocked where the experts' mean load is
+    above AUTO_BLOCKED_LOAD pairs, else split; the decision by the pair count alone)."""
     assert M.PREFILL_EXPERTS in M.PREFILL_EXPERT_KINDS
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "split")
     split = M.prefill_config(3584, 192)
     assert split.split_gate_up and not split.blocked and split.block_m == 128
+    assert M.default_config(1 << 17, 896, 192, 3584, tuned=False) == split
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked")
     blocked = M.default_config(1 << 17, 896, 192, 3584, tuned=False)
     assert blocked.blocked and blocked.block_m == 256 and 3584 % blocked.gate_up_bk == 0
-    assert blocked.blocked_down and blocked.down_tiles == 1
-    monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked-t4")
-    t4 = M.prefill_config(3584, 192)
-    assert t4.blocked and t4.blocked_down and t4.down_tiles == 4
+    assert blocked.blocked_down and blocked.down_bn == 128 and blocked.down_tiles == 1
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "hybrid")
     hybrid = M.prefill_config(3584, 192)
-    assert hybrid.blocked and not hybrid.blocked_down
+    assert hybrid.blocked and not hybrid.blocked_down and hybrid.down_bn == 64
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto")
+    edge = M.AUTO_BLOCKED_LOAD * 896                # K3 TP16: 7,168 tokens of top-16
+    assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == blocked
+    assert M.default_config(edge, 896, 192, 3584, tuned=False) == split
+    assert M.default_config(M.PREFILL_PAIRS, 896, 192, 3584, tuned=False) == split
+    assert M.prefill_config(3584, 192) == split     # no pair count given: split

@@ -296,16 +296,19 @@ def _counted_routing(counts: list[int], T: int, k: int, gen):
     return (w / w.sum(-1, keepdim=True)).float(), ids.to(DEV)
 
 
-@pytest.mark.parametrize("block_m,blocked_down,down_tiles",
-                         [(64, True, 1), (128, True, 1), (256, True, 1), (256, False, 1),
-                          (256, True, 2), (128, True, 3)])
-def test_blocked_kernels_match_reference_every_class(block_m, blocked_down, down_tiles):
+@pytest.mark.parametrize("block_m,blocked_down,down_tiles,down_bn",
+                         [(64, True, 1, 64), (128, True, 1, 64), (256, True, 1, 64),
+                          (256, False, 1, 64), (256, True, 2, 64), (128, True, 3, 64),
+                          (256, True, 1, 128)])
+def test_blocked_kernels_match_reference_every_class(block_m, blocked_down, down_tiles,
+                                                     down_bn):
     """`blocked`: chunks of ≤ block_m pairs in 64-pair sub-blocks, each program running the
     body compiled for its chunk's sub-block count. Expert loads 1, 63, 64, 65, 128, 129, 150
     and 200 pairs give chunks of 1-4 sub-blocks (and split the 129-200 loads over two chunks
     at block_m 64/128); with blocked_down False the down kernel is the swapped one on its own
     128-pair chunks; down_tiles 2 / 3: one down program writes all of L = 128 (3: its third
-    tile wholly past L, masked). Every output row written (poisoned allocator), within the
+    tile wholly past L, masked); down_bn 128 (the shipped blocked form's): one tile of all of
+    L. Every output row written (poisoned allocator), within the
     reference's tolerance and within 1e-3 of the split kernels (the same rounding points;
     only the dots' widths differ)."""
     seed = fresh_seed()
@@ -315,8 +318,8 @@ def test_blocked_kernels_match_reference_every_class(block_m, blocked_down, down
     ex = M.MXFP4Experts.random(E, L, I, 4.0, 25.0, device=DEV, seed=seed).validate()
     z = torch.randn(T, L, generator=gen, device=DEV).to(torch.bfloat16)
     w, ids = _counted_routing(counts, T, k, gen)
-    cfg = M.MoEConfig(64, 64, 64, 64, block_m=block_m, blocked=True, blocked_down=blocked_down,
-                      down_tiles=down_tiles)
+    cfg = M.MoEConfig(64, 64, down_bn, 64, block_m=block_m, blocked=True,
+                      blocked_down=blocked_down, down_tiles=down_tiles)
     _poison_allocator()
     out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
@@ -333,15 +336,23 @@ def test_blocked_kernels_match_reference_every_class(block_m, blocked_down, down
 
 
 @pytest.mark.skipif(not ON_GPU, reason="K3 shapes on CUDA")
-def test_blocked_kernels_k3_prefill_shape():
-    """The blocked kernels at a K3 TP16 prefill step's shape (2,048 tokens, balanced routing:
-    ≈ 37 pairs per expert) against the shipped split kernels: the reference's tolerance."""
+@pytest.mark.parametrize("tokens", [2048, 8192])
+def test_blocked_kernels_k3_prefill_shape(tokens, monkeypatch):
+    """The blocked kernels at a K3 TP16 prefill step's shape (balanced routing: ≈ 37 pairs per
+    expert at 2,048 tokens, ≈ 146 at 8,192, where the shipped "auto" form takes them) against
+    the split kernels: within 1e-3 (the same rounding points)."""
     seed = fresh_seed()
-    ex, z, w, ids = _case(896, 3584, 192, 16, 2048, seed)
+    ex, z, w, ids = _case(896, 3584, 192, 16, tokens, seed)
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto")
+    P = tokens * 16
+    cfg = M.default_config(P, 896, 192, 3584)
+    assert cfg.blocked == (P > M.AUTO_BLOCKED_LOAD * 896)
+    cfg = M.prefill_config(3584, 192, 1 << 30, 896)             # the blocked form
+    assert cfg.blocked and cfg.down_bn == 128
     _poison_allocator()
-    cfg = M.MoEConfig(64, 64, 64, 64, block_m=256, blocked=True)
     out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "split")
     base = M.fused_moe_mxfp4_triton(z, w, ids, ex, M.prefill_config(3584, 192))
     err = rel_err(out, base)
     assert err < 1e-3, f"seed {seed}: blocked vs split rel err {err:.2e}"
