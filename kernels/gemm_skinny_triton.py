@@ -1,4 +1,4 @@
-"""Skinny GEMM  y (M, N) = x (M, K) · Wᵀ  for decode batches 2 < M ≤ 64, on tensor cores (Triton).
+"""Skinny GEMM  y (M, N) = x (M, K) · Wᵀ  for decode batches 1 ≤ M ≤ 64, on tensor cores (Triton).
 
 W (N, K) bf16 row-major (nn.Linear layout), x (M, K) bf16, y (M, N) bf16 or fp32 (the fp32
 accumulator unrounded, for `linear(..., out_dtype=torch.float32)`). The CuTe GEMV
@@ -46,7 +46,8 @@ import torch
 from raydecode.kernels._triton import available, pdl_enter, pdl_launch, sm_count, tl, triton
 
 MAX_M = 64
-MIN_M = 3            # M ≤ 2: the CuTe GEMV
+MIN_M = 1            # the specialized dispatch sends M ≤ 2 to the CuTe GEMV (kernels/linear.py);
+                     # the stock path's decode GEMMs come here from M = 1 (models/layers.py)
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raydecode.kernels import gemm_skinny_triton as _skinny
 from raydecode.kernels import gemv_norm_situ as _norm_situ
 from raydecode.kernels import linear as _linear
 from raydecode.kernels import moe_decode as _moe
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
+from . import layers as _layers
 from .config import K3Config
 from .params import ShardError, decode_gemv_shapes, gemv_out_dtype, moe_block_fused
 
@@ -207,6 +209,16 @@ def _ffn_out_item(cfg: K3Config, M: int, shapes: dict, moe_block: bool,
     return (M, N, K, D, n, I, ys, cfg.situ_linear_beta is not None)
 
 
+def _stock_gemm(M: int, N: int, K: int, dtype: str) -> tuple[str, object, str]:
+    """The stock path's GEMM on a CUDA rank (models/layers.py `stock_linear`): the skinny
+    GEMM for bf16 rows 1..STOCK_SKINNY_MAX_M with the stock kernels on, else cuBLAS."""
+    if (dtype == "bfloat16" and _layers.STOCK_FUSED and M <= _layers.STOCK_SKINNY_MAX_M
+            and _skinny.shape_ok(M, N, K)):
+        return ("skinny", _skinny.config_for(M, N, K),
+                f"stock path: skinny GEMM (M ≤ {_layers.STOCK_SKINNY_MAX_M})")
+    return "cublas", None, "stock path: F.linear"
+
+
 def resolve_plan(cfg: K3Config, tp: int, options: DecodeOptions = DEFAULT_OPTIONS,
                  buckets=BUCKETS, dcp: int = 1, dtype: str | None = None,
                  sm_count: int | None = None, path: str = "specialized") -> DecodePlan:
@@ -229,7 +241,7 @@ def resolve_plan(cfg: K3Config, tp: int, options: DecodeOptions = DEFAULT_OPTION
         gemvs = []
         for name, (N, K) in shapes.items():
             kernel, config, why = _linear.gemv_choice(M, N, K, options) if spec else \
-                ("cublas", None, "stock path: F.linear")
+                _stock_gemm(M, N, K, dtype)
             gemvs.append(GemvChoice(name, M, N, K, gemv_out_dtype(name, path), kernel, config,
                                     why))
         ffn = _ffn_out_item(cfg, M, shapes, moe_block, options) if spec else None

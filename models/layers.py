@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydecode.kernels import gemm_skinny_triton as _skinny
 from raydecode.kernels import settings as _settings
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
@@ -78,6 +79,34 @@ def stock_fused(x: torch.Tensor) -> bool:
     the decode kernels it shares): the setting on and x a CUDA bf16 tensor; otherwise the
     PyTorch chain (the CPU path, fp32 models, and the reference the kernels are tested on)."""
     return STOCK_FUSED and x.is_cuda and x.dtype == torch.bfloat16
+
+
+# The stock path's bf16 GEMMs of 1..STOCK_SKINNY_MAX_M rows on CUDA (decode batches) run the
+# skinny tensor-core GEMM (kernels/gemm_skinny_triton.py), whose split-K partials are summed
+# inside the kernel, instead of cuBLAS: at these shapes cuBLAS picks split-K forms that add
+# a reduce kernel per GEMM, and how many varies by GPU (K3 TP16 at batch 1: 3.5 reduces per
+# layer on the H100, 4.5 on the H200, where the stock layer came to 30.25 kernels against the
+# ≤ 30 of issue 28: bench/results/prefill-h200-2026-12-07-blocked24c.json). Its compile keys
+# do not depend on M below 16 but for Triton's M = 1 and M = 16 specializations, which the
+# warm-up's token buckets 1, 2 and 16 compile. 0: cuBLAS always.
+STOCK_SKINNY_MAX_M = 16
+
+
+def stock_skinny(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the stock GEMM x2 (M, K) · wᵀ runs the skinny kernel (the comment above)."""
+    return (0 < x2.shape[0] <= STOCK_SKINNY_MAX_M and stock_fused(x2)
+            and _skinny.supports(x2, w))
+
+
+def stock_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """F.linear on the stock path: the skinny GEMM where `stock_skinny` says so (bf16, one
+    rounding of the fp32 sums, as cuBLAS), else F.linear."""
+    if bias is None and x.dim() >= 1 and x.is_cuda:
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if stock_skinny(x2, w):
+            return _skinny.skinny_gemm(x2, w).reshape(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, bias)
 
 
 _SHARD_ATTRS = ("shard_dim", "full_shape", "shard_fn")
@@ -236,7 +265,7 @@ class Linear(nn.Module):
         self.weight = new_param((out_features, in_features), par, shard_dim, dtype, what=what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return stock_linear(x, self.weight)
 
 
 def column_linear(in_f: int, out_f: int, par: Parallel, dtype: torch.dtype, what: str = ""):

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raydecode.kernels.decode_elementwise_triton import latent_norm_situ
+from raydecode.kernels.gemm_skinny_triton import skinny_gemm
 from raydecode.kernels.gemv_norm_situ import norm_situ_gemv_cute
 from raydecode.kernels.gemv_norm_situ import supports as norm_situ_gemv_supports
 from raydecode.kernels.moe_decode import routed_moe
@@ -60,8 +61,8 @@ from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 
 from .checkpoint import PREFIX, expert_is_mxfp4
 from .config import K3Config
-from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_, stock_fused,
-                     replicated_linear, situ)
+from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_, replicated_linear,
+                     situ, stock_fused, stock_skinny)
 from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
 from .params import ffn_out_k, moe_block_fused
@@ -121,7 +122,12 @@ def linear_fp32_out(x: torch.Tensor, w: torch.Tensor,
     instead of upcasting both operands to fp32 and running the fp32 GEMM without tensor cores
     (the K3 router at a 2,048-token prefill chunk: 3.6 ms of 39 per 8 layers on an H200).
     Elsewhere, and where this torch build lacks the op, the fp32 upcast (the CPU reference).
-    out: an fp32 (T, N) tensor (e.g. a column block of a wider buffer) the GEMM writes into."""
+    out: an fp32 (T, N) tensor (e.g. a column block of a wider buffer) the GEMM writes into.
+    Stock decode batches (models/layers.py `stock_skinny`) run the skinny GEMM instead, where
+    `out` is absent or contiguous (one row of a column block is)."""
+    if (x.dim() == 2 and (out is None or out.is_contiguous()) and x.is_cuda
+            and stock_skinny(x, w)):
+        return skinny_gemm(x, w, out_dtype=torch.float32, out=out)
     half = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
     if half and x.is_cuda and _MM_OUT_DTYPE[0] and x.dim() == 2:
         try:

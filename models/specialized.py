@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from raydecode.kernels.linear import linear as _gemv_linear
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
@@ -40,9 +39,11 @@ def check_path(path: str) -> None:
 
 def linear_for(path: str, options: DecodeOptions = DEFAULT_OPTIONS):
     """y = x·Wᵀ for a path: the kernels/ GEMV dispatch under `options` on the specialized
-    path (`lin(x, w, out_dtype=None)`), F.linear on stock (cuBLAS / the CPU BLAS)."""
+    path (`lin(x, w, out_dtype=None)`), models/layers.py `stock_linear` on stock (F.linear:
+    cuBLAS / the CPU BLAS, but for CUDA decode batches, the skinny GEMM)."""
     if path != "specialized":
-        return F.linear
+        from .layers import stock_linear        # layers imports this module
+        return stock_linear
 
     def lin(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None):
         return _gemv_linear(x, w, out_dtype, options=options)

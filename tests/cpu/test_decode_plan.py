@@ -60,9 +60,14 @@ def test_options_change_the_plan_where_they_should():
     # no SM count: the resident kernel is wanted but unplanned, the CUDA-core kernel serves
     m = resolve_plan(cfg, 16).step(1).moe
     assert (m.kernel, m.wanted) == ("cuda_core", "resident") and "SM count" in m.why
-    # the stock path launches no kernels/ GEMV and no fused block
+    # the stock path launches no kernels/ GEMV and no fused block; its bf16 decode batches
+    # the skinny GEMM (one launch: no cuBLAS split-K reduce), cuBLAS past STOCK_SKINNY_MAX_M
     stock = resolve_plan(cfg, 16, path="stock", sm_count=132)
-    assert {g.kernel for g in stock.step(1).gemvs} == {"cublas"}
+    assert {g.kernel for g in stock.step(1).gemvs} == {"skinny"}
+    assert {g.kernel for g in stock.step(16).gemvs} == {"skinny"}
+    assert {g.kernel for g in stock.step(32).gemvs} == {"cublas"}
+    assert {g.kernel for g in resolve_plan(cfg, 16, path="stock", dtype="float32"
+                                           ).step(1).gemvs} == {"cublas"}
     assert stock.step(1).moe.kernel == "grouped" and not stock.step(1).fusions.moe_block
 
 

@@ -55,7 +55,8 @@ def _check(M, N, K, cfg, dt, calls=2):
         out.fill_(float("nan"))
 
 
-SMALL = [(3, 200, 256, None), (8, 130, 512, S.SkinnyConfig(bn=32, bk=64, ks=4)),
+SMALL = [(1, 200, 256, None), (2, 130, 512, S.SkinnyConfig(bn=32, bk=64, ks=4)),
+         (3, 200, 256, None), (8, 130, 512, S.SkinnyConfig(bn=32, bk=64, ks=4)),
          (16, 64, 384, S.SkinnyConfig(bn=16, bk=128, ks=3)),
          (33, 96, 384, S.SkinnyConfig(bn=64, bk=32, ks=12)),
          (64, 72, 256, S.SkinnyConfig(bn=64, bk=32, ks=8, stages=3))]
@@ -72,7 +73,7 @@ K3_TP16 = [(3216, 7168), (7168, 768), (1048, 7168), (900, 7168), (1152, 1536), (
 
 @gpu_only
 @pytest.mark.parametrize("N,K", K3_TP16)
-@pytest.mark.parametrize("M", [4, 8, 16, 32, 64])
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 16, 32, 64])
 def test_skinny_k3_shapes_default_config(M, N, K):
     _check(M, N, K, None, BF)
     _check(M, N, K, None, torch.float32, calls=1)
@@ -105,8 +106,8 @@ def test_bad_inputs_and_configs_are_named():
     w = torch.zeros(64, 256, dtype=BF, device=DEV)
     with pytest.raises(ValueError, match="ks 3: need ≥ 1 dividing K/bk = 2"):
         S.skinny_gemm(x, w, config=S.SkinnyConfig(bk=128, ks=3))
-    with pytest.raises(ValueError, match="M=2: the skinny GEMM serves 3 ≤ M ≤ 64"):
-        S.skinny_gemm(x[:2], w)
+    with pytest.raises(ValueError, match="M=0: the skinny GEMM serves 1 ≤ M ≤ 64"):
+        S.skinny_gemm(x[:0], w)
     with pytest.raises(ValueError, match="out_dtype=torch.float16"):
         S.skinny_gemm(x, w, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="x torch.float32"):
@@ -128,6 +129,28 @@ def test_linear_takes_the_skinny_gemm_when_enabled(monkeypatch):
     assert rel_err(LN.linear(x, w, options=on), ref) <= 4e-3 and len(ran) == 1
     y32 = LN.linear(x, w, torch.float32, options=on)
     assert y32.dtype == torch.float32 and rel_err(y32, ref) <= 1e-5 and len(ran) == 2
+
+
+@gpu_only
+@pytest.mark.parametrize("M", [1, 5, 16, 17])
+def test_stock_linear_takes_the_skinny_gemm_for_decode_batches(M, monkeypatch):
+    """The stock path's GEMM (models/layers.py `stock_linear`, what `linear_for("stock")` and
+    `Linear` run): the skinny kernel (recorded) for CUDA bf16 rows 1..STOCK_SKINNY_MAX_M,
+    F.linear past it and with STOCK_SKINNY_MAX_M = 0; within bf16 tolerance either way, the
+    leading dims kept."""
+    from raydecode.models import layers
+    seed = fresh_seed()
+    x, w, ref = _case(M, 1048, 7168, seed)
+    ran = []
+    real = S.skinny_gemm
+    monkeypatch.setattr(S, "skinny_gemm", lambda *a, **k: ran.append(1) or real(*a, **k))
+    y = layers.stock_linear(x.view(1, M, -1), w)
+    assert y.shape == (1, M, 1048) and rel_err(y[0], ref) <= 4e-3, f"seed {seed}"
+    assert len(ran) == (M <= layers.STOCK_SKINNY_MAX_M), f"M={M}: skinny calls {ran}"
+    n = len(ran)
+    monkeypatch.setattr(layers, "STOCK_SKINNY_MAX_M", 0)
+    assert rel_err(layers.stock_linear(x, w), ref) <= 4e-3
+    assert len(ran) == n, "STOCK_SKINNY_MAX_M = 0 still ran the skinny kernel"
 
 
 @gpu_only
