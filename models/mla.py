@@ -231,7 +231,7 @@ class MLAAttention(nn.Module):
                 return self.comm.all_reduce(lin(o, self.o_proj.weight))
             q_a, kv = qkv.split([self.q_lora, qkv.shape[1] - self.q_lora], dim=-1)
         else:
-            q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+            q_a, kv = lin(x, self.q_a_proj.weight), lin(x, self.kv_a_proj_with_mqa.weight)
         if caches is not None and caches.statics is not None:
             raise RuntimeError(f"MLA layer {self.layer_idx}: a graph-shaped step (caches."
                                "statics set) needs the fused decode (specialized path, bf16 "

@@ -62,7 +62,7 @@ from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
 from .checkpoint import PREFIX, expert_is_mxfp4
 from .config import K3Config
 from .layers import (DerivedWeights, GatedMLP, RMSNorm, new_param, pack_rows_, replicated_linear,
-                     situ, stock_fused, stock_skinny)
+                     situ, stock_fused, stock_linear, stock_skinny)
 from .mxfp4 import E2M1_VALUES, GROUP_SIZE, SCALE_BIAS
 from .parallel import Comm, LocalComm, Parallel
 from .params import ffn_out_k, moe_block_fused
@@ -301,10 +301,11 @@ class LatentMoE(nn.Module):
             w, ids = route(logits, self.gate.e_score_correction_bias, m.top_k,
                            m.num_expert_group, m.topk_group, m.renormalize,
                            m.routed_scaling_factor)
-        lat, shared = self._reduce(self.routed_expert_down_proj(x), w, ids, x, "stock")
+        lat, shared = self._reduce(stock_linear(x, self.routed_expert_down_proj.weight), w, ids,
+                                   x, "stock")
         if self.routed_expert_norm is not None:
             lat = self.routed_expert_norm.stock(lat)
-        out = self.routed_expert_up_proj(lat)
+        out = stock_linear(lat, self.routed_expert_up_proj.weight)
         return out if shared is None else out + shared
 
     def _reduce(self, z: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
