@@ -130,15 +130,16 @@ def test_moe_decode_split_k_validates():
 def test_skinny_default_configs_fill_the_gpu_and_cpu_linear_stays_on_torch(monkeypatch):
     """`gemm_skinny_triton.default_config` on the K3 per-rank GEMVs: valid for every M it
     serves, ≥ 1.5 programs per SM where ≤ 8 K slices give it (else the most slices ≤ 8), x
-    padded to 16/32/64 rows; M ≤ 2 and bad tiles are refused by name. `gemv.linear` with the
-    skinny path on still runs torch on CPU tensors (the kernel is CUDA-only in dispatch)."""
+    padded to 16/32/64 rows; M = 0 or > 64 and bad tiles are refused by name (M = 1, 2: the
+    stock path's decode GEMMs). `gemv.linear` with the skinny path on still runs torch on CPU
+    tensors (the kernel is CUDA-only in dispatch)."""
     from raydecode.kernels import gemm_skinny_triton as S
     from raydecode.kernels import linear as G
     from raydecode.kernels.settings import DecodeOptions
     shapes = [(3216, 7168), (7168, 768), (1048, 7168), (900, 7168), (1152, 1536), (7168, 640),
               (7168, 384), (10240, 7168)]
     for N, K in shapes:
-        for M in (3, 4, 8, 16, 17, 32, 64):
+        for M in (1, 2, 3, 4, 8, 16, 17, 32, 64):
             c = S.default_config(M, N, K)
             assert c.validate(M, N, K) is c
             programs = -(-N // c.bn) * c.ks
@@ -149,8 +150,10 @@ def test_skinny_default_configs_fill_the_gpu_and_cpu_linear_stays_on_torch(monke
     assert S.default_config(8, 7168, 768).ks == 1          # 224 row blocks of 32: no split
     assert S.default_config(8, 900, 7168).ks == 7          # 29 row blocks × 7 slices of 8 steps
     assert S.default_config(8, 900, 7168, bn=16).ks == 4   # 57 row blocks × 4
-    with pytest.raises(ValueError, match="M=2: the skinny GEMM serves"):
-        S.SkinnyConfig().validate(2, 64, 256)
+    with pytest.raises(ValueError, match="M=0: the skinny GEMM serves 1 ≤ M ≤ 64"):
+        S.SkinnyConfig().validate(0, 64, 256)
+    with pytest.raises(ValueError, match="M=65: the skinny GEMM serves 1 ≤ M ≤ 64"):
+        S.SkinnyConfig().validate(65, 64, 256)
     with pytest.raises(ValueError, match="bn 48: need one of 16, 32, 64, 128"):
         S.SkinnyConfig(bn=48).validate(8, 64, 256)
     on = DecodeOptions(skinny_max_m=64)
