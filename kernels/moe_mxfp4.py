@@ -743,8 +743,9 @@ class MoEConfig:
     pairs cut into 64-pair sub-blocks that share each decoded weight tile, one launch per
     GEMM whose programs each run the body compiled for their chunk's sub-block count;
     down_tiles: the blocked down kernel's output tiles per program (its K = I is 3 k steps
-    at TP16: more tiles per program amortize finding the chunk's rows and the pipeline's
-    fill); blocked_down False: the down kernel is
+    at TP16; 4 and 8 tiles were slower than 1 at 8,192 tokens on the H200, so 1 everywhere
+    but the sweep: bench/results/moe-prefill-sweep-h200-2026-12-07-*.json); blocked_down
+    False: the down kernel is
     the swapped one on 128-pair chunks of the same order. swap_ab, split_gate_up and
     tile_major do not apply (always tile-major)."""
     gate_up_bn: int
