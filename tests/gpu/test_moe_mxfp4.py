@@ -308,9 +308,9 @@ def test_blocked_kernels_match_reference_every_class(block_m, blocked_down, down
     at block_m 64/128); with blocked_down False the down kernel is the swapped one on its own
     128-pair chunks; down_tiles 2 / 3: one down program writes all of L = 128 (3: its third
     tile wholly past L, masked); down_bn 128 (the shipped blocked form's): one tile of all of
-    L. Every output row written (poisoned allocator), within the
-    reference's tolerance and within 1e-3 of the split kernels (the same rounding points;
-    only the dots' widths differ)."""
+    L. Every output row written (poisoned allocator), within the reference's tolerance and
+    within 1e-3 of the split kernels (the same rounding points; only the dots' widths
+    differ)."""
     seed = fresh_seed()
     gen = torch.Generator(device=DEV).manual_seed(seed)
     E, L, I, k, T = 16, 128, 64, 4, 200

@@ -135,9 +135,9 @@ def test_linear_takes_the_skinny_gemm_when_enabled(monkeypatch):
 @pytest.mark.parametrize("M", [1, 5, 16, 17])
 def test_stock_linear_takes_the_skinny_gemm_for_decode_batches(M, monkeypatch):
     """The stock path's GEMM (models/layers.py `stock_linear`: `linear_for("stock")` and the
-    stock MoE's latent projections): the skinny kernel (recorded) for CUDA bf16 rows 1..STOCK_SKINNY_MAX_M,
-    F.linear past it and with STOCK_SKINNY_MAX_M = 0; within bf16 tolerance either way, the
-    leading dims kept."""
+    stock MoE's latent projections): the skinny kernel (recorded) for CUDA bf16 rows 1 to
+    STOCK_SKINNY_MAX_M, F.linear past it and with STOCK_SKINNY_MAX_M = 0; within bf16
+    tolerance either way, the leading dims kept."""
     from raydecode.models import layers
     seed = fresh_seed()
     x, w, ref = _case(M, 1048, 7168, seed)
