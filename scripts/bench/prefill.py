@@ -110,7 +110,10 @@ same run (torch.matmul of two 8192² bf16 operands timed with CUDA events; on th
 Summary (exactly three keys, from the TP16 run): mfu_8k_tp16 and ttft_s_8k_tp16 (all layers)
 of the 8192-token prompt, stock_layer_kernels_tp16_b1 the batch-1 stock step's kernels per
 layer (those launched inside the decoder layers / layers, `stock_kernels`; every kernel of the
-step / layers where the launches counted miss a kernel); null where the run has no such case (no TP16, no 8192 prompt, no CUDA: the tiny CPU run).
+step / layers where the launches counted miss a kernel); null where the run has no such case
+(no TP16, no 8192 prompt, no CUDA: the tiny CPU run). Beside it, each run's
+`stock_kernels_b1_cublas`: the same step with every stock GEMM on cuBLAS (models/layers.py
+STOCK_SKINNY_MAX_M 0), the same-run baseline of the skinny GEMMs' count and device time.
 
 Timing: host wall time between device syncs (torch.cuda.synchronize), time.perf_counter.
 Off CUDA (`--device cpu --config tiny`, tests/cpu/test_bench_prefill.py) the same code runs
@@ -1011,7 +1014,8 @@ def stock_kernels(rank: PrefillRank) -> dict:
                 if e.device_type == cpu and e.name in LAUNCH_APIS]
     inside = sum(1 for t in launches if any(a <= t <= b for a, b in windows))
     return {"kernels": k["kernel"], "memcpy": k["memcpy"], "memset": k["memset"], "layers": L,
-            "stock_fused": layers_mod.STOCK_FUSED,
+            "kernel_us": round(k["kernel_us"], 1), "stock_fused": layers_mod.STOCK_FUSED,
+            "stock_skinny_max_m": layers_mod.STOCK_SKINNY_MAX_M,
             "kernels_per_layer": round(k["kernel"] / L, 2),
             "launches": len(launches), "launches_in_layers": inside,
             "layer_ranges": len(windows),
@@ -1021,8 +1025,22 @@ def stock_kernels(rank: PrefillRank) -> dict:
                     "kernels_per_layer: every kernel of the step / layers, the step's kernels "
                     "outside the layers (embedding, final mix and norm, lm_head, sampling) "
                     "included; in_layer_kernels_per_layer: kernel launches inside the decoder "
-                    "layers' forward / layers (the summary's figure). GraphedRunner graphs "
+                    "layers' forward / layers (the summary's figure); kernel_us: the step's "
+                    "kernels' device time under the profiler. GraphedRunner graphs "
                     "decode-only specialized steps only"}
+
+
+@contextlib.contextmanager
+def stock_gemms(max_m: int):
+    """models/layers.py STOCK_SKINNY_MAX_M = max_m inside (0: cuBLAS for every stock GEMM, the
+    stock count's same-run baseline), restored after."""
+    from raydecode.models import layers as layers_mod
+    was = layers_mod.STOCK_SKINNY_MAX_M
+    layers_mod.STOCK_SKINNY_MAX_M = max_m
+    try:
+        yield
+    finally:
+        layers_mod.STOCK_SKINNY_MAX_M = was
 
 
 def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
@@ -1176,7 +1194,13 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         print(f"[prefill] {tag} stock decode batch 1: {_per_layer(sk)} kernels per layer "
               f"inside the layers ({sk['launches_in_layers']} of {sk['launches']} launches; "
               f"every kernel of the step / layers {sk['kernels_per_layer']}, {sk['kernels']} "
-              f"kernels; eager)", flush=True)
+              f"kernels; eager; {sk['kernel_us']} us of kernels)", flush=True)
+        if sk["stock_skinny_max_m"]:        # the same step with every stock GEMM on cuBLAS
+            with stock_gemms(0):
+                run["stock_kernels_b1_cublas"] = sc = stock_kernels(rank)
+            print(f"[prefill] {tag} the same on cuBLAS GEMMs (STOCK_SKINNY_MAX_M 0): "
+                  f"{_per_layer(sc)} kernels per layer inside the layers, {sc['kernel_us']} "
+                  f"us of kernels", flush=True)
         save(run)
     del rank, model
     gc.unfreeze()           # a "frozen" random-counts mode froze this rank's heap

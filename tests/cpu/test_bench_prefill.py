@@ -513,3 +513,18 @@ def test_prefill_bench_prefill_experts_alternatives_cpu(tmp_path):
     assert moe_mxfp4.PREFILL_EXPERTS == shipped
     with pytest.raises(SystemExit, match="--prefill-experts bogus: expected .*blocked"):
         prefill.main(["--config", "tiny", "--device", "cpu", "--prefill-experts", "bogus"])
+
+
+def test_stock_gemms_sets_and_restores_the_skinny_cap():
+    """`prefill.stock_gemms(m)`: models/layers.py STOCK_SKINNY_MAX_M is m inside (the stock
+    count's cuBLAS baseline at 0) and the shipped value again after, an exception included."""
+    from raydecode.models import layers
+    shipped = layers.STOCK_SKINNY_MAX_M
+    with prefill.stock_gemms(0):
+        assert layers.STOCK_SKINNY_MAX_M == 0
+    assert layers.STOCK_SKINNY_MAX_M == shipped
+    with pytest.raises(RuntimeError, match="inside"):
+        with prefill.stock_gemms(3):
+            assert layers.STOCK_SKINNY_MAX_M == 3
+            raise RuntimeError("inside")
+    assert layers.STOCK_SKINNY_MAX_M == shipped
