@@ -212,8 +212,7 @@ def _ffn_out_item(cfg: K3Config, M: int, shapes: dict, moe_block: bool,
 def _stock_gemm(M: int, N: int, K: int, dtype: str) -> tuple[str, object, str]:
     """The stock path's GEMM on a CUDA rank (models/layers.py `stock_linear`): the skinny
     GEMM for bf16 rows 1..STOCK_SKINNY_MAX_M with the stock kernels on, else cuBLAS."""
-    if (dtype == "bfloat16" and _layers.STOCK_FUSED and M <= _layers.STOCK_SKINNY_MAX_M
-            and _skinny.shape_ok(M, N, K)):
+    if _layers.stock_skinny_shape(M, N, K, dtype == "bfloat16"):
         return ("skinny", _skinny.config_for(M, N, K),
                 f"stock path: skinny GEMM (M ≤ {_layers.STOCK_SKINNY_MAX_M})")
     return "cublas", None, "stock path: F.linear"

@@ -92,9 +92,18 @@ def stock_fused(x: torch.Tensor) -> bool:
 STOCK_SKINNY_MAX_M = 16
 
 
+def stock_skinny_shape(M: int, N: int, K: int, bf16: bool) -> bool:
+    """The shape rule of the comment above, on a CUDA rank: what the decode plan lists
+    (models/decode_plan.py) and `stock_skinny` applies to real tensors."""
+    return (bf16 and STOCK_FUSED and 0 < M <= STOCK_SKINNY_MAX_M
+            and _skinny.shape_ok(M, N, K))
+
+
 def stock_skinny(x2: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the stock GEMM x2 (M, K) · wᵀ runs the skinny kernel (the comment above)."""
-    return (0 < x2.shape[0] <= STOCK_SKINNY_MAX_M and stock_fused(x2)
+    """Whether the stock GEMM x2 (M, K) · wᵀ runs the skinny kernel: the shape rule on a CUDA
+    x2, and the kernel takes these tensors (`gemm_skinny_triton.supports`)."""
+    return (x2.is_cuda and stock_skinny_shape(x2.shape[0], w.shape[0], w.shape[-1],
+                                              x2.dtype == torch.bfloat16)
             and _skinny.supports(x2, w))
 
 
@@ -102,7 +111,7 @@ def stock_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
                  ) -> torch.Tensor:
     """F.linear on the stock path: the skinny GEMM where `stock_skinny` says so (bf16, one
     rounding of the fp32 sums, as cuBLAS), else F.linear."""
-    if bias is None and x.dim() >= 1 and x.is_cuda:
+    if bias is None and x.is_cuda:
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if stock_skinny(x2, w):
             return _skinny.skinny_gemm(x2, w).reshape(*x.shape[:-1], w.shape[0])

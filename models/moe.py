@@ -125,8 +125,7 @@ def linear_fp32_out(x: torch.Tensor, w: torch.Tensor,
     out: an fp32 (T, N) tensor (e.g. a column block of a wider buffer) the GEMM writes into.
     Stock decode batches (models/layers.py `stock_skinny`) run the skinny GEMM instead, where
     `out` is absent or contiguous (one row of a column block is)."""
-    if (x.dim() == 2 and (out is None or out.is_contiguous()) and x.is_cuda
-            and stock_skinny(x, w)):
+    if x.dim() == 2 and (out is None or out.is_contiguous()) and stock_skinny(x, w):
         return skinny_gemm(x, w, out_dtype=torch.float32, out=out)
     half = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
     if half and x.is_cuda and _MM_OUT_DTYPE[0] and x.dim() == 2:
