@@ -747,7 +747,9 @@ class MoEConfig:
     but the sweep: bench/results/moe-prefill-sweep-h200-2026-12-07-*.json); blocked_down
     False: the down kernel is
     the swapped one on 128-pair chunks of the same order. swap_ab, split_gate_up and
-    tile_major do not apply (always tile-major)."""
+    tile_major do not apply (always tile-major). ogs ("strided" / "hopper"): the call runs
+    on triton_kernels' matmul_ogs in that weight layout (kernels/moe_ogs.py); the tile
+    fields then do not apply."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -764,6 +766,7 @@ class MoEConfig:
     blocked: bool = False       # chunks of ≤ block_m pairs in 64-pair sub-blocks, one decode
     blocked_down: bool = True   # blocked: the down kernel blocked too (else swapped, 128)
     down_tiles: int = 1         # blocked down: output tiles of down_bn per program
+    ogs: str = ""               # kernels/moe_ogs.py: matmul_ogs in this weight layout
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -819,7 +822,7 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
 # 7,168 = 128 per expert: 3.63 against 3.67). The outputs are bit-equal either way. The
 # choice depends on the pair count alone, so the warm-up's budget-sized step compiles it.
 PREFILL_EXPERTS = "auto"
-PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid")
+PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper")
 AUTO_BLOCKED_LOAD = 128
 
 
@@ -837,8 +840,16 @@ def prefill_config(latent: int, intermediate: int, pairs: int = 0,
     and 2 CTAs per SM with two; split, one 8,192-token call took 4.65 ms against 5.28 on
     the H100 (1.13×, balanced routing, bit-equal outputs:
     bench/results/moe-prefill-sweep-h100-2026-12-06-split.json). PREFILL_EXPERTS picks the
-    form; "auto" needs the call's pairs and num_experts (without them: split)."""
+    form; "auto" needs the call's pairs and num_experts (without them: split). "ogs" /
+    "ogs-hopper": Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py, strided or Hopper
+    weight layout) where it can run the call, else "auto"."""
     kind = PREFILL_EXPERTS
+    if kind.startswith("ogs"):
+        from .moe_ogs import ogs_ready
+        if torch.cuda.is_available() and ogs_ready(torch.device("cuda")):
+            return MoEConfig(gate_up_bn=64, gate_up_bk=64, down_bn=64, down_bk=64,
+                             ogs="hopper" if kind == "ogs-hopper" else "strided")
+        kind = "auto"
     if kind == "auto":
         kind = ("blocked" if num_experts and pairs > AUTO_BLOCKED_LOAD * num_experts
                 else "split")
@@ -1026,6 +1037,9 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
         from .moe_grouped import moe_mxfp4_grouped
         return moe_mxfp4_grouped(z, topk_weights, topk_ids, experts, out)
     cfg = config or default_config(P, E, I, L)
+    if cfg.ogs:
+        from .moe_ogs import moe_mxfp4_ogs
+        return moe_mxfp4_ogs(z, topk_weights, topk_ids, experts, cfg.ogs, out)
     if cfg.decode not in DECODES:
         raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of {list(DECODES)}")
     if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:

@@ -4,6 +4,9 @@
         (sets: fla, kernels, ray, schema, serve; `--set serve --set schema`: an in-process
         OpenAI server (actors/serve.py LocalServer) and the openai client, without Ray;
         `--set fla`: the prefill kernels' fla-core)
+    python -m raydecode.scripts.offline_wheels build-triton-kernels SRC OUT
+        (SRC: python/triton_kernels of triton-lang/triton at TRITON_KERNELS_REF, the `ogs`
+        extra's pin; OUT gets its wheel, for run_served_round.sh's EXTRA_WHEELS)
     python -m raydecode.scripts.offline_wheels install PARTDIR [--stash /root/wheel-stash]
         [--target /root/site]                       # on the host, after each part, in order
 
@@ -48,6 +51,9 @@ SETS = {
               "sniffio==1.3.1", "anyio==4.16.0", "click==8.5.1", "h11==0.16.0", "idna==3.20",
               "prometheus-client==0.26.0"],
 }
+# triton-lang/triton release/3.6.x, "[release 3.6] Release Triton to pypi" (Triton 3.6.0, the
+# GPU hosts' Triton): the pyproject `ogs` extra's commit
+TRITON_KERNELS_REF = "7c56a5e40f7fd928dfd5c72902d5def0097db73a"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
@@ -106,6 +112,18 @@ def stage(out: str, python: str, part_mb: float, sets: list[str]) -> list[str]:
     return dirs
 
 
+def build_triton_kernels(src: str, out: str) -> str:
+    """The triton_kernels wheel from a source folder (no PyPI wheel exists; pure Python, no
+    dependencies installed: the host's Triton is the one it runs on) -> the wheel's path."""
+    if not os.path.isfile(os.path.join(src, "triton_kernels", "matmul_ogs.py")):
+        raise SystemExit(f"{src}: not python/triton_kernels of triton-lang/triton (no "
+                         f"triton_kernels/matmul_ogs.py); check out {TRITON_KERNELS_REF}")
+    os.makedirs(out, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", out, src], check=True)
+    return max(glob.glob(os.path.join(out, "triton_kernels-*.whl")), key=os.path.getmtime)
+
+
 def install(part: str, stash: str, target: str) -> str:
     i, _, n, digest = open(os.path.join(part, "PART")).read().split()
     i, n = int(i), int(n)
@@ -147,8 +165,13 @@ def main(argv=None) -> int:
     i.add_argument("part")
     i.add_argument("--stash", default="/root/wheel-stash")
     i.add_argument("--target", default="/root/site")
+    b = sub.add_parser("build-triton-kernels")
+    b.add_argument("src")
+    b.add_argument("out")
     args = ap.parse_args(argv)
-    if args.cmd == "stage":
+    if args.cmd == "build-triton-kernels":
+        print(build_triton_kernels(args.src, args.out))
+    elif args.cmd == "stage":
         for d in stage(args.out, args.python, args.part_mb, args.set or sorted(SETS)):
             print(d, os.path.getsize(os.path.join(d, "piece")))
     else:

@@ -22,7 +22,9 @@
 # compute and memory sections), NCU_COUNT launches; the report as $OUT/ncu.ncu-rep, its
 # details page as ncu.csv), step (the
 # graphed step bench; with STEP_REF=DIR, a checkout of another commit, both interleaved in this
-# lease: A/B).
+# lease: A/B). EXTRA_WHEELS: wheel files (repository paths, carried in .stage) installed into
+# /root/site after the parts: the `ogs` set's triton_kernels, which has no PyPI wheel
+# (scripts/offline_wheels.py `build-triton-kernels`).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 COMMIT=${1:-unknown}; T0=$(date +%s); FINAL=${OUT:-/tmp/out}; PREFILL_TAG=${PREFILL_TAG:-}
 OUT=$FINAL/w; mkdir -p "$OUT"      # at the end: JSON/PNG up to $FINAL, every log in logs.tgz
@@ -33,6 +35,9 @@ if [ -n "${PART:-}" ]; then
   [ -f /root/site/env.sh ] || exit 0          # not the last part yet
 fi
 [ -f /root/site/env.sh ] && source /root/site/env.sh
+for w in ${EXTRA_WHEELS:-}; do      # wheels built here (e.g. triton_kernels), carried in .stage
+  python3 -m pip install -q --no-deps --target /root/site "$w" 2>&1 | tail -1
+done
 for d in kernels models scripts engine cluster actors; do ln -sfn ../$d raydecode/$d; done
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export RAYDECODE_KERNEL_CACHE=${RAYDECODE_KERNEL_CACHE:-/tmp/raydecode-kcache}

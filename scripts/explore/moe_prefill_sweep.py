@@ -3,7 +3,7 @@ per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entri
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
         [--tokens 4096,8192] [--profile]
-        [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked]
+        [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked|ogs]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -23,7 +23,9 @@ decoded weight tile (`MoEConfig.blocked`: one decode per expert and 64-pair padd
 blocked_down False the swapped down kernel; down_tiles 4 / 8: output tiles per down
 program) against the shipped kernels; `grouped`: the weights decoded once per call to
 bf16, then `torch._grouped_mm` (`MoEConfig.grouped_bf16`, kernels/moe_grouped.py) against
-the shipped kernels (first, the baseline).
+the shipped kernels (first, the baseline); `ogs`: Triton's triton_kernels `matmul_ogs`
+(kernels/moe_ogs.py) on the same weights, zero-copy ("strided") and converted to its Hopper
+layouts ("hopper"), against split and blocked (the two forms "auto" picks between).
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -80,6 +82,15 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         bl = rep(sh, blocked=True, block_m=256, gate_up_bk=M._largest_block(L, 64))
         return unique([sh, bl, rep(bl, blocked_down=False), rep(bl, down_tiles=4),
                        rep(bl, down_tiles=8), rep(bl, down_bn=128)])
+    if which == "ogs":              # Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
+        sh = M.prefill_config(L, I)  # against split and blocked (what "auto" picks by size)
+        was = M.PREFILL_EXPERTS
+        try:
+            M.PREFILL_EXPERTS = "blocked"
+            bl = M.prefill_config(L, I)
+        finally:
+            M.PREFILL_EXPERTS = was
+        return [sh, bl, rep(sh, ogs="strided"), rep(sh, ogs="hopper")]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -166,6 +177,7 @@ def run(tp: int, tokens: list[int], which: str, reps: int, seed: int, log=print,
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             log(f"moe prefill TP{tp} T={T} {'grouped-bf16 ' if c.grouped_bf16 else ''}"
+                f"{f'matmul_ogs-{c.ogs} ' if c.ogs else ''}"
                 f"{('blocked ' if c.blocked_down else 'blocked-gu ') if c.blocked else ''}"
                 f"bm{c.block_m}{'s' if c.swap_ab else ''}{'t' if c.tile_major else ''}"
                 f"{'g' if c.split_gate_up else ''} "
@@ -193,7 +205,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
                     choices=["all", "base", "pairs", "swap", "shipped", "order",
-                             "split", "grouped", "tiles", "blocked"])
+                             "split", "grouped", "tiles", "blocked", "ogs"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",
