@@ -1,11 +1,17 @@
 """The routed experts of a prefill step on `triton_kernels.matmul_ogs`, Triton's own grouped
-MoE GEMM library (the `gpu` extra pins it; Hopper and newer): the same MXFP4 weights, the
+MoE GEMM library (the `ogs` extra pins it; Hopper and newer): the same MXFP4 weights, the
 same gate ‖ up → SiTU → down → Σ_k as kernels/moe_mxfp4.py, as a same-run alternative to
 this project's prefill kernels (`PREFILL_EXPERTS` "ogs" / "ogs-hopper").
 
     gu  = matmul_ogs(z, W13, gather)                 bf16 (P, 2I), rows in expert order
     a   = SiTU(gu[:, :I], gu[:, I:])                 bf16 (P, I): `situ_rows` (ours)
-    out = matmul_ogs(a, W2, scatter, gammas = w)     Σ_k w·bf16(W2 a) in fp32, then bf16
+    y   = matmul_ogs(a, W2)                          bf16 (P, L), rows in expert order
+    out = Σ_k w · y[inverse[t·k + j]]                fp32: `weighted_sum` (ours)
+
+The library's own top-k sum (its down GEMM scattering with the weights as gammas, then its
+`_reduce` kernel) took 1.90 ms of an 8,192-token call on the H100 where `weighted_sum` takes
+0.36 (bench/results/moe-prefill-sweep-h100-2026-12-07-ogs.json), so the sum is ours, which
+also keeps the reference's rounding points: gu and each pair's y bf16, the weighted sum fp32.
 
 Weights. matmul_ogs takes w logically (E, K, N), MXFP4 values packed two per byte along K
 (low nibble the even k) with one e8m0 scale per 32 k: this project's (E, N, K/2) / (E, N,
@@ -17,12 +23,6 @@ weights (+2-7 % padding) that this module caches per MXFP4Experts; the decode ke
 the original. That doubles the routed experts' memory, so "hopper" is a measurement, not a
 deployment setting, until the decode kernels read the same layout.
 
-Rounding points against the reference (kernels/moe_mxfp4.py `moe_mxfp4_reference`): gu is
-bf16 as there; the down GEMM's per-pair output is weighted in fp32 before its bf16 rounding
-(the reference rounds first, then weights) and the k-sum's result is bf16 (the reference
-keeps fp32 until the all-reduce, which rounds the latent to bf16 after it): within the
-tolerance table's bf16 bounds, not bit-equal.
-
 Token counts and compiles: the library picks its block_m from the pairs per expert (16-128),
 so a new count can compile a new kernel; `EXPECTED_TOKENS_PER_EXPERT` pins it (one config for
 every prefill call). Not under CUDA-graph capture (the stock graphs keep the Triton kernels:
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from .moe_mxfp4 import MXFP4Experts, check_out, situ_rows
+from .moe_mxfp4 import MXFP4Experts, check_out, situ_rows, weighted_sum
 
-try:                                 # the gpu extra; absent on the CPU test path
+try:                                 # the ogs extra; absent on the CPU test path
     from triton_kernels.matmul_ogs import (GatherIndx, PrecisionConfig, RoutingData,
                                            ScatterIndx, matmul_ogs)
     from triton_kernels.tensor import (FP4, convert_layout, make_ragged_tensor_metadata,
@@ -140,16 +140,14 @@ def moe_mxfp4_ogs(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     T, L = z.shape
     check_out(out, T, L, z.device)
     w13, pc13, w2, pc2 = ogs_weights(experts, layout)
-    rd, gather, scatter, gammas = ogs_routing(topk_ids, topk_weights, experts.num_experts)
+    rd, gather, _, _ = ogs_routing(topk_ids, topk_weights, experts.num_experts)
+    inverse = gather.dst_indx
     gu = matmul_ogs(z.to(torch.bfloat16).contiguous(), w13, None, rd, gather_indx=gather,
                     precision_config=pc13).view(-1, 2 * experts.intermediate)  # sorted
     a = situ_rows(gu, torch.empty(gu.shape[0], experts.intermediate, dtype=torch.bfloat16,
                                   device=z.device), experts)
-    y = matmul_ogs(a, w2, None, rd, scatter_indx=scatter, precision_config=pc2,
-                   gammas=gammas)                                       # (T, L) bf16
-    if out is None:
-        return y.float()
-    return out.copy_(y)
+    y = matmul_ogs(a, w2, None, rd, precision_config=pc2).view(-1, L)   # (P, L) sorted
+    return weighted_sum(y, topk_weights, out, row=inverse)
 
 
 __all__ = ["EXPECTED_TOKENS_PER_EXPERT", "OGS_LAYOUTS", "forget_weights", "moe_mxfp4_ogs",

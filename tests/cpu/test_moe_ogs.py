@@ -1,7 +1,7 @@
 """kernels/moe_ogs.py on the CPU: the routing indices it hands triton_kernels' matmul_ogs,
 checked by emulating the library's documented contract (sorted row s gathers x row
-order[s] // k, its expert's rows are hist-sized consecutive runs in expert order, its output
-is weighted by gammas[s] and summed into token order[s] // k) against
+order[s] // k; each expert's rows are a hist-sized run, experts in order) and this module's
+sum (`weighted_sum` reads pair (t, j)'s row at inverse[t·k + j]) against
 `moe_mxfp4_reference`; and the fallbacks where the library cannot run. The library's
 kernels are tests/gpu/test_moe_ogs.py's."""
 from __future__ import annotations
@@ -30,10 +30,10 @@ def _case(E, L, I, k, T, seed, skew=False):
     return ex, z, (w / w.sum(-1, keepdim=True)).float(), ids
 
 
-def _emulate(z, ids, ex, order, hist, gammas):
-    """matmul_ogs's gather → SiTU → scatter-with-gammas contract, one expert run at a time."""
+def _emulate(z, w, ids, ex, order, inverse, hist):
+    """matmul_ogs's gather → (our SiTU) → per-run GEMM in sorted order, then the sum."""
     k, I = ids.shape[1], ex.intermediate
-    out = torch.zeros(z.shape, dtype=torch.float32)
+    y = torch.zeros(ids.numel(), z.shape[1], dtype=z.dtype)
     lo = 0
     for e, n in enumerate(hist.tolist()):
         rows = order[lo:lo + n].long()
@@ -42,9 +42,13 @@ def _emulate(z, ids, ex, order, hist, gammas):
         w13 = unpack_mxfp4(ex.w13[e], ex.s13[e], z.dtype)
         w2 = unpack_mxfp4(ex.w2[e], ex.s2[e], z.dtype)
         a = situ(F.linear(h, w13[:I]), F.linear(h, w13[I:]), ex.beta, ex.linear_beta)
-        out.index_add_(0, rows // k, F.linear(a, w2).float() * gammas[lo:lo + n, None])
+        y[lo:lo + n] = F.linear(a, w2)
         lo += n
     assert lo == ids.numel()
+    rows = y[inverse.long()].float().view(ids.shape[0], k, -1)        # pair order
+    out = torch.zeros(z.shape, dtype=torch.float32)
+    for j in range(k):                                                 # j in order, fp32
+        out += rows[:, j] * w[:, j, None]
     return out
 
 
@@ -62,7 +66,8 @@ def test_indices_give_the_reference_under_the_librarys_contract(E, L, I, k, T, s
     assert (sorted_e[1:] >= sorted_e[:-1]).all()
     same = sorted_e[1:] == sorted_e[:-1]               # stable: token order inside an expert
     assert (order[1:][same] > order[:-1][same]).all()
-    out = _emulate(z, ids, ex, order, hist, gammas)
+    assert torch.equal(gammas, w.reshape(-1)[order.long()])
+    out = _emulate(z, w, ids, ex, order, inverse, hist)
     ref = M.moe_mxfp4_reference(z, w, ids, ex)
     assert rel_err(out, ref) < 1e-5, f"seed {seed}: rel err {rel_err(out, ref):.2e}"
 
