@@ -68,9 +68,11 @@ def ogs_ready(device: torch.device) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-# id(experts.w13) -> (experts.w13, {layout: (w13, pc13, w2, pc2)}); the tensor kept to check
-# that the id still names the same weights
-_WEIGHTS: dict[int, tuple[torch.Tensor, dict]] = {}
+# (w13 data_ptr, w2 data_ptr, shapes) -> (w13, w2, {layout: (w13, pc13, w2, pc2)}): keyed by
+# the weights' memory, since each call's MXFP4Experts holds new views of the same parameters
+# (models/moe.py `RoutedExperts.packed`); the entry holds the tensors, so that memory cannot
+# be freed and reused by other weights while it is cached
+_WEIGHTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, dict]] = {}
 
 
 def _wrap(values: torch.Tensor, scales: torch.Tensor, layout: str):
@@ -87,12 +89,13 @@ def ogs_weights(experts: MXFP4Experts, layout: str):
     """The layer's experts in matmul_ogs's form (cached per weights and layout)."""
     if layout not in OGS_LAYOUTS:
         raise ValueError(f"matmul_ogs layout {layout!r}: expected one of {list(OGS_LAYOUTS)}")
-    key = id(experts.w13)
+    w13, w2 = experts.w13, experts.w2
+    key = (w13.data_ptr(), w2.data_ptr(), tuple(w13.shape), tuple(w2.shape), w13.stride(),
+           w2.stride())
     hit = _WEIGHTS.get(key)
-    if hit is None or hit[0] is not experts.w13:
-        hit = (experts.w13, {})
-        _WEIGHTS[key] = hit
-    forms = hit[1]
+    if hit is None:
+        hit = _WEIGHTS[key] = (w13, w2, {})
+    forms = hit[2]
     if layout not in forms:
         forms[layout] = (*_wrap(experts.w13, experts.s13, layout),
                          *_wrap(experts.w2, experts.s2, layout))

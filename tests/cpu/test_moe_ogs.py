@@ -92,3 +92,25 @@ def test_without_the_library_prefill_falls_back_and_a_direct_call_says_why():
         O.moe_mxfp4_ogs(z, w, ids, ex)
     with pytest.raises(ValueError, match="layout 'swizzled'"):
         O.ogs_weights(ex, "swizzled")
+
+
+def test_converted_weights_are_cached_by_memory_not_by_view(monkeypatch):
+    """Every call's MXFP4Experts holds new views of the same parameters (`RoutedExperts.packed`):
+    the layer's weights convert once, other weights convert on their own."""
+    calls = []
+    monkeypatch.setattr(O, "_wrap", lambda v, s, layout: calls.append(v.data_ptr()) or (v, s))
+    O.forget_weights()
+    ex, *_ = _case(8, 64, 32, 2, 4, 0)
+
+    def view(e):            # what packed() hands each call: fresh views, same storage
+        return M.MXFP4Experts(e.w13.view(e.w13.shape), e.s13.view(e.s13.shape),
+                              e.w2.view(e.w2.shape), e.s2.view(e.s2.shape), e.beta,
+                              e.linear_beta)
+    a = O.ogs_weights(view(ex), "hopper")
+    b = O.ogs_weights(view(ex), "hopper")
+    assert a is b and len(calls) == 2                  # w13 and w2, once
+    O.ogs_weights(view(ex), "strided")
+    other, *_ = _case(8, 64, 32, 2, 4, 1)
+    O.ogs_weights(other, "hopper")
+    assert len(calls) == 6
+    O.forget_weights()
