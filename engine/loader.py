@@ -98,7 +98,49 @@ def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None =
                          block_size=block_size, dtype=dt, device=device,
                          num_snapshots=num_snapshots)
     warm_prefill_kernels(model, device)
+    prepare_prefill_experts(model, device)
     return LoadedShard(cfg, model, caches, path)
+
+
+# bytes left free after the Hopper copies (the first prefill step's activations and the
+# conversion's own temporaries come out of it)
+PREFILL_COPY_HEADROOM = 4 * 2 ** 30
+
+
+def prepare_prefill_experts(model, device, kind: str | None = None) -> int:
+    """With RAYDECODE_PREFILL_EXPERTS=ogs-hopper, convert every MXFP4 MoE layer's experts into
+    matmul_ogs's Hopper layouts now (kernels/moe_ogs.py `ogs_weights`), at load, so the first
+    prompt does not pay the conversion and the copies' memory is taken before serving. Refuses
+    (RuntimeError naming the setting) where the library cannot run on this GPU or the copies
+    do not fit in free memory with PREFILL_COPY_HEADROOM to spare. -> bytes converted (0: not
+    that kind, or not CUDA: the CPU path runs the PyTorch reference)."""
+    from raydecode.kernels import moe_mxfp4
+    from raydecode.models.moe import RoutedExperts
+
+    kind = moe_mxfp4.PREFILL_EXPERTS if kind is None else kind
+    dev = torch.device(device)
+    if kind != "ogs-hopper" or dev.type != "cuda":
+        return 0
+    from raydecode.kernels import moe_ogs
+
+    why = moe_ogs.ogs_unavailable(dev)
+    if why is not None:
+        raise RuntimeError(f"RAYDECODE_PREFILL_EXPERTS=ogs-hopper: {why}; install the `ogs` "
+                           "extra on a Hopper or newer GPU, or leave the setting unset (auto)")
+    layers = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.mxfp4]
+    need = sum(m.packed().expert_bytes() * m.packed().num_experts for m in layers)
+    free, _ = torch.cuda.mem_get_info(dev)
+    if need * moe_ogs.HOPPER_COPY_PAD + PREFILL_COPY_HEADROOM > free:
+        raise RuntimeError(
+            f"RAYDECODE_PREFILL_EXPERTS=ogs-hopper: the Hopper copies of {len(layers)} MoE "
+            f"layers' experts take ≈ {need * moe_ogs.HOPPER_COPY_PAD / 2 ** 30:.1f} GiB, "
+            f"{free / 2 ** 30:.1f} GiB are free (and {PREFILL_COPY_HEADROOM / 2 ** 30:.0f} "
+            "GiB must stay free); leave the setting unset (auto), or use more GPUs per replica")
+    for m in layers:
+        moe_ogs.ogs_weights(m.packed(), "hopper")
+    log.info("prefill experts: %d MoE layers converted to matmul_ogs's Hopper layouts "
+             "(%.1f GiB)", len(layers), need / 2 ** 30)
+    return need
 
 
 def warm_prefill_kernels(model, device) -> int:

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from raydecode.kernels import settings as _settings
 from raydecode.kernels._triton import tanh_f32
 from raydecode.models.layers import situ
 from raydecode.models.mxfp4 import GROUP_SIZE, SCALE_BIAS, MXFP4Error, unpack_mxfp4
@@ -821,8 +822,12 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
 # chunk each, and the split kernels' 128-wide dots win (5,120 tokens: 2.71 against 3.30,
 # 7,168 = 128 per expert: 3.63 against 3.67). The outputs are bit-equal either way. The
 # choice depends on the pair count alone, so the warm-up's budget-sized step compiles it.
-PREFILL_EXPERTS = "auto"
-PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper")
+# "ogs" / "ogs-hopper": Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py) on the weights
+# as they are / on a converted copy in its Hopper layouts (the 24-layer 8k prompt on the H100:
+# MFU 0.426 against auto's 0.350 in one run; bench/results/prefill-h100-2026-12-07-ogs24b
+# .json). The kind: RAYDECODE_PREFILL_EXPERTS (kernels/settings.py), "auto" unless set.
+PREFILL_EXPERT_KINDS = _settings.PREFILL_EXPERT_KINDS
+PREFILL_EXPERTS = _settings.prefill_experts()
 AUTO_BLOCKED_LOAD = 128
 
 

@@ -77,6 +77,10 @@ def is_token_bucket(n: int) -> bool:
     return 1 <= n <= 8192 and (n & (n - 1) == 0 if n <= 256 else n % 256 == 0)
 
 
+# the expert kernels of prefill steps (kernels/moe_mxfp4.py `prefill_config`): ours picked by
+# size ("auto"), one of ours, or Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
+PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper")
+
 # Triton's fp32 dot input precisions a rank's fla KDA may run at (kernels/kda_prefill.py)
 KDA_PRECISIONS = ("tf32", "bf16x3", "tf32x3", "ieee")
 
@@ -157,6 +161,16 @@ _ALL = (
             "default): 1.1e-3; tf32x3: 3.7e-6 at 1.22 ms; ieee: 3.7e-6 at 1.64x TF32 (H200); "
             "docs/perf-log/prefill.md",
             "tf32, bf16x3, tf32x3 or ieee", _choice(*KDA_PRECISIONS)),
+    Setting("RAYDECODE_PREFILL_EXPERTS", "auto", "the routed experts' kernels in prefill "
+            "steps (kernels/moe_mxfp4.py `prefill_config`). auto (default): ours, blocked past "
+            "128 pairs per expert, split below; split / blocked / hybrid: one of ours always; "
+            "ogs-hopper: Triton's triton_kernels matmul_ogs (the `ogs` extra) on a second copy "
+            "of every layer's expert weights in its Hopper layouts, converted when the rank "
+            "loads (engine/loader.py `prepare_prefill_experts`; ≈ +1.0 GB per MoE layer at K3 "
+            "TP16: fits a GB300's 288 GB, not an H200's 141 GB at 93 layers); the 8k prefill "
+            "MFU 0.426 against 0.350 on the H100 in one run (docs/PERF.md); ogs: the same on "
+            "the weights as they are (no copy; slower than ours)",
+            ", ".join(PREFILL_EXPERT_KINDS), _choice(*PREFILL_EXPERT_KINDS)),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
             _flag),
@@ -234,6 +248,10 @@ def stock_mixed() -> bool:
 
 def stock_fused() -> bool:
     return get("RAYDECODE_STOCK_FUSED")
+
+
+def prefill_experts() -> str:
+    return get("RAYDECODE_PREFILL_EXPERTS")
 
 
 def kda_precision() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from raydecode.kernels.settings import PREFILL_EXPERT_KINDS
 from raydecode.models import params as P
 from raydecode.models.config import K3Config
 from raydecode.scripts.planner_hw import GPU, PlanError
@@ -20,6 +21,7 @@ SPEC_MAX_TOKENS = 64
 SPEC_K_RANGE = (3, 7)
 SPEC_TP = (8, 16)
 GIB = 2 ** 30
+HOPPER_COPY_PAD = 1.1      # kernels/moe_ogs.py's bound on its Hopper layouts' padding
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Deployment:
     gpu_memory_utilization: float = 0.90
     prefill_chunk: int = 8192          # tokens per prefill chunk (activation workspace)
     kda_snapshots: int = 0             # KDA state snapshots per rank (prefix caching)
+    prefill_experts: str = "auto"      # RAYDECODE_PREFILL_EXPERTS; ogs-hopper: a second copy
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ def validate(cfg: K3Config, gpu: GPU, dep: Deployment, wl: Workload | None = Non
         ok = ("bf16", "fp8") if nm == "--kv-dtype" else ("fp32", "bf16")
         if v not in ok:
             raise PlanError(f"{nm} {v!r}; expected one of {ok}")
+    if dep.prefill_experts not in PREFILL_EXPERT_KINDS:
+        raise PlanError(f"--prefill-experts {dep.prefill_experts!r}: expected one of "
+                        f"{', '.join(PREFILL_EXPERT_KINDS)}")
     if isinstance(dep.kda_snapshots, bool) or not isinstance(dep.kda_snapshots, int) \
             or dep.kda_snapshots < 0:
         raise PlanError(f"--kda-snapshots {dep.kda_snapshots}: expected an integer >= 0 (the "
@@ -151,6 +157,11 @@ def memory(cfg: K3Config, gpu: GPU, dep: Deployment) -> dict:
         + decode_tokens * cfg.vocab_size // tp * 4
     usable = dep.gpu_memory_utilization * gpu.hbm_bytes
     weights = sum(w.values())
+    # RAYDECODE_PREFILL_EXPERTS=ogs-hopper: every MoE layer's experts again, in matmul_ogs's
+    # Hopper layouts (engine/loader.py `prepare_prefill_experts`, padded ≤ HOPPER_COPY_PAD)
+    prefill_copy = (w["routed_experts"] * HOPPER_COPY_PAD
+                    if dep.prefill_experts == "ogs-hopper" else 0.0)
+    weights += prefill_copy
     kv_tok = P.kv_bytes_per_token(cfg, dep.dcp, dep.kv_dtype,
                                   P.DrafterSpec().num_layers if dep.dspark_k else 0)
     kda_seq = P.kda_state_bytes_per_seq(cfg, tp, dep.state_dtype)
@@ -165,7 +176,7 @@ def memory(cfg: K3Config, gpu: GPU, dep: Deployment) -> dict:
     per_seq = dep.context * kv_tok + kda_seq
     return {
         "hbm": gpu.hbm_bytes, "usable": usable, "reserved": gpu.hbm_bytes - usable,
-        "weights_by_kind": w, "weights": weights,
+        "weights_by_kind": w, "weights": weights, "prefill_experts_copy": prefill_copy,
         "weights_replicated": sum(w[k] for k in P.REPLICATED_IN_STOCK),
         "drafter": drafter, "workspace": workspace, "kda_snapshots": snapshots,
         "spec_per_position_state": spec_positions,
@@ -230,6 +241,9 @@ def check_fits(cfg: K3Config, gpu: GPU, dep: Deployment, mem: dict) -> None:
             f"{mem['usable'] / gb:.1f} GB of {gpu.name} at --tp {dep.tp} (over by {over / gb:.1f} "
             f"GB); "
             f"use {tp_hint}, or a smaller --prefill-chunk if the workspace is the excess"
+            + (f", or --prefill-experts auto (its Hopper copy of the experts: "
+               f"{mem['prefill_experts_copy'] / gb:.1f} GB of the weights)"
+               if mem["prefill_experts_copy"] else "")
             + (", or fewer --kda-snapshots" if dep.kda_snapshots else ""))
     if mem["cache_used"] > mem["cache_budget"]:
         over = mem["cache_used"] - mem["cache_budget"]

@@ -30,6 +30,9 @@ def render(r: dict) -> str:
     for k, v in sorted(m["weights_by_kind"].items(), key=lambda kv: -kv[1]):
         tag = " [R]" if k in REPLICATED else ""
         L.append(_row(KIND_LABELS.get(k, k) + tag, f"{v / GB:.2f}"))
+    if m.get("prefill_experts_copy"):
+        L.append(_row("routed experts, prefill copy (ogs-hopper)",
+                      f"{m['prefill_experts_copy'] / GB:.2f}"))
     L += [_row("weights", f"{m['weights'] / GB:.2f}"),
           _row("  of which replicated", f"{m['weights_replicated'] / GB:.2f}"),
           _row("DSpark drafter", f"{m['drafter'] / GB:.2f}"),
@@ -150,6 +153,8 @@ def plot(r: dict, out_dir: str | Path) -> list[str]:
     m = r["memory"]
     parts = [(KIND_LABELS.get(k, k) + (" [R]" if k in REPLICATED else ""), v / GB)
              for k, v in sorted(m["weights_by_kind"].items(), key=lambda kv: -kv[1])]
+    if m.get("prefill_experts_copy"):
+        parts.append(("routed experts, prefill copy", m["prefill_experts_copy"] / GB))
     parts += [("DSpark drafter", m["drafter"] / GB), ("workspace", m["workspace"] / GB),
               ("KDA snapshots (prefix cache)", m["kda_snapshots"] / GB),
               (f"KV + KDA cache (batch {d['batch']})", m["cache_used"] / GB),

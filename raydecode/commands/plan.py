@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from raydecode.kernels.settings import PREFILL_EXPERT_KINDS
+
 DEFAULT_CONTEXT = 8192
 
 
@@ -68,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KDA state snapshots per rank kept for prefix caching (the "
                         "deployment's kda_snapshot_slots, default 32; 0 with prefix caching "
                         "off): each is one sequence's KDA state, taken from the cache budget")
+    d.add_argument("--prefill-experts", default="auto", choices=PREFILL_EXPERT_KINDS,
+                   help="the deployment's RAYDECODE_PREFILL_EXPERTS: ogs-hopper holds a "
+                        "second copy of every layer's routed experts (matmul_ogs's Hopper "
+                        "layouts) for faster prefill; the others hold none")
     w = p.add_argument_group("workload (give --requests-per-s or --concurrent-users to size a "
                              "fleet)")
     w.add_argument("--requests-per-s", type=float, default=None,
@@ -116,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
                             state_dtype=args.state_dtype,
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             prefill_chunk=args.prefill_chunk,
-                            kda_snapshots=args.kda_snapshots)
+                            kda_snapshots=args.kda_snapshots,
+                            prefill_experts=args.prefill_experts)
         if args.price is not None and args.price <= 0:
             raise PlanError(f"--price {args.price}: expected > 0")
         bench = args.bench_dir if args.bench_dir is not None else _default_bench_dir()

@@ -74,6 +74,29 @@ def test_kda_snapshots_come_out_of_the_cache_budget(k3, cat):
         PL.plan(k3, g, PL.Deployment(kda_snapshots=-1))
 
 
+def test_prefill_experts_ogs_hopper_holds_a_second_copy_of_the_routed_experts(k3, cat):
+    """RAYDECODE_PREFILL_EXPERTS=ogs-hopper (engine/loader.py `prepare_prefill_experts`): the
+    routed experts again, padded, out of the cache budget; a deployment it does not fit says
+    so and names the setting."""
+    g = gb300(cat)
+    base = PL.memory(k3, g, PL.Deployment(tp=16))
+    ogs = PL.memory(k3, g, PL.Deployment(tp=16, prefill_experts="ogs-hopper"))
+    routed = base["weights_by_kind"]["routed_experts"]
+    assert base["prefill_experts_copy"] == 0.0
+    assert ogs["prefill_experts_copy"] == pytest.approx(routed * PL.HOPPER_COPY_PAD)
+    assert ogs["weights"] == pytest.approx(base["weights"] + routed * PL.HOPPER_COPY_PAD)
+    assert ogs["cache_budget"] == pytest.approx(base["cache_budget"] - routed * PL.HOPPER_COPY_PAD)
+    for kind in ("split", "blocked", "hybrid", "ogs"):
+        assert PL.memory(k3, g, PL.Deployment(tp=16, prefill_experts=kind))["weights"] == \
+            base["weights"]
+    with pytest.raises(PlanError, match=r"--prefill-experts 'fast': expected one of auto, "):
+        PL.plan(k3, g, PL.Deployment(prefill_experts="fast"), sweep=False)
+    with pytest.raises(PlanError, match=r"over by .*--prefill-experts auto \(its Hopper copy "
+                                        r"of the experts: [0-9.]+ GB"):
+        PL.plan(k3, find_gpu(cat, "GB200"), PL.Deployment(tp=16, prefill_experts="ogs-hopper"),
+                sweep=False)
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,gpu,match", [
