@@ -130,10 +130,10 @@ def prepare_prefill_experts(model, device, kind: str | None = None) -> int:
     layers = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.mxfp4]
     need = sum(m.packed().expert_bytes() * m.packed().num_experts for m in layers)
     free, _ = torch.cuda.mem_get_info(dev)
-    if need * moe_ogs.HOPPER_COPY_PAD + PREFILL_COPY_HEADROOM > free:
+    if need * settings.PREFILL_COPY_PAD + PREFILL_COPY_HEADROOM > free:
         raise RuntimeError(
             f"RAYDECODE_PREFILL_EXPERTS=ogs-hopper: the Hopper copies of {len(layers)} MoE "
-            f"layers' experts take ≈ {need * moe_ogs.HOPPER_COPY_PAD / 2 ** 30:.1f} GiB, "
+            f"layers' experts take ≈ {need * settings.PREFILL_COPY_PAD / 2 ** 30:.1f} GiB, "
             f"{free / 2 ** 30:.1f} GiB are free (and {PREFILL_COPY_HEADROOM / 2 ** 30:.0f} "
             "GiB must stay free); leave the setting unset (auto), or use more GPUs per replica")
     for m in layers:

@@ -48,10 +48,6 @@ OGS_LAYOUTS = ("strided", "hopper")
 # config for every prefill call of a budget-sized step; 0: the library's per-call choice
 EXPECTED_TOKENS_PER_EXPERT = 128
 HOPPER_SCALE_WARPS = 8
-# the Hopper layouts' size over the packed weights they copy (values padded to 64 along N
-# and K/2, scales to 256 along N: ≈ 2 % and 7 % at 2880 × 2880; 1.1 bounds it for the
-# load's memory check)
-HOPPER_COPY_PAD = 1.1
 
 
 def ogs_unavailable(device: torch.device | None = None) -> str | None:

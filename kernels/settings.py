@@ -80,6 +80,10 @@ def is_token_bucket(n: int) -> bool:
 # the expert kernels of prefill steps (kernels/moe_mxfp4.py `prefill_config`): ours picked by
 # size ("auto"), one of ours, or Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
 PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper")
+# ogs-hopper's copy of the experts over the packed weights it copies (matmul_ogs's Hopper
+# layouts pad values to 64 along N and K/2, scales to 256 along N: ≈ 2 % and 7 % at 2880 ×
+# 2880); the bound the load's memory check (engine/loader.py) and the planner use
+PREFILL_COPY_PAD = 1.1
 
 # Triton's fp32 dot input precisions a rank's fla KDA may run at (kernels/kda_prefill.py)
 KDA_PRECISIONS = ("tf32", "bf16x3", "tf32x3", "ieee")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from raydecode.kernels.settings import PREFILL_EXPERT_KINDS
+from raydecode.kernels.settings import PREFILL_COPY_PAD, PREFILL_EXPERT_KINDS
 from raydecode.models import params as P
 from raydecode.models.config import K3Config
 from raydecode.scripts.planner_hw import GPU, PlanError
@@ -21,7 +21,6 @@ SPEC_MAX_TOKENS = 64
 SPEC_K_RANGE = (3, 7)
 SPEC_TP = (8, 16)
 GIB = 2 ** 30
-HOPPER_COPY_PAD = 1.1      # kernels/moe_ogs.py's bound on its Hopper layouts' padding
 
 
 @dataclass(frozen=True)
@@ -158,8 +157,8 @@ def memory(cfg: K3Config, gpu: GPU, dep: Deployment) -> dict:
     usable = dep.gpu_memory_utilization * gpu.hbm_bytes
     weights = sum(w.values())
     # RAYDECODE_PREFILL_EXPERTS=ogs-hopper: every MoE layer's experts again, in matmul_ogs's
-    # Hopper layouts (engine/loader.py `prepare_prefill_experts`, padded ≤ HOPPER_COPY_PAD)
-    prefill_copy = (w["routed_experts"] * HOPPER_COPY_PAD
+    # Hopper layouts (engine/loader.py `prepare_prefill_experts`, padded ≤ PREFILL_COPY_PAD)
+    prefill_copy = (w["routed_experts"] * PREFILL_COPY_PAD
                     if dep.prefill_experts == "ogs-hopper" else 0.0)
     weights += prefill_copy
     kv_tok = P.kv_bytes_per_token(cfg, dep.dcp, dep.kv_dtype,

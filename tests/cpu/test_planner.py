@@ -83,9 +83,9 @@ def test_prefill_experts_ogs_hopper_holds_a_second_copy_of_the_routed_experts(k3
     ogs = PL.memory(k3, g, PL.Deployment(tp=16, prefill_experts="ogs-hopper"))
     routed = base["weights_by_kind"]["routed_experts"]
     assert base["prefill_experts_copy"] == 0.0
-    assert ogs["prefill_experts_copy"] == pytest.approx(routed * PL.HOPPER_COPY_PAD)
-    assert ogs["weights"] == pytest.approx(base["weights"] + routed * PL.HOPPER_COPY_PAD)
-    assert ogs["cache_budget"] == pytest.approx(base["cache_budget"] - routed * PL.HOPPER_COPY_PAD)
+    assert ogs["prefill_experts_copy"] == pytest.approx(routed * PL.PREFILL_COPY_PAD)
+    assert ogs["weights"] == pytest.approx(base["weights"] + routed * PL.PREFILL_COPY_PAD)
+    assert ogs["cache_budget"] == pytest.approx(base["cache_budget"] - routed * PL.PREFILL_COPY_PAD)
     for kind in ("split", "blocked", "hybrid", "ogs"):
         assert PL.memory(k3, g, PL.Deployment(tp=16, prefill_experts=kind))["weights"] == \
             base["weights"]
