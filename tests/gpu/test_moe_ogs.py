@@ -60,3 +60,32 @@ def test_ogs_kind_runs_prefill_calls_and_not_under_capture():
         assert cfg.ogs == "" and cfg.blocked
     finally:
         M.PREFILL_EXPERTS = was
+
+
+def test_load_converts_every_layer_once_and_the_step_uses_those_copies():
+    """engine/loader.py `prepare_prefill_experts` with ogs-hopper: every MoE layer converted
+    at load (the bytes it reports), and a prefill call afterwards finds its layer's copy in
+    the cache (no second conversion: the count of cached forms does not grow)."""
+    from torch import nn
+
+    from raydecode.engine import loader
+    from raydecode.models.moe import RoutedExperts
+    from raydecode.models.parallel import Parallel
+
+    O.forget_weights()
+    layers = nn.ModuleList(RoutedExperts(16, 256, 128, 4.0, 25.0, Parallel(), torch.bfloat16,
+                                         mxfp4=True) for _ in range(3)).cuda()
+    for m in layers:                       # valid weights (the parameters start empty)
+        m.copy_experts_(M.MXFP4Experts.random(16, 256, 128, 4.0, 25.0, device="cuda",
+                                              seed=fresh_seed()))
+    need = loader.prepare_prefill_experts(layers, "cuda", "ogs-hopper")
+    assert need == 3 * 16 * layers[0].packed().expert_bytes()
+    assert len(O._WEIGHTS) == 3
+    z = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    w, ids = torch.rand(300, 16, device="cuda").topk(4, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).float()
+    out = O.moe_mxfp4_ogs(z, w, ids, layers[1].packed(), "hopper")
+    assert len(O._WEIGHTS) == 3
+    ref = M.moe_mxfp4_reference(z, w, ids, layers[1].packed())
+    assert rel_err(out, ref) < 1e-2
+    O.forget_weights()
