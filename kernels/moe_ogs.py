@@ -19,9 +19,11 @@ K/32) buffers seen through `.mT` are exactly that, so the "strided" form wraps t
 a copy (on sm_90 its kernel emulates `tl.dot_scaled`: upcast, then a bf16 MMA). "hopper"
 converts them once per layer into the library's Hopper layouts (values swizzled for its
 bit-trick fp4 → bf16 upcast, scales for its warps): a second copy of the layer's expert
-weights (+2-7 % padding) that this module caches per MXFP4Experts; the decode kernels keep
-the original. That doubles the routed experts' memory, so "hopper" is a measurement, not a
-deployment setting, until the decode kernels read the same layout.
+weights (+2-7 % padding) that this module caches per layer's weights; the decode kernels
+keep the original. That doubles the routed experts' memory (≈ 99 GB per K3 TP16 rank), so it
+is the operator's choice (RAYDECODE_PREFILL_EXPERTS=ogs-hopper, converted at load by
+engine/loader.py `prepare_prefill_experts`; the planner's `--prefill-experts`), not the
+default.
 
 Token counts and compiles: the library picks its block_m from the pairs per expert (16-128),
 so a new count can compile a new kernel; `EXPECTED_TOKENS_PER_EXPERT` pins it (one config for
@@ -57,6 +59,8 @@ def ogs_unavailable(device: torch.device | None = None) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     dev = device if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return f"the tensors are on {dev}, not a CUDA device"
     if torch.cuda.get_device_capability(dev)[0] < 9:
         return "below sm90 (matmul_ogs takes MXFP4 weights with bf16 activations from Hopper on)"
     return None
