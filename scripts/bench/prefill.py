@@ -1168,9 +1168,13 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                 rank.step(args.prefill_budget, 0, pos=0)
     for P in args.prompts:
         for v in variants:                # interleaved per prompt: same-run alternatives
+            t0 = time.time()
             with expert_kernels(*v):
                 row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
-            row.update(grouped_pairs=v[0], prefill_experts=v[1], shipped=v == shipped)
+            # epoch seconds: lines the row up with a clock / power log of the same run
+            # (run_served_round.sh's gpu-clocks.csv)
+            row.update(grouped_pairs=v[0], prefill_experts=v[1], shipped=v == shipped,
+                       wall=[round(t0, 3), round(time.time(), 3)])
             run["prompts"].append(row)
             print(f"[prefill] {tag} prompt {P} ({v[1]} experts, grouped from {v[0] or 'never'} "
                   f"pairs{', as shipped' if v == shipped else ''}): TTFT {row['ttft_s']:.3f} s (all "

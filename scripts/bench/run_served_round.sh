@@ -24,12 +24,21 @@
 # graphed step bench; with STEP_REF=DIR, a checkout of another commit, both interleaved in this
 # lease: A/B). EXTRA_WHEELS: wheel files (repository paths, carried in .stage) installed into
 # /root/site after the parts: the `ogs` set's triton_kernels, which has no PyPI wheel
-# (scripts/offline_wheels.py `build-triton-kernels`).
+# (scripts/offline_wheels.py `build-triton-kernels`). CLOCKS=0: no gpu-clocks.csv (by default
+# nvidia-smi samples SM / memory clocks, power, temperature and throttle reasons every
+# CLOCKS_MS = 250 ms for the whole round, to line up with the prefill rows' `wall` times).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 COMMIT=${1:-unknown}; T0=$(date +%s); FINAL=${OUT:-/tmp/out}; PREFILL_TAG=${PREFILL_TAG:-}
 OUT=$FINAL/w; mkdir -p "$OUT"      # at the end: JSON/PNG up to $FINAL, every log in logs.tgz
-finish() { mv "$OUT"/*.json "$OUT"/*.png "$OUT"/*.csv "$FINAL"/ 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$OUT" . ; rm -rf "$OUT"; }
+finish() { [ -n "${CLK:-}" ] && kill "$CLK" 2>/dev/null
+  mv "$OUT"/*.json "$OUT"/*.png "$OUT"/*.csv "$FINAL"/ 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$OUT" . ; rm -rf "$OUT"; }
 trap finish EXIT
+if [ "${CLOCKS:-1}" != 0 ] && command -v nvidia-smi > /dev/null; then   # read only: clocks,
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
+clocks_throttle_reasons.active --format=csv,nounits -lms "${CLOCKS_MS:-250}" \
+    > "$OUT/gpu-clocks.csv" 2> /dev/null &          # power, throttling, for the whole round
+  CLK=$!
+fi
 if [ -n "${PART:-}" ]; then
   python3 scripts/offline_wheels.py install "$PART" 2>&1 | tail -2
   [ -f /root/site/env.sh ] || exit 0          # not the last part yet

@@ -310,6 +310,9 @@ def test_prefill_bench_grouped_pairs_alternatives_cpu(tmp_path):
         (20, shipped, True), (20, other, False), (40, shipped, True), (40, other, False)]
     assert moe_mxfp4.GROUPED_PAIRS == shipped
     assert {p["prefill_experts"] for p in run["prompts"]} == {moe_mxfp4.PREFILL_EXPERTS}
+    walls = [p["wall"] for p in run["prompts"]]          # in run order, each a real interval
+    assert all(a <= b for a, b in walls)
+    assert all(walls[i][1] <= walls[i + 1][0] for i in range(len(walls) - 1))
     rows = [{"tp": 16, "prompts": [dict(p, prompt_tokens=8192, mfu=m, ttft_s_all_layers=1.0)
                                    for p, m in zip(run["prompts"][:2], (0.3, 0.5))]}]
     assert prefill.summarize(rows)["mfu_8k_tp16"] == 0.3
