@@ -34,9 +34,12 @@ finish() { [ -n "${CLK:-}" ] && kill "$CLK" 2>/dev/null
   mv "$OUT"/*.json "$OUT"/*.png "$OUT"/*.csv "$FINAL"/ 2>/dev/null; tar czf "$FINAL/logs.tgz" -C "$OUT" . ; rm -rf "$OUT"; }
 trap finish EXIT
 if [ "${CLOCKS:-1}" != 0 ] && command -v nvidia-smi > /dev/null; then   # read only: clocks,
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,\
-clocks_throttle_reasons.active --format=csv,nounits -lms "${CLOCKS_MS:-250}" \
-    > "$OUT/gpu-clocks.csv" 2> /dev/null &          # power, throttling, for the whole round
+  Q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu      # power, throttling, for
+  for r in clocks_event_reasons.active clocks_throttle_reasons.active; do   # the whole round
+    nvidia-smi --query-gpu=$Q,$r --format=csv -c 1 > /dev/null 2>&1 && { Q=$Q,$r; break; }
+  done                                 # the throttle field under either driver's name, or none
+  nvidia-smi --query-gpu=$Q --format=csv,nounits -lms "${CLOCKS_MS:-250}" \
+    > "$OUT/gpu-clocks.csv" 2> /dev/null &
   CLK=$!
 fi
 if [ -n "${PART:-}" ]; then
