@@ -165,9 +165,11 @@ def _gemv_points(row: dict, peak: float) -> list[tuple[str, float, float]]:
 
 
 def load_efficiency(bench_dir: str | Path | None, catalog: dict[str, GPU] | None = None,
-                    base: Efficiency | None = None) -> tuple[Efficiency, list[str]]:
+                    base: Efficiency | None = None,
+                    prefill_experts: str = "auto") -> tuple[Efficiency, list[str]]:
     """Defaults, with curves replaced from `gemv-*.json` and collective latencies from
-    `comm-*.json` in `bench_dir` (fields: docs/PLANNER.md §Benchmark JSON). Missing dir or
+    `comm-*.json` in `bench_dir` (fields: docs/PLANNER.md §Benchmark JSON); the prefill MFU
+    that of the deployment's RAYDECODE_PREFILL_EXPERTS kind (`_prefill_mfu`). Missing dir or
     files: defaults. Returns (efficiency, notes on what was read or skipped)."""
     eff = base or Efficiency.defaults()
     notes: list[str] = []
@@ -226,11 +228,12 @@ def load_efficiency(bench_dir: str | Path | None, catalog: dict[str, GPU] | None
         sources["host"] = (f"{d}/{hname} (served TPOT p50 − graphed step − 1-rank channel, "
                            f"{len(hpts)} points)")
     mfu = eff.prefill_mfu
-    measured, pname = _prefill_mfu(d, notes)
+    measured, pname = _prefill_mfu(d, notes, prefill_experts)
     if measured is not None:
         mfu = measured
         sources["prefill_mfu"] = (f"{d}/{pname} (the served prefill kernels' fraction of the "
-                                  f"same run's dense bf16 GEMM rate, longest prompt)")
+                                  f"same run's dense bf16 GEMM rate, longest prompt, "
+                                  f"{prefill_experts} experts)")
     spec = eff.spec_ratio
     spts, sname = _spec_points(d, notes)
     if spts:
@@ -265,17 +268,32 @@ def _spec_points(d: Path, notes: list[str]) -> tuple[tuple, str | None]:
     return (), None
 
 
-def _prefill_mfu(d: Path, notes: list[str]) -> tuple[float | None, str | None]:
+def _our_kind(p: dict, kind: str) -> bool:
+    """Whether prompt row p ran the expert kernels `kind` names: its `prefill_experts`; for
+    "auto" also a row that ran ours as its run's shipped kind (the runs before "auto", and
+    rows without the field: the defaults of their day)."""
+    ran = p.get("prefill_experts")
+    if ran == kind:
+        return True
+    return kind == "auto" and (ran is None or (p.get("shipped", False)
+                                               and not str(ran).startswith("ogs")))
+
+
+def _prefill_mfu(d: Path, notes: list[str],
+                 kind: str = "auto") -> tuple[float | None, str | None]:
     """The fraction of the dense bf16 rate the served prefill kernels reach, from the newest
     prefill-*.json of `--kernels prefill` (scripts/bench/prefill.py; `reference` runs are the
-    baseline, not what a replica runs): the MFU of the longest measured prompt of its first
-    TP (a long prompt's steady rate, what a TTFT estimate needs); (None, None) without one."""
+    baseline, not what a replica runs) with a prompt row of the deployment's expert kernels
+    (`kind`, RAYDECODE_PREFILL_EXPERTS: `_our_kind`): the MFU of the longest such prompt of its
+    first TP (a long prompt's steady rate, what a TTFT estimate needs); (None, None) without
+    one."""
     for f, doc in _newest_first(d, "prefill-*.json", notes):
         try:
             if doc.get("kernels", "prefill") != "prefill":
                 continue
             # a run without a prompt case (not asked, or cut short) has no MFU to give
-            rows = [p for p in doc["runs"][0].get("prompts", ()) if p.get("mfu")]
+            rows = [p for p in doc["runs"][0].get("prompts", ())
+                    if p.get("mfu") and _our_kind(p, kind)]
             if not rows:
                 continue
             mfu = float(max(rows, key=lambda p: int(p["prompt_tokens"]))["mfu"])

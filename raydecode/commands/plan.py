@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         bench = args.bench_dir if args.bench_dir is not None else _default_bench_dir()
         if args.bench_dir is not None and not Path(bench).is_dir():
             raise PlanError(f"--bench-dir {bench}: no such folder")
-        eff, notes = load_efficiency(bench, catalog)
+        eff, notes = load_efficiency(bench, catalog, prefill_experts=args.prefill_experts)
         want_anchors = args.anchors or (cfg.name == "k3" and gpu.name == "GB300"
                                         and args.tp == 16)
         a_gpu = a_cfg = None

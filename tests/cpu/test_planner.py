@@ -329,6 +329,33 @@ def test_measured_prefill_mfu_replaces_the_estimate(cat, tmp_path):
     assert eff.prefill_mfu == Efficiency.defaults().prefill_mfu
 
 
+def test_prefill_mfu_is_the_deployments_expert_kernels(cat, tmp_path):
+    """With kind A/B rows in one run, the planner reads the rows of the deployment's
+    RAYDECODE_PREFILL_EXPERTS (auto: ours, shipped or named auto; ogs-hopper: its own rows),
+    and an older run without the kind for the other (rows of earlier runs name no kind: the
+    defaults of their day)."""
+    def doc(date, rows):
+        return json.dumps({"date": date, "kernels": "prefill", "runs": [{"tp": 16, "prompts": [
+            dict({"prompt_tokens": n, "mfu": m}, **kw) for n, m, kw in rows]}]})
+    (tmp_path / "prefill-h100-old.json").write_text(doc("2026-12-01T10:00:00", [
+        (8192, 0.30, {})]))
+    (tmp_path / "prefill-h100-ab.json").write_text(doc("2026-12-07T10:00:00", [
+        (8192, 0.426, {"prefill_experts": "ogs-hopper", "shipped": False}),
+        (8192, 0.350, {"prefill_experts": "auto", "shipped": True})]))
+    assert load_efficiency(tmp_path, cat)[0].prefill_mfu == pytest.approx(0.350)
+    eff, notes = load_efficiency(tmp_path, cat, prefill_experts="ogs-hopper")
+    assert eff.prefill_mfu == pytest.approx(0.426) and "ogs-hopper experts" in \
+        eff.sources["prefill_mfu"]
+    # a run whose shipped kind was ogs-hopper (the setting on): not the default deployment's
+    (tmp_path / "prefill-h100-ogs.json").write_text(doc("2026-12-08T10:00:00", [
+        (8192, 0.43, {"prefill_experts": "ogs-hopper", "shipped": True})]))
+    assert load_efficiency(tmp_path, cat)[0].prefill_mfu == pytest.approx(0.350)
+    assert load_efficiency(tmp_path, cat, prefill_experts="ogs-hopper")[0].prefill_mfu == \
+        pytest.approx(0.43)
+    assert load_efficiency(tmp_path, cat, prefill_experts="split")[0].prefill_mfu == \
+        Efficiency.defaults().prefill_mfu              # no split row anywhere: the estimate
+
+
 def test_missing_bench_dir_gives_defaults(tmp_path):
     eff, notes = load_efficiency(tmp_path / "absent")
     assert eff == Efficiency.defaults() and notes == []
