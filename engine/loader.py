@@ -127,8 +127,8 @@ def prepare_prefill_experts(model, device, kind: str | None = None) -> int:
     if why is not None:
         raise RuntimeError(f"RAYDECODE_PREFILL_EXPERTS=ogs-hopper: {why}; install the `ogs` "
                            "extra on a Hopper or newer GPU, or leave the setting unset (auto)")
-    layers = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.mxfp4]
-    need = sum(m.packed().expert_bytes() * m.packed().num_experts for m in layers)
+    layers = [m.packed() for m in model.modules() if isinstance(m, RoutedExperts) and m.mxfp4]
+    need = sum(ex.expert_bytes() * ex.num_experts for ex in layers)
     free, _ = torch.cuda.mem_get_info(dev)
     if need * settings.PREFILL_COPY_PAD + PREFILL_COPY_HEADROOM > free:
         raise RuntimeError(
@@ -136,8 +136,8 @@ def prepare_prefill_experts(model, device, kind: str | None = None) -> int:
             f"layers' experts take ≈ {need * settings.PREFILL_COPY_PAD / 2 ** 30:.1f} GiB, "
             f"{free / 2 ** 30:.1f} GiB are free (and {PREFILL_COPY_HEADROOM / 2 ** 30:.0f} "
             "GiB must stay free); leave the setting unset (auto), or use more GPUs per replica")
-    for m in layers:
-        moe_ogs.ogs_weights(m.packed(), "hopper")
+    for ex in layers:
+        moe_ogs.ogs_weights(ex, "hopper")
     log.info("prefill experts: %d MoE layers converted to matmul_ogs's Hopper layouts "
              "(%.1f GiB)", len(layers), need / 2 ** 30)
     return need

@@ -851,7 +851,7 @@ def prefill_config(latent: int, intermediate: int, pairs: int = 0,
     kind = PREFILL_EXPERTS
     if kind.startswith("ogs"):
         from .moe_ogs import ogs_ready
-        if torch.cuda.is_available() and ogs_ready(torch.device("cuda")):
+        if ogs_ready(torch.device("cuda")):
             return MoEConfig(gate_up_bn=64, gate_up_bk=64, down_bn=64, down_bk=64,
                              ogs="hopper" if kind == "ogs-hopper" else "strided")
         kind = "auto"

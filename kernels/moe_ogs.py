@@ -36,8 +36,7 @@ import torch
 from .moe_mxfp4 import MXFP4Experts, check_out, situ_rows, weighted_sum
 
 try:                                 # the ogs extra; absent on the CPU test path
-    from triton_kernels.matmul_ogs import (GatherIndx, PrecisionConfig, RoutingData,
-                                           ScatterIndx, matmul_ogs)
+    from triton_kernels.matmul_ogs import GatherIndx, PrecisionConfig, RoutingData, matmul_ogs
     from triton_kernels.tensor import (FP4, convert_layout, make_ragged_tensor_metadata,
                                        wrap_torch_tensor)
     from triton_kernels.tensor_details.layout import HopperMXScaleLayout, HopperMXValueLayout
@@ -116,8 +115,8 @@ def ogs_indices(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
     sync): pairs (t, j) flattened as t·k + j and sorted stably by expert (token order inside
     an expert) -> order (sorted position -> pair), inverse (pair -> sorted position), hist
     (int32 pairs per expert), gammas (the weights in sorted order). matmul_ogs gathers row
-    order[s] // k of x for sorted row s and scatters sorted row s to pair order[s] (its
-    ScatterIndx dst), then sums each token's k rows."""
+    order[s] // k of x for sorted row s; `weighted_sum` reads pair (t, j)'s row of the
+    sorted output at inverse[t·k + j]."""
     flat = topk_ids.reshape(-1).to(torch.int32)
     order = torch.argsort(flat, stable=True).to(torch.int32)
     inverse = torch.argsort(order, stable=True).to(torch.int32)
@@ -128,13 +127,13 @@ def ogs_indices(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
 
 
 def ogs_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
-    """(RoutingData, GatherIndx, ScatterIndx, gammas) for matmul_ogs (`ogs_indices`, then the
-    library's ragged metadata kernel)."""
+    """(RoutingData, GatherIndx) for matmul_ogs (`ogs_indices`, then the library's ragged
+    metadata kernel); the gather's dst_indx is the inverse permutation."""
     T, k = topk_ids.shape
     order, inverse, hist, gammas = ogs_indices(topk_ids, topk_weights, num_experts)
     rd = RoutingData(gammas, hist, num_experts, k, make_ragged_tensor_metadata(hist, T * k),
                      expected_tokens_per_expt=EXPECTED_TOKENS_PER_EXPERT or None)
-    return rd, GatherIndx(order, inverse), ScatterIndx(inverse, order), gammas
+    return rd, GatherIndx(order, inverse)
 
 
 def moe_mxfp4_ogs(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -147,7 +146,7 @@ def moe_mxfp4_ogs(z: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     T, L = z.shape
     check_out(out, T, L, z.device)
     w13, pc13, w2, pc2 = ogs_weights(experts, layout)
-    rd, gather, _, _ = ogs_routing(topk_ids, topk_weights, experts.num_experts)
+    rd, gather = ogs_routing(topk_ids, topk_weights, experts.num_experts)
     inverse = gather.dst_indx
     gu = matmul_ogs(z.to(torch.bfloat16).contiguous(), w13, None, rd, gather_indx=gather,
                     precision_config=pc13).view(-1, 2 * experts.intermediate)  # sorted

@@ -83,13 +83,9 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         return unique([sh, bl, rep(bl, blocked_down=False), rep(bl, down_tiles=4),
                        rep(bl, down_tiles=8), rep(bl, down_bn=128)])
     if which == "ogs":              # Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
-        sh = M.prefill_config(L, I)  # against split and blocked (what "auto" picks by size)
-        was = M.PREFILL_EXPERTS
-        try:
-            M.PREFILL_EXPERTS = "blocked"
-            bl = M.prefill_config(L, I)
-        finally:
-            M.PREFILL_EXPERTS = was
+        sh = M.prefill_config(L, I)  # against split and blocked (what "auto" picks by size;
+        bl = rep(sh, blocked=True, block_m=256,      # the `blocked` set's 128-row down tiles)
+                 gate_up_bk=M._largest_block(L, 64), down_bn=128)
         return [sh, bl, rep(sh, ogs="strided"), rep(sh, ogs="hopper")]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
