@@ -9,7 +9,7 @@ counts, and the stock decode step's kernels per layer.
          [--schedule-modes split,mixed] [--schedule-pairs 64] [--schedule-pacer 2.0]]
         [--gc-modes frozen] [--max-seconds 60]
         [--graphed 1] [--stock-graphs 2048 [--tpot-chunks 1,256,512,1024,2048]]
-        [--profile-first-run] [--module-loading lazy|eager]
+        [--profile-first-run] [--profile-steps] [--module-loading lazy|eager]
         [--sweep-budgets 4096,8192]
         [--out bench/results/prefill-….json] [--png bench/results/prefill-….png] [--commit SHA]
 
@@ -89,7 +89,10 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
   profile   with --profile-first-run: torch.profiler over the first and the second prefill
             step of an unmet count: wall ms, the device's kernel time (`device_busy_ms`: the
             kernels' own events; below the wall time, the step is host-bound) and the top
-            kernels and host ops.
+            kernels and host ops. With --profile-steps: after the prompts, one
+            budget-sized prefill step at position 0 per expert-kernel variant, profiled the
+            same way (`step_profiles`, each with its `wall`): the variants' steps kernel by
+            kernel.
   sweep     with --sweep-budgets: the prompts again at each of those step budgets (one warm
             step of the budget's chunk first), with the mixed step's time at that chunk: the
             trade-off the deployment's default budget is set from.
@@ -529,33 +532,58 @@ def random_counts(rank: PrefillRank, buckets: list[int], decodes: int, count: in
             "jit_compiles_after_warmup": compiled[0], "modes": modes}
 
 
+def _profiled(rank: PrefillRank, run, top: int) -> dict:
+    """torch.profiler (host + device) over `run()` (-> its wall seconds): its wall ms, the
+    device's kernel time and the top kernels and host ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rank.device.type == "cuda"
+                                     else [])
+    with profile(activities=acts) as prof:
+        t = run()
+    avg = prof.key_averages()
+    ev = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:top]
+    # the kernels themselves (an op's own entry also carries its kernels' device time)
+    cuda = torch.autograd.DeviceType.CUDA
+    dev = [e for e in avg if getattr(e, "device_type", None) == cuda
+           and (getattr(e, "self_device_time_total", 0) or 0) > 0]
+    dev_us = sum(e.self_device_time_total for e in dev)
+    top_dev = sorted(dev, key=lambda e: -e.self_device_time_total)[:top]
+    return {"ms": _ms(t), "device_busy_ms": round(dev_us / 1e3, 3),
+            "device_top_ops": [
+                {"op": e.key[:90], "device_ms": round(e.self_device_time_total / 1e3, 3),
+                 "calls": e.count} for e in top_dev],
+            "host_top_ops": [
+                {"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                 "calls": e.count} for e in ev]}
+
+
 def first_run_profile(rank: PrefillRank, tokens: int, top: int = 30) -> dict:
     """torch.profiler (host + device) over the first and the second prefill step of a token
     count the rank has not met: their wall ms and the host's top ops by self time, so what
     only a first run pays (allocator growth, cuDNN plans, cuBLAS heuristics) shows as the
     difference."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rank.device.type == "cuda"
-                                     else [])
     out = {"tokens": tokens}
     for name in ("first", "second"):
-        with profile(activities=acts) as prof:
-            t = rank.step(tokens, 0)
-        avg = prof.key_averages()
-        ev = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:top]
-        # the kernels themselves (an op's own entry also carries its kernels' device time)
-        cuda = torch.autograd.DeviceType.CUDA
-        dev = [e for e in avg if getattr(e, "device_type", None) == cuda
-               and (getattr(e, "self_device_time_total", 0) or 0) > 0]
-        dev_us = sum(e.self_device_time_total for e in dev)
-        top_dev = sorted(dev, key=lambda e: -e.self_device_time_total)[:top]
-        out[name] = {"ms": _ms(t), "device_busy_ms": round(dev_us / 1e3, 3),
-                     "device_top_ops": [
-            {"op": e.key[:90], "device_ms": round(e.self_device_time_total / 1e3, 3),
-             "calls": e.count} for e in top_dev], "host_top_ops": [
-            {"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
-             "calls": e.count} for e in ev]}
+        out[name] = _profiled(rank, lambda: rank.step(tokens, 0), top)
+    return out
+
+
+def step_profiles(rank: PrefillRank, tokens: int, variants: list, top: int = 40) -> list:
+    """One `tokens`-token prefill step at position 0 under each expert-kernel variant
+    ((grouped_pairs, prefill_experts), compiled before: the prompts ran them), profiled after
+    an unprofiled step of the same: where one variant's step time goes against another's,
+    kernel by kernel (the experts' kernels and everything around them), with the wall
+    interval (epoch seconds) to line up with the round's clock log."""
+    out = []
+    for v in variants:
+        with expert_kernels(*v):
+            rank.step(tokens, 0, pos=0)
+            t0 = time.time()
+            row = _profiled(rank, lambda: rank.step(tokens, 0, pos=0), top)
+        row.update(tokens=tokens, grouped_pairs=v[0], prefill_experts=v[1],
+                   wall=[round(t0, 3), round(time.time(), 3)])
+        out.append(row)
     return out
 
 
@@ -1189,6 +1217,15 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
               f"{run['routing'].get('mean')} (chunks / balanced "
               f"{run['routing'].get('chunks_over_balanced')})", flush=True)
         save(run)
+    if args.profile_steps and args.prompts:
+        n = min(max(args.prompts), args.prefill_budget)
+        run["step_profiles"] = sp = step_profiles(rank, n, variants)
+        for row in sp:
+            print(f"[prefill] {tag} {n}-token step ({row['prefill_experts']} experts) profiled: "
+                  f"{row['ms']} ms, device busy {row['device_busy_ms']} ms; top: "
+                  f"{[(o['op'][:40], o['device_ms']) for o in row['device_top_ops'][:12]]}",
+                  flush=True)
+        save(run)
     if args.sweep_budgets:
         run["budget_sweep"] = budget_sweep(rank, args, run["flops_model"], rate, scale, tag)
         save(run)
@@ -1361,6 +1398,9 @@ def main(argv=None) -> int:
                          "kernel a new GEMM shape picks — a first-run cost per new variant")
     ap.add_argument("--profile-first-run", action="store_true", help="after the random counts: "
                     "profile the first and second prefill step of an unmet token count")
+    ap.add_argument("--profile-steps", action="store_true", help="after the prompts: "
+                    "profile one budget-sized prefill step under each --prefill-experts / "
+                    "--grouped-pairs variant (kernel by kernel, `step_profiles`)")
     ap.add_argument("--steps", type=int, default=5, help="interleaved rounds of the mixed case")
     ap.add_argument("--max-seconds", type=float, default=60.0,
                     help="per prompt (then its chunks but the last are skipped and "

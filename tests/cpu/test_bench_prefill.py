@@ -287,12 +287,12 @@ def test_prefill_bench_budget_sweep_cpu(tmp_path):
         assert r["mfu"] > 0 and r["mixed_step_ms"] > 0
 
 
-def _tiny_alternatives(out, prompts: str, flag: str, values: str) -> dict:
+def _tiny_alternatives(out, prompts: str, flag: str, values: str, *more: str) -> dict:
     """The tiny model's prompts under a same-run alternatives flag (CPU, no graphs): its run."""
     assert prefill.main(["--config", "tiny", "--device", "cpu", "--tp", "1", "--prompts", prompts,
                          "--prefill-budget", "16", flag, values, "--mixed-decodes", "2",
                          "--context", "8", "--random-counts", "0", "--repeats", "1",
-                         "--steps", "1", "--graphed", "0", "--out", str(out)]) == 0
+                         "--steps", "1", "--graphed", "0", "--out", str(out), *more]) == 0
     (run,) = json.loads(out.read_text())["runs"]
     return run
 
@@ -516,6 +516,24 @@ def test_prefill_bench_prefill_experts_alternatives_cpu(tmp_path):
     assert moe_mxfp4.PREFILL_EXPERTS == shipped
     with pytest.raises(SystemExit, match="--prefill-experts bogus: expected .*blocked"):
         prefill.main(["--config", "tiny", "--device", "cpu", "--prefill-experts", "bogus"])
+
+
+def test_prefill_bench_profiles_one_step_per_experts_kind_cpu(tmp_path):
+    """--profile-steps: after the prompts, one budget-sized step profiled under each kind, in
+    the variants' order, each with its kind, a wall time, host ops and its wall interval; the
+    module's kind restored after."""
+    from raydecode.kernels import moe_mxfp4
+    shipped = moe_mxfp4.PREFILL_EXPERTS
+    other = next(k for k in moe_mxfp4.PREFILL_EXPERT_KINDS if k != shipped)
+    run = _tiny_alternatives(tmp_path / "steps.json", "20", "--prefill-experts",
+                             f"{shipped},{other}", "--profile-steps")
+    rows = run["step_profiles"]
+    assert [r["prefill_experts"] for r in rows] == [shipped, other]
+    for r in rows:
+        assert r["tokens"] == 16 and r["ms"] > 0 and r["host_top_ops"]
+        assert r["wall"][0] <= r["wall"][1]
+    assert rows[0]["wall"][1] <= rows[1]["wall"][0]
+    assert moe_mxfp4.PREFILL_EXPERTS == shipped
 
 
 def test_stock_gemms_sets_and_restores_the_skinny_cap():
