@@ -46,6 +46,7 @@ TRITON_INTERPRET=1 on CPU tensors), else `moe_mxfp4_reference` (PyTorch, models/
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -274,6 +275,131 @@ if triton is not None:
         v = v.reshape(BN, BK // 32, 32) * sc[:, :, None]
         return v.reshape(BN, BK).to(tl.bfloat16)
 
+    # ---- decode "x2" (swapped and blocked kernels): 8 codes per 32-bit word, bf16x2 ops ----
+    #
+    # Word w of a row holds codes k = 8w..8w+7 (nibble q = code 8w + q). For q = 0..3 one
+    # shift-and-mask pair puts code q at bf16 bits 15 / 8..6 and code q + 4 at bits 31 /
+    # 24..22 (sign; exponent low bits and mantissa top bit), so each 32-bit op makes two
+    # values: e2m1 · 2**-126 exactly (e2m1's subnormal 0.5 lands on bf16's subnormal
+    # 2**-127). Two bf16x2 multiplies, by 2**126 and by the group's scale 2**(s − 127), give
+    # the exact bf16 weights (a scale byte 0, 2**-127, decodes as 0, as bf16 (s << 7) reads
+    # it): ≈ 3.3 instructions per weight where the elementwise decode
+    # spends ≈ 9 (widen, mask, fp16 → fp32, multiply, → bf16). The 8 codes of a word share
+    # one 32-group, so its scale is one per word. Outputs (the asm's $0..$3 hold pairs (0, 4),
+    # (2, 6), (1, 5), (3, 7)): r0[4w + 2a + b] = code 8w + 2a + 4b, r1 the same + 1; a join
+    # and a permute of the (a, b) bits restore the k order.
+
+    @triton.jit
+    def _x2_pair(v, q: tl.constexpr):
+        """int32 words v -> bf16 bits of codes q (low half) and q + 4 (high half), · 2**-126."""
+        if q < 2:
+            em = v << (6 - 4 * q)
+        else:
+            em = v >> (4 * q - 6)
+        return (em & 0x01C001C0) | ((v << (12 - 4 * q)) & -2147450880)   # 0x80008000
+
+    @triton.jit
+    def _x2_value(t, at: tl.constexpr, sc):
+        """bf16 of the value whose bf16 bits sit at bit `at` (0: low half, 16: high) of the
+        pair bits t, × 2**126 × sc, computed from the bits' fields in fp32 (exact; no fp32
+        subnormal: the interpreter flushes them)."""
+        c = (t >> (at + 6)) & 7                         # exponent low bits and mantissa bit
+        neg = ((t >> (at + 15)) & 1) != 0
+        e = c >> 1
+        big = (((e + 126) << 23).to(tl.float32, bitcast=True) * (1.0 + 0.5 * (c & 1)))
+        v = tl.where(e == 0, 0.5 * (c & 1), big)
+        return (tl.where(neg, -v, v) * sc).to(tl.bfloat16)
+
+    @triton.jit
+    def _x2_emulated(p, s, BN: tl.constexpr, BK: tl.constexpr):
+        """What `_x2_asm` returns, in Triton ops (TRITON_INTERPRET, the CPU tests): p uint8
+        (BN, BK/2) codes, s uint8 (BN, BK/32) scales -> (r0, r1) bf16 (BN, BK/2)."""
+        q = p.to(tl.int32).reshape(BN, BK // 8, 2, 2)      # [n, w, h, b]: byte 2h + b
+        b0, b1 = tl.split(q)
+        h0, h1 = tl.split(b0 | (b1 << 8))                    # the word's two 16-bit halves
+        v = h0 | (h1 << 16)                                  # (BN, BK/8) int32
+        sw = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)   # 2**(s − 127); s = 0: 0
+        sw = tl.broadcast_to(sw[:, :, None], (BN, BK // 32, 4)).reshape(BN, BK // 8)
+        t0, t1, t2, t3 = _x2_pair(v, 0), _x2_pair(v, 1), _x2_pair(v, 2), _x2_pair(v, 3)
+        l0, g0 = _x2_value(t0, 0, sw), _x2_value(t0, 16, sw)
+        l1, g1 = _x2_value(t1, 0, sw), _x2_value(t1, 16, sw)
+        l2, g2 = _x2_value(t2, 0, sw), _x2_value(t2, 16, sw)
+        l3, g3 = _x2_value(t3, 0, sw), _x2_value(t3, 16, sw)
+        # per word [l0, g0, l2, g2]: the join's new (last) axis is the low / high half
+        r0 = tl.join(tl.join(l0, l2), tl.join(g0, g2)).reshape(BN, BK // 2)
+        r1 = tl.join(tl.join(l1, l3), tl.join(g1, g3)).reshape(BN, BK // 2)
+        return r0, r1
+
+    @triton.jit
+    def _x2_asm(p, sb):
+        """p uint8 codes, sb uint8 scales (one per code byte, equal within a word) -> (r0, r1)
+        bf16 of p's shape (the layout above), 4 bytes per asm call."""
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, u, sc, bias, z;
+            mov.b32 bias, 0x7e807e80;
+            mov.b32 z, 0x80008000;
+            prmt.b32 sc, $5, 0, 0x5140;
+            shl.b32 sc, sc, 7;
+            shl.b32 t, $4, 6;
+            and.b32 t, t, 0x01C001C0;
+            shl.b32 u, $4, 12;
+            and.b32 u, u, 0x80008000;
+            or.b32 t, t, u;
+            fma.rn.bf16x2 t, t, bias, z;
+            fma.rn.bf16x2 $0, t, sc, z;
+            shr.b32 t, $4, 2;
+            and.b32 t, t, 0x01C001C0;
+            shl.b32 u, $4, 4;
+            and.b32 u, u, 0x80008000;
+            or.b32 t, t, u;
+            fma.rn.bf16x2 t, t, bias, z;
+            fma.rn.bf16x2 $1, t, sc, z;
+            shl.b32 t, $4, 2;
+            and.b32 t, t, 0x01C001C0;
+            shl.b32 u, $4, 8;
+            and.b32 u, u, 0x80008000;
+            or.b32 t, t, u;
+            fma.rn.bf16x2 t, t, bias, z;
+            fma.rn.bf16x2 $2, t, sc, z;
+            shr.b32 t, $4, 6;
+            and.b32 t, t, 0x01C001C0;
+            and.b32 u, $4, 0x80008000;
+            or.b32 t, t, u;
+            fma.rn.bf16x2 t, t, bias, z;
+            fma.rn.bf16x2 $3, t, sc, z;
+            }""",
+            constraints="=r,=r,=r,=r,r,r", args=[p, sb], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4)
+
+    @triton.jit
+    def _dequant_tile_x2(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, ASM: tl.constexpr):
+        """`_dequant_tile`'s (BN, BK) bf16 tile (the same values) by the x2 decode; ASM: the
+        inline-asm form (CUDA), else its Triton-ops emulation."""
+        kb = k0 // 2 + tl.arange(0, BK // 2)
+        p = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None],
+                    other=0)
+        ks = k0 // 32 + tl.arange(0, BK // 32)
+        s = tl.load(s_ptr + rows[:, None] * (K // 32) + ks[None, :], mask=row_ok[:, None],
+                    other=127)
+        if ASM:
+            sb = tl.broadcast_to(s[:, :, None], (BN, BK // 32, 16)).reshape(BN, BK // 2)
+            r0, r1 = _x2_asm(p, sb)
+        else:
+            r0, r1 = _x2_emulated(p, s, BN, BK)
+        v = tl.join(r0, r1).reshape(BN, BK // 8, 2, 2, 2)   # [n, w, a, b, c]: 8w + 2a + 4b + c
+        return tl.permute(v, (0, 1, 3, 2, 4)).reshape(BN, BK)
+
+    @triton.jit
+    def _dequant_w(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, X2: tl.constexpr):
+        """The swapped / blocked kernels' weight tile: X2 0 the elementwise decode, 1 the x2
+        decode emulated, 2 the x2 decode in inline asm (`MoEConfig.decode` "x2" on CUDA)."""
+        if X2 == 0:
+            return _dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, K, BN, BK)
+        return _dequant_tile_x2(w_ptr, s_ptr, rows, row_ok, k0, K, BN, BK, X2 == 2)
+
     @triton.jit
     def _ew_acc(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok, k0,
                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, acc, DOT_F32: tl.constexpr):
@@ -429,7 +555,8 @@ if triton is not None:
 
     @triton.jit
     def _swap_acc(x_ptr, rows, row_ok, K: tl.constexpr, w_e, s_e, n, n_ok, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+                  X2: tl.constexpr = 0):
         """accᵀ (BN, BM) fp32 = W[n, :K] · x[rows, :K]ᵀ: the (BN, BK) tiles of one expert's
         MXFP4 matrix (rows n) decoded in registers as the dots' A operand, x's BM rows (K
         wide, bf16) the B operand; rows with row_ok False read zeros."""
@@ -437,7 +564,7 @@ if triton is not None:
         for k0 in range(0, K, BK):
             x = tl.load(x_ptr + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :],
                         mask=row_ok[:, None], other=0.0)
-            acc = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, K, BN, BK), tl.trans(x), acc,
+            acc = _dot(_dequant_w(w_e, s_e, n, n_ok, k0, K, BN, BK, X2), tl.trans(x), acc,
                        DOT_F32)
         return acc
 
@@ -447,7 +574,7 @@ if triton is not None:
                              L: tl.constexpr, I: tl.constexpr, HAS_LIN: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              DOT_F32: tl.constexpr,
-                             TILE_MAJOR: tl.constexpr = False):
+                             TILE_MAJOR: tl.constexpr = False, X2: tl.constexpr = 0):
         """a_sorted[m, n] = SiTU(W1_e z[t], W3_e z[t])[n] for the sorted positions m of chunk
         c, computed transposed (n rows, pairs columns)."""
         c, tile = _chunk_and_tile(TILE_MAJOR)
@@ -466,8 +593,8 @@ if triton is not None:
             x = tl.load(z_ptr + tok[:, None] * L + k0 + tl.arange(0, BK)[None, :],
                         mask=m_ok[:, None], other=0.0)
             xt = tl.trans(x)
-            acc_g = _dot(_dequant_tile(w_e, s_e, n, n_ok, k0, L, BN, BK), xt, acc_g, DOT_F32)
-            acc_u = _dot(_dequant_tile(w_e, s_e, n + I, n_ok, k0, L, BN, BK), xt, acc_u,
+            acc_g = _dot(_dequant_w(w_e, s_e, n, n_ok, k0, L, BN, BK, X2), xt, acc_g, DOT_F32)
+            acc_u = _dot(_dequant_w(w_e, s_e, n + I, n_ok, k0, L, BN, BK, X2), xt, acc_u,
                          DOT_F32)
         g = acc_g.to(tl.bfloat16).to(tl.float32)
         u = acc_u.to(tl.bfloat16).to(tl.float32)
@@ -482,7 +609,7 @@ if triton is not None:
                               chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k,
                               L: tl.constexpr, I2: tl.constexpr, BM: tl.constexpr,
                               BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                              TILE_MAJOR: tl.constexpr = False):
+                              TILE_MAJOR: tl.constexpr = False, X2: tl.constexpr = 0):
         """gu_sorted[m, n] = bf16(W13_e z[t])[n] for one BN-row tile of the 2I gate ‖ up rows
         and the sorted positions m of chunk c (`MoEConfig.split_gate_up`): one (BN, BM) fp32
         accumulator per program where `_gate_up_swap_kernel` holds two, so a program needs
@@ -497,7 +624,7 @@ if triton is not None:
         n = tile * BN + tl.arange(0, BN)
         n_ok = n < I2
         acc = _swap_acc(z_ptr, pair // top_k, m_ok, L, w_ptr + e * (I2 * (L // 2)),
-                        s_ptr + e * (I2 * (L // 32)), n, n_ok, BM, BN, BK, DOT_F32)
+                        s_ptr + e * (I2 * (L // 32)), n, n_ok, BM, BN, BK, DOT_F32, X2)
         tl.store(gu_ptr + m[None, :] * I2 + n[:, None], acc.to(tl.bfloat16),
                  mask=m_ok[None, :] & n_ok[:, None])
 
@@ -522,7 +649,7 @@ if triton is not None:
                           chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                           I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, DOT_F32: tl.constexpr,
-                          TILE_MAJOR: tl.constexpr = False):
+                          TILE_MAJOR: tl.constexpr = False, X2: tl.constexpr = 0):
         """y[p, n] = bf16(W2_e a[p])[n] for the pairs of chunk c, computed
         transposed; a in sorted order (`_gate_up_swap_kernel`), y in pair order."""
         c, tile = _chunk_and_tile(TILE_MAJOR)
@@ -533,7 +660,7 @@ if triton is not None:
         n = tile * BN + tl.arange(0, BN)
         n_ok = n < L
         acc = _swap_acc(a_ptr, m, m_ok, I, w_ptr + e * (L * (I // 2)),
-                        s_ptr + e * (L * (I // 32)), n, n_ok, BM, BN, BK, DOT_F32)
+                        s_ptr + e * (L * (I // 32)), n, n_ok, BM, BN, BK, DOT_F32, X2)
         tl.store(y_ptr + pair[None, :] * L + n[:, None], acc.to(tl.bfloat16),
                  mask=m_ok[None, :] & n_ok[:, None])
 
@@ -569,7 +696,7 @@ if triton is not None:
     @triton.jit
     def _blocked_accs(x_ptr, r0, ok0, r1, ok1, r2, ok2, r3, ok3, K: tl.constexpr, w_e, s_e, n,
                       n_ok, SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, DOT_F32: tl.constexpr):
+                      BK: tl.constexpr, DOT_F32: tl.constexpr, X2: tl.constexpr = 0):
         """NB accumulators (BN, SUB): acc_i = W[n, :K] · x[r_i, :K]ᵀ for sub-block i's x rows
         r_i (valid ok_i, `_sub_rows`); unused ones stay zero."""
         acc0 = tl.zeros((BN, SUB), dtype=tl.float32)
@@ -577,7 +704,7 @@ if triton is not None:
         acc2 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc3 = tl.zeros((BN, SUB), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            w = _dequant_tile(w_e, s_e, n, n_ok, k0, K, BN, BK)    # decoded once, NB dots
+            w = _dequant_w(w_e, s_e, n, n_ok, k0, K, BN, BK, X2)    # decoded once, NB dots
             acc0 = _sub_dot(w, x_ptr, r0, ok0, K, k0, BK, acc0, DOT_F32)
             if NB > 1:
                 acc1 = _sub_dot(w, x_ptr, r1, ok1, K, k0, BK, acc1, DOT_F32)
@@ -602,7 +729,8 @@ if triton is not None:
     def _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, tile,
                       out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr, SUB: tl.constexpr,
                       NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      TILES: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr):
+                      TILES: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr,
+                      X2: tl.constexpr = 0):
         """Output tiles tile·TILES + [0, TILES) (BN weight rows each) of a chunk of NB
         sub-blocks: its x rows are found once, then each tile's K loop and stores."""
         r0, ok0 = _sub_rows(xrow_ptr, top_k, start, end, 0, SUB, GATHER)
@@ -614,7 +742,7 @@ if triton is not None:
             n_ok = n < N
             acc0, acc1, acc2, acc3 = _blocked_accs(x_ptr, r0, ok0, r1, ok1, r2, ok2, r3, ok3,
                                                    K, w_e, s_e, n, n_ok, SUB, NB, BN, BK,
-                                                   DOT_F32)
+                                                   DOT_F32, X2)
             _blocked_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, N, SUB)
             if NB > 1:
                 _blocked_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, N, SUB)
@@ -628,31 +756,32 @@ if triton is not None:
                           out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr,
                           SUB: tl.constexpr, NBMAX: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, TILES: tl.constexpr, GATHER: tl.constexpr,
-                          DOT_F32: tl.constexpr):
+                          DOT_F32: tl.constexpr, X2: tl.constexpr = 0):
         """The body for this chunk's sub-block count nb = ⌈(end − start) / SUB⌉ ≤ NBMAX."""
         nb = (end - start + SUB - 1) // SUB
         if nb == 1:
             _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
-                          row_ptr, ROW, N, SUB, 1, BN, BK, TILES, GATHER, DOT_F32)
+                          row_ptr, ROW, N, SUB, 1, BN, BK, TILES, GATHER, DOT_F32, X2)
         if NBMAX > 1:
             if nb == 2:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
-                              row_ptr, ROW, N, SUB, 2, BN, BK, TILES, GATHER, DOT_F32)
+                              row_ptr, ROW, N, SUB, 2, BN, BK, TILES, GATHER, DOT_F32, X2)
         if NBMAX > 2:
             if nb == 3:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
-                              row_ptr, ROW, N, SUB, 3, BN, BK, TILES, GATHER, DOT_F32)
+                              row_ptr, ROW, N, SUB, 3, BN, BK, TILES, GATHER, DOT_F32, X2)
         if NBMAX > 3:
             if nb == 4:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
-                              row_ptr, ROW, N, SUB, 4, BN, BK, TILES, GATHER, DOT_F32)
+                              row_ptr, ROW, N, SUB, 4, BN, BK, TILES, GATHER, DOT_F32, X2)
 
     @triton.jit
     def _blocked_gemm(x_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, out_ptr, top_k, K: tl.constexpr,
                       N: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
-                      GATE_UP: tl.constexpr, ROW: tl.constexpr, DOT_F32: tl.constexpr):
+                      GATE_UP: tl.constexpr, ROW: tl.constexpr, DOT_F32: tl.constexpr,
+                      X2: tl.constexpr = 0):
         """Program (tile, chunk c) of a blocked GEMM over one expert's (N, K) MXFP4 matrix:
         GATE_UP, x = z (token rows gathered), out = the sorted (P, 2I) gu buffer; else x =
         the sorted `a`, out = y in pair order (ROW: out rows by pair). Each program writes
@@ -665,32 +794,32 @@ if triton is not None:
             _blocked_dispatch(x_ptr, pairs_ptr, top_k, start, end, K,
                               w_ptr + e * (N * (K // 2)), s_ptr + e * (N * (K // 32)), tile,
                               out_ptr, pairs_ptr, ROW, N, SUB, NBMAX, BN, BK, TILES, GATE_UP,
-                              DOT_F32)
+                              DOT_F32, X2)
 
     @triton.jit
     def _gate_up_blocked_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                                 chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k,
                                 L: tl.constexpr, I2: tl.constexpr, SUB: tl.constexpr,
                                 NBMAX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                DOT_F32: tl.constexpr):
+                                DOT_F32: tl.constexpr, X2: tl.constexpr = 0):
         """gu_sorted[m, n] = bf16(W13_e z[t])[n] (the split form's buffer) for the sorted
         positions m of each chunk (its own kernel name: profiles tell the GEMMs apart)."""
         _blocked_gemm(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k, L, I2, SUB, NBMAX, BN, BK,
-                      1, True, False, DOT_F32)
+                      1, True, False, DOT_F32, X2)
 
     @triton.jit
     def _down_blocked_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                              chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                              I: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
-                             DOT_F32: tl.constexpr):
+                             DOT_F32: tl.constexpr, X2: tl.constexpr = 0):
         """y[p, n] = bf16(W2_e a[m])[n] (pair order), a in sorted order (the gate/up's);
         TILES output tiles per program (K = I is short: its rows found once, more work per
         program)."""
         _blocked_gemm(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, y_ptr, 1, I, L, SUB, NBMAX, BN, BK,
-                      TILES, False, True, DOT_F32)
+                      TILES, False, True, DOT_F32, X2)
 
     @triton.jit(do_not_specialize=["T"])
     def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, row_ptr,
@@ -727,8 +856,9 @@ class MoEConfig:
     interleave, scale on the accumulator). BK (a multiple of 32) must divide K (the latent for
     gate/up, I for down); pairs/split step BK / 32 groups per loop iteration. block_m (a power
     of two ≥ 16): the pairs of one expert one program multiplies; a prefill step's thousands of
-    pairs per expert re-read each expert's weights once per block_m pairs. swap_ab (with the
-    elementwise decode): the `_gate_up_swap_kernel` / `_down_swap_kernel` pair, which compute
+    pairs per expert re-read each expert's weights once per block_m pairs. The swapped and
+    blocked kernels take decode "elementwise" or "x2" (`_dequant_tile_x2`: eight codes per
+    32-bit word, bf16x2 arithmetic; the same values). swap_ab: the `_gate_up_swap_kernel` / `_down_swap_kernel` pair, which compute
     the transposed products so the decoded tile is the register operand and block_m is the
     dots' N (up to wgmma's 256; two (BN, block_m) fp32 accumulators per program); BN is then
     the dots' M (64 rows per warpgroup). tile_major: the programs of one chunk (its I / BN
@@ -829,6 +959,12 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
 PREFILL_EXPERT_KINDS = _settings.PREFILL_EXPERT_KINDS
 PREFILL_EXPERTS = _settings.prefill_experts()
 AUTO_BLOCKED_LOAD = 128
+# ogs / ogs-hopper run matmul_ogs from this many pairs per expert, "auto" below: its block_m
+# is pinned at 128 rows, so a call of a few pairs per expert pays whole empty tiles (a
+# 255-token mixed step, 4.6 pairs per expert at K3 TP16: the 32k schedule's step 36 ms
+# against 21 on auto in the H100 runs; at 2,048 tokens, 36.6 per expert, its GEMMs took 1.39
+# ms against our 1.75-1.78: docs/perf-log/prefill.md)
+OGS_MIN_LOAD = 32
 
 
 def prefill_config(latent: int, intermediate: int, pairs: int = 0,
@@ -847,11 +983,22 @@ def prefill_config(latent: int, intermediate: int, pairs: int = 0,
     bench/results/moe-prefill-sweep-h100-2026-12-06-split.json). PREFILL_EXPERTS picks the
     form; "auto" needs the call's pairs and num_experts (without them: split). "ogs" /
     "ogs-hopper": Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py, strided or Hopper
-    weight layout) where it can run the call, else "auto"."""
+    weight layout) where it can run the call and the call has ≥ OGS_MIN_LOAD pairs per expert,
+    else "auto". A kind ending in "-x2" (auto-x2,
+    blocked-x2): that kind with the x2 decode (`MoEConfig.decode`)."""
     kind = PREFILL_EXPERTS
+    if kind.endswith("-x2"):
+        return dataclasses.replace(_prefill_config(kind[:-3], latent, intermediate, pairs,
+                                                   num_experts), decode="x2")
+    return _prefill_config(kind, latent, intermediate, pairs, num_experts)
+
+
+def _prefill_config(kind: str, latent: int, intermediate: int, pairs: int,
+                    num_experts: int) -> MoEConfig:
     if kind.startswith("ogs"):
         from .moe_ogs import ogs_ready
-        if ogs_ready(torch.device("cuda")):
+        big = not num_experts or pairs >= OGS_MIN_LOAD * num_experts
+        if big and ogs_ready(torch.device("cuda")):
             return MoEConfig(gate_up_bn=64, gate_up_bk=64, down_bn=64, down_bk=64,
                              ogs="hopper" if kind == "ogs-hopper" else "strided")
         kind = "auto"
@@ -1024,6 +1171,14 @@ def weighted_sum(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor 
 
 
 DECODES = {"elementwise": 0, "pairs": 1, "split": 2}
+# the swapped and blocked kernels' decodes (`_dequant_w`)
+SWAP_DECODES = ("elementwise", "x2")
+
+
+def _x2(cfg: MoEConfig, z: torch.Tensor) -> int:
+    """The kernels' X2 constexpr: 0 elementwise; x2: 2 (inline asm) on CUDA, 1 (its Triton
+    emulation) under TRITON_INTERPRET."""
+    return 0 if cfg.decode == "elementwise" else (2 if z.is_cuda else 1)
 
 
 def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
@@ -1045,8 +1200,11 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     if cfg.ogs:
         from .moe_ogs import moe_mxfp4_ogs
         return moe_mxfp4_ogs(z, topk_weights, topk_ids, experts, cfg.ogs, out)
-    if cfg.decode not in DECODES:
-        raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of {list(DECODES)}")
+    swapped = cfg.swap_ab or cfg.blocked
+    if cfg.decode not in (SWAP_DECODES if swapped else DECODES):
+        raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of "
+                         f"{list(SWAP_DECODES if swapped else DECODES)} for "
+                         f"{'swapped / blocked' if swapped else 'these'} kernels")
     if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:
         raise ValueError(f"{cfg}: BK must be a multiple of 32 dividing L={L} / I={I}")
     bm = cfg.block_m
@@ -1054,18 +1212,17 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"MoEConfig.block_m {bm}: expected a power of two ≥ {BLOCK_M}")
     if cfg.blocked:
         return _blocked_moe(z, topk_weights, topk_ids, experts, cfg, out)
-    if cfg.swap_ab and cfg.decode != "elementwise":
-        raise ValueError(f"MoEConfig.swap_ab takes the elementwise decode, got {cfg.decode!r}")
     if cfg.split_gate_up and not cfg.swap_ab:
         raise ValueError("MoEConfig.split_gate_up needs swap_ab (the swapped kernels' sorted "
                          "`a`)")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
-    dec = DECODES[cfg.decode]
+    dec = 0 if cfg.swap_ab else DECODES[cfg.decode]
     x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
     w13, w2 = ((experts.w13.view(torch.int32), experts.w2.view(torch.int32)) if dec == 1
                else (experts.w13, experts.w2))
     if cfg.swap_ab:     # the decoded tile as the dots' register operand; `a` in sorted order
-        gate_up, down, extra13, extra2 = _gate_up_swap_kernel, _down_swap_kernel, {}, {}
+        gate_up, down = _gate_up_swap_kernel, _down_swap_kernel
+        extra13 = extra2 = dict(X2=_x2(cfg, z))
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         extra13, extra2 = dict(DECODE=dec, WPR=w13.shape[-1]), dict(DECODE=dec, WPR=w2.shape[-1])
@@ -1084,7 +1241,8 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
         gu = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
         _gate_up_split_kernel[grid(triton.cdiv(2 * I, cfg.gate_up_bn))](
             z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
-            n_chunks, gu, k, L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common)
+            n_chunks, gu, k, L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **extra13,
+            **common)
         situ_rows(gu, a, experts)
     else:
         gate_up[grid(triton.cdiv(I, cfg.gate_up_bn))](
@@ -1112,8 +1270,6 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
     if bm not in (SUB_BLOCK, 2 * SUB_BLOCK, 4 * SUB_BLOCK):
         raise ValueError(f"MoEConfig.blocked needs block_m 64, 128 or 256 (≤ 4 sub-blocks "
                          f"of {SUB_BLOCK}), got {bm}")
-    if cfg.decode != "elementwise":
-        raise ValueError(f"MoEConfig.blocked takes the elementwise decode, got {cfg.decode!r}")
     if cfg.down_tiles < 1:
         raise ValueError(f"MoEConfig.down_tiles must be ≥ 1, got {cfg.down_tiles}")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
@@ -1121,12 +1277,12 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
     if chunks > MAX_GRID_Y:
         raise ValueError(f"{P} pairs: {chunks} chunks of ≤ {bm} exceed the grid's "
                          f"{MAX_GRID_Y}; split the batch")
-    dot32 = not z.is_cuda
+    dot32, x2 = not z.is_cuda, _x2(cfg, z)
     gu = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
     _gate_up_blocked_kernel[(triton.cdiv(2 * I, cfg.gate_up_bn), chunks)](
         z.to(torch.bfloat16).contiguous(), experts.w13, experts.s13, pairs, sorted_e, c_start,
         c_end, n_chunks, gu, k, L=L, I2=2 * I, SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK,
-        BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, DOT_F32=dot32, num_warps=cfg.num_warps,
+        BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, DOT_F32=dot32, X2=x2, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     a = situ_rows(gu, torch.empty(P, I, dtype=torch.bfloat16, device=z.device), experts)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
@@ -1135,7 +1291,8 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
         _down_blocked_kernel[(triton.cdiv(L, cfg.down_bn * cfg.down_tiles), chunks)](
             a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
             SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK, BN=cfg.down_bn, BK=cfg.down_bk,
-            TILES=cfg.down_tiles, DOT_F32=dot32, num_warps=warps, num_stages=cfg.num_stages)
+            TILES=cfg.down_tiles, DOT_F32=dot32, X2=x2, num_warps=warps,
+            num_stages=cfg.num_stages)
     else:        # the swapped down kernel on 128-pair chunks of the same sorted order
         _, _, _, _, d_start, d_end, d_chunks = moe_runs(topk_ids, E, 128)
         dc = max_chunks(P, E, 128)
@@ -1143,7 +1300,7 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
         _down_swap_kernel[(triton.cdiv(L, cfg.down_bn), dc) if tm
                           else (dc, triton.cdiv(L, cfg.down_bn))](
             a, experts.w2, experts.s2, pairs, sorted_e, d_start, d_end, d_chunks, y, L=L, I=I,
-            BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=dot32, num_warps=warps,
+            BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=dot32, X2=x2, num_warps=warps,
             num_stages=3, TILE_MAJOR=tm)
     return weighted_sum(y, topk_weights, out)
 

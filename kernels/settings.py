@@ -79,7 +79,8 @@ def is_token_bucket(n: int) -> bool:
 
 # the expert kernels of prefill steps (kernels/moe_mxfp4.py `prefill_config`): ours picked by
 # size ("auto"), one of ours, or Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
-PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper")
+PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper", "auto-x2",
+                        "blocked-x2")
 # ogs-hopper's copy of the experts over the packed weights it copies (matmul_ogs's Hopper
 # layouts pad values to 64 along N and K/2, scales to 256 along N: ≈ 2 % and 7 % at 2880 ×
 # 2880); the bound the load's memory check (engine/loader.py) and the planner use
@@ -173,7 +174,9 @@ _ALL = (
             "loads (engine/loader.py `prepare_prefill_experts`; ≈ +1.0 GB per MoE layer at K3 "
             "TP16: fits a GB300's 288 GB, not an H200's 141 GB at 93 layers); the 8k prefill "
             "MFU 0.426 against 0.350 on the H100 in one run (docs/PERF.md); ogs: the same on "
-            "the weights as they are (no copy; slower than ours)",
+            "the weights as they are (no copy; slower than ours); both below 32 pairs per expert run "
+            "auto's kernels; auto-x2 / blocked-x2: auto / blocked with the bit-twiddled bf16x2 "
+            "decode of the weights",
             ", ".join(PREFILL_EXPERT_KINDS), _choice(*PREFILL_EXPERT_KINDS)),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",

@@ -3,7 +3,7 @@ per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entri
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
         [--tokens 4096,8192] [--profile]
-        [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked|ogs]
+        [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked|ogs|x2]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -87,6 +87,11 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         bl = rep(sh, blocked=True, block_m=256,      # the `blocked` set's 128-row down tiles)
                  gate_up_bk=M._largest_block(L, 64), down_bn=128)
         return [sh, bl, rep(sh, ogs="strided"), rep(sh, ogs="hopper")]
+    if which == "x2":               # the x2 decode (8 codes per word, bf16x2) in split and
+        sh = M.prefill_config(L, I)  # blocked against the elementwise one, and matmul_ogs's
+        bl = rep(sh, blocked=True, block_m=256,      # Hopper layout (the bar our kernels chase)
+                 gate_up_bk=M._largest_block(L, 64), down_bn=128)
+        return [sh, bl, rep(sh, decode="x2"), rep(bl, decode="x2"), rep(sh, ogs="hopper")]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -201,7 +206,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
                     choices=["all", "base", "pairs", "swap", "shipped", "order",
-                             "split", "grouped", "tiles", "blocked", "ogs"])
+                             "split", "grouped", "tiles", "blocked", "ogs", "x2"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",

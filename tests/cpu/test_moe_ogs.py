@@ -94,6 +94,23 @@ def test_without_the_library_prefill_falls_back_and_a_direct_call_says_why():
         O.ogs_weights(ex, "swizzled")
 
 
+def test_ogs_kinds_take_matmul_ogs_only_for_calls_with_enough_pairs_per_expert(monkeypatch):
+    """matmul_ogs pins block_m at 128 rows: "ogs" / "ogs-hopper" run it from OGS_MIN_LOAD
+    pairs per expert (K3 TP16: 1,792 tokens of top-16) and "auto"'s kernels below, so a
+    mixed or small chunk step keeps our kernels (the library stood in for here)."""
+    monkeypatch.setattr(O, "ogs_ready", lambda device: True)
+    edge = M.OGS_MIN_LOAD * 896
+    for kind, layout in (("ogs", "strided"), ("ogs-hopper", "hopper")):
+        monkeypatch.setattr(M, "PREFILL_EXPERTS", kind)
+        assert M.prefill_config(3584, 192, edge, 896).ogs == layout
+        assert M.prefill_config(3584, 192, 131072, 896).ogs == layout
+        small = M.prefill_config(3584, 192, edge - 1, 896)
+        mixed = M.default_config(255 * 16, 896, 192, 3584, tuned=False)  # 192 + 63 rows
+        monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto")
+        assert small == M.prefill_config(3584, 192, edge - 1, 896) and not small.ogs
+        assert mixed == M.default_config(255 * 16, 896, 192, 3584, tuned=False)
+
+
 def test_converted_weights_are_cached_by_memory_not_by_view(monkeypatch):
     """Every call's MXFP4Experts holds new views of the same parameters (`RoutedExperts.packed`):
     the layer's weights convert once, other weights convert on their own."""

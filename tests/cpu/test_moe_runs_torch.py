@@ -2,6 +2,7 @@
 number of pairs with library ops only (past 1024 pairs the one-program Triton sort compiled for
 seconds to minutes per new power of two, on the request path). Against a plain-Python model of
 the runs kernel's contract, exact, on uniform and skewed routings of 1 to 20,000 pairs."""
+import dataclasses
 import random
 
 import pytest
@@ -92,3 +93,11 @@ def test_prefill_experts_switch(monkeypatch):
     assert M.default_config(edge, 896, 192, 3584, tuned=False) == split
     assert M.default_config(M.PREFILL_PAIRS, 896, 192, 3584, tuned=False) == split
     assert M.prefill_config(3584, 192) == split     # no pair count given: split
+    # "-x2": the same kernels with the x2 decode (8 codes per word, bf16x2 arithmetic)
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto-x2")
+    assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == \
+        dataclasses.replace(blocked, decode="x2")
+    assert M.default_config(edge, 896, 192, 3584, tuned=False) == \
+        dataclasses.replace(split, decode="x2")
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked-x2")
+    assert M.prefill_config(3584, 192) == dataclasses.replace(blocked, decode="x2")

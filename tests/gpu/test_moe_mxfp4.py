@@ -280,9 +280,76 @@ def test_split_gate_up_matches_the_two_accumulator_kernel(block_m):
 
 def test_swapped_operands_refuse_other_decodes():
     ex, z, w, ids = _case(16, 128, 64, 4, 4, 0)
-    with pytest.raises(ValueError, match="swap_ab takes the elementwise decode"):
+    with pytest.raises(ValueError, match="decode 'pairs': expected one of .*'x2'.* swapped"):
         M.fused_moe_mxfp4_triton(z, w, ids, ex, M.MoEConfig(64, 64, 64, 64, decode="pairs",
                                                             swap_ab=True))
+    with pytest.raises(ValueError, match="decode 'x2': expected one of .*'split'"):
+        M.fused_moe_mxfp4_triton(z, w, ids, ex, M.MoEConfig(64, 64, 64, 64, decode="x2"))
+
+
+if M.triton is not None:
+    tl = M.tl
+
+    @M.triton.jit
+    def _both_decodes(w_ptr, s_ptr, ew_ptr, x2_ptr, K: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, ASM: tl.constexpr):
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        ok = rows >= 0
+        for k0 in tl.static_range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            at = rows[:, None] * K + cols[None, :]
+            tl.store(ew_ptr + at, M._dequant_tile(w_ptr, s_ptr, rows, ok, k0, K, BN, BK))
+            tl.store(x2_ptr + at, M._dequant_tile_x2(w_ptr, s_ptr, rows, ok, k0, K, BN, BK,
+                                                     ASM))
+
+
+def test_x2_decode_equals_the_elementwise_one_on_every_code():
+    """`_dequant_tile_x2` (8 codes per 32-bit word, bf16x2 arithmetic; on CUDA its inline asm,
+    in the interpreter its emulation) gives the elementwise decode's tile and the reference's
+    `unpack_mxfp4` bit for bit: every byte value (both nibbles, signs, e2m1's subnormal),
+    scale bytes 64-240, fresh random rows."""
+    from raydecode.models.mxfp4 import unpack_mxfp4
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    N, K, BN, BK = 64, 256, 16, 128
+    w = torch.randint(0, 256, (N, K // 2), generator=gen, dtype=torch.uint8)
+    w[:2] = torch.arange(256, dtype=torch.uint8).reshape(2, 128)
+    s = torch.randint(64, 241, (N, K // 32), generator=gen, dtype=torch.uint8)
+    s[0, 0], s[1, 1] = 64, 240
+    w, s = w.to(DEV), s.to(DEV)
+    ew = torch.full((N, K), float("nan"), dtype=torch.bfloat16, device=DEV)
+    x2 = ew.clone()
+    _both_decodes[(N // BN,)](w, s, ew, x2, K=K, BN=BN, BK=BK, ASM=ON_GPU)
+    ref = unpack_mxfp4(w[None], s[None], torch.bfloat16)[0]
+    assert torch.equal(ew, ref), f"seed {seed}: elementwise decode differs from unpack_mxfp4"
+    bad = (x2.float() != ref.float()).nonzero()
+    assert bad.numel() == 0, f"seed {seed}: x2 decode differs at {bad[:8].tolist()}: " \
+        f"{x2[tuple(bad[0])].item()} against {ref[tuple(bad[0])].item()}"
+
+
+@pytest.mark.parametrize("form", ["split", "blocked", "hybrid"])
+def test_x2_decode_gives_the_same_expert_outputs(form, monkeypatch):
+    """The split, blocked and hybrid kernels with decode "x2" (PREFILL_EXPERTS "<kind>-x2"
+    resolves to them) return the elementwise decode's output bit for bit (the same weight
+    tiles into the same dots), every row written (poisoned allocator); on CUDA at a K3 TP16
+    prefill shape too."""
+    seed = fresh_seed()
+    shapes = [(16, 128, 64, 4, 200)] + ([(896, 3584, 192, 16, 2048)] if ON_GPU else [])
+    for E, L, I, k, T in shapes:
+        ex, z, w, ids = _case(E, L, I, k, T, seed)
+        monkeypatch.setattr(M, "PREFILL_EXPERTS", form)
+        base = M.prefill_config(L, I)
+        monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked-x2" if form == "blocked" else
+                            "auto-x2" if form == "split" else form)
+        x2 = (M.prefill_config(L, I) if form != "hybrid"
+              else replace(base, decode="x2"))
+        assert x2.decode == "x2" and replace(x2, decode="elementwise") == base
+        _poison_allocator()
+        out = M.fused_moe_mxfp4_triton(z, w, ids, ex, x2)
+        assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
+        ref = M.fused_moe_mxfp4_triton(z, w, ids, ex, base)
+        assert torch.equal(out, ref), \
+            f"seed {seed} {form} {E}x{L}x{I}: x2 vs elementwise rel err {rel_err(out, ref):.2e}"
 
 
 def _counted_routing(counts: list[int], T: int, k: int, gen):

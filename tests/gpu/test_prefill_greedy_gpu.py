@@ -68,7 +68,8 @@ def _reference_runs(model, prompts, monkeypatch, forced=None, budget=BUDGET):
 # prefill MoE kernels (kernels/moe_mxfp4.py `prefill_config`: the swapped-operand kernels);
 # grouped: those chunks on the grouped bf16 experts instead (GROUPED_PAIRS at PREFILL_PAIRS,
 # kernels/moe_grouped.py): shipped off (slower on the H100), the prefill bench's A/B path;
-# experts: the prefill chunks' expert kernels (PREFILL_EXPERTS, None: the shipped kind).
+# experts: the prefill chunks' expert kernels (PREFILL_EXPERTS, None: the shipped kind; the
+# "ogs" kinds with OGS_MIN_LOAD 0, so the slice's small chunks run matmul_ogs).
 @pytest.mark.parametrize("which,budget,grouped,experts",
                          [("tiny", BUDGET, 0, None), ("k3-slice", BUDGET, 0, None),
                           ("k3-slice", 160, 0, None),
@@ -84,6 +85,7 @@ def test_greedy_after_gpu_prefill_equals_the_reference_path_fp32(which, budget, 
         m.setattr(MLAAttention, "prefill_impl", "sdpa")      # "auto" keeps fp32 on the reference
         m.setattr(moe_mxfp4, "GROUPED_PAIRS", grouped)
         m.setattr(moe_mxfp4, "PREFILL_EXPERTS", experts or moe_mxfp4.PREFILL_EXPERTS)
+        m.setattr(moe_mxfp4, "OGS_MIN_LOAD", 0)     # the slice's chunks are few pairs per expert
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             got = run_forced(model, p, N_TOKENS, forced=ref.tokens, budget=budget)
             msg = f"{which} fp32 budget {budget} experts {experts} prompt {i}"
