@@ -277,17 +277,17 @@ if triton is not None:
 
     # ---- decode "x2" (swapped and blocked kernels): 8 codes per 32-bit word, bf16x2 ops ----
     #
-    # Word w of a row holds codes k = 8w..8w+7 (nibble q = code 8w + q). For q = 0..3 one
-    # shift-and-mask pair puts code q at bf16 bits 15 / 8..6 and code q + 4 at bits 31 /
-    # 24..22 (sign; exponent low bits and mantissa top bit), so each 32-bit op makes two
-    # values: e2m1 · 2**-126 exactly (e2m1's subnormal 0.5 lands on bf16's subnormal
-    # 2**-127). Two bf16x2 multiplies, by 2**126 and by the group's scale 2**(s − 127), give
-    # the exact bf16 weights (a scale byte 0, 2**-127, decodes as 0, as bf16 (s << 7) reads
-    # it): ≈ 3.3 instructions per weight where the elementwise decode
-    # spends ≈ 9 (widen, mask, fp16 → fp32, multiply, → bf16). The 8 codes of a word share
-    # one 32-group, so its scale is one per word. Outputs (the asm's $0..$3 hold pairs (0, 4),
-    # (2, 6), (1, 5), (3, 7)): r0[4w + 2a + b] = code 8w + 2a + 4b, r1 the same + 1; a join
-    # and a permute of the (a, b) bits restore the k order.
+    # The tile is loaded as int32 words: word w of a row holds codes k = 8w..8w+7 (nibble q =
+    # code 8w + q), all of one 32-group. For q = 0..3 one shift-and-mask pair puts code q at
+    # bf16 bits 15 / 8..6 and code q + 4 at bits 31 / 24..22 (sign; exponent low bits and
+    # mantissa top bit), so each 32-bit op makes two values: e2m1 · 2**-126 exactly (e2m1's
+    # subnormal 0.5 lands on bf16's subnormal 2**-127). Two bf16x2 fmas, by 2**126 and by
+    # the word's group scale 2**(s − 127), give the exact bf16 weights (a scale byte 0,
+    # 2**-127, decodes as 0, as bf16 (s << 7) reads it): ≈ 3.5 instructions per weight where
+    # the elementwise decode spends ≈ 9 (widen, mask, fp16 → fp32, multiply, → bf16). One asm
+    # instance per word (pack 1: each input element is a whole word whatever layout Triton
+    # gives the tile; with pack 4 over bytes, the bytes one instance got followed the layout
+    # the dot propagated back, not the words), eight bf16 outputs, code order.
 
     @triton.jit
     def _x2_pair(v, q: tl.constexpr):
@@ -311,85 +311,83 @@ if triton is not None:
         return (tl.where(neg, -v, v) * sc).to(tl.bfloat16)
 
     @triton.jit
-    def _x2_emulated(p, s, BN: tl.constexpr, BK: tl.constexpr):
-        """What `_x2_asm` returns, in Triton ops (TRITON_INTERPRET, the CPU tests): p uint8
-        (BN, BK/2) codes, s uint8 (BN, BK/32) scales -> (r0, r1) bf16 (BN, BK/2)."""
-        q = p.to(tl.int32).reshape(BN, BK // 8, 2, 2)      # [n, w, h, b]: byte 2h + b
-        b0, b1 = tl.split(q)
-        h0, h1 = tl.split(b0 | (b1 << 8))                    # the word's two 16-bit halves
-        v = h0 | (h1 << 16)                                  # (BN, BK/8) int32
-        sw = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)   # 2**(s − 127); s = 0: 0
-        sw = tl.broadcast_to(sw[:, :, None], (BN, BK // 32, 4)).reshape(BN, BK // 8)
+    def _x2_emulated(v, s):
+        """What `_x2_asm` returns, in Triton ops (TRITON_INTERPRET, the CPU tests): v int32
+        words, s int32 scale bytes of the same shape -> the 8 codes of each word, bf16."""
+        sw = (s << 23).to(tl.float32, bitcast=True)     # 2**(s − 127); s = 0: 0
         t0, t1, t2, t3 = _x2_pair(v, 0), _x2_pair(v, 1), _x2_pair(v, 2), _x2_pair(v, 3)
-        l0, g0 = _x2_value(t0, 0, sw), _x2_value(t0, 16, sw)
-        l1, g1 = _x2_value(t1, 0, sw), _x2_value(t1, 16, sw)
-        l2, g2 = _x2_value(t2, 0, sw), _x2_value(t2, 16, sw)
-        l3, g3 = _x2_value(t3, 0, sw), _x2_value(t3, 16, sw)
-        # per word [l0, g0, l2, g2]: the join's new (last) axis is the low / high half
-        r0 = tl.join(tl.join(l0, l2), tl.join(g0, g2)).reshape(BN, BK // 2)
-        r1 = tl.join(tl.join(l1, l3), tl.join(g1, g3)).reshape(BN, BK // 2)
-        return r0, r1
+        return (_x2_value(t0, 0, sw), _x2_value(t1, 0, sw), _x2_value(t2, 0, sw),
+                _x2_value(t3, 0, sw), _x2_value(t0, 16, sw), _x2_value(t1, 16, sw),
+                _x2_value(t2, 16, sw), _x2_value(t3, 16, sw))
 
     @triton.jit
-    def _x2_asm(p, sb):
-        """p uint8 codes, sb uint8 scales (one per code byte, equal within a word) -> (r0, r1)
-        bf16 of p's shape (the layout above), 4 bytes per asm call."""
+    def _x2_asm(v, s):
+        """v int32 words, s int32 scale bytes -> the 8 codes of each word, bf16 (one asm
+        instance per word)."""
         return tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 t, u, sc, bias, z;
             mov.b32 bias, 0x7e807e80;
             mov.b32 z, 0x80008000;
-            prmt.b32 sc, $5, 0, 0x5140;
-            shl.b32 sc, sc, 7;
-            shl.b32 t, $4, 6;
+            shl.b32 sc, $9, 7;
+            shl.b32 u, $9, 23;
+            or.b32 sc, sc, u;
+            shl.b32 t, $8, 6;
             and.b32 t, t, 0x01C001C0;
-            shl.b32 u, $4, 12;
+            shl.b32 u, $8, 12;
             and.b32 u, u, 0x80008000;
             or.b32 t, t, u;
             fma.rn.bf16x2 t, t, bias, z;
-            fma.rn.bf16x2 $0, t, sc, z;
-            shr.b32 t, $4, 2;
+            fma.rn.bf16x2 t, t, sc, z;
+            mov.b32 {$0, $4}, t;
+            shl.b32 t, $8, 2;
             and.b32 t, t, 0x01C001C0;
-            shl.b32 u, $4, 4;
+            shl.b32 u, $8, 8;
             and.b32 u, u, 0x80008000;
             or.b32 t, t, u;
             fma.rn.bf16x2 t, t, bias, z;
-            fma.rn.bf16x2 $1, t, sc, z;
-            shl.b32 t, $4, 2;
+            fma.rn.bf16x2 t, t, sc, z;
+            mov.b32 {$1, $5}, t;
+            shr.b32 t, $8, 2;
             and.b32 t, t, 0x01C001C0;
-            shl.b32 u, $4, 8;
+            shl.b32 u, $8, 4;
             and.b32 u, u, 0x80008000;
             or.b32 t, t, u;
             fma.rn.bf16x2 t, t, bias, z;
-            fma.rn.bf16x2 $2, t, sc, z;
-            shr.b32 t, $4, 6;
+            fma.rn.bf16x2 t, t, sc, z;
+            mov.b32 {$2, $6}, t;
+            shr.b32 t, $8, 6;
             and.b32 t, t, 0x01C001C0;
-            and.b32 u, $4, 0x80008000;
+            and.b32 u, $8, 0x80008000;
             or.b32 t, t, u;
             fma.rn.bf16x2 t, t, bias, z;
-            fma.rn.bf16x2 $3, t, sc, z;
+            fma.rn.bf16x2 t, t, sc, z;
+            mov.b32 {$3, $7}, t;
             }""",
-            constraints="=r,=r,=r,=r,r,r", args=[p, sb], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=4)
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[v, s],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
     @triton.jit
     def _dequant_tile_x2(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, ASM: tl.constexpr):
         """`_dequant_tile`'s (BN, BK) bf16 tile (the same values) by the x2 decode; ASM: the
         inline-asm form (CUDA), else its Triton-ops emulation."""
-        kb = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None],
-                    other=0)
+        kw = k0 // 8 + tl.arange(0, BK // 8)
+        v = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
+                    + kw[None, :], mask=row_ok[:, None], other=0)
         ks = k0 // 32 + tl.arange(0, BK // 32)
         s = tl.load(s_ptr + rows[:, None] * (K // 32) + ks[None, :], mask=row_ok[:, None],
-                    other=127)
+                    other=127).to(tl.int32)
+        s = tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)).reshape(BN, BK // 8)
         if ASM:
-            sb = tl.broadcast_to(s[:, :, None], (BN, BK // 32, 16)).reshape(BN, BK // 2)
-            r0, r1 = _x2_asm(p, sb)
+            o0, o1, o2, o3, o4, o5, o6, o7 = _x2_asm(v, s)
         else:
-            r0, r1 = _x2_emulated(p, s, BN, BK)
-        v = tl.join(r0, r1).reshape(BN, BK // 8, 2, 2, 2)   # [n, w, a, b, c]: 8w + 2a + 4b + c
-        return tl.permute(v, (0, 1, 3, 2, 4)).reshape(BN, BK)
+            o0, o1, o2, o3, o4, o5, o6, o7 = _x2_emulated(v, s)
+        # codes 8w + q in order: a join's new axis is the last, so pair q with q + 4, then
+        # q with q + 2, then q with q + 1
+        t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)),
+                    tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+        return t.reshape(BN, BK)
 
     @triton.jit
     def _dequant_w(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
