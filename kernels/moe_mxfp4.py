@@ -957,6 +957,8 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
 PREFILL_EXPERT_KINDS = _settings.PREFILL_EXPERT_KINDS
 PREFILL_EXPERTS = _settings.prefill_experts()
 AUTO_BLOCKED_LOAD = 128
+# our prefill kernels' weight decode (`MoEConfig.decode` of `prefill_config`'s configs)
+PREFILL_DECODE = "x2"
 # ogs / ogs-hopper run matmul_ogs from this many pairs per expert, "auto" below: its block_m
 # is pinned at 128 rows, so a call of a few pairs per expert pays whole empty tiles (a
 # 255-token mixed step, 4.6 pairs per expert at K3 TP16: the 32k schedule's step 36 ms
@@ -982,13 +984,15 @@ def prefill_config(latent: int, intermediate: int, pairs: int = 0,
     form; "auto" needs the call's pairs and num_experts (without them: split). "ogs" /
     "ogs-hopper": Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py, strided or Hopper
     weight layout) where it can run the call and the call has ≥ OGS_MIN_LOAD pairs per expert,
-    else "auto". A kind ending in "-x2" (auto-x2,
-    blocked-x2): that kind with the x2 decode (`MoEConfig.decode`)."""
+    else "auto". Our kernels decode the weights with PREFILL_DECODE ("x2": 8 codes per 32-bit
+    word in bf16x2 arithmetic, the same values: one 8,192-token call 4.09 ms split / 4.04
+    blocked against 4.73 / 4.36 elementwise on the H100); "auto-ew" is auto as it was before
+    x2 (blocked past the threshold, elementwise decode), kept as the same-run baseline."""
     kind = PREFILL_EXPERTS
-    if kind.endswith("-x2"):
-        return dataclasses.replace(_prefill_config(kind[:-3], latent, intermediate, pairs,
-                                                   num_experts), decode="x2")
-    return _prefill_config(kind, latent, intermediate, pairs, num_experts)
+    if kind == "auto-ew":
+        return _prefill_config("auto-blocked", latent, intermediate, pairs, num_experts)
+    cfg = _prefill_config(kind, latent, intermediate, pairs, num_experts)
+    return cfg if cfg.ogs else dataclasses.replace(cfg, decode=PREFILL_DECODE)
 
 
 def _prefill_config(kind: str, latent: int, intermediate: int, pairs: int,
@@ -1000,9 +1004,9 @@ def _prefill_config(kind: str, latent: int, intermediate: int, pairs: int,
             return MoEConfig(gate_up_bn=64, gate_up_bk=64, down_bn=64, down_bk=64,
                              ogs="hopper" if kind == "ogs-hopper" else "strided")
         kind = "auto"
-    if kind == "auto":
-        kind = ("blocked" if num_experts and pairs > AUTO_BLOCKED_LOAD * num_experts
-                else "split")
+    if kind in ("auto", "auto-blocked"):
+        big = num_experts and pairs > AUTO_BLOCKED_LOAD * num_experts
+        kind = ("split" if not big else "hybrid" if kind == "auto" else "blocked")
     if kind != "split":
         return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64),
                          down_bn=64 if kind == "hybrid" else 128,

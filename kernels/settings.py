@@ -79,8 +79,7 @@ def is_token_bucket(n: int) -> bool:
 
 # the expert kernels of prefill steps (kernels/moe_mxfp4.py `prefill_config`): ours picked by
 # size ("auto"), one of ours, or Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
-PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper", "auto-x2",
-                        "blocked-x2")
+PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper", "auto-ew")
 # ogs-hopper's copy of the experts over the packed weights it copies (matmul_ogs's Hopper
 # layouts pad values to 64 along N and K/2, scales to 256 along N: ≈ 2 % and 7 % at 2880 ×
 # 2880); the bound the load's memory check (engine/loader.py) and the planner use
@@ -167,16 +166,17 @@ _ALL = (
             "docs/perf-log/prefill.md",
             "tf32, bf16x3, tf32x3 or ieee", _choice(*KDA_PRECISIONS)),
     Setting("RAYDECODE_PREFILL_EXPERTS", "auto", "the routed experts' kernels in prefill "
-            "steps (kernels/moe_mxfp4.py `prefill_config`). auto (default): ours, blocked past "
-            "128 pairs per expert, split below; split / blocked / hybrid: one of ours always; "
+            "steps (kernels/moe_mxfp4.py `prefill_config`). auto (default): ours (the x2 "
+            "decode), hybrid (blocked gate/up, swapped down) past 128 pairs per expert, split "
+            "below; split / blocked / hybrid: one of ours always; "
             "ogs-hopper: Triton's triton_kernels matmul_ogs (the `ogs` extra) on a second copy "
             "of every layer's expert weights in its Hopper layouts, converted when the rank "
             "loads (engine/loader.py `prepare_prefill_experts`; ≈ +1.0 GB per MoE layer at K3 "
             "TP16: fits a GB300's 288 GB, not an H200's 141 GB at 93 layers); the 8k prefill "
             "MFU 0.426 against 0.350 on the H100 in one run (docs/PERF.md); ogs: the same on "
             "the weights as they are (no copy; slower than ours); both below 32 pairs per expert run "
-            "auto's kernels; auto-x2 / blocked-x2: auto / blocked with the bit-twiddled bf16x2 "
-            "decode of the weights",
+            "auto's kernels; auto-ew: auto as it was before the x2 decode (blocked past 128 "
+            "pairs per expert, elementwise decode), the benchmark's baseline",
             ", ".join(PREFILL_EXPERT_KINDS), _choice(*PREFILL_EXPERT_KINDS)),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",

@@ -47,12 +47,13 @@ def test_runs_match_the_kernel_contract(T, k, E, skew, bm):
 
 def test_prefill_steps_get_the_prefill_config():
     """From PREFILL_PAIRS pairs the config is the prefill one (128-pair chunks on the swapped
-    kernels), below it the decode table's (16-pair chunks, unswapped)."""
+    kernels, PREFILL_DECODE's decode), below it the decode table's (16-pair chunks,
+    unswapped)."""
     E, I, L = 896, 192, 3584
     small = M.default_config(M.PREFILL_PAIRS - 1, E, I, L)
     assert small.block_m == M.BLOCK_M and not small.swap_ab
     cfg = M.default_config(M.PREFILL_PAIRS, E, I, L)
-    assert cfg.block_m == 128 and cfg.swap_ab and cfg.decode == "elementwise"
+    assert cfg.block_m == 128 and cfg.swap_ab and cfg.decode == M.PREFILL_DECODE == "x2"
     assert cfg.split_gate_up and cfg.tile_major and cfg.gate_up_bk == 128
     assert L % cfg.gate_up_bk == 0 and I % cfg.down_bk == 0
     assert M.max_chunks(4096, E, 64) == E + 64 and M.max_chunks(4096, E) == E + 256
@@ -73,12 +74,14 @@ def test_moe_runs_sends_large_batches_to_the_library_path(monkeypatch):
 def test_prefill_experts_switch(monkeypatch):
     """PREFILL_EXPERTS picks the prefill steps' kernels: split (the swapped split kernels on
     128-pair chunks), blocked (≤ 256-pair chunks in 64-pair sub-blocks, 128-row down tiles),
-    hybrid (blocked gate/up, swapped down) or auto (blocked where the experts' mean load is
-    above AUTO_BLOCKED_LOAD pairs, else split; the decision by the pair count alone)."""
+    hybrid (blocked gate/up, swapped down), auto (hybrid where the experts' mean load is above
+    AUTO_BLOCKED_LOAD pairs, else split; the decision by the pair count alone), all with the
+    x2 decode; auto-ew: auto before x2 (blocked past the threshold, elementwise decode)."""
     assert M.PREFILL_EXPERTS in M.PREFILL_EXPERT_KINDS
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "split")
     split = M.prefill_config(3584, 192)
     assert split.split_gate_up and not split.blocked and split.block_m == 128
+    assert split.decode == "x2"
     assert M.default_config(1 << 17, 896, 192, 3584, tuned=False) == split
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked")
     blocked = M.default_config(1 << 17, 896, 192, 3584, tuned=False)
@@ -87,17 +90,15 @@ def test_prefill_experts_switch(monkeypatch):
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "hybrid")
     hybrid = M.prefill_config(3584, 192)
     assert hybrid.blocked and not hybrid.blocked_down and hybrid.down_bn == 64
+    assert blocked.decode == hybrid.decode == "x2"
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto")
     edge = M.AUTO_BLOCKED_LOAD * 896                # K3 TP16: 7,168 tokens of top-16
-    assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == blocked
+    assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == hybrid
     assert M.default_config(edge, 896, 192, 3584, tuned=False) == split
     assert M.default_config(M.PREFILL_PAIRS, 896, 192, 3584, tuned=False) == split
     assert M.prefill_config(3584, 192) == split     # no pair count given: split
-    # "-x2": the same kernels with the x2 decode (8 codes per word, bf16x2 arithmetic)
-    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto-x2")
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto-ew")
+    ew = dataclasses.replace
     assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == \
-        dataclasses.replace(blocked, decode="x2")
-    assert M.default_config(edge, 896, 192, 3584, tuned=False) == \
-        dataclasses.replace(split, decode="x2")
-    monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked-x2")
-    assert M.prefill_config(3584, 192) == dataclasses.replace(blocked, decode="x2")
+        ew(blocked, decode="elementwise")
+    assert M.default_config(edge, 896, 192, 3584, tuned=False) == ew(split, decode="elementwise")
