@@ -856,10 +856,10 @@ class MoEConfig:
     of two ≥ 16): the pairs of one expert one program multiplies; a prefill step's thousands of
     pairs per expert re-read each expert's weights once per block_m pairs. The swapped and
     blocked kernels take decode "elementwise" or "x2" (`_dequant_tile_x2`: eight codes per
-    32-bit word, bf16x2 arithmetic; the same values). swap_ab: the `_gate_up_swap_kernel` / `_down_swap_kernel` pair, which compute
-    the transposed products so the decoded tile is the register operand and block_m is the
-    dots' N (up to wgmma's 256; two (BN, block_m) fp32 accumulators per program); BN is then
-    the dots' M (64 rows per warpgroup). tile_major: the programs of one chunk (its I / BN
+    32-bit word, bf16x2 arithmetic; the same values). swap_ab: the `_gate_up_swap_kernel` /
+    `_down_swap_kernel` pair, which compute the transposed products so the decoded tile is
+    the register operand and block_m is the dots' N (up to wgmma's 256; two (BN, block_m)
+    fp32 accumulators per program); BN is then the dots' M (64 rows per warpgroup). tile_major: the programs of one chunk (its I / BN
     gate/up tiles, its L / BN down tiles) are consecutive in the grid, so the chunk's gathered
     z rows (gate/up) and `a` rows (down) come from HBM once and from L2 for its other tiles;
     chunk-major (the default before) runs every chunk of tile 0 first and re-reads each

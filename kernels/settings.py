@@ -174,9 +174,9 @@ _ALL = (
             "loads (engine/loader.py `prepare_prefill_experts`; ≈ +1.0 GB per MoE layer at K3 "
             "TP16: fits a GB300's 288 GB, not an H200's 141 GB at 93 layers); the 8k prefill "
             "MFU 0.426 against 0.350 on the H100 in one run (docs/PERF.md); ogs: the same on "
-            "the weights as they are (no copy; slower than ours); both below 32 pairs per expert run "
-            "auto's kernels; auto-ew: auto as it was before the x2 decode (blocked past 128 "
-            "pairs per expert, elementwise decode), the benchmark's baseline",
+            "the weights as they are (no copy; slower than ours); both below 32 pairs per "
+            "expert run auto's kernels; auto-ew: auto as it was before the x2 decode "
+            "(blocked past 128 pairs per expert, elementwise decode), the benchmark's baseline",
             ", ".join(PREFILL_EXPERT_KINDS), _choice(*PREFILL_EXPERT_KINDS)),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",

@@ -53,7 +53,7 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     # the fused gate/up form (two accumulators per program; prefill_config before the split)
     fused = rep(M.prefill_config(L, I), split_gate_up=False, gate_up_bk=M._largest_block(L, 64))
     # the baseline: the unswapped kernels on 64-pair chunks (the prefill config before swap_ab)
-    base = rep(fused, swap_ab=False, block_m=64)
+    base = rep(fused, swap_ab=False, block_m=64, decode="elementwise")
     if which == "base":
         return [base]
     if which == "shipped":          # what a prefill step runs (e.g. one config under ncu)
@@ -88,9 +88,9 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
                  gate_up_bk=M._largest_block(L, 64), down_bn=128)
         return [sh, bl, rep(sh, ogs="strided"), rep(sh, ogs="hopper")]
     if which == "x2":               # the x2 decode (8 codes per word, bf16x2) in split and
-        sh = M.prefill_config(L, I)  # blocked against the elementwise one, and matmul_ogs's
-        bl = rep(sh, blocked=True, block_m=256,      # Hopper layout (the bar our kernels chase)
-                 gate_up_bk=M._largest_block(L, 64), down_bn=128)
+        sh = rep(M.prefill_config(L, I), decode="elementwise")     # blocked against the
+        bl = rep(sh, blocked=True, block_m=256,      # elementwise one (the baseline, first),
+                 gate_up_bk=M._largest_block(L, 64), down_bn=128)  # and matmul_ogs's copy
         return [sh, bl, rep(sh, decode="x2"), rep(bl, decode="x2"), rep(sh, ogs="hopper")]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]

@@ -403,16 +403,17 @@ def test_blocked_kernels_match_reference_every_class(block_m, blocked_down, down
 @pytest.mark.parametrize("tokens", [2048, 8192])
 def test_blocked_kernels_k3_prefill_shape(tokens, monkeypatch):
     """The blocked kernels at a K3 TP16 prefill step's shape (balanced routing: ≈ 37 pairs per
-    expert at 2,048 tokens, ≈ 146 at 8,192, where the shipped "auto" form takes them) against
-    the split kernels: within 1e-3 (the same rounding points)."""
+    expert at 2,048 tokens, ≈ 146 at 8,192, where the shipped "auto" form takes its blocked
+    gate/up: "hybrid") against the split kernels: within 1e-3 (the same rounding points)."""
     seed = fresh_seed()
     ex, z, w, ids = _case(896, 3584, 192, 16, tokens, seed)
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto")
     P = tokens * 16
     cfg = M.default_config(P, 896, 192, 3584)
-    assert cfg.blocked == (P > M.AUTO_BLOCKED_LOAD * 896)
-    cfg = M.prefill_config(3584, 192, 1 << 30, 896)             # the blocked form
-    assert cfg.blocked and cfg.down_bn == 128
+    assert cfg.blocked == (P > M.AUTO_BLOCKED_LOAD * 896) and not cfg.blocked_down
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked")
+    cfg = M.prefill_config(3584, 192)                            # the blocked form
+    assert cfg.blocked and cfg.blocked_down and cfg.down_bn == 128
     _poison_allocator()
     out = M.fused_moe_mxfp4_triton(z, w, ids, ex, cfg)
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
