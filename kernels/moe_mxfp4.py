@@ -990,13 +990,15 @@ def prefill_config(latent: int, intermediate: int, pairs: int = 0,
     x2 (blocked past the threshold, elementwise decode), kept as the same-run baseline."""
     kind = PREFILL_EXPERTS
     if kind == "auto-ew":
-        return _prefill_config("auto-blocked", latent, intermediate, pairs, num_experts)
+        return _prefill_config("auto", latent, intermediate, pairs, num_experts, "blocked")
     cfg = _prefill_config(kind, latent, intermediate, pairs, num_experts)
     return cfg if cfg.ogs else dataclasses.replace(cfg, decode=PREFILL_DECODE)
 
 
 def _prefill_config(kind: str, latent: int, intermediate: int, pairs: int,
-                    num_experts: int) -> MoEConfig:
+                    num_experts: int, auto_big: str = "hybrid") -> MoEConfig:
+    """`prefill_config`'s form for `kind` with the elementwise decode; "auto" takes auto_big
+    past AUTO_BLOCKED_LOAD pairs per expert, split below."""
     if kind.startswith("ogs"):
         from .moe_ogs import ogs_ready
         big = not num_experts or pairs >= OGS_MIN_LOAD * num_experts
@@ -1004,9 +1006,9 @@ def _prefill_config(kind: str, latent: int, intermediate: int, pairs: int,
             return MoEConfig(gate_up_bn=64, gate_up_bk=64, down_bn=64, down_bk=64,
                              ogs="hopper" if kind == "ogs-hopper" else "strided")
         kind = "auto"
-    if kind in ("auto", "auto-blocked"):
+    if kind == "auto":
         big = num_experts and pairs > AUTO_BLOCKED_LOAD * num_experts
-        kind = ("split" if not big else "hybrid" if kind == "auto" else "blocked")
+        kind = auto_big if big else "split"
     if kind != "split":
         return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64),
                          down_bn=64 if kind == "hybrid" else 128,

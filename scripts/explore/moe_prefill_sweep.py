@@ -48,6 +48,13 @@ from raydecode.scripts.bench.report_io import report_header, write_report
 from raydecode.scripts.explore.common import kernel_ms, median_cuda_ms, rel_err, unique
 
 
+def _blocked_form(sh: M.MoEConfig, L: int) -> M.MoEConfig:
+    """The blocked kernels as "auto" ran them past 128 pairs per expert before "hybrid"
+    (≤ 256-pair chunks, 128-row down tiles), on sh's decode."""
+    return dataclasses.replace(sh, blocked=True, block_m=256,
+                               gate_up_bk=M._largest_block(L, 64), down_bn=128)
+
+
 def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     rep = dataclasses.replace
     # the fused gate/up form (two accumulators per program; prefill_config before the split)
@@ -83,14 +90,11 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         return unique([sh, bl, rep(bl, blocked_down=False), rep(bl, down_tiles=4),
                        rep(bl, down_tiles=8), rep(bl, down_bn=128)])
     if which == "ogs":              # Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
-        sh = M.prefill_config(L, I)  # against split and blocked (what "auto" picks by size;
-        bl = rep(sh, blocked=True, block_m=256,      # the `blocked` set's 128-row down tiles)
-                 gate_up_bk=M._largest_block(L, 64), down_bn=128)
-        return [sh, bl, rep(sh, ogs="strided"), rep(sh, ogs="hopper")]
+        sh = M.prefill_config(L, I)  # against split and blocked
+        return [sh, _blocked_form(sh, L), rep(sh, ogs="strided"), rep(sh, ogs="hopper")]
     if which == "x2":               # the x2 decode (8 codes per word, bf16x2) in split and
         sh = rep(M.prefill_config(L, I), decode="elementwise")     # blocked against the
-        bl = rep(sh, blocked=True, block_m=256,      # elementwise one (the baseline, first),
-                 gate_up_bk=M._largest_block(L, 64), down_bn=128)  # and matmul_ogs's copy
+        bl = _blocked_form(sh, L)    # elementwise one (the baseline, first), and matmul_ogs's
         return [sh, bl, rep(sh, decode="x2"), rep(bl, decode="x2"), rep(sh, ogs="hopper")]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
