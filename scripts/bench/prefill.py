@@ -92,7 +92,8 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             kernels and host ops. With --profile-steps: after the prompts, one
             budget-sized prefill step at position 0 per expert-kernel variant, profiled the
             same way (`step_profiles`, each with its `wall`): the variants' steps kernel by
-            kernel.
+            kernel; on CUDA a second, stack-recording pass attributes the device time to
+            host ops and their source lines (`device_by_site`).
   sweep     with --sweep-budgets: the prompts again at each of those step budgets (one warm
             step of the budget's chunk first), with the mixed step's time at that chunk: the
             trade-off the deployment's default budget is set from.
@@ -558,6 +559,34 @@ def _profiled(rank: PrefillRank, run, top: int) -> dict:
                  "calls": e.count} for e in ev]}
 
 
+_PROJECT_DIRS = ("models/", "engine/", "kernels/", "actors/", "scripts/")
+
+
+def _device_sites(run, top: int) -> list:
+    """torch.profiler with Python stacks over `run()` (a separate pass: recording stacks costs
+    host time, so the timed profile runs without): device time per (host op, the first two
+    of this project's frames under it), the ops whose kernels cost most first. Where a
+    kernel comes from (a cast, a copy, an add) in source lines, not only its kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
+        run()
+    sites: dict = {}
+    for e in prof.key_averages(group_by_stack_n=12):
+        us = getattr(e, "self_device_time_total", 0) or 0
+        if us <= 0 or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            continue
+        frames = [f for f in (e.stack or []) if any(d in f for d in _PROJECT_DIRS)
+                  and "site-packages" not in f][:2]
+        key = (e.key, " < ".join(f.split("/")[-1] if "/" in f else f for f in frames))
+        ms, n = sites.get(key, (0.0, 0))
+        sites[key] = (ms + us / 1e3, n + e.count)
+    rows = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"op": k[0][:60], "site": k[1][:160], "device_ms": round(v[0], 3), "calls": v[1]}
+            for k, v in rows]
+
+
 def first_run_profile(rank: PrefillRank, tokens: int, top: int = 30) -> dict:
     """torch.profiler (host + device) over the first and the second prefill step of a token
     count the rank has not met: their wall ms and the host's top ops by self time, so what
@@ -581,6 +610,8 @@ def step_profiles(rank: PrefillRank, tokens: int, variants: list, top: int = 40)
             rank.step(tokens, 0, pos=0)
             t0 = time.time()
             row = _profiled(rank, lambda: rank.step(tokens, 0, pos=0), top)
+            if rank.device.type == "cuda":
+                row["device_by_site"] = _device_sites(lambda: rank.step(tokens, 0, pos=0), top)
         row.update(tokens=tokens, grouped_pairs=v[0], prefill_experts=v[1],
                    wall=[round(t0, 3), round(time.time(), 3)])
         out.append(row)
