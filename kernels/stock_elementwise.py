@@ -9,6 +9,9 @@ kernels over all of a stock step's T rows (prefill chunks, mixed and stock decod
                         (the KDA output norm, models/kda.py forward)
     situ_pair        gate (T, I), up (T, I) (two GEMM outputs) -> SiTU(gate, up) (T, I) in
                      gate's dtype (models/layers.py `situ`: the dense FFN and shared experts)
+    add_rounded      a (T, N) (model dtype, contiguous), b (T, N) (fp32, a column view)
+                     -> a + b rounded to a's dtype, into a: the MoE block's latent-up output
+                     plus its shared experts' fp32 sum (models/moe.py: bf16(a + bf16(b)))
 
 The `*_reference` functions are the PyTorch chains they replace, kept as the CPU path and the
 tests' ground truth; the public functions run the kernels on CUDA tensors with Triton (the
@@ -66,6 +69,17 @@ if triton is not None:
         if HAS_LIN:
             u = lin_beta * tanh_f32(u / lin_beta)
         tl.store(a_ptr + t * a_st + n, (act * u).to(a_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _add_rounded_kernel(a_ptr, a_st, b_ptr, b_st, N, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = n < N
+        dt = a_ptr.dtype.element_ty
+        a = tl.load(a_ptr + t * a_st + n, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + t * b_st + n, mask=m, other=0.0)
+        b = b.to(dt, fp_downcast_rounding="rtne").to(tl.float32)     # as torch rounds
+        tl.store(a_ptr + t * a_st + n, (a + b).to(dt, fp_downcast_rounding="rtne"), mask=m)
 
 
 def kda_gate_beta_reference(raw: torch.Tensor, b: torch.Tensor, exp_a: torch.Tensor,
@@ -159,5 +173,26 @@ def situ_pair(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: fl
     return a
 
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_reference", "kda_gate_beta",
+def add_rounded_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b.to(a.dtype)
+
+
+def add_rounded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b.to(a.dtype) (module docstring): written into a (and returned) by the kernel; the
+    reference returns a new tensor. a (T, N) contiguous rows, b (T, N) with unit column
+    stride."""
+    if a.dim() != 2 or a.shape != b.shape:
+        raise ValueError(f"add_rounded: a {tuple(a.shape)} and b {tuple(b.shape)}; expected "
+                         "two (T, N)")
+    if not (_serves(a, b) and a.dtype == torch.bfloat16):
+        return add_rounded_reference(a, b)
+    T, N = a.shape
+    if T:
+        block = min(2048, triton.next_power_of_2(N))
+        _add_rounded_kernel[(T, triton.cdiv(N, block))](a, a.stride(0), b, b.stride(0), N,
+                                                         BLOCK=block, num_warps=4)
+    return a
+
+
+__all__ = ["add_rounded", "add_rounded_reference", "gated_rms_norm", "gated_rms_norm_reference", "kda_gate_beta",
            "kda_gate_beta_reference", "situ_pair", "situ_pair_reference"]

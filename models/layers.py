@@ -74,11 +74,12 @@ def shard_tensor(full: torch.Tensor, param: nn.Parameter, par: Parallel) -> torc
 STOCK_FUSED = _settings.stock_fused()
 
 
-def stock_fused(x: torch.Tensor) -> bool:
+def stock_fused(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     """Whether a stock-path op on `x` runs its fused kernel (kernels/stock_elementwise.py and
-    the decode kernels it shares): the setting on and x a CUDA bf16 tensor; otherwise the
-    PyTorch chain (the CPU path, fp32 models, and the reference the kernels are tested on)."""
-    return STOCK_FUSED and x.is_cuda and x.dtype == torch.bfloat16
+    the decode kernels it shares): the setting on and x a CUDA bf16 tensor (or, with dtype,
+    a CUDA tensor the op rounds to bf16 as it reads it); otherwise the PyTorch chain (the CPU
+    path, fp32 models, and the reference the kernels are tested on)."""
+    return STOCK_FUSED and x.is_cuda and (dtype or x.dtype) == torch.bfloat16
 
 
 # The stock path's bf16 GEMMs of 1..STOCK_SKINNY_MAX_M rows on CUDA (decode batches) run the
@@ -251,15 +252,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.op_rounding)
 
-    def stock(self, x: torch.Tensor) -> torch.Tensor:
-        """forward on the stock path: one kernel where `stock_fused` (kernels/
-        decode_elementwise_triton.py `rms_norm_cast`: fp32 math, one rounding, as `rms_norm`
+    def stock(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """forward(x.to(dtype)) on the stock path (dtype: x's unless given; an fp32 sum is
+        rounded to the model dtype first, as the chains round it): one kernel where
+        `stock_fused` holds for the rounded input (kernels/decode_elementwise_triton.py
+        `rms_norm_cast`: the rounding, fp32 math, one rounding of the output, as `rms_norm`
         without op_rounding); else forward."""
-        if self.op_rounding or not stock_fused(x) or x.shape[-1] != self.weight.numel():
-            return self.forward(x)
+        dtype = dtype or x.dtype
+        if self.op_rounding or not stock_fused(x, dtype) or x.shape[-1] != self.weight.numel():
+            return self.forward(x.to(dtype))
         from raydecode.kernels.decode_elementwise_triton import rms_norm_cast
         return rms_norm_cast(x.reshape(-1, x.shape[-1]), self.weight, self.eps,
-                             x.dtype).view(x.shape)
+                             dtype).view(x.shape)
 
 
 class Linear(nn.Module):

@@ -58,6 +58,7 @@ from raydecode.kernels.moe_decode import routed_moe
 from raydecode.kernels.moe_mxfp4 import MAX_SCALE, MXFP4Experts
 from raydecode.kernels.router import route_topk, router_logits
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
+from raydecode.kernels.stock_elementwise import add_rounded
 
 from .checkpoint import PREFIX, expert_is_mxfp4
 from .config import K3Config
@@ -300,24 +301,32 @@ class LatentMoE(nn.Module):
             w, ids = route(logits, self.gate.e_score_correction_bias, m.top_k,
                            m.num_expert_group, m.topk_group, m.renormalize,
                            m.routed_scaling_factor)
+        # the summed partials stay fp32 here: their rounding to x's dtype happens inside the
+        # latent norm's kernel and the final add's (`rms_norm_cast`, `add_rounded`), not in a
+        # (T, L + H) cast kernel of its own, and the add reads the shared block where it lies
+        # (a strided view: PyTorch's add took its slow non-vectorized kernel)
         lat, shared = self._reduce(stock_linear(x, self.routed_expert_down_proj.weight), w, ids,
-                                   x, "stock")
+                                   x, "stock", rounded=False)
         if self.routed_expert_norm is not None:
-            lat = self.routed_expert_norm.stock(lat)
-        out = stock_linear(lat, self.routed_expert_up_proj.weight)
-        return out if shared is None else out + shared
+            lat = self.routed_expert_norm.stock(lat, x.dtype)
+        out = stock_linear(lat.to(x.dtype), self.routed_expert_up_proj.weight)
+        if shared is None:
+            return out
+        return add_rounded(out, shared) if stock_fused(x) else out + shared.to(out.dtype)
 
     def _reduce(self, z: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
-                path: str):
+                path: str, rounded: bool = True):
         """The routed experts on z (their latent partial (T, L) fp32) and the shared experts on
         x (their partial output (T, H)) under one all-reduce: -> (full latent sum, full shared
-        output or None), x's dtype. The latent must be summed before its norm, the shared
+        output or None), x's dtype (rounded=False: fp32 views of the summed buffer, for a
+        caller that rounds them as it reads them). The latent must be summed before its norm, the shared
         output anyway: one collective. Both partials are written into the column blocks of
         one (T, L + H) fp32 buffer (the experts' weighted sum and, on the fused stock path,
         the shared down GEMM write there), not concatenated after: at an 8,191-token step of
         K3 the concatenation copied 302 MB per MoE layer (2.2 ms of 68 on 8 layers, H100)."""
         if self.shared_experts is None:
-            return self.comm.all_reduce(self.experts(z, w, ids, path)).to(x.dtype), None
+            lat = self.comm.all_reduce(self.experts(z, w, ids, path))
+            return (lat.to(x.dtype) if rounded else lat), None
         L, H = z.shape[1], x.shape[1]
         both = torch.empty(x.shape[0], L + H, dtype=torch.float32, device=x.device)
         self.experts(z, w, ids, path, out=both[:, :L])
@@ -329,7 +338,9 @@ class LatentMoE(nn.Module):
                 a, wd, out=shared))
         else:
             shared.copy_(self.shared_experts.partial(x, path))
-        both = self.comm.all_reduce(both).to(x.dtype)       # (T, L + H)
+        both = self.comm.all_reduce(both)                   # (T, L + H) fp32
+        if rounded:
+            both = both.to(x.dtype)
         return both[:, :L], both[:, L:]
 
     def _fused_ok(self, x: torch.Tensor) -> bool:

@@ -84,3 +84,34 @@ def test_situ_pair_equals_the_chain(T, I, lin):
     ulp = (want.float().abs() * 2 ** -7).clamp_min(1e-30)
     assert ((got.float() - want.float()).abs() <= ulp).all(), f"seed {seed}"
     assert (got != want).float().mean().item() < 0.01, f"seed {seed}"
+
+
+@pytest.mark.parametrize("T,N", [(1, 7168), (5, 300), (17, 2048), (3, 4097)])
+def test_add_rounded_is_the_bf16_add_of_the_rounded_sum(T, N, monkeypatch):
+    """The MoE block's last add: the latent-up output (bf16) plus the shared experts' fp32
+    sum, read as a column view of the (T, L + H) buffer, rounded as the chain rounds it (b to
+    bf16, then the bf16 add): bit-equal on the GPU, written into a; the wrong width is
+    named. On the CPU the interpreter runs the kernel (the CUDA-only dispatch check lifted);
+    its fp32 → bf16 casts truncate whatever the rounding asked for, so there the two
+    roundings may land two bf16 ulps from the chain's."""
+    if not ON_GPU:
+        monkeypatch.setattr(E, "_serves", lambda *ts: True)
+    seed = fresh_seed()
+    g = _gen(seed)
+    a = torch.randn(T, N, generator=g, device=DEV).to(BF)
+    both = 4 * torch.randn(T, 96 + N, generator=g, device=DEV)
+    b = both[:, 96:]
+    a0 = a.clone()
+    want = E.add_rounded_reference(a0, b)
+    assert not torch.equal(want, a0), f"seed {seed}: b added nothing"
+    got = E.add_rounded(a, b)
+    assert got.dtype == BF and got.shape == (T, N)
+    if ON_GPU:
+        assert torch.equal(got, want), f"seed {seed}"
+    else:
+        mag = torch.maximum(a0.float().abs(), b.abs()).maximum(want.float().abs())
+        ulp2 = (mag * 2 ** -6).clamp_min(2 ** -126)         # the inputs' ulps (cancellation)
+        assert ((got.float() - want.float()).abs() <= ulp2).all(), f"seed {seed}"
+    assert got.data_ptr() == a.data_ptr()               # in place: no new (T, N) tensor
+    with pytest.raises(ValueError, match="add_rounded"):
+        E.add_rounded(a, both)
