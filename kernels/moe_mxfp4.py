@@ -1068,9 +1068,14 @@ def moe_runs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     scatters: nothing to compile per shape, no host sync, fixed output shapes): the same
     pairs / sorted_e / run_start / num_runs / chunk_start / chunk_end / num_chunks, entries
     past num_runs + 1 / num_chunks zero (the kernels never read them); chunks of ≤ block_m."""
+    return _runs_torch(topk_ids, num_experts, (block_m,))[0]
+
+
+def _runs_torch(topk_ids: torch.Tensor, num_experts: int, block_ms: tuple[int, ...]):
+    """`moe_runs_torch` for each block_m in block_ms from ONE sort: [its 7-tuple, ...]."""
     ids = topk_ids.reshape(-1).to(torch.int64)
     P, dev = ids.numel(), ids.device
-    R, C = min(P, num_experts), max_chunks(P, num_experts, block_m)
+    R = min(P, num_experts)
     sorted_e, pairs = torch.sort(ids, stable=True)             # (expert, pair index) order
     i = torch.arange(P, device=dev)
     first = torch.ones(P, dtype=torch.bool, device=dev)
@@ -1081,15 +1086,20 @@ def moe_runs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     run_start.scatter_(0, torch.where(first, rid, R + 1), i)
     run_start = run_start[:R + 1]
     start_i, end_i = run_start[rid], run_start[rid + 1]
-    cs = (i - start_i) % block_m == 0                           # a chunk starts at i
-    cid = torch.where(cs, torch.cumsum(cs, 0) - 1, C)
-    c_start = torch.zeros(C + 1, dtype=torch.int64, device=dev)
-    c_end = torch.zeros(C + 1, dtype=torch.int64, device=dev)
-    c_start.scatter_(0, cid, i)
-    c_end.scatter_(0, cid, torch.minimum(i + block_m, end_i))
     i32 = torch.int32
-    return (pairs.to(i32), sorted_e.to(i32), run_start.to(i32), n_runs.to(i32),
-            c_start[:C].to(i32), c_end[:C].to(i32), cs.sum().reshape(1).to(i32))
+    runs = (pairs.to(i32), sorted_e.to(i32), run_start.to(i32), n_runs.to(i32))
+    out = []
+    for block_m in block_ms:
+        C = max_chunks(P, num_experts, block_m)
+        cs = (i - start_i) % block_m == 0                       # a chunk starts at i
+        cid = torch.where(cs, torch.cumsum(cs, 0) - 1, C)
+        c_start = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+        c_end = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+        c_start.scatter_(0, cid, i)
+        c_end.scatter_(0, cid, torch.minimum(i + block_m, end_i))
+        out.append(runs + (c_start[:C].to(i32), c_end[:C].to(i32),
+                           cs.sum().reshape(1).to(i32)))
+    return out
 
 
 def _use_triton(*ts: torch.Tensor) -> bool:
@@ -1118,6 +1128,16 @@ def moe_runs(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
            torch.empty(max_chunks(P, num_experts, block_m), **i32), torch.empty(1, **i32))
     _runs_kernel[(1,)](ids, P, *out, BLOCK=_runs_block(P), BM=block_m, num_warps=4)
     return out
+
+
+def moe_runs_two(topk_ids: torch.Tensor, num_experts: int, block_m: int, block_m2: int):
+    """(`moe_runs` at block_m, `moe_runs` at block_m2): the same sorted order cut into chunks
+    of two sizes, from one sort where the pairs take the library path (`moe_runs_torch`:
+    a prefill step's, where the hybrid form's gate/up and down kernels chunk the one order
+    differently; its second sort was 1.7 ms of a 24-layer 8k step on the H100)."""
+    if topk_ids.numel() > RUNS_KERNEL_MAX:
+        return tuple(_runs_torch(topk_ids, num_experts, (block_m, block_m2)))
+    return moe_runs(topk_ids, num_experts, block_m), moe_runs(topk_ids, num_experts, block_m2)
 
 
 def max_chunks(pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
@@ -1276,7 +1296,11 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
                          f"of {SUB_BLOCK}), got {bm}")
     if cfg.down_tiles < 1:
         raise ValueError(f"MoEConfig.down_tiles must be ≥ 1, got {cfg.down_tiles}")
-    pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
+    if cfg.blocked_down:
+        runs, down_runs = moe_runs(topk_ids, E, bm), None
+    else:           # the swapped down kernel's 128-pair chunks of the same sorted order
+        runs, down_runs = moe_runs_two(topk_ids, E, bm, 128)
+    pairs, sorted_e, _, _, c_start, c_end, n_chunks = runs
     chunks = max_chunks(P, E, bm)
     if chunks > MAX_GRID_Y:
         raise ValueError(f"{P} pairs: {chunks} chunks of ≤ {bm} exceed the grid's "
@@ -1298,7 +1322,7 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
             TILES=cfg.down_tiles, DOT_F32=dot32, X2=x2, num_warps=warps,
             num_stages=cfg.num_stages)
     else:        # the swapped down kernel on 128-pair chunks of the same sorted order
-        _, _, _, _, d_start, d_end, d_chunks = moe_runs(topk_ids, E, 128)
+        _, _, _, _, d_start, d_end, d_chunks = down_runs
         dc = max_chunks(P, E, 128)
         tm = dc <= MAX_GRID_Y
         _down_swap_kernel[(triton.cdiv(L, cfg.down_bn), dc) if tm

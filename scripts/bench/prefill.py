@@ -93,7 +93,8 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             budget-sized prefill step at position 0 per expert-kernel variant, profiled the
             same way (`step_profiles`, each with its `wall`): the variants' steps kernel by
             kernel; on CUDA a second, stack-recording pass attributes the device time to
-            host ops and their source lines (`device_by_site`).
+            host ops and their source lines, and the host's waits (memcpy, synchronize) to
+            theirs (`by_site`).
   sweep     with --sweep-budgets: the prompts again at each of those step budgets (one warm
             step of the budget's chunk first), with the mixed step's time at that chunk: the
             trade-off the deployment's default budget is set from.
@@ -560,31 +561,59 @@ def _profiled(rank: PrefillRank, run, top: int) -> dict:
 
 
 _PROJECT_DIRS = ("models/", "engine/", "kernels/", "actors/", "scripts/")
+_SYNC_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cudaStreamSynchronize",
+               "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def _device_sites(run, top: int) -> list:
+def _site(ev, frames: int = 2) -> str:
+    """The first `frames` of this project's Python frames above a profiler event (its
+    ancestors in the profiler's call tree: a stack-recording profile has a python_function
+    event per frame, named 'path(line): function')."""
+    out, p = [], ev.cpu_parent
+    while p is not None and len(out) < frames:
+        name = p.name
+        if "(" in name and any(d in name for d in _PROJECT_DIRS) and "site-packages" not in name:
+            out.append("/".join(name.rsplit("/", 2)[-2:]))       # folder/file.py(line): fn
+        p = p.cpu_parent
+    return " < ".join(out)
+
+
+def _device_sites(run, top: int, device: bool = True) -> dict:
     """torch.profiler with Python stacks over `run()` (a separate pass: recording stacks costs
-    host time, so the timed profile runs without): device time per (host op, the first two
-    of this project's frames under it), the ops whose kernels cost most first. Where a
-    kernel comes from (a cast, a copy, an add) in source lines, not only its kernel name."""
+    host time, so the timed profile runs without), two tables keyed by (op, the two innermost
+    project frames above it): `device`, the kernels' device time per host op that launched
+    them, and `host_syncs`, the host time in calls that can wait on the device (memcpy,
+    synchronize) — where a kernel comes from (a cast, a copy, an add) in source lines, and
+    which lines make the host wait while the device drains. device=False (a CPU test): the
+    ops' own host time in the first table."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 with_stack=True) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])
+    with profile(activities=acts, with_stack=True) as prof:
         run()
-    sites: dict = {}
-    for e in prof.key_averages(group_by_stack_n=12):
-        us = getattr(e, "self_device_time_total", 0) or 0
-        if us <= 0 or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+    cuda = torch.autograd.DeviceType.CUDA
+    dev: dict = {}
+    syncs: dict = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) == cuda:
             continue
-        frames = [f for f in (e.stack or []) if any(d in f for d in _PROJECT_DIRS)
-                  and "site-packages" not in f][:2]
-        key = (e.key, " < ".join(f.split("/")[-1] if "/" in f else f for f in frames))
-        ms, n = sites.get(key, (0.0, 0))
-        sites[key] = (ms + us / 1e3, n + e.count)
-    rows = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"op": k[0][:60], "site": k[1][:160], "device_ms": round(v[0], 3), "calls": v[1]}
-            for k, v in rows]
+        if e.name in _SYNC_CALLS:
+            key = (e.name, _site(e))
+            ms, n = syncs.get(key, (0.0, 0))
+            syncs[key] = (ms + e.cpu_time_total / 1e3, n + 1)
+            continue
+        if not e.name.startswith("aten::") and "launch" not in e.name.lower():
+            continue
+        us = (e.self_device_time_total if device else e.self_cpu_time_total) or 0
+        if us > 0:
+            key = (e.name, _site(e))
+            ms, n = dev.get(key, (0.0, 0))
+            dev[key] = (ms + us / 1e3, n + 1)
+
+    def rows(table):
+        return [{"op": k[0][:60], "site": k[1][:200], "ms": round(v[0], 3), "calls": v[1]}
+                for k, v in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
+    return {"device": rows(dev), "host_syncs": rows(syncs)}
 
 
 def first_run_profile(rank: PrefillRank, tokens: int, top: int = 30) -> dict:
@@ -611,7 +640,7 @@ def step_profiles(rank: PrefillRank, tokens: int, variants: list, top: int = 40)
             t0 = time.time()
             row = _profiled(rank, lambda: rank.step(tokens, 0, pos=0), top)
             if rank.device.type == "cuda":
-                row["device_by_site"] = _device_sites(lambda: rank.step(tokens, 0, pos=0), top)
+                row["by_site"] = _device_sites(lambda: rank.step(tokens, 0, pos=0), top)
         row.update(tokens=tokens, grouped_pairs=v[0], prefill_experts=v[1],
                    wall=[round(t0, 3), round(time.time(), 3)])
         out.append(row)

@@ -549,3 +549,20 @@ def test_stock_gemms_sets_and_restores_the_skinny_cap():
             assert layers.STOCK_SKINNY_MAX_M == 3
             raise RuntimeError("inside")
     assert layers.STOCK_SKINNY_MAX_M == shipped
+
+
+def test_device_sites_name_the_project_lines_and_the_host_waits():
+    """`_device_sites` (--profile-steps' stack-recording pass) keys each op by the innermost
+    project frames above it: a stock GEMM is found under models/layers.py's stock_linear
+    (on the CPU the ops' host time stands in for the device's); no CUDA, no waits."""
+    from raydecode.models import layers
+
+    def step():
+        x, w = torch.randn(8, 16), torch.randn(4, 16)
+        return layers.stock_linear(x, w).sum().item()
+
+    got = prefill._device_sites(step, 20, device=False)
+    mm = [r for r in got["device"] if r["op"] == "aten::mm"]
+    assert mm and mm[0]["site"].startswith("models/layers.py(") and "stock_linear" in mm[0]["site"]
+    assert mm[0]["calls"] == 1 and mm[0]["ms"] > 0
+    assert got["host_syncs"] == []

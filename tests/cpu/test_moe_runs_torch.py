@@ -102,3 +102,20 @@ def test_prefill_experts_switch(monkeypatch):
     assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == \
         ew(blocked, decode="elementwise")
     assert M.default_config(edge, 896, 192, 3584, tuned=False) == ew(split, decode="elementwise")
+
+
+@pytest.mark.parametrize("T,skew", [(100, True), (1250, False)])
+def test_runs_two_cut_one_order_into_both_chunk_sizes(T, skew):
+    """`moe_runs_two` (the hybrid form's gate/up and down chunking): each half equals
+    `moe_runs` at its block size — one sort past RUNS_KERNEL_MAX pairs, two runs below."""
+    rng = random.Random(T)
+    hot = rng.sample(range(896), 5)
+    ids = torch.tensor([[rng.choice(hot) if skew and rng.random() < 0.7 else rng.randrange(896)
+                         for _ in range(16)] for _ in range(T)], dtype=torch.int32)
+    one, two = M.moe_runs_two(ids, 896, 256, 128)
+    for got, bm in ((one, 256), (two, 128)):
+        want = M.moe_runs_torch(ids, 896, bm)
+        assert len(got) == len(want) == 7
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), bm
+    assert one[4].numel() != two[4].numel()         # the two cuts differ
