@@ -94,7 +94,8 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             same way (`step_profiles`, each with its `wall`): the variants' steps kernel by
             kernel; on CUDA a second, stack-recording pass attributes the device time to
             host ops and their source lines, and the host's waits (memcpy, synchronize) to
-            theirs (`by_site`).
+            theirs (`by_site`); a third under CUDA's sync debug mode lists every
+            synchronizing call by source line (`syncs`).
   sweep     with --sweep-budgets: the prompts again at each of those step budgets (one warm
             step of the budget's chunk first), with the mixed step's time at that chunk: the
             trade-off the deployment's default budget is set from.
@@ -616,6 +617,39 @@ def _device_sites(run, top: int, device: bool = True) -> dict:
     return {"device": rows(dev), "host_syncs": rows(syncs)}
 
 
+def _sync_sites(run, top: int, arm=None) -> list:
+    """`run()` under CUDA's sync debug mode ("warn": each synchronizing call — a device-to-host
+    copy, `.item()`, a stream synchronize — warns): per (message, the two innermost frames
+    outside torch and the standard library) how many times. The calls that make the host
+    wait while the device drains, by source line. arm: the mode setter (a CPU test's
+    stand-in)."""
+    import traceback
+    import warnings
+
+    arm = arm or torch.cuda.set_sync_debug_mode
+    seen: dict = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "site-packages" not in f.filename and "/torch/" not in f.filename
+                  and "/lib/python" not in f.filename and f.name != "record"]
+        site = " < ".join(f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}({f.lineno}): {f.name}"
+                          for f in reversed(frames[-2:]))
+        key = (str(message).split("\n")[0][:100], site)
+        seen[key] = seen.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        arm("warn")
+        try:
+            run()
+        finally:
+            arm(0)
+    return [{"message": k[0], "site": k[1][:240], "calls": n}
+            for k, n in sorted(seen.items(), key=lambda kv: -kv[1])[:top]]
+
+
 def first_run_profile(rank: PrefillRank, tokens: int, top: int = 30) -> dict:
     """torch.profiler (host + device) over the first and the second prefill step of a token
     count the rank has not met: their wall ms and the host's top ops by self time, so what
@@ -641,6 +675,7 @@ def step_profiles(rank: PrefillRank, tokens: int, variants: list, top: int = 40)
             row = _profiled(rank, lambda: rank.step(tokens, 0, pos=0), top)
             if rank.device.type == "cuda":
                 row["by_site"] = _device_sites(lambda: rank.step(tokens, 0, pos=0), top)
+                row["syncs"] = _sync_sites(lambda: rank.step(tokens, 0, pos=0), top)
         row.update(tokens=tokens, grouped_pairs=v[0], prefill_experts=v[1],
                    wall=[round(t0, 3), round(time.time(), 3)])
         out.append(row)

@@ -566,3 +566,25 @@ def test_device_sites_name_the_project_lines_and_the_host_waits():
     assert mm and mm[0]["site"].startswith("models/layers.py(") and "stock_linear" in mm[0]["site"]
     assert mm[0]["calls"] == 1 and mm[0]["ms"] > 0
     assert got["host_syncs"] == []
+
+
+def test_sync_sites_count_each_synchronizing_call_by_its_lines():
+    """`_sync_sites`: what the sync debug mode would report (a warning per synchronizing call;
+    here raised by hand, the mode setter a stand-in), counted per message and the innermost
+    frames outside torch, the mode armed during the run and disarmed after."""
+    import warnings
+    modes = []
+
+    def sync_point():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    def step():
+        for _ in range(3):
+            sync_point()
+        warnings.warn("another")
+
+    got = prefill._sync_sites(step, 10, arm=modes.append)
+    assert modes == ["warn", 0]
+    assert got[0]["calls"] == 3 and got[0]["message"].startswith("called a synchronizing")
+    assert "sync_point" in got[0]["site"] and "step" in got[0]["site"]
+    assert got[1]["calls"] == 1 and got[1]["message"] == "another"
