@@ -194,5 +194,5 @@ def add_rounded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a
 
 
-__all__ = ["add_rounded", "add_rounded_reference", "gated_rms_norm", "gated_rms_norm_reference", "kda_gate_beta",
-           "kda_gate_beta_reference", "situ_pair", "situ_pair_reference"]
+__all__ = ["add_rounded", "add_rounded_reference", "gated_rms_norm", "gated_rms_norm_reference",
+           "kda_gate_beta", "kda_gate_beta_reference", "situ_pair", "situ_pair_reference"]
