@@ -106,8 +106,8 @@ def test_prefill_experts_switch(monkeypatch):
 
 @pytest.mark.parametrize("T,skew", [(100, True), (1250, False)])
 def test_runs_two_cut_one_order_into_both_chunk_sizes(T, skew):
-    """`moe_runs_two` (the hybrid form's gate/up and down chunking): each half equals
-    `moe_runs` at its block size — one sort past RUNS_KERNEL_MAX pairs, two runs below."""
+    """`moe_runs_two` (the hybrid form's gate/up and down chunking) past RUNS_KERNEL_MAX
+    pairs, where it sorts once: each half equals `moe_runs_torch` at its block size."""
     rng = random.Random(T)
     hot = rng.sample(range(896), 5)
     ids = torch.tensor([[rng.choice(hot) if skew and rng.random() < 0.7 else rng.randrange(896)
