@@ -58,7 +58,7 @@ from raydecode.kernels.moe_decode import routed_moe
 from raydecode.kernels.moe_mxfp4 import MAX_SCALE, MXFP4Experts
 from raydecode.kernels.router import route_topk, router_logits
 from raydecode.kernels.settings import DEFAULT_OPTIONS, DecodeOptions
-from raydecode.kernels.stock_elementwise import add_rounded
+from raydecode.kernels.stock_elementwise import add_rounded, add_rounded_reference
 
 from .checkpoint import PREFIX, expert_is_mxfp4
 from .config import K3Config
@@ -312,7 +312,7 @@ class LatentMoE(nn.Module):
         out = stock_linear(lat.to(x.dtype), self.routed_expert_up_proj.weight)
         if shared is None:
             return out
-        return add_rounded(out, shared) if stock_fused(x) else out + shared.to(out.dtype)
+        return (add_rounded if stock_fused(x) else add_rounded_reference)(out, shared)
 
     def _reduce(self, z: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, x: torch.Tensor,
                 path: str, rounded: bool = True):
