@@ -3,7 +3,7 @@ per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entri
 
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
         [--tokens 4096,8192] [--profile]
-        [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked|ogs|x2]
+        [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked|ogs|x2|warps]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -25,7 +25,9 @@ program) against the shipped kernels; `grouped`: the weights decoded once per ca
 bf16, then `torch._grouped_mm` (`MoEConfig.grouped_bf16`, kernels/moe_grouped.py) against
 the shipped kernels (first, the baseline); `ogs`: Triton's triton_kernels `matmul_ogs`
 (kernels/moe_ogs.py) on the same weights, zero-copy ("strided") and converted to its Hopper
-layouts ("hopper"), against split and blocked (the two forms "auto" picks between).
+layouts ("hopper"), against split and blocked (the two forms "auto" picks between);
+`warps`: the form "auto" runs at 8,192 tokens (hybrid, x2 decode) against its warps (8 for
+both kernels or the down alone), 4 stages, 128-row gate/up tiles and 128-pair chunks.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -96,6 +98,11 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         sh = rep(M.prefill_config(L, I), decode="elementwise")     # blocked against the
         bl = _blocked_form(sh, L)    # elementwise one (the baseline, first), and matmul_ogs's
         return [sh, bl, rep(sh, decode="x2"), rep(bl, decode="x2"), rep(sh, ogs="hopper")]
+    if which == "warps":            # the shipped 8k form (hybrid, x2) against its warps,
+        hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # stages and tiles: swept before
+                 decode=M.PREFILL_DECODE)                     # x2 made the decode cheaper
+        return [hy, rep(hy, num_warps=8), rep(hy, down_warps=8), rep(hy, num_stages=4),
+                rep(hy, num_warps=8, gate_up_bn=128, down_warps=4), rep(hy, block_m=128)]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -210,7 +217,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
                     choices=["all", "base", "pairs", "swap", "shipped", "order",
-                             "split", "grouped", "tiles", "blocked", "ogs", "x2"])
+                             "split", "grouped", "tiles", "blocked", "ogs", "x2", "warps"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",

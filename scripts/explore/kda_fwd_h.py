@@ -1,0 +1,173 @@
+"""fla's chunked KDA forward at one K3 rank's shapes, one long sequence: where its state
+recurrence (`chunk_gated_delta_rule_fwd_kernel_h_blockdim64`, serial over the sequence's
+64-token chunks) can go faster. At K3 TP16 a rank holds 6 KDA heads, so the recurrence runs
+6 × 128 / BV programs on 132 SMs: 24 at BV 32, half the forward's time in an 8k step (9.0 of
+≈ 17 ms over 18 KDA layers on the H100, docs/perf-log/prefill.md).
+
+    python3 -m raydecode.scripts.explore.kda_fwd_h --out X.json [--tp 16] [--tokens 8192]
+        [--splits 4,8,16] [--reps 10]
+
+Variants, each on the same seeded inputs (q, k L2-normalised, g = −5·sigmoid(3·N(0,1)), β =
+sigmoid, initial state 0.3·N(0,1), fp32), timed as the median of `--reps` calls:
+- shipped: kernels/kda_prefill.py as it runs in a prefill step (its index, chunk_offsets);
+- bv16: the same with BV = 16 added to the recurrence's autotune configs (twice the programs;
+  the autotuner keeps whichever is fastest, so this shows whether 16 wins);
+- split-P: fla's own intra-card context parallelism (`fla.ops.common.intracard_cp`, enabled
+  by FLA_INTRACARD_CP=1 for calls without chunk_offsets) with the sequence cut into P
+  chunk-aligned parts: a pre-scan summarises each part as an affine map of its incoming
+  state, a merge chains them, then the parts run in parallel. fla 0.6.0 splits only
+  sequences of ≥ 3 · 128 chunks (24,576 tokens), never a prefill step's 8,192, so the probe
+  replaces its part-length rule for the call (`compute_subseq_len`).
+Each variant's o and final state are compared with shipped's (relative error) and its kernels
+listed (device ms per call). Nothing here changes the served path.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+
+from raydecode.scripts.explore.common import kernel_ms, median_cuda_ms, rel_err
+
+D = 128                  # K3 linear_attn_config.head_dim
+K3_HEADS = 96
+
+
+def _inputs(T: int, h: int, seed: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, device="cuda", generator=gen)
+
+    def l2(x):
+        return x / x.norm(dim=-1, keepdim=True)
+
+    return dict(q=l2(rn(T, h, D)), k=l2(rn(T, h, D)), v=rn(T, h, D),
+                g=-5.0 * torch.sigmoid(3.0 * rn(T, h, D)), beta=torch.sigmoid(rn(T, h)),
+                states=0.3 * rn(1, h, D, D), cu=torch.tensor([0, T], dtype=torch.int64))
+
+
+def _recurrence_autotuner():
+    """fla's autotuner object of the state recurrence (under its heuristics wrapper)."""
+    import triton
+    from fla.ops.common import chunk_delta_h
+    fn = chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+    while not isinstance(fn, triton.runtime.Autotuner):
+        fn = fn.fn
+    return fn
+
+
+@contextlib.contextmanager
+def _bv16():
+    """BV = 16 beside fla's configs (each (warps, stages) it tries), its cache cleared."""
+    import triton
+    tuner = _recurrence_autotuner()
+    was = list(tuner.configs)
+    extra = [triton.Config({**c.kwargs, "BV": 16}, num_warps=c.num_warps,
+                           num_stages=c.num_stages) for c in was if c.kwargs.get("BV") == 32]
+    tuner.configs = was + extra
+    tuner.cache.clear()
+    try:
+        yield tuner
+    finally:
+        tuner.configs = was
+        tuner.cache.clear()
+
+
+@contextlib.contextmanager
+def _split(parts: int):
+    """fla's intra-card CP on, its part length T / parts (chunk-aligned) for every call."""
+    from fla.ops.common import intracard_cp
+    was_fn, was_env = intracard_cp.compute_subseq_len, os.environ.get("FLA_INTRACARD_CP")
+
+    def subseq_len(seq_len, num_sms, num_heads, chunk_size=64):
+        chunks = -(-seq_len // chunk_size)
+        return -(-chunks // parts) * chunk_size
+
+    intracard_cp.compute_subseq_len = subseq_len
+    intracard_cp._intracard_cache.clear()
+    os.environ["FLA_INTRACARD_CP"] = "1"
+    try:
+        yield
+    finally:
+        intracard_cp.compute_subseq_len = was_fn
+        intracard_cp._intracard_cache.clear()
+        if was_env is None:
+            os.environ.pop("FLA_INTRACARD_CP", None)
+        else:
+            os.environ["FLA_INTRACARD_CP"] = was_env
+
+
+def _call(x: dict, offsets: bool):
+    """One forward as kernels/kda_prefill.py `_fla_prefill` makes it; offsets False: without
+    chunk_offsets (what fla's intra-card backend needs to take the call)."""
+    from raydecode.kernels import kda_prefill as KP
+    host, dev, chunk_indices, chunk_offsets = KP._varlen_index(tuple(x["cu"].tolist()),
+                                                               x["q"].device)
+    f32 = [t.float().contiguous().unsqueeze(0) for t in (x["q"], x["k"], x["v"], x["g"],
+                                                         x["beta"])]
+    out = KP._chunk_kda_fwd()(*f32, scale=D ** -0.5, initial_state=x["states"].contiguous(),
+                              output_final_state=True, cu_seqlens=dev, cu_seqlens_cpu=host,
+                              chunk_indices=chunk_indices, chunk_size=KP.CHUNK,
+                              chunk_offsets=chunk_offsets if offsets else None)
+    return out[0][0], out[1]
+
+
+@torch.inference_mode()
+def run(tp: int, tokens: int, splits: list[int], reps: int, seed: int, log=print) -> dict:
+    from raydecode.kernels import kda_prefill as KP
+    h = K3_HEADS // tp
+    x = _inputs(tokens, h, seed)
+    KP.warmup(h, D, "cuda")
+    rows = []
+    o_ref, s_ref = _call(x, True)
+    variants = [("shipped", contextlib.nullcontext, True), ("bv16", _bv16, True)]
+    variants += [(f"split-{p}", (lambda p=p: _split(p)), False) for p in splits]
+    for name, ctx, offsets in variants:
+        row = dict(variant=name, tokens=tokens, heads=h)
+        try:
+            with ctx() as extra:
+                t0 = time.perf_counter()
+                o, s = _call(x, offsets)
+                torch.cuda.synchronize()
+                row["first_call_s"] = round(time.perf_counter() - t0, 3)
+                row["ms"] = round(median_cuda_ms(lambda: _call(x, offsets), reps), 4)
+                row["kernels"] = kernel_ms(lambda: _call(x, offsets), calls=3, top=8)
+                row["rel_err_o"] = rel_err(o, o_ref)
+                row["rel_err_state"] = rel_err(s, s_ref)
+                if name == "bv16":
+                    best = extra.cache and next(iter(extra.cache.values()))
+                    row["chosen"] = str(best)
+        except Exception as e:  # noqa: BLE001 — a variant that cannot run is a result too
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        log(f"[kda-fwd-h] {json.dumps(row)}")
+        rows.append(row)
+    return dict(rows=rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--tp", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--splits", default="4,8,16")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    if K3_HEADS % a.tp:
+        raise SystemExit(f"--tp {a.tp}: expected a divisor of K3's {K3_HEADS} KDA heads")
+    report = dict(gpu=torch.cuda.get_device_name(), commit=a.commit, tp=a.tp,
+                  date=time.strftime("%Y-%m-%d"), method=__doc__)
+    report.update(run(a.tp, a.tokens, [int(p) for p in a.splits.split(",") if p], a.reps,
+                      a.seed))
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
