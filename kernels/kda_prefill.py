@@ -104,17 +104,68 @@ def precision() -> str | None:
     return _applied[0] if _applied else None
 
 
+# fla's state recurrence (`chunk_gated_delta_rule_fwd_kernel_h_blockdim64`) runs one program
+# per (sequence, head, BV columns of the (dk, dv) state), serial over the sequence's 64-token
+# chunks; fla autotunes BV over 32 and 64. A prompt step of one sequence at K3 TP16 (6 heads
+# per rank) is then 24 programs on 132 SMs: half of fla's forward time (0.49 of 0.97 ms per
+# 8,192-token layer on the H100). A state column's update reads only that column (v_new = u −
+# w·S and S's rank-64 update act column by column), so BV 16 is the same arithmetic in twice
+# the programs: bit-equal outputs, the recurrence 0.49 → 0.36 ms in the same run
+# (docs/perf-log/prefill.md, fifteenth session). `widen_recurrence` adds BV 16 at each of
+# fla's (warps, stages) to the autotuner's candidates; the autotuner keeps the fastest, so a
+# card where 32 wins keeps 32.
+RECURRENCE_EXTRA_BV = (16,)
+
+
+def widen_recurrence(tuner) -> int:
+    """Add a config with each RECURRENCE_EXTRA_BV beside every BV 32 config of fla's state
+    recurrence autotuner `tuner` (same warps and stages), before it first tunes. Idempotent.
+    -> the number of configs added."""
+    import triton
+    have = {(c.kwargs.get("BV"), c.num_warps, c.num_stages) for c in tuner.configs}
+    extra = []
+    for c in tuner.configs:
+        if c.kwargs.get("BV") != 32:
+            continue
+        for bv in RECURRENCE_EXTRA_BV:
+            if (bv, c.num_warps, c.num_stages) not in have:
+                have.add((bv, c.num_warps, c.num_stages))
+                extra.append(triton.Config({**c.kwargs, "BV": bv}, num_warps=c.num_warps,
+                                           num_stages=c.num_stages))
+    tuner.configs = list(tuner.configs) + extra
+    return len(extra)
+
+
+def _recurrence_tuner():
+    """fla-core 0.6.0's autotuner of the state recurrence (under its heuristics wrapper), or
+    None where a later fla moved or renamed it."""
+    try:
+        from fla.ops.common import chunk_delta_h
+        fn = chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+    except Exception:
+        return None
+    for _ in range(4):
+        if hasattr(fn, "configs") and hasattr(fn, "cache"):
+            return fn
+        fn = getattr(fn, "fn", None)
+    return None
+
+
 @functools.cache
 def _chunk_kda():
     """fla's chunk_kda, or None where fla-core is not installed or does not import (CPU-only
     installs; a host without a usable Triton). Imported on first use: fla's import queries the
     device, which processes that never run the op (the coordinator, CPU ranks) must not do.
-    The process's RAYDECODE_KDA_PRECISION is applied here, before any fla kernel compiles."""
+    The process's RAYDECODE_KDA_PRECISION is applied here, before any fla kernel compiles,
+    and the state recurrence's BV candidates widened (`widen_recurrence`)."""
     try:
         from fla.ops.kda import chunk_kda
     except Exception:  # ImportError, or a broken install / no Triton driver
         return None
     apply_precision(settings.kda_precision())
+    tuner = _recurrence_tuner()
+    if tuner is not None:
+        widen_recurrence(tuner)
     return chunk_kda
 
 

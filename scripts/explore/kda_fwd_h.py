@@ -9,9 +9,11 @@ recurrence (`chunk_gated_delta_rule_fwd_kernel_h_blockdim64`, serial over the se
 
 Variants, each on the same seeded inputs (q, k L2-normalised, g = −5·sigmoid(3·N(0,1)), β =
 sigmoid, initial state 0.3·N(0,1), fp32), timed as the median of `--reps` calls:
-- shipped: kernels/kda_prefill.py as it runs in a prefill step (its index, chunk_offsets);
-- bv16: the same with BV = 16 added to the recurrence's autotune configs (twice the programs;
-  the autotuner keeps whichever is fastest, so this shows whether 16 wins);
+- shipped: kernels/kda_prefill.py as it runs in a prefill step (its index, chunk_offsets;
+  since the fifteenth session its recurrence autotunes BV 16 beside fla's 32 and 64:
+  `widen_recurrence`);
+- fla-bv: the same on fla's own candidates only (BV 32 / 64: how fla ships), the baseline
+  of the widening (measured the other way round first, cd300cf: BV 16 added to fla's);
 - split-P: fla's own intra-card context parallelism (`fla.ops.common.intracard_cp`, enabled
   by FLA_INTRACARD_CP=1 for calls without chunk_offsets) with the sequence cut into P
   chunk-aligned parts: a pre-scan summarises each part as an affine map of its incoming
@@ -62,14 +64,13 @@ def _recurrence_autotuner():
 
 
 @contextlib.contextmanager
-def _bv16():
-    """BV = 16 beside fla's configs (each (warps, stages) it tries), its cache cleared."""
-    import triton
+def _fla_bv():
+    """The recurrence on fla's own BV candidates (without kernels/kda_prefill.py's
+    RECURRENCE_EXTRA_BV), its autotune cache cleared."""
+    from raydecode.kernels.kda_prefill import RECURRENCE_EXTRA_BV
     tuner = _recurrence_autotuner()
     was = list(tuner.configs)
-    extra = [triton.Config({**c.kwargs, "BV": 16}, num_warps=c.num_warps,
-                           num_stages=c.num_stages) for c in was if c.kwargs.get("BV") == 32]
-    tuner.configs = was + extra
+    tuner.configs = [c for c in was if c.kwargs.get("BV") not in RECURRENCE_EXTRA_BV]
     tuner.cache.clear()
     try:
         yield tuner
@@ -125,7 +126,7 @@ def run(tp: int, tokens: int, splits: list[int], reps: int, seed: int, log=print
     KP.warmup(h, D, "cuda")
     rows = []
     o_ref, s_ref = _call(x, True)
-    variants = [("shipped", contextlib.nullcontext, True), ("bv16", _bv16, True)]
+    variants = [("shipped", contextlib.nullcontext, True), ("fla-bv", _fla_bv, True)]
     variants += [(f"split-{p}", (lambda p=p: _split(p)), False) for p in splits]
     for name, ctx, offsets in variants:
         row = dict(variant=name, tokens=tokens, heads=h)
@@ -139,9 +140,8 @@ def run(tp: int, tokens: int, splits: list[int], reps: int, seed: int, log=print
                 row["kernels"] = kernel_ms(lambda: _call(x, offsets), calls=3, top=8)
                 row["rel_err_o"] = rel_err(o, o_ref)
                 row["rel_err_state"] = rel_err(s, s_ref)
-                if name == "bv16":
-                    best = extra.cache and next(iter(extra.cache.values()))
-                    row["chosen"] = str(best)
+                tuner = extra or _recurrence_autotuner()
+                row["chosen"] = str(next(iter(tuner.cache.values()), None))
         except Exception as e:  # noqa: BLE001 — a variant that cannot run is a result too
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         log(f"[kda-fwd-h] {json.dumps(row)}")
@@ -155,7 +155,9 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--tp", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--splits", default="4,8,16")
+    ap.add_argument("--splits", default="",
+                    help="P for split-P variants, e.g. 4,8,16 (at cd300cf split-4 had not "
+                         "finished after 190 s on the H100: none by default)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()

@@ -154,6 +154,35 @@ def test_an_unknown_precision_is_refused_by_name(fake_triton_fla, monkeypatch):
         settings.kda_precision()
 
 
+# ---- the state recurrence's BV candidates (widen_recurrence) -----------------------------
+
+class _Config:
+    """triton.Config's fields widen_recurrence reads and writes."""
+
+    def __init__(self, kwargs, num_warps=4, num_stages=2):
+        self.kwargs, self.num_warps, self.num_stages = dict(kwargs), num_warps, num_stages
+
+    def key(self):
+        return (self.kwargs["BV"], self.num_warps, self.num_stages)
+
+
+def test_widen_recurrence_adds_bv16_beside_each_bv32_config_once(monkeypatch):
+    import sys
+    import types
+    triton = types.ModuleType("triton")
+    triton.Config = _Config
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    fla = [_Config({"BV": bv}, w, st) for w in (2, 4) for st in (2, 3) for bv in (32, 64)]
+    tuner = types.SimpleNamespace(configs=list(fla), cache={})
+    assert KP.widen_recurrence(tuner) == 4
+    keys = [c.key() for c in tuner.configs]
+    assert keys[:8] == [c.key() for c in fla]                 # fla's own, first, unchanged
+    assert sorted(keys[8:]) == [(16, w, st) for w in (2, 4) for st in (2, 3)]
+    assert KP.widen_recurrence(tuner) == 0 and len(tuner.configs) == 12    # idempotent
+    only64 = types.SimpleNamespace(configs=[_Config({"BV": 64})], cache={})
+    assert KP.widen_recurrence(only64) == 0                     # nothing at 32: nothing added
+
+
 # ---- the layer: several prefill sequences in one step == each alone -------------------------
 
 def _layer():

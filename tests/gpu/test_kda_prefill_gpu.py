@@ -107,6 +107,34 @@ def test_bf16_inputs_take_the_fp32_call():
         f"seed {seed}"
 
 
+def test_recurrence_bv16_is_bit_equal_to_fla_bv32():
+    """The widened recurrence candidate (kernels/kda_prefill.py `widen_recurrence`): fla's
+    forward with the state recurrence pinned to BV 16, then to BV 32 (same warps / stages),
+    on one long sequence and a mix, gives the same o and final states bit for bit (a state
+    column's update reads that column only), and the autotuner holds both after fla's first
+    use."""
+    tuner = KP._recurrence_tuner()
+    assert tuner is not None, "fla-core 0.6.0's recurrence autotuner not found"
+    bvs = {c.kwargs.get("BV") for c in tuner.configs}
+    assert {16, 32} <= bvs, f"the recurrence's BV candidates {sorted(bvs)}"
+    was = list(tuner.configs)
+    pick = {bv: next(c for c in was if c.kwargs.get("BV") == bv) for bv in (16, 32)}
+    seed = fresh_seed()
+    outs = {}
+    try:
+        for bv, cfg in pick.items():
+            tuner.configs = [cfg]
+            tuner.cache.clear()
+            with torch.inference_mode():
+                outs[bv] = [KP.kda_prefill(**_inputs(lens, 6, seed))
+                            for lens in ([4100], [70, 1, 700])]
+    finally:
+        tuner.configs = was
+        tuner.cache.clear()
+    for (o16, s16), (o32, s32) in zip(outs[16], outs[32]):
+        assert torch.equal(o16, o32) and torch.equal(s16, s32), f"seed {seed}"
+
+
 @pytest.fixture
 def triton_compiles(monkeypatch):
     """Names of the Triton kernels compiled (an in-memory cache miss: a JIT, or a load from
