@@ -113,7 +113,9 @@ def precision() -> str | None:
 # the programs: bit-equal outputs, the recurrence 0.49 → 0.36 ms in the same run
 # (docs/perf-log/prefill.md, fifteenth session). `widen_recurrence` adds BV 16 at each of
 # fla's (warps, stages) to the autotuner's candidates; the autotuner keeps the fastest, so a
-# card where 32 wins keeps 32.
+# card where 32 wins keeps 32. RAYDECODE_KDA_RECURRENCE_BV16=0 leaves fla's candidates as
+# they are (an A/B, or an operator's way back); either way it costs only the warm-up's
+# autotune (6 more configs of this one kernel on NVIDIA: fla tries warps 2, 4 × stages 2-4).
 RECURRENCE_EXTRA_BV = (16,)
 
 
@@ -157,13 +159,14 @@ def _chunk_kda():
     installs; a host without a usable Triton). Imported on first use: fla's import queries the
     device, which processes that never run the op (the coordinator, CPU ranks) must not do.
     The process's RAYDECODE_KDA_PRECISION is applied here, before any fla kernel compiles,
-    and the state recurrence's BV candidates widened (`widen_recurrence`)."""
+    and the state recurrence's BV candidates widened (`widen_recurrence`, unless
+    RAYDECODE_KDA_RECURRENCE_BV16=0)."""
     try:
         from fla.ops.kda import chunk_kda
     except Exception:  # ImportError, or a broken install / no Triton driver
         return None
     apply_precision(settings.kda_precision())
-    tuner = _recurrence_tuner()
+    tuner = _recurrence_tuner() if settings.kda_recurrence_bv16() else None
     if tuner is not None:
         widen_recurrence(tuner)
     return chunk_kda

@@ -165,6 +165,12 @@ _ALL = (
             "default): 1.1e-3; tf32x3: 3.7e-6 at 1.22 ms; ieee: 3.7e-6 at 1.64x TF32 (H200); "
             "docs/perf-log/prefill.md",
             "tf32, bf16x3, tf32x3 or ieee", _choice(*KDA_PRECISIONS)),
+    Setting("RAYDECODE_KDA_RECURRENCE_BV16", "1", "'0': fla's KDA state recurrence "
+            "autotunes over fla's own BV candidates (32, 64) only; by default BV 16 beside "
+            "them (kernels/kda_prefill.py `widen_recurrence`: twice the programs at 6 heads per "
+            "rank, bit-equal; 0.49 -> 0.36 ms per 8k-token layer on the H100 in one probe, "
+            "docs/perf-log/prefill.md); read before fla's first autotune",
+            "'0' (off); anything else: on", _flag),
     Setting("RAYDECODE_PREFILL_EXPERTS", "auto", "the routed experts' kernels in prefill "
             "steps (kernels/moe_mxfp4.py `prefill_config`). auto (default): ours (the x2 "
             "decode), hybrid (blocked gate/up, swapped down) past 128 pairs per expert, split "
@@ -263,6 +269,10 @@ def prefill_experts() -> str:
 
 def kda_precision() -> str:
     return get("RAYDECODE_KDA_PRECISION")
+
+
+def kda_recurrence_bv16() -> bool:
+    return get("RAYDECODE_KDA_RECURRENCE_BV16")
 
 
 def oneshot_allreduce() -> bool:

@@ -183,6 +183,35 @@ def test_widen_recurrence_adds_bv16_beside_each_bv32_config_once(monkeypatch):
     assert KP.widen_recurrence(only64) == 0                     # nothing at 32: nothing added
 
 
+@pytest.mark.parametrize("env, widened", [(None, True), ("1", True), ("0", False)])
+def test_first_use_widens_the_recurrence_unless_switched_off(fake_triton_fla, monkeypatch,
+                                                              env, widened):
+    """fla's first use (`_chunk_kda`) widens the recurrence's candidates, after the precision
+    is applied; RAYDECODE_KDA_RECURRENCE_BV16=0 leaves fla's list as it is."""
+    import sys
+    import types
+    sys.modules["triton"].Config = _Config
+    tuner = types.SimpleNamespace(configs=[_Config({"BV": 32}), _Config({"BV": 64})], cache={})
+    common = types.ModuleType("fla.ops.common.chunk_delta_h")
+    common.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = types.SimpleNamespace(fn=tuner)
+    sys.modules["fla.ops.kda"].chunk_kda = object()
+    monkeypatch.setitem(sys.modules, "fla.ops.common", types.ModuleType("fla.ops.common"))
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_delta_h", common)
+    monkeypatch.delenv("RAYDECODE_KDA_PRECISION", raising=False)
+    if env is None:
+        monkeypatch.delenv("RAYDECODE_KDA_RECURRENCE_BV16", raising=False)
+    else:
+        monkeypatch.setenv("RAYDECODE_KDA_RECURRENCE_BV16", env)
+    KP._chunk_kda.cache_clear()
+    try:
+        assert KP._chunk_kda() is sys.modules["fla.ops.kda"].chunk_kda
+    finally:
+        KP._chunk_kda.cache_clear()
+    assert KP.precision() == "bf16x3"
+    assert [c.key() for c in tuner.configs] == [(32, 4, 2), (64, 4, 2)] + \
+        ([(16, 4, 2)] if widened else [])
+
+
 # ---- the layer: several prefill sequences in one step == each alone -------------------------
 
 def _layer():
