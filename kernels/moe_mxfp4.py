@@ -257,17 +257,29 @@ if triton is not None:
     # ---- decode "elementwise": each code to fp32, times its scale, to bf16; bf16 dot -------
 
     @triton.jit
+    def _load_scales(s_ptr, rows, row_ok, k0, K: tl.constexpr, BK: tl.constexpr):
+        """The (BN, BK / 32) group-scale bytes of an MXFP4 (N, K) matrix's rows `rows`,
+        groups of columns [k0, k0 + BK); 127 (2**0) where row_ok is False."""
+        ks = k0 // 32 + tl.arange(0, BK // 32)
+        return tl.load(s_ptr + rows[:, None] * (K // 32) + ks[None, :], mask=row_ok[:, None],
+                       other=127)
+
+    @triton.jit
     def _dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr):
         """(BN, BK) bf16 tile of an MXFP4 (N, K) matrix: rows `rows`, columns [k0, k0 + BK).
         fp16 bits ((c & 7) << 9 | (c & 8) << 12) are exactly e2m1 · 2**-14 (code 1, e2m1's
         subnormal 0.5, lands on fp16's subnormal 2**-15); the scale adds 2**(s − 113)."""
+        return _dequant_tile_s(w_ptr, _load_scales(s_ptr, rows, row_ok, k0, K, BK), rows,
+                               row_ok, k0, K, BN, BK)
+
+    @triton.jit
+    def _dequant_tile_s(w_ptr, s, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
+        """`_dequant_tile` with the tile's scale bytes s (`_load_scales`) already loaded."""
         kb = k0 // 2 + tl.arange(0, BK // 2)
         p = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None],
                     other=0)
-        ks = k0 // 32 + tl.arange(0, BK // 32)
-        s = tl.load(s_ptr + rows[:, None] * (K // 32) + ks[None, :], mask=row_ok[:, None],
-                    other=127)
         c = tl.join(p & 15, p >> 4).reshape(BN, BK).to(tl.int32)    # k order: lo, hi, lo, ...
         bits = ((c & 7) << 9) | ((c & 8) << 12)
         v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -372,12 +384,17 @@ if triton is not None:
                          BK: tl.constexpr, ASM: tl.constexpr):
         """`_dequant_tile`'s (BN, BK) bf16 tile (the same values) by the x2 decode; ASM: the
         inline-asm form (CUDA), else its Triton-ops emulation."""
+        return _dequant_tile_x2s(w_ptr, _load_scales(s_ptr, rows, row_ok, k0, K, BK), rows,
+                                 row_ok, k0, K, BN, BK, ASM)
+
+    @triton.jit
+    def _dequant_tile_x2s(w_ptr, s, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, ASM: tl.constexpr):
+        """`_dequant_tile_x2` with the tile's scale bytes s (`_load_scales`) already loaded."""
         kw = k0 // 8 + tl.arange(0, BK // 8)
         v = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
                     + kw[None, :], mask=row_ok[:, None], other=0)
-        ks = k0 // 32 + tl.arange(0, BK // 32)
-        s = tl.load(s_ptr + rows[:, None] * (K // 32) + ks[None, :], mask=row_ok[:, None],
-                    other=127).to(tl.int32)
+        s = s.to(tl.int32)
         s = tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)).reshape(BN, BK // 8)
         if ASM:
             o0, o1, o2, o3, o4, o5, o6, o7 = _x2_asm(v, s)
@@ -397,6 +414,21 @@ if triton is not None:
         if X2 == 0:
             return _dequant_tile(w_ptr, s_ptr, rows, row_ok, k0, K, BN, BK)
         return _dequant_tile_x2(w_ptr, s_ptr, rows, row_ok, k0, K, BN, BK, X2 == 2)
+
+    @triton.jit
+    def _dequant_ws(w_ptr, s, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, X2: tl.constexpr):
+        """`_dequant_w` with the tile's scale bytes s already loaded."""
+        if X2 == 0:
+            return _dequant_tile_s(w_ptr, s, rows, row_ok, k0, K, BN, BK)
+        return _dequant_tile_x2s(w_ptr, s, rows, row_ok, k0, K, BN, BK, X2 == 2)
+
+    # PF (`MoEConfig.prefetch_scales`): the loops below load k step i + 1's group scales in
+    # step i (a loop-carried tile; the last step's load is masked off), so the decode does not
+    # wait on a global load issued just before it. Triton pipelines the weight words and the
+    # activations through cp.async but not the scales (a (BN, BK / 32) byte tile: 2-4 bytes
+    # per row, too narrow for cp.async): without PF each k step's decode starts with that
+    # load's latency (the TTGIR of the sm_90 compile: docs/perf-log/prefill.md).
 
     @triton.jit
     def _ew_acc(x_ptr, x_rows, x_ok, x_stride, w_ptr, s_ptr, rows, row_ok, k0,
@@ -554,16 +586,24 @@ if triton is not None:
     @triton.jit
     def _swap_acc(x_ptr, rows, row_ok, K: tl.constexpr, w_e, s_e, n, n_ok, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                  X2: tl.constexpr = 0):
+                  X2: tl.constexpr = 0, PF: tl.constexpr = False):
         """accᵀ (BN, BM) fp32 = W[n, :K] · x[rows, :K]ᵀ: the (BN, BK) tiles of one expert's
         MXFP4 matrix (rows n) decoded in registers as the dots' A operand, x's BM rows (K
-        wide, bf16) the B operand; rows with row_ok False read zeros."""
+        wide, bf16) the B operand; rows with row_ok False read zeros. PF: scales one k step
+        ahead."""
         acc = tl.zeros((BN, BM), dtype=tl.float32)
+        if PF:
+            s_nx = _load_scales(s_e, n, n_ok, 0, K, BK)
         for k0 in range(0, K, BK):
             x = tl.load(x_ptr + rows[:, None] * K + k0 + tl.arange(0, BK)[None, :],
                         mask=row_ok[:, None], other=0.0)
-            acc = _dot(_dequant_w(w_e, s_e, n, n_ok, k0, K, BN, BK, X2), tl.trans(x), acc,
-                       DOT_F32)
+            if PF:
+                s = s_nx
+                s_nx = _load_scales(s_e, n, n_ok & (k0 + BK < K), k0 + BK, K, BK)
+                w = _dequant_ws(w_e, s, n, n_ok, k0, K, BN, BK, X2)
+            else:
+                w = _dequant_w(w_e, s_e, n, n_ok, k0, K, BN, BK, X2)
+            acc = _dot(w, tl.trans(x), acc, DOT_F32)
         return acc
 
     @triton.jit
@@ -607,7 +647,8 @@ if triton is not None:
                               chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k,
                               L: tl.constexpr, I2: tl.constexpr, BM: tl.constexpr,
                               BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                              TILE_MAJOR: tl.constexpr = False, X2: tl.constexpr = 0):
+                              TILE_MAJOR: tl.constexpr = False, X2: tl.constexpr = 0,
+                              PF: tl.constexpr = False):
         """gu_sorted[m, n] = bf16(W13_e z[t])[n] for one BN-row tile of the 2I gate ‖ up rows
         and the sorted positions m of chunk c (`MoEConfig.split_gate_up`): one (BN, BM) fp32
         accumulator per program where `_gate_up_swap_kernel` holds two, so a program needs
@@ -622,7 +663,7 @@ if triton is not None:
         n = tile * BN + tl.arange(0, BN)
         n_ok = n < I2
         acc = _swap_acc(z_ptr, pair // top_k, m_ok, L, w_ptr + e * (I2 * (L // 2)),
-                        s_ptr + e * (I2 * (L // 32)), n, n_ok, BM, BN, BK, DOT_F32, X2)
+                        s_ptr + e * (I2 * (L // 32)), n, n_ok, BM, BN, BK, DOT_F32, X2, PF)
         tl.store(gu_ptr + m[None, :] * I2 + n[:, None], acc.to(tl.bfloat16),
                  mask=m_ok[None, :] & n_ok[:, None])
 
@@ -647,7 +688,8 @@ if triton is not None:
                           chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                           I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, DOT_F32: tl.constexpr,
-                          TILE_MAJOR: tl.constexpr = False, X2: tl.constexpr = 0):
+                          TILE_MAJOR: tl.constexpr = False, X2: tl.constexpr = 0,
+                          PF: tl.constexpr = False):
         """y[p, n] = bf16(W2_e a[p])[n] for the pairs of chunk c, computed
         transposed; a in sorted order (`_gate_up_swap_kernel`), y in pair order."""
         c, tile = _chunk_and_tile(TILE_MAJOR)
@@ -658,7 +700,7 @@ if triton is not None:
         n = tile * BN + tl.arange(0, BN)
         n_ok = n < L
         acc = _swap_acc(a_ptr, m, m_ok, I, w_ptr + e * (L * (I // 2)),
-                        s_ptr + e * (L * (I // 32)), n, n_ok, BM, BN, BK, DOT_F32, X2)
+                        s_ptr + e * (L * (I // 32)), n, n_ok, BM, BN, BK, DOT_F32, X2, PF)
         tl.store(y_ptr + pair[None, :] * L + n[:, None], acc.to(tl.bfloat16),
                  mask=m_ok[None, :] & n_ok[:, None])
 
@@ -694,15 +736,23 @@ if triton is not None:
     @triton.jit
     def _blocked_accs(x_ptr, r0, ok0, r1, ok1, r2, ok2, r3, ok3, K: tl.constexpr, w_e, s_e, n,
                       n_ok, SUB: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, DOT_F32: tl.constexpr, X2: tl.constexpr = 0):
+                      BK: tl.constexpr, DOT_F32: tl.constexpr, X2: tl.constexpr = 0,
+                      PF: tl.constexpr = False):
         """NB accumulators (BN, SUB): acc_i = W[n, :K] · x[r_i, :K]ᵀ for sub-block i's x rows
-        r_i (valid ok_i, `_sub_rows`); unused ones stay zero."""
+        r_i (valid ok_i, `_sub_rows`); unused ones stay zero. PF: scales one k step ahead."""
         acc0 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc1 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc2 = tl.zeros((BN, SUB), dtype=tl.float32)
         acc3 = tl.zeros((BN, SUB), dtype=tl.float32)
+        if PF:
+            s_nx = _load_scales(s_e, n, n_ok, 0, K, BK)
         for k0 in range(0, K, BK):
-            w = _dequant_w(w_e, s_e, n, n_ok, k0, K, BN, BK, X2)    # decoded once, NB dots
+            if PF:                                                   # decoded once, NB dots
+                s = s_nx
+                s_nx = _load_scales(s_e, n, n_ok & (k0 + BK < K), k0 + BK, K, BK)
+                w = _dequant_ws(w_e, s, n, n_ok, k0, K, BN, BK, X2)
+            else:
+                w = _dequant_w(w_e, s_e, n, n_ok, k0, K, BN, BK, X2)
             acc0 = _sub_dot(w, x_ptr, r0, ok0, K, k0, BK, acc0, DOT_F32)
             if NB > 1:
                 acc1 = _sub_dot(w, x_ptr, r1, ok1, K, k0, BK, acc1, DOT_F32)
@@ -728,7 +778,7 @@ if triton is not None:
                       out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr, SUB: tl.constexpr,
                       NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       TILES: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr,
-                      X2: tl.constexpr = 0):
+                      X2: tl.constexpr = 0, PF: tl.constexpr = False):
         """Output tiles tile·TILES + [0, TILES) (BN weight rows each) of a chunk of NB
         sub-blocks: its x rows are found once, then each tile's K loop and stores."""
         r0, ok0 = _sub_rows(xrow_ptr, top_k, start, end, 0, SUB, GATHER)
@@ -740,7 +790,7 @@ if triton is not None:
             n_ok = n < N
             acc0, acc1, acc2, acc3 = _blocked_accs(x_ptr, r0, ok0, r1, ok1, r2, ok2, r3, ok3,
                                                    K, w_e, s_e, n, n_ok, SUB, NB, BN, BK,
-                                                   DOT_F32, X2)
+                                                   DOT_F32, X2, PF)
             _blocked_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, N, SUB)
             if NB > 1:
                 _blocked_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, N, SUB)
@@ -754,24 +804,29 @@ if triton is not None:
                           out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr,
                           SUB: tl.constexpr, NBMAX: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, TILES: tl.constexpr, GATHER: tl.constexpr,
-                          DOT_F32: tl.constexpr, X2: tl.constexpr = 0):
+                          DOT_F32: tl.constexpr, X2: tl.constexpr = 0,
+                          PF: tl.constexpr = False):
         """The body for this chunk's sub-block count nb = ⌈(end − start) / SUB⌉ ≤ NBMAX."""
         nb = (end - start + SUB - 1) // SUB
         if nb == 1:
             _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
-                          row_ptr, ROW, N, SUB, 1, BN, BK, TILES, GATHER, DOT_F32, X2)
+                          row_ptr, ROW, N, SUB, 1, BN, BK, TILES, GATHER, DOT_F32, X2,
+                          PF)
         if NBMAX > 1:
             if nb == 2:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
-                              row_ptr, ROW, N, SUB, 2, BN, BK, TILES, GATHER, DOT_F32, X2)
+                              row_ptr, ROW, N, SUB, 2, BN, BK, TILES, GATHER, DOT_F32, X2,
+                          PF)
         if NBMAX > 2:
             if nb == 3:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
-                              row_ptr, ROW, N, SUB, 3, BN, BK, TILES, GATHER, DOT_F32, X2)
+                              row_ptr, ROW, N, SUB, 3, BN, BK, TILES, GATHER, DOT_F32, X2,
+                          PF)
         if NBMAX > 3:
             if nb == 4:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
-                              row_ptr, ROW, N, SUB, 4, BN, BK, TILES, GATHER, DOT_F32, X2)
+                              row_ptr, ROW, N, SUB, 4, BN, BK, TILES, GATHER, DOT_F32, X2,
+                          PF)
 
     @triton.jit
     def _blocked_gemm(x_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
@@ -779,7 +834,7 @@ if triton is not None:
                       N: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
                       GATE_UP: tl.constexpr, ROW: tl.constexpr, DOT_F32: tl.constexpr,
-                      X2: tl.constexpr = 0):
+                      X2: tl.constexpr = 0, PF: tl.constexpr = False):
         """Program (tile, chunk c) of a blocked GEMM over one expert's (N, K) MXFP4 matrix:
         GATE_UP, x = z (token rows gathered), out = the sorted (P, 2I) gu buffer; else x =
         the sorted `a`, out = y in pair order (ROW: out rows by pair). Each program writes
@@ -792,32 +847,34 @@ if triton is not None:
             _blocked_dispatch(x_ptr, pairs_ptr, top_k, start, end, K,
                               w_ptr + e * (N * (K // 2)), s_ptr + e * (N * (K // 32)), tile,
                               out_ptr, pairs_ptr, ROW, N, SUB, NBMAX, BN, BK, TILES, GATE_UP,
-                              DOT_F32, X2)
+                              DOT_F32, X2, PF)
 
     @triton.jit
     def _gate_up_blocked_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                                 chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k,
                                 L: tl.constexpr, I2: tl.constexpr, SUB: tl.constexpr,
                                 NBMAX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                DOT_F32: tl.constexpr, X2: tl.constexpr = 0):
+                                DOT_F32: tl.constexpr, X2: tl.constexpr = 0,
+                                PF: tl.constexpr = False):
         """gu_sorted[m, n] = bf16(W13_e z[t])[n] (the split form's buffer) for the sorted
         positions m of each chunk (its own kernel name: profiles tell the GEMMs apart)."""
         _blocked_gemm(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k, L, I2, SUB, NBMAX, BN, BK,
-                      1, True, False, DOT_F32, X2)
+                      1, True, False, DOT_F32, X2, PF)
 
     @triton.jit
     def _down_blocked_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                              chunk_end_ptr, num_chunks_ptr, y_ptr, L: tl.constexpr,
                              I: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
-                             DOT_F32: tl.constexpr, X2: tl.constexpr = 0):
+                             DOT_F32: tl.constexpr, X2: tl.constexpr = 0,
+                             PF: tl.constexpr = False):
         """y[p, n] = bf16(W2_e a[m])[n] (pair order), a in sorted order (the gate/up's);
         TILES output tiles per program (K = I is short: its rows found once, more work per
         program)."""
         _blocked_gemm(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, y_ptr, 1, I, L, SUB, NBMAX, BN, BK,
-                      TILES, False, True, DOT_F32, X2)
+                      TILES, False, True, DOT_F32, X2, PF)
 
     @triton.jit(do_not_specialize=["T"])
     def _weighted_sum_kernel(y_ptr, topw_ptr, out_ptr, T, out_stride, row_ptr,
@@ -878,7 +935,9 @@ class MoEConfig:
     the swapped one on 128-pair chunks of the same order. swap_ab, split_gate_up and
     tile_major do not apply (always tile-major). ogs ("strided" / "hopper"): the call runs
     on triton_kernels' matmul_ogs in that weight layout (kernels/moe_ogs.py); the tile
-    fields then do not apply."""
+    fields then do not apply. prefetch_scales: the swapped kernels with split_gate_up and
+    the blocked ones load each k step's group scales one step ahead (the kernels' `PF`; the
+    fused swapped gate/up kernel does not take it); the same values."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -896,6 +955,7 @@ class MoEConfig:
     blocked_down: bool = True   # blocked: the down kernel blocked too (else swapped, 128)
     down_tiles: int = 1         # blocked down: output tiles of down_bn per program
     ogs: str = ""               # kernels/moe_ogs.py: matmul_ogs in this weight layout
+    prefetch_scales: bool = False  # split / blocked kernels: scales one k step ahead (PF)
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -986,11 +1046,17 @@ def prefill_config(latent: int, intermediate: int, pairs: int = 0,
     weight layout) where it can run the call and the call has ≥ OGS_MIN_LOAD pairs per expert,
     else "auto". Our kernels decode the weights with PREFILL_DECODE ("x2": 8 codes per 32-bit
     word in bf16x2 arithmetic, the same values: one 8,192-token call 4.09 ms split / 4.04
-    blocked against 4.73 / 4.36 elementwise on the H100); "auto-ew" is auto as it was before
+    blocked against 4.73 / 4.36 elementwise on the H100); "auto-pf" is auto with the group
+    scales loaded a k step ahead (`MoEConfig.prefetch_scales`: the A/B kind until a GPU run
+    times it); "auto-ew" is auto as it was before
     x2 (blocked past the threshold, elementwise decode), kept as the same-run baseline."""
     kind = PREFILL_EXPERTS
     if kind == "auto-ew":
         return _prefill_config("auto", latent, intermediate, pairs, num_experts, "blocked")
+    if kind == "auto-pf":
+        return dataclasses.replace(_prefill_config("auto", latent, intermediate, pairs,
+                                                   num_experts),
+                                   decode=PREFILL_DECODE, prefetch_scales=True)
     cfg = _prefill_config(kind, latent, intermediate, pairs, num_experts)
     return cfg if cfg.ogs else dataclasses.replace(cfg, decode=PREFILL_DECODE)
 
@@ -1239,6 +1305,9 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     if cfg.split_gate_up and not cfg.swap_ab:
         raise ValueError("MoEConfig.split_gate_up needs swap_ab (the swapped kernels' sorted "
                          "`a`)")
+    if cfg.prefetch_scales and not cfg.split_gate_up:
+        raise ValueError("MoEConfig.prefetch_scales needs the blocked kernels or swap_ab with "
+                         "split_gate_up (the fused swapped gate/up kernel does not take it)")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
     dec = 0 if cfg.swap_ab else DECODES[cfg.decode]
     x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
@@ -1247,6 +1316,9 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     if cfg.swap_ab:     # the decoded tile as the dots' register operand; `a` in sorted order
         gate_up, down = _gate_up_swap_kernel, _down_swap_kernel
         extra13 = extra2 = dict(X2=_x2(cfg, z))
+        if cfg.prefetch_scales:
+            extra2 = dict(extra2, PF=True)
+            extra13 = dict(extra13, PF=True)     # the split kernel's; the fused one refused
     else:
         gate_up, down = _gate_up_kernel, _down_kernel
         extra13, extra2 = dict(DECODE=dec, WPR=w13.shape[-1]), dict(DECODE=dec, WPR=w2.shape[-1])
@@ -1310,8 +1382,8 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
     _gate_up_blocked_kernel[(triton.cdiv(2 * I, cfg.gate_up_bn), chunks)](
         z.to(torch.bfloat16).contiguous(), experts.w13, experts.s13, pairs, sorted_e, c_start,
         c_end, n_chunks, gu, k, L=L, I2=2 * I, SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK,
-        BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, DOT_F32=dot32, X2=x2, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, DOT_F32=dot32, X2=x2, PF=cfg.prefetch_scales,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     a = situ_rows(gu, torch.empty(P, I, dtype=torch.bfloat16, device=z.device), experts)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
     warps = cfg.down_warps or cfg.num_warps
@@ -1319,8 +1391,8 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
         _down_blocked_kernel[(triton.cdiv(L, cfg.down_bn * cfg.down_tiles), chunks)](
             a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
             SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK, BN=cfg.down_bn, BK=cfg.down_bk,
-            TILES=cfg.down_tiles, DOT_F32=dot32, X2=x2, num_warps=warps,
-            num_stages=cfg.num_stages)
+            TILES=cfg.down_tiles, DOT_F32=dot32, X2=x2, PF=cfg.prefetch_scales,
+            num_warps=warps, num_stages=cfg.num_stages)
     else:        # the swapped down kernel on 128-pair chunks of the same sorted order
         _, _, _, _, d_start, d_end, d_chunks = down_runs
         dc = max_chunks(P, E, 128)
@@ -1328,8 +1400,8 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
         _down_swap_kernel[(triton.cdiv(L, cfg.down_bn), dc) if tm
                           else (dc, triton.cdiv(L, cfg.down_bn))](
             a, experts.w2, experts.s2, pairs, sorted_e, d_start, d_end, d_chunks, y, L=L, I=I,
-            BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=dot32, X2=x2, num_warps=warps,
-            num_stages=3, TILE_MAJOR=tm)
+            BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=dot32, X2=x2,
+            PF=cfg.prefetch_scales, num_warps=warps, num_stages=3, TILE_MAJOR=tm)
     return weighted_sum(y, topk_weights, out)
 
 

@@ -79,7 +79,8 @@ def is_token_bucket(n: int) -> bool:
 
 # the expert kernels of prefill steps (kernels/moe_mxfp4.py `prefill_config`): ours picked by
 # size ("auto"), one of ours, or Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
-PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper", "auto-ew")
+PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper", "auto-ew",
+                        "auto-pf")
 # ogs-hopper's copy of the experts over the packed weights it copies (matmul_ogs's Hopper
 # layouts pad values to 64 along N and K/2, scales to 256 along N: ≈ 2 % and 7 % at 2880 ×
 # 2880); the bound the load's memory check (engine/loader.py) and the planner use
@@ -182,7 +183,9 @@ _ALL = (
             "MFU 0.426 against 0.350 on the H100 in one run (docs/PERF.md); ogs: the same on "
             "the weights as they are (no copy; slower than ours); both below 32 pairs per "
             "expert run auto's kernels; auto-ew: auto as it was before the x2 decode "
-            "(blocked past 128 pairs per expert, elementwise decode), the benchmark's baseline",
+            "(blocked past 128 pairs per expert, elementwise decode), the benchmark's baseline; "
+            "auto-pf: auto with each k step's group scales loaded a step ahead "
+            "(`MoEConfig.prefetch_scales`; bit-equal; not yet timed on a GPU)",
             ", ".join(PREFILL_EXPERT_KINDS), _choice(*PREFILL_EXPERT_KINDS)),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",

@@ -76,7 +76,8 @@ def test_prefill_experts_switch(monkeypatch):
     128-pair chunks), blocked (≤ 256-pair chunks in 64-pair sub-blocks, 128-row down tiles),
     hybrid (blocked gate/up, swapped down), auto (hybrid where the experts' mean load is above
     AUTO_BLOCKED_LOAD pairs, else split; the decision by the pair count alone), all with the
-    x2 decode; auto-ew: auto before x2 (blocked past the threshold, elementwise decode)."""
+    x2 decode; auto-ew: auto before x2 (blocked past the threshold, elementwise decode);
+    auto-pf: auto with prefetch_scales."""
     assert M.PREFILL_EXPERTS in M.PREFILL_EXPERT_KINDS
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "split")
     split = M.prefill_config(3584, 192)
@@ -102,6 +103,10 @@ def test_prefill_experts_switch(monkeypatch):
     assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == \
         ew(blocked, decode="elementwise")
     assert M.default_config(edge, 896, 192, 3584, tuned=False) == ew(split, decode="elementwise")
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto-pf")      # auto, scales a k step ahead
+    assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == \
+        ew(hybrid, prefetch_scales=True)
+    assert M.default_config(edge, 896, 192, 3584, tuned=False) == ew(split, prefetch_scales=True)
 
 
 @pytest.mark.parametrize("T,skew", [(100, True), (1250, False)])

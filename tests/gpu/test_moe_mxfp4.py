@@ -349,6 +349,32 @@ def test_x2_decode_gives_the_same_expert_outputs(form, monkeypatch):
             f"seed {seed} {form} {E}x{L}x{I}: x2 vs elementwise rel err {rel_err(out, ref):.2e}"
 
 
+@pytest.mark.parametrize("form", ["split", "blocked", "hybrid"])
+@pytest.mark.parametrize("decode", ["x2", "elementwise"])
+def test_prefetched_scales_give_the_same_expert_outputs(form, decode, monkeypatch):
+    """`prefetch_scales` (each k step's group scales loaded one step ahead) in the split,
+    blocked and hybrid forms, on both decodes: the output equals the form's without it bit
+    for bit (the same scales reach the same decode), every row written (poisoned allocator);
+    the last k step's look-ahead (past the row's groups) is masked off: 1-2 k steps per GEMM
+    here, 3 (down) and 28-56 (gate/up) at the K3 TP16 shape on CUDA. The fused swapped
+    gate/up kernel refuses it by name."""
+    seed = fresh_seed()
+    shapes = [(16, 128, 64, 4, 200)] + ([(896, 3584, 192, 16, 2048)] if ON_GPU else [])
+    for E, L, I, k, T in shapes:
+        ex, z, w, ids = _case(E, L, I, k, T, seed)
+        monkeypatch.setattr(M, "PREFILL_EXPERTS", form)
+        base = replace(M.prefill_config(L, I), decode=decode)
+        _poison_allocator()
+        out = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(base, prefetch_scales=True))
+        assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
+        ref = M.fused_moe_mxfp4_triton(z, w, ids, ex, base)
+        assert torch.equal(out, ref), \
+            f"seed {seed} {form} {decode} {E}x{L}x{I}: rel err {rel_err(out, ref):.2e}"
+    fused = M.MoEConfig(64, 64, 64, 64, block_m=128, swap_ab=True, prefetch_scales=True)
+    with pytest.raises(ValueError, match="prefetch_scales needs the blocked kernels"):
+        M.fused_moe_mxfp4_triton(z, w, ids, ex, fused)
+
+
 def _counted_routing(counts: list[int], T: int, k: int, gen):
     """(weights, ids (T, k)) in which expert e gets counts[e] pairs, distinct experts per
     token (the sorted id list dealt column by column), rows shuffled."""
