@@ -270,16 +270,25 @@ if triton is not None:
         """(BN, BK) bf16 tile of an MXFP4 (N, K) matrix: rows `rows`, columns [k0, k0 + BK).
         fp16 bits ((c & 7) << 9 | (c & 8) << 12) are exactly e2m1 · 2**-14 (code 1, e2m1's
         subnormal 0.5, lands on fp16's subnormal 2**-15); the scale adds 2**(s − 113)."""
-        return _dequant_tile_s(w_ptr, _load_scales(s_ptr, rows, row_ok, k0, K, BK), rows,
-                               row_ok, k0, K, BN, BK)
+        p = _load_bytes(w_ptr, rows, row_ok, k0, K, BK)
+        return _ew_decode(p, _load_scales(s_ptr, rows, row_ok, k0, K, BK), BN, BK)
 
     @triton.jit
     def _dequant_tile_s(w_ptr, s, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr):
         """`_dequant_tile` with the tile's scale bytes s (`_load_scales`) already loaded."""
+        return _ew_decode(_load_bytes(w_ptr, rows, row_ok, k0, K, BK), s, BN, BK)
+
+    @triton.jit
+    def _load_bytes(w_ptr, rows, row_ok, k0, K: tl.constexpr, BK: tl.constexpr):
+        """The (BN, BK / 2) code bytes of rows `rows`, columns [k0, k0 + BK)."""
         kb = k0 // 2 + tl.arange(0, BK // 2)
-        p = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None],
-                    other=0)
+        return tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=row_ok[:, None],
+                       other=0)
+
+    @triton.jit
+    def _ew_decode(p, s, BN: tl.constexpr, BK: tl.constexpr):
+        """The elementwise decode of code bytes p with scale bytes s -> (BN, BK) bf16."""
         c = tl.join(p & 15, p >> 4).reshape(BN, BK).to(tl.int32)    # k order: lo, hi, lo, ...
         bits = ((c & 7) << 9) | ((c & 8) << 12)
         v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -384,16 +393,25 @@ if triton is not None:
                          BK: tl.constexpr, ASM: tl.constexpr):
         """`_dequant_tile`'s (BN, BK) bf16 tile (the same values) by the x2 decode; ASM: the
         inline-asm form (CUDA), else its Triton-ops emulation."""
-        return _dequant_tile_x2s(w_ptr, _load_scales(s_ptr, rows, row_ok, k0, K, BK), rows,
-                                 row_ok, k0, K, BN, BK, ASM)
+        v = _load_words(w_ptr, rows, row_ok, k0, K, BK)
+        return _x2_decode(v, _load_scales(s_ptr, rows, row_ok, k0, K, BK), BN, BK, ASM)
 
     @triton.jit
     def _dequant_tile_x2s(w_ptr, s, rows, row_ok, k0, K: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, ASM: tl.constexpr):
         """`_dequant_tile_x2` with the tile's scale bytes s (`_load_scales`) already loaded."""
+        return _x2_decode(_load_words(w_ptr, rows, row_ok, k0, K, BK), s, BN, BK, ASM)
+
+    @triton.jit
+    def _load_words(w_ptr, rows, row_ok, k0, K: tl.constexpr, BK: tl.constexpr):
+        """The (BN, BK / 8) int32 code words of rows `rows`, columns [k0, k0 + BK)."""
         kw = k0 // 8 + tl.arange(0, BK // 8)
-        v = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
-                    + kw[None, :], mask=row_ok[:, None], other=0)
+        return tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
+                       + kw[None, :], mask=row_ok[:, None], other=0)
+
+    @triton.jit
+    def _x2_decode(v, s, BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+        """The x2 decode of code words v with scale bytes s -> (BN, BK) bf16, code order."""
         s = s.to(tl.int32)
         s = tl.broadcast_to(s[:, :, None], (BN, BK // 32, 4)).reshape(BN, BK // 8)
         if ASM:
@@ -816,17 +834,17 @@ if triton is not None:
             if nb == 2:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
                               row_ptr, ROW, N, SUB, 2, BN, BK, TILES, GATHER, DOT_F32, X2,
-                          PF)
+                              PF)
         if NBMAX > 2:
             if nb == 3:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
                               row_ptr, ROW, N, SUB, 3, BN, BK, TILES, GATHER, DOT_F32, X2,
-                          PF)
+                              PF)
         if NBMAX > 3:
             if nb == 4:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
                               row_ptr, ROW, N, SUB, 4, BN, BK, TILES, GATHER, DOT_F32, X2,
-                          PF)
+                              PF)
 
     @triton.jit
     def _blocked_gemm(x_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
