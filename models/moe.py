@@ -320,10 +320,11 @@ class LatentMoE(nn.Module):
         x (their partial output (T, H)) under one all-reduce: -> (full latent sum, full shared
         output or None), x's dtype (rounded=False: fp32 views of the summed buffer, for a
         caller that rounds them as it reads them). The latent must be summed before its norm,
-        the shared output anyway: one collective. Both partials are written into the column blocks of
-        one (T, L + H) fp32 buffer (the experts' weighted sum and, on the fused stock path,
-        the shared down GEMM write there), not concatenated after: at an 8,191-token step of
-        K3 the concatenation copied 302 MB per MoE layer (2.2 ms of 68 on 8 layers, H100)."""
+        the shared output anyway: one collective. Both partials are written into the column
+        blocks of one (T, L + H) fp32 buffer (the experts' weighted sum and, on the fused stock
+        path, the shared down GEMM write there), not concatenated after: at an 8,191-token
+        step of K3 the concatenation copied 302 MB per MoE layer (2.2 ms of 68 on 8 layers,
+        H100)."""
         if self.shared_experts is None:
             lat = self.comm.all_reduce(self.experts(z, w, ids, path))
             return (lat.to(x.dtype) if rounded else lat), None

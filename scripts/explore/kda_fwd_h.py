@@ -33,34 +33,17 @@ import time
 
 import torch
 
+from raydecode.kernels import kda_prefill as KP
 from raydecode.scripts.explore.common import kernel_ms, median_cuda_ms, rel_err
-
-D = 128                  # K3 linear_attn_config.head_dim
-K3_HEADS = 96
-
-
-def _inputs(T: int, h: int, seed: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rn(*s):
-        return torch.randn(*s, device="cuda", generator=gen)
-
-    def l2(x):
-        return x / x.norm(dim=-1, keepdim=True)
-
-    return dict(q=l2(rn(T, h, D)), k=l2(rn(T, h, D)), v=rn(T, h, D),
-                g=-5.0 * torch.sigmoid(3.0 * rn(T, h, D)), beta=torch.sigmoid(rn(T, h)),
-                states=0.3 * rn(1, h, D, D), cu=torch.tensor([0, T], dtype=torch.int64))
+from raydecode.scripts.explore.kda_prefill_precision import D, K3_HEADS, _inputs
 
 
 def _recurrence_autotuner():
-    """fla's autotuner object of the state recurrence (under its heuristics wrapper)."""
-    import triton
-    from fla.ops.common import chunk_delta_h
-    fn = chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64
-    while not isinstance(fn, triton.runtime.Autotuner):
-        fn = fn.fn
-    return fn
+    """fla's autotuner object of the state recurrence (kernels/kda_prefill.py's lookup)."""
+    tuner = KP._recurrence_tuner()
+    if tuner is None:
+        raise RuntimeError("fla-core's state recurrence autotuner not found (fla moved it?)")
+    return tuner
 
 
 @contextlib.contextmanager
@@ -104,25 +87,19 @@ def _split(parts: int):
 
 
 def _call(x: dict, offsets: bool):
-    """One forward as kernels/kda_prefill.py `_fla_prefill` makes it; offsets False: without
-    chunk_offsets (what fla's intra-card backend needs to take the call)."""
-    from raydecode.kernels import kda_prefill as KP
-    host, dev, chunk_indices, chunk_offsets = KP._varlen_index(tuple(x["cu"].tolist()),
-                                                               x["q"].device)
-    f32 = [t.float().contiguous().unsqueeze(0) for t in (x["q"], x["k"], x["v"], x["g"],
-                                                         x["beta"])]
-    out = KP._chunk_kda_fwd()(*f32, scale=D ** -0.5, initial_state=x["states"].contiguous(),
-                              output_final_state=True, cu_seqlens=dev, cu_seqlens_cpu=host,
-                              chunk_indices=chunk_indices, chunk_size=KP.CHUNK,
-                              chunk_offsets=chunk_offsets if offsets else None)
-    return out[0][0], out[1]
+    """One forward through kernels/kda_prefill.py `_fla_prefill`; offsets False: its index
+    without chunk_offsets (what fla's intra-card backend needs to take the call)."""
+    index = KP._varlen_index(tuple(x["cu_seqlens"].tolist()), x["q"].device)
+    if not offsets:
+        index = index[:3] + (None,)
+    return KP._fla_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"],
+                           x["states"], x["cu_seqlens"], index)
 
 
 @torch.inference_mode()
 def run(tp: int, tokens: int, splits: list[int], reps: int, seed: int, log=print) -> dict:
-    from raydecode.kernels import kda_prefill as KP
     h = K3_HEADS // tp
-    x = _inputs(tokens, h, seed)
+    x = _inputs([tokens], h, seed)
     KP.warmup(h, D, "cuda")
     rows = []
     o_ref, s_ref = _call(x, True)
