@@ -1289,6 +1289,56 @@ def _x2(cfg: MoEConfig, z: torch.Tensor) -> int:
     return 0 if cfg.decode == "elementwise" else (2 if z.is_cuda else 1)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One expert-GEMM launch of the prefill forms: the JIT kernel, its constexprs, warps and
+    stages. `prefill_launches` is the one place they are set: the launches below and the
+    sm_90 compile probe (scripts/explore/sm90_compile.py) both read it."""
+    kernel: object
+    consts: dict
+    warps: int
+    stages: int
+
+    def __call__(self, grid, *args):
+        self.kernel[grid](*args, **self.consts, num_warps=self.warps, num_stages=self.stages)
+
+
+def prefill_launches(cfg: MoEConfig, L: int, I: int, *, x2: int, dot32: bool,
+                     tile_major: bool = True) -> dict[str, Launch]:
+    """name -> Launch of the expert GEMMs cfg runs in its blocked or swapped form (x2: the
+    kernels' X2, `_x2`; dot32: fp32 dots, off CUDA; tile_major: the swapped kernels' grid
+    order, where the chunks fit the grid's y). Blocked: gate_up_blocked and down_blocked or
+    down_swap (128-pair chunks, 3 stages); swapped: gate_up_split (split_gate_up only) and
+    down_swap. The fused swapped gate/up and the unswapped kernels are not covered."""
+    pf = dict(PF=cfg.prefetch_scales)
+    down_warps = cfg.down_warps or cfg.num_warps
+    out: dict[str, Launch] = {}
+    if cfg.blocked:
+        nb = dict(SUB=SUB_BLOCK, NBMAX=cfg.block_m // SUB_BLOCK, DOT_F32=dot32, X2=x2, **pf)
+        out["gate_up_blocked"] = Launch(_gate_up_blocked_kernel, dict(
+            L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **nb), cfg.num_warps,
+            cfg.num_stages)
+        if cfg.blocked_down:
+            out["down_blocked"] = Launch(_down_blocked_kernel, dict(
+                L=L, I=I, BN=cfg.down_bn, BK=cfg.down_bk, TILES=cfg.down_tiles, **nb),
+                down_warps, cfg.num_stages)
+        else:
+            out["down_swap"] = Launch(_down_swap_kernel, dict(
+                L=L, I=I, BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=dot32,
+                TILE_MAJOR=tile_major, X2=x2, **pf), down_warps, 3)
+        return out
+    if not cfg.swap_ab:
+        raise ValueError(f"{cfg}: prefill_launches covers the blocked and swapped forms")
+    common = dict(BM=cfg.block_m, DOT_F32=dot32, TILE_MAJOR=tile_major, X2=x2, **pf)
+    if cfg.split_gate_up:
+        out["gate_up_split"] = Launch(_gate_up_split_kernel, dict(
+            L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common), cfg.num_warps,
+            cfg.num_stages)
+    out["down_swap"] = Launch(_down_swap_kernel, dict(
+        L=L, I=I, BN=cfg.down_bn, BK=cfg.down_bk, **common), down_warps, cfg.num_stages)
+    return out
+
+
 def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor, experts: MXFP4Experts,
                            config: MoEConfig | None = None,
@@ -1331,17 +1381,15 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
     w13, w2 = ((experts.w13.view(torch.int32), experts.w2.view(torch.int32)) if dec == 1
                else (experts.w13, experts.w2))
-    if cfg.swap_ab:     # the decoded tile as the dots' register operand; `a` in sorted order
-        gate_up, down = _gate_up_swap_kernel, _down_swap_kernel
-        extra13 = extra2 = dict(X2=_x2(cfg, z))
-        if cfg.prefetch_scales:
-            extra2 = dict(extra2, PF=True)
-            extra13 = dict(extra13, PF=True)     # the split kernel's; the fused one refused
-    else:
-        gate_up, down = _gate_up_kernel, _down_kernel
-        extra13, extra2 = dict(DECODE=dec, WPR=w13.shape[-1]), dict(DECODE=dec, WPR=w2.shape[-1])
     chunks = max_chunks(P, E, bm)
     tm = cfg.tile_major and chunks <= MAX_GRID_Y
+    if cfg.swap_ab:     # the decoded tile as the dots' register operand; `a` in sorted order
+        gate_up, extra13 = _gate_up_swap_kernel, dict(X2=_x2(cfg, z))
+        launch = prefill_launches(cfg, L, I, x2=_x2(cfg, z), dot32=not z.is_cuda,
+                                  tile_major=tm)
+    else:
+        gate_up, launch = _gate_up_kernel, None
+        extra13, extra2 = dict(DECODE=dec, WPR=w13.shape[-1]), dict(DECODE=dec, WPR=w2.shape[-1])
     common = dict(BM=bm, DOT_F32=not z.is_cuda, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, TILE_MAJOR=tm)
 
@@ -1353,10 +1401,9 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     beta, lin_beta = float(experts.beta), float(lin if lin is not None else 1.0)
     if cfg.split_gate_up:
         gu = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
-        _gate_up_split_kernel[grid(triton.cdiv(2 * I, cfg.gate_up_bn))](
-            z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e, c_start, c_end,
-            n_chunks, gu, k, L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **extra13,
-            **common)
+        launch["gate_up_split"](grid(triton.cdiv(2 * I, cfg.gate_up_bn)),
+                                z.to(x_dtype).contiguous(), w13, experts.s13, pairs, sorted_e,
+                                c_start, c_end, n_chunks, gu, k)
         situ_rows(gu, a, experts)
     else:
         gate_up[grid(triton.cdiv(I, cfg.gate_up_bn))](
@@ -1364,11 +1411,14 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
             n_chunks, a, k, beta, lin_beta, L=L, I=I, HAS_LIN=lin is not None,
             BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **extra13, **common)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
-    if cfg.down_warps:
-        common["num_warps"] = cfg.down_warps
-    down[grid(triton.cdiv(L, cfg.down_bn))](
-        a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
-        BN=cfg.down_bn, BK=cfg.down_bk, **extra2, **common)
+    down_args = (a, w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y)
+    if launch is not None:
+        launch["down_swap"](grid(triton.cdiv(L, cfg.down_bn)), *down_args)
+    else:
+        if cfg.down_warps:
+            common["num_warps"] = cfg.down_warps
+        _down_kernel[grid(triton.cdiv(L, cfg.down_bn))](
+            *down_args, L=L, I=I, BN=cfg.down_bn, BK=cfg.down_bk, **extra2, **common)
     return weighted_sum(y, topk_weights, out)
 
 
@@ -1395,31 +1445,25 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
     if chunks > MAX_GRID_Y:
         raise ValueError(f"{P} pairs: {chunks} chunks of ≤ {bm} exceed the grid's "
                          f"{MAX_GRID_Y}; split the batch")
-    dot32, x2 = not z.is_cuda, _x2(cfg, z)
+    dc = max_chunks(P, E, 128)       # the swapped down kernel's chunks, where it runs
+    tm = dc <= MAX_GRID_Y
+    launch = prefill_launches(cfg, L, I, x2=_x2(cfg, z), dot32=not z.is_cuda, tile_major=tm)
     gu = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
-    _gate_up_blocked_kernel[(triton.cdiv(2 * I, cfg.gate_up_bn), chunks)](
-        z.to(torch.bfloat16).contiguous(), experts.w13, experts.s13, pairs, sorted_e, c_start,
-        c_end, n_chunks, gu, k, L=L, I2=2 * I, SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK,
-        BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, DOT_F32=dot32, X2=x2, PF=cfg.prefetch_scales,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch["gate_up_blocked"]((triton.cdiv(2 * I, cfg.gate_up_bn), chunks),
+                              z.to(torch.bfloat16).contiguous(), experts.w13, experts.s13,
+                              pairs, sorted_e, c_start, c_end, n_chunks, gu, k)
     a = situ_rows(gu, torch.empty(P, I, dtype=torch.bfloat16, device=z.device), experts)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
-    warps = cfg.down_warps or cfg.num_warps
     if cfg.blocked_down:
-        _down_blocked_kernel[(triton.cdiv(L, cfg.down_bn * cfg.down_tiles), chunks)](
-            a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end, n_chunks, y, L=L, I=I,
-            SUB=SUB_BLOCK, NBMAX=bm // SUB_BLOCK, BN=cfg.down_bn, BK=cfg.down_bk,
-            TILES=cfg.down_tiles, DOT_F32=dot32, X2=x2, PF=cfg.prefetch_scales,
-            num_warps=warps, num_stages=cfg.num_stages)
+        launch["down_blocked"]((triton.cdiv(L, cfg.down_bn * cfg.down_tiles), chunks),
+                               a, experts.w2, experts.s2, pairs, sorted_e, c_start, c_end,
+                               n_chunks, y)
     else:        # the swapped down kernel on 128-pair chunks of the same sorted order
         _, _, _, _, d_start, d_end, d_chunks = down_runs
-        dc = max_chunks(P, E, 128)
-        tm = dc <= MAX_GRID_Y
-        _down_swap_kernel[(triton.cdiv(L, cfg.down_bn), dc) if tm
-                          else (dc, triton.cdiv(L, cfg.down_bn))](
-            a, experts.w2, experts.s2, pairs, sorted_e, d_start, d_end, d_chunks, y, L=L, I=I,
-            BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=dot32, X2=x2,
-            PF=cfg.prefetch_scales, num_warps=warps, num_stages=3, TILE_MAJOR=tm)
+        launch["down_swap"]((triton.cdiv(L, cfg.down_bn), dc) if tm
+                            else (dc, triton.cdiv(L, cfg.down_bn)),
+                            a, experts.w2, experts.s2, pairs, sorted_e, d_start, d_end,
+                            d_chunks, y)
     return weighted_sum(y, topk_weights, out)
 
 

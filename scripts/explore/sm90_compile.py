@@ -42,37 +42,14 @@ K3_TP16 = dict(L=3584, I=192, E=896, top_k=16)
 
 
 def _launches(cfg, L: int, I: int) -> dict[str, tuple]:
-    """name -> (JIT function, constexprs, warps, stages) of the kernels cfg launches, as
-    `fused_moe_mxfp4_triton` passes them on CUDA (X2 = 2: the asm decode)."""
-    from raydecode.kernels import moe_mxfp4 as M
-    x2 = 2 if cfg.decode == "x2" else 0
-    pf = dict(PF=cfg.prefetch_scales)
-    out = {}
-    if cfg.blocked:
-        out["gate_up_blocked"] = (M._gate_up_blocked_kernel, dict(
-            L=L, I2=2 * I, SUB=M.SUB_BLOCK, NBMAX=cfg.block_m // M.SUB_BLOCK, BN=cfg.gate_up_bn,
-            BK=cfg.gate_up_bk, DOT_F32=False, X2=x2, **pf), cfg.num_warps, cfg.num_stages)
-        warps = cfg.down_warps or cfg.num_warps
-        if cfg.blocked_down:
-            out["down_blocked"] = (M._down_blocked_kernel, dict(
-                L=L, I=I, SUB=M.SUB_BLOCK, NBMAX=cfg.block_m // M.SUB_BLOCK, BN=cfg.down_bn,
-                BK=cfg.down_bk, TILES=cfg.down_tiles, DOT_F32=False, X2=x2, **pf), warps,
-                cfg.num_stages)
-        else:
-            out["down_swap"] = (M._down_swap_kernel, dict(
-                L=L, I=I, BM=128, BN=cfg.down_bn, BK=cfg.down_bk, DOT_F32=False,
-                TILE_MAJOR=True, X2=x2, **pf), warps, 3)
-        return out
-    if not (cfg.swap_ab and cfg.split_gate_up):
+    """name -> (JIT function, constexprs, warps, stages) of the kernels cfg launches on CUDA
+    (X2 = 2: the asm decode), from kernels/moe_mxfp4.py `prefill_launches`, the table the
+    launches themselves read."""
+    from raydecode.kernels.moe_mxfp4 import prefill_launches
+    if not (cfg.blocked or (cfg.swap_ab and cfg.split_gate_up)):
         raise SystemExit(f"{cfg}: only the blocked and the swapped split forms are covered")
-    common = dict(BM=cfg.block_m, DOT_F32=False, TILE_MAJOR=cfg.tile_major, X2=x2, **pf)
-    out["gate_up_split"] = (M._gate_up_split_kernel, dict(
-        L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **common), cfg.num_warps,
-        cfg.num_stages)
-    out["down_swap"] = (M._down_swap_kernel, dict(
-        L=L, I=I, BN=cfg.down_bn, BK=cfg.down_bk, **common), cfg.down_warps or cfg.num_warps,
-        cfg.num_stages)
-    return out
+    specs = prefill_launches(cfg, L, I, x2=2 if cfg.decode == "x2" else 0, dot32=False)
+    return {k: (v.kernel, v.consts, v.warps, v.stages) for k, v in specs.items()}
 
 
 def _loop_stats(ttgir: str) -> dict:
