@@ -80,7 +80,7 @@ def is_token_bucket(n: int) -> bool:
 # the expert kernels of prefill steps (kernels/moe_mxfp4.py `prefill_config`): ours picked by
 # size ("auto"), one of ours, or Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
 PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper", "auto-ew",
-                        "auto-pf")
+                        "auto-nopf")
 # ogs-hopper's copy of the experts over the packed weights it copies (matmul_ogs's Hopper
 # layouts pad values to 64 along N and K/2, scales to 256 along N: ≈ 2 % and 7 % at 2880 ×
 # 2880); the bound the load's memory check (engine/loader.py) and the planner use
@@ -174,7 +174,7 @@ _ALL = (
             "'0' (off); anything else: on", _flag),
     Setting("RAYDECODE_PREFILL_EXPERTS", "auto", "the routed experts' kernels in prefill "
             "steps (kernels/moe_mxfp4.py `prefill_config`). auto (default): ours (the x2 "
-            "decode), hybrid (blocked gate/up, swapped down) past 128 pairs per expert, split "
+            "decode, group scales loaded a k step ahead), hybrid (blocked gate/up, swapped down) past 128 pairs per expert, split "
             "below; split / blocked / hybrid: one of ours always; "
             "ogs-hopper: Triton's triton_kernels matmul_ogs (the `ogs` extra) on a second copy "
             "of every layer's expert weights in its Hopper layouts, converted when the rank "
@@ -184,8 +184,8 @@ _ALL = (
             "the weights as they are (no copy; slower than ours); both below 32 pairs per "
             "expert run auto's kernels; auto-ew: auto as it was before the x2 decode "
             "(blocked past 128 pairs per expert, elementwise decode), the benchmark's baseline; "
-            "auto-pf: auto with each k step's group scales loaded a step ahead "
-            "(`MoEConfig.prefetch_scales`; bit-equal; not yet timed on a GPU)",
+            "auto-nopf: auto without the scales' look-ahead (`MoEConfig.prefetch_scales`; "
+            "bit-equal either way), its same-run baseline",
             ", ".join(PREFILL_EXPERT_KINDS), _choice(*PREFILL_EXPERT_KINDS)),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",

@@ -76,13 +76,14 @@ def test_prefill_experts_switch(monkeypatch):
     128-pair chunks), blocked (≤ 256-pair chunks in 64-pair sub-blocks, 128-row down tiles),
     hybrid (blocked gate/up, swapped down), auto (hybrid where the experts' mean load is above
     AUTO_BLOCKED_LOAD pairs, else split; the decision by the pair count alone), all with the
-    x2 decode; auto-ew: auto before x2 (blocked past the threshold, elementwise decode);
-    auto-pf: auto with prefetch_scales."""
+    x2 decode and the scales a k step ahead (prefetch_scales); auto-ew: auto before x2
+    (blocked past the threshold, elementwise decode, no look-ahead); auto-nopf: auto without
+    prefetch_scales."""
     assert M.PREFILL_EXPERTS in M.PREFILL_EXPERT_KINDS
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "split")
     split = M.prefill_config(3584, 192)
     assert split.split_gate_up and not split.blocked and split.block_m == 128
-    assert split.decode == "x2"
+    assert split.decode == "x2" and split.prefetch_scales
     assert M.default_config(1 << 17, 896, 192, 3584, tuned=False) == split
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "blocked")
     blocked = M.default_config(1 << 17, 896, 192, 3584, tuned=False)
@@ -92,6 +93,7 @@ def test_prefill_experts_switch(monkeypatch):
     hybrid = M.prefill_config(3584, 192)
     assert hybrid.blocked and not hybrid.blocked_down and hybrid.down_bn == 64
     assert blocked.decode == hybrid.decode == "x2"
+    assert blocked.prefetch_scales and hybrid.prefetch_scales
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto")
     edge = M.AUTO_BLOCKED_LOAD * 896                # K3 TP16: 7,168 tokens of top-16
     assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == hybrid
@@ -101,12 +103,14 @@ def test_prefill_experts_switch(monkeypatch):
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto-ew")
     ew = dataclasses.replace
     assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == \
-        ew(blocked, decode="elementwise")
-    assert M.default_config(edge, 896, 192, 3584, tuned=False) == ew(split, decode="elementwise")
-    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto-pf")      # auto, scales a k step ahead
+        ew(blocked, decode="elementwise", prefetch_scales=False)
+    assert M.default_config(edge, 896, 192, 3584, tuned=False) == \
+        ew(split, decode="elementwise", prefetch_scales=False)
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto-nopf")    # auto, no scales look-ahead
     assert M.default_config(edge + 1, 896, 192, 3584, tuned=False) == \
-        ew(hybrid, prefetch_scales=True)
-    assert M.default_config(edge, 896, 192, 3584, tuned=False) == ew(split, prefetch_scales=True)
+        ew(hybrid, prefetch_scales=False)
+    assert M.default_config(edge, 896, 192, 3584, tuned=False) == \
+        ew(split, prefetch_scales=False)
 
 
 @pytest.mark.parametrize("T,skew", [(100, True), (1250, False)])
