@@ -4,7 +4,7 @@ per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entri
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
         [--tokens 4096,8192] [--profile]
         [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked|ogs|x2|warps|
-                      prefetch]
+                      prefetch|down]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -30,7 +30,10 @@ layouts ("hopper"), against split and blocked (the two forms "auto" picks betwee
 `warps`: the form "auto" runs at 8,192 tokens (hybrid, x2 decode) against its warps (8 for
 both kernels or the down alone), 4 stages, 128-row gate/up tiles and 128-pair chunks;
 `prefetch`: hybrid and split, each without and with `prefetch_scales` (the group scales of
-k step i + 1 loaded in step i).
+k step i + 1 loaded in step i); `down`: the shipped 8k form (hybrid) against its swapped down
+kernel at 128 weight rows per program (BN: each 128-pair chunk's (128, I) `a` block is read
+from L2 once per output tile, L / BN times: 4.4 GB per 8,192-token call at BN 64), on 4 or 8
+warps, 3 or 2 stages.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -109,8 +112,13 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     if which == "prefetch":         # the scales a k step ahead (`prefetch_scales`) in the
         hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # two forms "auto" runs: hybrid
                  decode=M.PREFILL_DECODE)                     # (first: the baseline), split
-        sp = M.prefill_config(L, I)
+        sp = rep(M.prefill_config(L, I), prefetch_scales=False)
         return [hy, rep(hy, prefetch_scales=True), sp, rep(sp, prefetch_scales=True)]
+    if which == "down":             # the swapped down kernel's weight rows per program: each
+        hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # chunk's `a` block is re-read
+                 decode=M.PREFILL_DECODE, prefetch_scales=True)   # from L2 once per L / BN
+        return [hy, rep(hy, down_bn=128), rep(hy, down_bn=128, down_warps=8),
+                rep(hy, down_bn=128, num_stages=2)]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -225,7 +233,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="4096,8192")
     ap.add_argument("--candidates", default="all",
                     choices=["all", "base", "pairs", "swap", "shipped", "order",
-                             "split", "grouped", "tiles", "blocked", "ogs", "x2", "warps", "prefetch"])
+                             "split", "grouped", "tiles", "blocked", "ogs", "x2", "warps", "prefetch",
+                             "down"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",
