@@ -33,7 +33,7 @@ both kernels or the down alone), 4 stages, 128-row gate/up tiles and 128-pair ch
 k step i + 1 loaded in step i); `down`: the shipped 8k form (hybrid) against its swapped down
 kernel at 128 weight rows per program (BN: each 128-pair chunk's (128, I) `a` block is read
 from L2 once per output tile, L / BN times: 4.4 GB per 8,192-token call at BN 64), on 4 or 8
-warps, 3 or 2 stages.
+warps, BK 64 or 32.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -118,7 +118,7 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # chunk's `a` block is re-read
                  decode=M.PREFILL_DECODE, prefetch_scales=True)   # from L2 once per L / BN
         return [hy, rep(hy, down_bn=128), rep(hy, down_bn=128, down_warps=8),
-                rep(hy, down_bn=128, num_stages=2)]
+                rep(hy, down_bn=128, down_bk=32)]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
