@@ -792,30 +792,80 @@ if triton is not None:
                  mask=n_ok[:, None] & ok[None, :])
 
     @triton.jit
+    def _situ_store(a_ptr, start, end, i: tl.constexpr, acc, j, j_ok, I: tl.constexpr,
+                    HALF: tl.constexpr, SUB: tl.constexpr, beta, lin_beta,
+                    HAS_LIN: tl.constexpr):
+        """SITU: sub-block i's accumulator (2·HALF, SUB), gate rows then the matching up rows
+        (`_situ_rows`), as a[m, j] = SiTU(bf16 gate, bf16 up) in bf16 at the sorted positions
+        m: `_situ_rows_kernel`'s arithmetic on the values the split form's gu buffer holds."""
+        m = start + i * SUB + tl.arange(0, SUB)
+        ok = m < end
+        v = acc.to(tl.bfloat16).to(tl.float32)                # the gu buffer's rounding
+        g, u = tl.split(tl.permute(tl.reshape(v, (2, HALF, SUB)), (1, 2, 0)))
+        act = beta * tanh_f32(g / beta) * tl.sigmoid(g)
+        if HAS_LIN:
+            u = lin_beta * tanh_f32(u / lin_beta)
+        tl.store(a_ptr + m[None, :] * I + j[:, None], (act * u).to(tl.bfloat16),
+                 mask=j_ok[:, None] & ok[None, :])
+
+    @triton.jit
+    def _situ_rows(tile, I: tl.constexpr, BN: tl.constexpr):
+        """SITU's tile `tile`: weight rows (gate rows j, then up rows I + j, for its BN / 2
+        columns j of `a`) -> (rows, rows ok, j, j ok)."""
+        HALF: tl.constexpr = BN // 2
+        r = tl.arange(0, BN)
+        j_r = tile * HALF + r % HALF
+        j = tile * HALF + tl.arange(0, HALF)
+        return tl.where(r < HALF, j_r, I + j_r), j_r < I, j, j < I
+
+    @triton.jit
     def _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, tile,
                       out_ptr, row_ptr, ROW: tl.constexpr, N: tl.constexpr, SUB: tl.constexpr,
                       NB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       TILES: tl.constexpr, GATHER: tl.constexpr, DOT_F32: tl.constexpr,
-                      X2: tl.constexpr = 0, PF: tl.constexpr = False):
+                      X2: tl.constexpr = 0, PF: tl.constexpr = False,
+                      SITU: tl.constexpr = False, beta=1.0, lin_beta=1.0,
+                      HAS_LIN: tl.constexpr = False):
         """Output tiles tile·TILES + [0, TILES) (BN weight rows each) of a chunk of NB
-        sub-blocks: its x rows are found once, then each tile's K loop and stores."""
+        sub-blocks: its x rows are found once, then each tile's K loop and stores. SITU (the
+        gate/up GEMM, N = 2I): each tile is BN / 2 gate rows and their up rows, stored as
+        SiTU(gate, up) into `a` (P, I) (`_situ_store`)."""
         r0, ok0 = _sub_rows(xrow_ptr, top_k, start, end, 0, SUB, GATHER)
         r1, ok1 = _sub_rows(xrow_ptr, top_k, start, end, 1, SUB, GATHER)
         r2, ok2 = _sub_rows(xrow_ptr, top_k, start, end, 2, SUB, GATHER)
         r3, ok3 = _sub_rows(xrow_ptr, top_k, start, end, 3, SUB, GATHER)
         for t in tl.static_range(TILES):
-            n = (tile * TILES + t) * BN + tl.arange(0, BN)
-            n_ok = n < N
+            if SITU:
+                n, n_ok, j, j_ok = _situ_rows(tile * TILES + t, N // 2, BN)
+            else:
+                n = (tile * TILES + t) * BN + tl.arange(0, BN)
+                n_ok = n < N
             acc0, acc1, acc2, acc3 = _blocked_accs(x_ptr, r0, ok0, r1, ok1, r2, ok2, r3, ok3,
                                                    K, w_e, s_e, n, n_ok, SUB, NB, BN, BK,
                                                    DOT_F32, X2, PF)
-            _blocked_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, N, SUB)
-            if NB > 1:
-                _blocked_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, N, SUB)
-            if NB > 2:
-                _blocked_store(out_ptr, row_ptr, ROW, start, end, 2, acc2, n, n_ok, N, SUB)
-            if NB > 3:
-                _blocked_store(out_ptr, row_ptr, ROW, start, end, 3, acc3, n, n_ok, N, SUB)
+            if SITU:
+                _situ_store(out_ptr, start, end, 0, acc0, j, j_ok, N // 2, BN // 2, SUB,
+                            beta, lin_beta, HAS_LIN)
+                if NB > 1:
+                    _situ_store(out_ptr, start, end, 1, acc1, j, j_ok, N // 2, BN // 2, SUB,
+                                beta, lin_beta, HAS_LIN)
+                if NB > 2:
+                    _situ_store(out_ptr, start, end, 2, acc2, j, j_ok, N // 2, BN // 2, SUB,
+                                beta, lin_beta, HAS_LIN)
+                if NB > 3:
+                    _situ_store(out_ptr, start, end, 3, acc3, j, j_ok, N // 2, BN // 2, SUB,
+                                beta, lin_beta, HAS_LIN)
+            else:
+                _blocked_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, N, SUB)
+                if NB > 1:
+                    _blocked_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, N,
+                                   SUB)
+                if NB > 2:
+                    _blocked_store(out_ptr, row_ptr, ROW, start, end, 2, acc2, n, n_ok, N,
+                                   SUB)
+                if NB > 3:
+                    _blocked_store(out_ptr, row_ptr, ROW, start, end, 3, acc3, n, n_ok, N,
+                                   SUB)
 
     @triton.jit
     def _blocked_dispatch(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, tile,
@@ -823,28 +873,29 @@ if triton is not None:
                           SUB: tl.constexpr, NBMAX: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, TILES: tl.constexpr, GATHER: tl.constexpr,
                           DOT_F32: tl.constexpr, X2: tl.constexpr = 0,
-                          PF: tl.constexpr = False):
+                          PF: tl.constexpr = False, SITU: tl.constexpr = False, beta=1.0,
+                          lin_beta=1.0, HAS_LIN: tl.constexpr = False):
         """The body for this chunk's sub-block count nb = ⌈(end − start) / SUB⌉ ≤ NBMAX."""
         nb = (end - start + SUB - 1) // SUB
         if nb == 1:
             _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
                           row_ptr, ROW, N, SUB, 1, BN, BK, TILES, GATHER, DOT_F32, X2,
-                          PF)
+                          PF, SITU, beta, lin_beta, HAS_LIN)
         if NBMAX > 1:
             if nb == 2:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
                               row_ptr, ROW, N, SUB, 2, BN, BK, TILES, GATHER, DOT_F32, X2,
-                              PF)
+                              PF, SITU, beta, lin_beta, HAS_LIN)
         if NBMAX > 2:
             if nb == 3:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
                               row_ptr, ROW, N, SUB, 3, BN, BK, TILES, GATHER, DOT_F32, X2,
-                              PF)
+                              PF, SITU, beta, lin_beta, HAS_LIN)
         if NBMAX > 3:
             if nb == 4:
                 _blocked_body(x_ptr, xrow_ptr, top_k, start, end, K, w_e, s_e, tile, out_ptr,
                               row_ptr, ROW, N, SUB, 4, BN, BK, TILES, GATHER, DOT_F32, X2,
-                              PF)
+                              PF, SITU, beta, lin_beta, HAS_LIN)
 
     @triton.jit
     def _blocked_gemm(x_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
@@ -852,7 +903,9 @@ if triton is not None:
                       N: tl.constexpr, SUB: tl.constexpr, NBMAX: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, TILES: tl.constexpr,
                       GATE_UP: tl.constexpr, ROW: tl.constexpr, DOT_F32: tl.constexpr,
-                      X2: tl.constexpr = 0, PF: tl.constexpr = False):
+                      X2: tl.constexpr = 0, PF: tl.constexpr = False,
+                      SITU: tl.constexpr = False, beta=1.0, lin_beta=1.0,
+                      HAS_LIN: tl.constexpr = False):
         """Program (tile, chunk c) of a blocked GEMM over one expert's (N, K) MXFP4 matrix:
         GATE_UP, x = z (token rows gathered), out = the sorted (P, 2I) gu buffer; else x =
         the sorted `a`, out = y in pair order (ROW: out rows by pair). Each program writes
@@ -865,20 +918,23 @@ if triton is not None:
             _blocked_dispatch(x_ptr, pairs_ptr, top_k, start, end, K,
                               w_ptr + e * (N * (K // 2)), s_ptr + e * (N * (K // 32)), tile,
                               out_ptr, pairs_ptr, ROW, N, SUB, NBMAX, BN, BK, TILES, GATE_UP,
-                              DOT_F32, X2, PF)
+                              DOT_F32, X2, PF, SITU, beta, lin_beta, HAS_LIN)
 
     @triton.jit
     def _gate_up_blocked_kernel(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
-                                chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k,
+                                chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k, beta, lin_beta,
                                 L: tl.constexpr, I2: tl.constexpr, SUB: tl.constexpr,
                                 NBMAX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                                 DOT_F32: tl.constexpr, X2: tl.constexpr = 0,
-                                PF: tl.constexpr = False):
+                                PF: tl.constexpr = False, SITU: tl.constexpr = False,
+                                HAS_LIN: tl.constexpr = False):
         """gu_sorted[m, n] = bf16(W13_e z[t])[n] (the split form's buffer) for the sorted
-        positions m of each chunk (its own kernel name: profiles tell the GEMMs apart)."""
+        positions m of each chunk (its own kernel name: profiles tell the GEMMs apart); SITU:
+        gu_ptr is `a` (P, I) and each program stores SiTU(gate, up) of its BN / 2 columns
+        (`MoEConfig.fuse_situ`: no gu buffer, no SiTU pass)."""
         _blocked_gemm(z_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
                       chunk_end_ptr, num_chunks_ptr, gu_ptr, top_k, L, I2, SUB, NBMAX, BN, BK,
-                      1, True, False, DOT_F32, X2, PF)
+                      1, True, False, DOT_F32, X2, PF, SITU, beta, lin_beta, HAS_LIN)
 
     @triton.jit
     def _down_blocked_kernel(a_ptr, w_ptr, s_ptr, pairs_ptr, sorted_e_ptr, chunk_start_ptr,
@@ -955,7 +1011,10 @@ class MoEConfig:
     on triton_kernels' matmul_ogs in that weight layout (kernels/moe_ogs.py); the tile
     fields then do not apply. prefetch_scales: the swapped kernels with split_gate_up and
     the blocked ones load each k step's group scales one step ahead (the kernels' `PF`; the
-    fused swapped gate/up kernel does not take it); the same values."""
+    fused swapped gate/up kernel does not take it); the same values. fuse_situ (blocked):
+    each gate/up tile holds BN / 2 gate rows and the matching up rows and its epilogue
+    stores SiTU(gate, up) into `a` (`_situ_store`), so the (P, 2I) gu buffer and the SiTU
+    pass go; the same values (gate and up rounded to bf16 first, as the buffer rounds)."""
     gate_up_bn: int
     gate_up_bk: int
     down_bn: int
@@ -974,6 +1033,7 @@ class MoEConfig:
     down_tiles: int = 1         # blocked down: output tiles of down_bn per program
     ogs: str = ""               # kernels/moe_ogs.py: matmul_ogs in this weight layout
     prefetch_scales: bool = False  # split / blocked kernels: scales one k step ahead (PF)
+    fuse_situ: bool = False     # blocked: gate/up tiles of gate rows + their up rows, SiTU
 
 
 # Measured best configs, keyed by (pairs ≤ SMALL_PAIRS, E, I, L): the winners of the
@@ -1304,20 +1364,22 @@ class Launch:
 
 
 def prefill_launches(cfg: MoEConfig, L: int, I: int, *, x2: int, dot32: bool,
-                     tile_major: bool = True) -> dict[str, Launch]:
+                     tile_major: bool = True, has_lin: bool = True) -> dict[str, Launch]:
     """name -> Launch of the expert GEMMs cfg runs in its blocked or swapped form (x2: the
     kernels' X2, `_x2`; dot32: fp32 dots, off CUDA; tile_major: the swapped kernels' grid
     order, where the chunks fit the grid's y). Blocked: gate_up_blocked and down_blocked or
     down_swap (128-pair chunks, 3 stages); swapped: gate_up_split (split_gate_up only) and
-    down_swap. The fused swapped gate/up and the unswapped kernels are not covered."""
+    down_swap. The fused swapped gate/up and the unswapped kernels are not covered. has_lin:
+    the experts' SiTU has its linear clamp (K3's does; the gate/up's HAS_LIN under
+    fuse_situ)."""
     pf = dict(PF=cfg.prefetch_scales)
     down_warps = cfg.down_warps or cfg.num_warps
     out: dict[str, Launch] = {}
     if cfg.blocked:
         nb = dict(SUB=SUB_BLOCK, NBMAX=cfg.block_m // SUB_BLOCK, DOT_F32=dot32, X2=x2, **pf)
         out["gate_up_blocked"] = Launch(_gate_up_blocked_kernel, dict(
-            L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, **nb), cfg.num_warps,
-            cfg.num_stages)
+            L=L, I2=2 * I, BN=cfg.gate_up_bn, BK=cfg.gate_up_bk, SITU=cfg.fuse_situ,
+            HAS_LIN=has_lin, **nb), cfg.num_warps, cfg.num_stages)
         if cfg.blocked_down:
             out["down_blocked"] = Launch(_down_blocked_kernel, dict(
                 L=L, I=I, BN=cfg.down_bn, BK=cfg.down_bk, TILES=cfg.down_tiles, **nb),
@@ -1373,6 +1435,8 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     if cfg.split_gate_up and not cfg.swap_ab:
         raise ValueError("MoEConfig.split_gate_up needs swap_ab (the swapped kernels' sorted "
                          "`a`)")
+    if cfg.fuse_situ:
+        raise ValueError("MoEConfig.fuse_situ needs the blocked kernels (blocked=True)")
     if cfg.prefetch_scales and not cfg.split_gate_up:
         raise ValueError("MoEConfig.prefetch_scales needs the blocked kernels or swap_ab with "
                          "split_gate_up (the fused swapped gate/up kernel does not take it)")
@@ -1436,6 +1500,9 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
                          f"of {SUB_BLOCK}), got {bm}")
     if cfg.down_tiles < 1:
         raise ValueError(f"MoEConfig.down_tiles must be ≥ 1, got {cfg.down_tiles}")
+    if cfg.fuse_situ and (cfg.gate_up_bn < 32 or I % (cfg.gate_up_bn // 2)):
+        raise ValueError(f"MoEConfig.fuse_situ: gate_up_bn {cfg.gate_up_bn} must be ≥ 32 with "
+                         f"gate_up_bn / 2 dividing I = {I}")
     if cfg.blocked_down:
         runs, down_runs = moe_runs(topk_ids, E, bm), None
     else:           # the swapped down kernel's 128-pair chunks of the same sorted order
@@ -1447,12 +1514,17 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
                          f"{MAX_GRID_Y}; split the batch")
     dc = max_chunks(P, E, 128)       # the swapped down kernel's chunks, where it runs
     tm = dc <= MAX_GRID_Y
-    launch = prefill_launches(cfg, L, I, x2=_x2(cfg, z), dot32=not z.is_cuda, tile_major=tm)
-    gu = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
+    lin = experts.linear_beta
+    launch = prefill_launches(cfg, L, I, x2=_x2(cfg, z), dot32=not z.is_cuda, tile_major=tm,
+                              has_lin=lin is not None)
+    a = torch.empty(P, I, dtype=torch.bfloat16, device=z.device)
+    gu = a if cfg.fuse_situ else torch.empty(P, 2 * I, dtype=torch.bfloat16, device=z.device)
     launch["gate_up_blocked"]((triton.cdiv(2 * I, cfg.gate_up_bn), chunks),
                               z.to(torch.bfloat16).contiguous(), experts.w13, experts.s13,
-                              pairs, sorted_e, c_start, c_end, n_chunks, gu, k)
-    a = situ_rows(gu, torch.empty(P, I, dtype=torch.bfloat16, device=z.device), experts)
+                              pairs, sorted_e, c_start, c_end, n_chunks, gu, k,
+                              float(experts.beta), float(lin if lin is not None else 1.0))
+    if not cfg.fuse_situ:
+        situ_rows(gu, a, experts)
     y = torch.empty(P, L, dtype=torch.bfloat16, device=z.device)
     if cfg.blocked_down:
         launch["down_blocked"]((triton.cdiv(L, cfg.down_bn * cfg.down_tiles), chunks),

@@ -4,7 +4,7 @@ per-rank expert shapes (GPU), to pick kernels/moe_mxfp4.py's PREFILL_TUNED entri
     python3 -m raydecode.scripts.explore.moe_prefill_sweep --out X.json [--tp 16] \
         [--tokens 4096,8192] [--profile]
         [--candidates all|base|pairs|swap|shipped|order|split|grouped|tiles|blocked|ogs|x2|warps|
-                      prefetch|down]
+                      prefetch|down|situ]
 
 At a prefill step's thousands of tokens every expert gets tens to hundreds of pairs (K3 top-16
 of 896: 73 per expert at 4,096 tokens, 146 at 8,192) and each program of the gate/up kernel
@@ -33,7 +33,8 @@ both kernels or the down alone), 4 stages, 128-row gate/up tiles and 128-pair ch
 k step i + 1 loaded in step i); `down`: the shipped 8k form (hybrid) against its swapped down
 kernel at 128 weight rows per program (BN: each 128-pair chunk's (128, I) `a` block is read
 from L2 once per output tile, L / BN times: 4.4 GB per 8,192-token call at BN 64), on 4 or 8
-warps, BK 64 or 32.
+warps, BK 64 or 32; `situ`: the same against the gate/up kernel storing SiTU(gate, up) itself
+(`MoEConfig.fuse_situ`), alone and with the down kernel at BN 128.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -119,6 +120,10 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
                  decode=M.PREFILL_DECODE, prefetch_scales=True)   # from L2 once per L / BN
         return [hy, rep(hy, down_bn=128), rep(hy, down_bn=128, down_warps=8),
                 rep(hy, down_bn=128, down_bk=32)]
+    if which == "situ":             # SiTU in the blocked gate/up's epilogue (`fuse_situ`: no
+        hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # gu buffer, no SiTU pass)
+                 decode=M.PREFILL_DECODE, prefetch_scales=True)
+        return [hy, rep(hy, fuse_situ=True), rep(hy, fuse_situ=True, down_bn=128)]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
@@ -234,7 +239,7 @@ def main(argv=None) -> None:
     ap.add_argument("--candidates", default="all",
                     choices=["all", "base", "pairs", "swap", "shipped", "order",
                              "split", "grouped", "tiles", "blocked", "ogs", "x2", "warps", "prefetch",
-                             "down"])
+                             "down", "situ"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",

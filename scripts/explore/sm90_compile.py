@@ -37,7 +37,7 @@ import time
 PTR_TYPES = {"z_ptr": "*bf16", "a_ptr": "*bf16", "gu_ptr": "*bf16", "y_ptr": "*bf16",
              "w_ptr": "*u8", "s_ptr": "*u8", "pairs_ptr": "*i32", "sorted_e_ptr": "*i32",
              "chunk_start_ptr": "*i32", "chunk_end_ptr": "*i32", "num_chunks_ptr": "*i32"}
-INT_ARGS = {"top_k": "i32"}
+INT_ARGS = {"top_k": "i32", "beta": "fp32", "lin_beta": "fp32"}   # scalars (beta: SiTU's)
 K3_TP16 = dict(L=3584, I=192, E=896, top_k=16)
 
 
@@ -95,7 +95,8 @@ def compile_one(fn, consts: dict, warps: int, stages: int, dump: str | None, nam
             cx[(i,)] = consts[n]
         elif n in PTR_TYPES or n in INT_ARGS:
             sig[n] = PTR_TYPES.get(n) or INT_ARGS[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if sig[n] != "fp32":
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             raise SystemExit(f"{fn.__name__}: argument {n!r} has no declared type here")
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),

@@ -375,6 +375,34 @@ def test_prefetched_scales_give_the_same_expert_outputs(form, decode, monkeypatc
         M.fused_moe_mxfp4_triton(z, w, ids, ex, fused)
 
 
+@pytest.mark.parametrize("form", ["blocked", "hybrid"])
+@pytest.mark.parametrize("lin", [25.0, None])
+def test_fused_situ_gives_the_same_expert_outputs(form, lin, monkeypatch):
+    """`fuse_situ` (each blocked gate/up tile: BN / 2 gate rows and their up rows, stored as
+    SiTU(gate, up) into `a`; no gu buffer, no SiTU pass) returns the unfused form's output
+    bit for bit, with and without SiTU's linear clamp, every row written (poisoned
+    allocator); on CUDA at a K3 TP16 prefill shape too. The unblocked forms refuse it, as
+    does a tile whose half does not divide I."""
+    seed = fresh_seed()
+    shapes = [(16, 128, 64, 4, 200)] + ([(896, 3584, 192, 16, 2048)] if ON_GPU else [])
+    for E, L, I, k, T in shapes:
+        ex, z, w, ids = _case(E, L, I, k, T, seed, lin=lin)
+        monkeypatch.setattr(M, "PREFILL_EXPERTS", form)
+        base = M.prefill_config(L, I, T * k, E)
+        assert base.blocked and not base.fuse_situ
+        _poison_allocator()
+        out = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(base, fuse_situ=True))
+        assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
+        ref = M.fused_moe_mxfp4_triton(z, w, ids, ex, base)
+        assert torch.equal(out, ref), \
+            f"seed {seed} {form} lin={lin} {E}x{L}x{I}: rel err {rel_err(out, ref):.2e}"
+    with pytest.raises(ValueError, match="fuse_situ needs the blocked kernels"):
+        M.fused_moe_mxfp4_triton(z, w, ids, ex, M.MoEConfig(64, 64, 64, 64, block_m=128,
+                                                            swap_ab=True, fuse_situ=True))
+    with pytest.raises(ValueError, match="gate_up_bn 16 must be"):
+        M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(base, fuse_situ=True, gate_up_bn=16))
+
+
 def _counted_routing(counts: list[int], T: int, k: int, gen):
     """(weights, ids (T, k)) in which expert e gets counts[e] pairs, distinct experts per
     token (the sorted id list dealt column by column), rows shuffled."""
