@@ -33,7 +33,7 @@ both kernels or the down alone), 4 stages, 128-row gate/up tiles and 128-pair ch
 k step i + 1 loaded in step i); `down`: the shipped 8k form (hybrid) against its swapped down
 kernel at 128 weight rows per program (BN: each 128-pair chunk's (128, I) `a` block is read
 from L2 once per output tile, L / BN times: 4.4 GB per 8,192-token call at BN 64), on 4 or 8
-warps, BK 64 or 32; `situ`: the same against the gate/up kernel storing SiTU(gate, up) itself
+warps, BK 64 or 32; `situ`: the `down` rows and the gate/up kernel storing SiTU(gate, up) itself
 (`MoEConfig.fuse_situ`), alone and with the down kernel at BN 128.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
@@ -123,7 +123,8 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     if which == "situ":             # SiTU in the blocked gate/up's epilogue (`fuse_situ`: no
         hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # gu buffer, no SiTU pass)
                  decode=M.PREFILL_DECODE, prefetch_scales=True)
-        return [hy, rep(hy, fuse_situ=True), rep(hy, fuse_situ=True, down_bn=128)]
+        return candidates(L, I, "down") + [rep(hy, fuse_situ=True),
+                                           rep(hy, fuse_situ=True, down_bn=128)]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
