@@ -97,6 +97,7 @@ def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None =
     caches = make_caches(cfg, par, num_slots=num_slots, num_blocks=num_blocks,
                          block_size=block_size, dtype=dt, device=device,
                          num_snapshots=num_snapshots)
+    check_prefill_experts(model)
     warm_prefill_kernels(model, device)
     prepare_prefill_experts(model, device)
     return LoadedShard(cfg, model, caches, path)
@@ -105,6 +106,19 @@ def load_shard(spec: str | Path, par: Parallel = Parallel(), comm: Comm | None =
 # bytes left free after the Hopper copies (the first prefill step's activations and the
 # conversion's own temporaries come out of it)
 PREFILL_COPY_HEADROOM = 4 * 2 ** 30
+
+
+def check_prefill_experts(model) -> None:
+    """RAYDECODE_PREFILL_EXPERTS's +FIELD=VALUE parts against every MXFP4 MoE layer's shapes
+    (kernels/moe_mxfp4.py `check_prefill_kind`), on any device: a ValueError naming the
+    setting and the field when the rank loads, before the warm-up compiles anything, not at
+    the first prefill step."""
+    from raydecode.kernels import moe_mxfp4
+    from raydecode.models.moe import RoutedExperts
+
+    packs = [m.packed() for m in model.modules() if isinstance(m, RoutedExperts) and m.mxfp4]
+    for L, I, E in sorted({(p.latent, p.intermediate, p.num_experts) for p in packs}):
+        moe_mxfp4.check_prefill_kind(L, I, E)
 
 
 def prepare_prefill_experts(model, device, kind: str | None = None) -> int:

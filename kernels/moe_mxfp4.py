@@ -47,6 +47,7 @@ TRITON_INTERPRET=1 on CPU tensors), else `moe_mxfp4_reference` (PyTorch, models/
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -1094,6 +1095,7 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
 # .json). The kind: RAYDECODE_PREFILL_EXPERTS (kernels/settings.py), "auto" unless set.
 PREFILL_EXPERT_KINDS = _settings.PREFILL_EXPERT_KINDS
 PREFILL_EXPERTS = _settings.prefill_experts()
+_parse_kind = functools.lru_cache(maxsize=32)(_settings.parse_prefill_experts)
 AUTO_BLOCKED_LOAD = 128
 # our prefill kernels' weight decode (`MoEConfig.decode` of `prefill_config`'s configs)
 PREFILL_DECODE = "x2"
@@ -1129,14 +1131,27 @@ def prefill_config(latent: int, intermediate: int, pairs: int = 0,
     GEMMs 59.6 → 56.6 ms, MFU 0.363 → 0.368, H100, same run:
     bench/results/prefill-h100-2026-12-07-pf24.json); "auto-nopf" is auto without the
     look-ahead and "auto-ew" auto as it was before x2 (blocked past the threshold,
-    elementwise decode), kept as same-run baselines."""
-    kind = PREFILL_EXPERTS
+    elementwise decode), kept as same-run baselines. "KIND+FIELD=VALUE..." (settings.py
+    `parse_prefill_experts`) sets those MoEConfig fields on what KIND picks: an option's
+    same-run A/B before it ships (e.g. "auto+fuse_situ=1")."""
+    kind, fields = _parse_kind(PREFILL_EXPERTS)
     if kind == "auto-ew":
-        return _prefill_config("auto", latent, intermediate, pairs, num_experts, "blocked")
-    cfg = _prefill_config("auto" if kind == "auto-nopf" else kind, latent, intermediate,
-                          pairs, num_experts)
-    return cfg if cfg.ogs else dataclasses.replace(cfg, decode=PREFILL_DECODE,
-                                                   prefetch_scales=kind != "auto-nopf")
+        cfg = _prefill_config("auto", latent, intermediate, pairs, num_experts, "blocked")
+    else:
+        cfg = _prefill_config("auto" if kind == "auto-nopf" else kind, latent, intermediate,
+                              pairs, num_experts)
+        if cfg.ogs:
+            return cfg
+        cfg = dataclasses.replace(cfg, decode=PREFILL_DECODE,
+                                  prefetch_scales=kind != "auto-nopf")
+    if not cfg.blocked:                 # the blocked-only options leave the split form as is
+        fields = tuple((n, v) for n, v in fields if n not in BLOCKED_ONLY_FIELDS)
+    return dataclasses.replace(cfg, **dict(fields)) if fields else cfg
+
+
+# MoEConfig fields a "+FIELD=VALUE" part sets only where the picked form is blocked ("auto"
+# runs split below AUTO_BLOCKED_LOAD pairs per expert, which has no such option)
+BLOCKED_ONLY_FIELDS = ("fuse_situ", "blocked_down", "down_tiles")
 
 
 def _prefill_config(kind: str, latent: int, intermediate: int, pairs: int,
@@ -1420,26 +1435,10 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     if cfg.ogs:
         from .moe_ogs import moe_mxfp4_ogs
         return moe_mxfp4_ogs(z, topk_weights, topk_ids, experts, cfg.ogs, out)
-    swapped = cfg.swap_ab or cfg.blocked
-    if cfg.decode not in (SWAP_DECODES if swapped else DECODES):
-        raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of "
-                         f"{list(SWAP_DECODES if swapped else DECODES)} for "
-                         f"{'swapped / blocked' if swapped else 'these'} kernels")
-    if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:
-        raise ValueError(f"{cfg}: BK must be a multiple of 32 dividing L={L} / I={I}")
+    check_config(cfg, L, I)
     bm = cfg.block_m
-    if bm < BLOCK_M or bm & (bm - 1):
-        raise ValueError(f"MoEConfig.block_m {bm}: expected a power of two ≥ {BLOCK_M}")
     if cfg.blocked:
         return _blocked_moe(z, topk_weights, topk_ids, experts, cfg, out)
-    if cfg.split_gate_up and not cfg.swap_ab:
-        raise ValueError("MoEConfig.split_gate_up needs swap_ab (the swapped kernels' sorted "
-                         "`a`)")
-    if cfg.fuse_situ:
-        raise ValueError("MoEConfig.fuse_situ needs the blocked kernels (blocked=True)")
-    if cfg.prefetch_scales and not cfg.split_gate_up:
-        raise ValueError("MoEConfig.prefetch_scales needs the blocked kernels or swap_ab with "
-                         "split_gate_up (the fused swapped gate/up kernel does not take it)")
     pairs, sorted_e, _, _, c_start, c_end, n_chunks = moe_runs(topk_ids, E, bm)
     dec = 0 if cfg.swap_ab else DECODES[cfg.decode]
     x_dtype = torch.bfloat16 if dec == 0 else torch.float16       # dot operand type
@@ -1486,6 +1485,66 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     return weighted_sum(y, topk_weights, out)
 
 
+def check_config(cfg: MoEConfig, L: int, I: int) -> None:
+    """ValueError, naming the field, where `fused_moe_mxfp4_triton` could not run cfg (not
+    ogs) on experts of latent L and intermediate I; the shapes alone decide, so a deployment's
+    setting is checked when the rank loads (`check_prefill_kind`), not at its first step."""
+    swapped = cfg.swap_ab or cfg.blocked
+    if cfg.decode not in (SWAP_DECODES if swapped else DECODES):
+        raise ValueError(f"MoEConfig.decode {cfg.decode!r}: expected one of "
+                         f"{list(SWAP_DECODES if swapped else DECODES)} for "
+                         f"{'swapped / blocked' if swapped else 'these'} kernels")
+    if L % cfg.gate_up_bk or I % cfg.down_bk or cfg.gate_up_bk % 32 or cfg.down_bk % 32:
+        raise ValueError(f"{cfg}: BK must be a multiple of 32 dividing L={L} / I={I}")
+    for name in ("gate_up_bk", "down_bk", "gate_up_bn", "down_bn"):
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"MoEConfig.{name} {v}: expected a power of two ≥ 16")
+    for name in ("num_warps", "down_warps"):
+        v = getattr(cfg, name)
+        if v not in ((0,) if name == "down_warps" else ()) + (1, 2, 4, 8, 16):
+            raise ValueError(f"MoEConfig.{name} {v}: expected 1, 2, 4, 8 or 16"
+                             + (" (or 0: num_warps)" if name == "down_warps" else ""))
+    if cfg.num_stages < 1:
+        raise ValueError(f"MoEConfig.num_stages {cfg.num_stages}: expected ≥ 1")
+    bm = cfg.block_m
+    if bm < BLOCK_M or bm & (bm - 1):
+        raise ValueError(f"MoEConfig.block_m {bm}: expected a power of two ≥ {BLOCK_M}")
+    if cfg.blocked:
+        if bm not in (SUB_BLOCK, 2 * SUB_BLOCK, 4 * SUB_BLOCK):
+            raise ValueError(f"MoEConfig.blocked needs block_m 64, 128 or 256 (≤ 4 "
+                             f"sub-blocks of {SUB_BLOCK}), got {bm}")
+        if cfg.down_tiles < 1:
+            raise ValueError(f"MoEConfig.down_tiles must be ≥ 1, got {cfg.down_tiles}")
+        if cfg.fuse_situ and (cfg.gate_up_bn < 32 or I % (cfg.gate_up_bn // 2)):
+            raise ValueError(f"MoEConfig.fuse_situ: gate_up_bn {cfg.gate_up_bn} must be ≥ 32 "
+                             f"with gate_up_bn / 2 dividing I = {I}")
+        return
+    if cfg.split_gate_up and not cfg.swap_ab:
+        raise ValueError("MoEConfig.split_gate_up needs swap_ab (the swapped kernels' sorted "
+                         "`a`)")
+    if cfg.fuse_situ:
+        raise ValueError("MoEConfig.fuse_situ needs the blocked kernels (blocked=True)")
+    if cfg.prefetch_scales and not cfg.split_gate_up:
+        raise ValueError("MoEConfig.prefetch_scales needs the blocked kernels or swap_ab with "
+                         "split_gate_up (the fused swapped gate/up kernel does not take it)")
+
+
+def check_prefill_kind(L: int, I: int, E: int) -> None:
+    """ValueError naming RAYDECODE_PREFILL_EXPERTS where a config `prefill_config` would give
+    prefill steps of these experts (either side of AUTO_BLOCKED_LOAD) could not run: its
+    +FIELD=VALUE parts are checked against the model's shapes when the rank loads."""
+    for pairs in (PREFILL_PAIRS, (AUTO_BLOCKED_LOAD + 1) * E):
+        cfg = prefill_config(L, I, pairs, E)
+        if cfg.ogs:
+            continue
+        try:
+            check_config(cfg, L, I)
+        except ValueError as e:
+            raise ValueError(f"RAYDECODE_PREFILL_EXPERTS={PREFILL_EXPERTS!r} at L={L}, I={I}, "
+                             f"{pairs} pairs: {e}") from None
+
+
 def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfig,
                  out: torch.Tensor | None) -> torch.Tensor:
     """`MoEConfig.blocked`: runs (chunks of ≤ block_m) → gate/up (bf16 W13 z into the sorted
@@ -1495,14 +1554,6 @@ def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfi
     k = topk_ids.shape[1]
     P, E, I = T * k, experts.num_experts, experts.intermediate
     bm = cfg.block_m
-    if bm not in (SUB_BLOCK, 2 * SUB_BLOCK, 4 * SUB_BLOCK):
-        raise ValueError(f"MoEConfig.blocked needs block_m 64, 128 or 256 (≤ 4 sub-blocks "
-                         f"of {SUB_BLOCK}), got {bm}")
-    if cfg.down_tiles < 1:
-        raise ValueError(f"MoEConfig.down_tiles must be ≥ 1, got {cfg.down_tiles}")
-    if cfg.fuse_situ and (cfg.gate_up_bn < 32 or I % (cfg.gate_up_bn // 2)):
-        raise ValueError(f"MoEConfig.fuse_situ: gate_up_bn {cfg.gate_up_bn} must be ≥ 32 with "
-                         f"gate_up_bn / 2 dividing I = {I}")
     if cfg.blocked_down:
         runs, down_runs = moe_runs(topk_ids, E, bm), None
     else:           # the swapped down kernel's 128-pair chunks of the same sorted order

@@ -81,6 +81,56 @@ def is_token_bucket(n: int) -> bool:
 # size ("auto"), one of ours, or Triton's triton_kernels matmul_ogs (kernels/moe_ogs.py)
 PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper", "auto-ew",
                         "auto-nopf")
+# MoEConfig fields (kernels/moe_mxfp4.py) a RAYDECODE_PREFILL_EXPERTS value may set after its
+# kind of our kernels, for same-run A/Bs of a kernel option before it ships:
+# "auto+fuse_situ=1+down_bn=128" (`parse_prefill_experts`); integers > 0 and flags 0 / 1
+PREFILL_EXPERT_FIELDS: dict[str, type] = {
+    "gate_up_bn": int, "gate_up_bk": int, "down_bn": int, "down_bk": int, "num_warps": int,
+    "num_stages": int, "down_warps": int, "down_tiles": int, "prefetch_scales": bool,
+    "fuse_situ": bool, "blocked_down": bool}
+
+
+def parse_prefill_experts(raw: str) -> tuple[str, tuple[tuple[str, int | bool], ...]]:
+    """A RAYDECODE_PREFILL_EXPERTS value "KIND[+FIELD=VALUE]..." -> (KIND, ((FIELD, value),
+    ...)); ValueError naming the part that is wrong and what is accepted. The ogs kinds take
+    no fields (their tiles are the library's)."""
+    kind, *mods = str(raw).split("+")
+    if kind not in PREFILL_EXPERT_KINDS:
+        raise ValueError(f"prefill experts {raw!r}; accepted: {', '.join(PREFILL_EXPERT_KINDS)}"
+                         f" (not {kind!r}), each but ogs / ogs-hopper optionally followed by "
+                         "+FIELD=VALUE parts")
+    if mods and kind.startswith("ogs"):
+        raise ValueError(f"prefill experts {raw!r}: {kind} takes no +FIELD=VALUE (matmul_ogs "
+                         "picks its own tiles)")
+    out: list[tuple[str, int | bool]] = []
+    for m in mods:
+        name, eq, val = m.partition("=")
+        typ = PREFILL_EXPERT_FIELDS.get(name)
+        if typ is None or not eq:
+            raise ValueError(f"prefill experts {raw!r}: {m!r}; expected FIELD=VALUE with FIELD "
+                             f"one of {', '.join(PREFILL_EXPERT_FIELDS)}")
+        if typ is bool:
+            if val not in ("0", "1"):
+                raise ValueError(f"prefill experts {raw!r}: {name}={val!r}; expected 0 or 1")
+            out.append((name, val == "1"))
+        else:
+            if not val.isdigit() or int(val) < 1:
+                raise ValueError(f"prefill experts {raw!r}: {name}={val!r}; expected an "
+                                 "integer ≥ 1")
+            out.append((name, int(val)))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"prefill experts {raw!r}: a field set twice")
+    return kind, tuple(out)
+
+
+def _prefill_experts_value(raw: str, s: "Setting") -> str:
+    try:
+        parse_prefill_experts(raw)
+    except ValueError as e:
+        raise ValueError(f"{s.name}={str(e).removeprefix('prefill experts ')}") from None
+    return raw
+
+
 # ogs-hopper's copy of the experts over the packed weights it copies (matmul_ogs's Hopper
 # layouts pad values to 64 along N and K/2, scales to 256 along N: ≈ 2 % and 7 % at 2880 ×
 # 2880); the bound the load's memory check (engine/loader.py) and the planner use
@@ -174,8 +224,8 @@ _ALL = (
             "'0' (off); anything else: on", _flag),
     Setting("RAYDECODE_PREFILL_EXPERTS", "auto", "the routed experts' kernels in prefill "
             "steps (kernels/moe_mxfp4.py `prefill_config`). auto (default): ours (the x2 "
-            "decode, group scales loaded a k step ahead), hybrid (blocked gate/up, swapped down) past 128 pairs per expert, split "
-            "below; split / blocked / hybrid: one of ours always; "
+            "decode, group scales loaded a k step ahead), hybrid (blocked gate/up, swapped "
+            "down) past 128 pairs per expert, split below; split / blocked / hybrid: one of ours always; "
             "ogs-hopper: Triton's triton_kernels matmul_ogs (the `ogs` extra) on a second copy "
             "of every layer's expert weights in its Hopper layouts, converted when the rank "
             "loads (engine/loader.py `prepare_prefill_experts`; ≈ +1.0 GB per MoE layer at K3 "
@@ -185,8 +235,12 @@ _ALL = (
             "expert run auto's kernels; auto-ew: auto as it was before the x2 decode "
             "(blocked past 128 pairs per expert, elementwise decode), the benchmark's baseline; "
             "auto-nopf: auto without the scales' look-ahead (`MoEConfig.prefetch_scales`; "
-            "bit-equal either way), its same-run baseline",
-            ", ".join(PREFILL_EXPERT_KINDS), _choice(*PREFILL_EXPERT_KINDS)),
+            "bit-equal either way), its same-run baseline. Any of our kinds may end in "
+            "+FIELD=VALUE parts that set MoEConfig fields of the configs it picks (e.g. "
+            "auto+fuse_situ=1+down_bn=128: a kernel option's A/B before it ships)",
+            ", ".join(PREFILL_EXPERT_KINDS) + ", each but ogs / ogs-hopper optionally followed "
+            "by +FIELD=VALUE (FIELD: " + ", ".join(PREFILL_EXPERT_FIELDS) + ")",
+            _prefill_experts_value),
     Setting("RAYDECODE_ONESHOT_ALLREDUCE", "1", "'0' keeps every all-reduce of a CUDA rank on "
             "NCCL (no one-shot kernel over peer buffers)", "'0' (off); anything else: on",
             _flag),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from raydecode.kernels.settings import PREFILL_COPY_PAD, PREFILL_EXPERT_KINDS
+from raydecode.kernels.settings import PREFILL_COPY_PAD, parse_prefill_experts
 from raydecode.models import params as P
 from raydecode.models.config import K3Config
 from raydecode.scripts.planner_hw import GPU, PlanError
@@ -91,9 +91,10 @@ def validate(cfg: K3Config, gpu: GPU, dep: Deployment, wl: Workload | None = Non
         ok = ("bf16", "fp8") if nm == "--kv-dtype" else ("fp32", "bf16")
         if v not in ok:
             raise PlanError(f"{nm} {v!r}; expected one of {ok}")
-    if dep.prefill_experts not in PREFILL_EXPERT_KINDS:
-        raise PlanError(f"--prefill-experts {dep.prefill_experts!r}: expected one of "
-                        f"{', '.join(PREFILL_EXPERT_KINDS)}")
+    try:
+        parse_prefill_experts(dep.prefill_experts)
+    except ValueError as e:
+        raise PlanError(f"--prefill-experts: {e}") from None
     if isinstance(dep.kda_snapshots, bool) or not isinstance(dep.kda_snapshots, int) \
             or dep.kda_snapshots < 0:
         raise PlanError(f"--kda-snapshots {dep.kda_snapshots}: expected an integer >= 0 (the "

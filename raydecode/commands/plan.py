@@ -6,10 +6,20 @@ import json
 import sys
 from pathlib import Path
 
-from raydecode.kernels.settings import PREFILL_EXPERT_KINDS
+from raydecode.kernels.settings import PREFILL_EXPERT_KINDS, parse_prefill_experts
 
 DEFAULT_CONTEXT = 8192
 
+
+
+def _prefill_experts(raw: str) -> str:
+    """argparse type of --prefill-experts: a RAYDECODE_PREFILL_EXPERTS value (the setting's
+    parser: kinds and +FIELD=VALUE parts)."""
+    try:
+        parse_prefill_experts(raw)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return raw
 
 def _default_bench_dir() -> Path:
     import raydecode.scripts as s
@@ -70,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KDA state snapshots per rank kept for prefix caching (the "
                         "deployment's kda_snapshot_slots, default 32; 0 with prefix caching "
                         "off): each is one sequence's KDA state, taken from the cache budget")
-    d.add_argument("--prefill-experts", default="auto", choices=PREFILL_EXPERT_KINDS,
+    d.add_argument("--prefill-experts", default="auto", type=_prefill_experts,
+                   metavar="{" + ",".join(PREFILL_EXPERT_KINDS) + "}[+FIELD=VALUE...]",
                    help="the deployment's RAYDECODE_PREFILL_EXPERTS: ogs-hopper holds a "
                         "second copy of every layer's routed experts (matmul_ogs's Hopper "
                         "layouts) for faster prefill; the others hold none")

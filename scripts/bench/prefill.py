@@ -147,7 +147,7 @@ from raydecode.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from raydecode.engine.step_graph import (GraphedRunner, graph_cache_sizes, prefill_buckets,
                                          resolve_pad, unpadded_buckets)
 from raydecode.kernels import moe_mxfp4
-from raydecode.kernels.settings import is_token_bucket
+from raydecode.kernels.settings import is_token_bucket, parse_prefill_experts
 from raydecode.models.cache import SeqSlice, StepBatch
 from raydecode.models.config import load_config
 from raydecode.models.k3 import K3ForCausalLM, make_caches
@@ -1539,8 +1539,9 @@ def main(argv=None) -> int:
                          "the shipped value's row")
     ap.add_argument("--prefill-experts", default=None,
                     help="comma-separated kernels/moe_mxfp4.py PREFILL_EXPERTS values (auto, "
-                         "split, blocked, hybrid: the prefill steps' expert kernels) each "
-                         "prompt also runs "
+                         "split, blocked, hybrid, ...: the prefill steps' expert kernels; "
+                         "KIND+FIELD=VALUE... sets MoEConfig fields, e.g. auto+fuse_situ=1) "
+                         "each prompt also runs "
                          "under, interleaved with the --grouped-pairs values (default: the "
                          "shipped one alone); the summary takes the shipped row")
     ap.add_argument("--seed", type=int, default=0)
@@ -1559,9 +1560,12 @@ def main(argv=None) -> int:
                           if args.grouped_pairs else [moe_mxfp4.GROUPED_PAIRS])
     args.prefill_experts = (args.prefill_experts.split(",") if args.prefill_experts
                             else [moe_mxfp4.PREFILL_EXPERTS])
-    if set(args.prefill_experts) - set(moe_mxfp4.PREFILL_EXPERT_KINDS):
-        raise SystemExit(f"--prefill-experts {','.join(args.prefill_experts)}: expected a "
-                         f"comma-separated list of {', '.join(moe_mxfp4.PREFILL_EXPERT_KINDS)}")
+    for x in args.prefill_experts:
+        try:
+            parse_prefill_experts(x)
+        except ValueError as e:
+            raise SystemExit(f"--prefill-experts {','.join(args.prefill_experts)}: {e}; "
+                             "expected a comma-separated list of such values") from None
     args.schedule_modes = args.schedule_modes.split(",")
     if not args.schedule_modes or set(args.schedule_modes) - {"split", "mixed"}:
         raise SystemExit(f"--schedule-modes {','.join(args.schedule_modes)}: expected a "

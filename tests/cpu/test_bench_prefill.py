@@ -514,8 +514,12 @@ def test_prefill_bench_prefill_experts_alternatives_cpu(tmp_path):
     assert [(p["prefill_experts"], p["shipped"]) for p in run["prompts"]] == [
         (shipped, True), (other, False)]
     assert moe_mxfp4.PREFILL_EXPERTS == shipped
-    with pytest.raises(SystemExit, match="--prefill-experts bogus: expected .*blocked"):
+    with pytest.raises(SystemExit, match="--prefill-experts bogus: .*accepted: .*blocked"):
         prefill.main(["--config", "tiny", "--device", "cpu", "--prefill-experts", "bogus"])
+    with pytest.raises(SystemExit, match=r"--prefill-experts auto\+down_bn=: .*expected an "
+                                         "integer"):
+        prefill.main(["--config", "tiny", "--device", "cpu", "--prefill-experts",
+                      "auto+down_bn="])
 
 
 def test_prefill_bench_profiles_one_step_per_experts_kind_cpu(tmp_path):

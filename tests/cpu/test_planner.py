@@ -89,8 +89,13 @@ def test_prefill_experts_ogs_hopper_holds_a_second_copy_of_the_routed_experts(k3
     for kind in ("split", "blocked", "hybrid", "ogs"):
         assert PL.memory(k3, g, PL.Deployment(tp=16, prefill_experts=kind))["weights"] == \
             base["weights"]
-    with pytest.raises(PlanError, match=r"--prefill-experts 'fast': expected one of auto, "):
+    with pytest.raises(PlanError, match=r"--prefill-experts: prefill experts 'fast'; accepted: "
+                                        r"auto, "):
         PL.plan(k3, g, PL.Deployment(prefill_experts="fast"), sweep=False)
+    with pytest.raises(PlanError, match=r"'auto\+down_bn=x'.*down_bn='x'; expected an integer"):
+        PL.plan(k3, g, PL.Deployment(prefill_experts="auto+down_bn=x"), sweep=False)
+    assert PL.memory(k3, g, PL.Deployment(tp=16, prefill_experts="auto+fuse_situ=1"))[
+        "weights"] == base["weights"]
     with pytest.raises(PlanError, match=r"over by .*--prefill-experts auto \(its Hopper copy "
                                         r"of the experts: [0-9.]+ GB"):
         PL.plan(k3, find_gpu(cat, "GB200"), PL.Deployment(tp=16, prefill_experts="ogs-hopper"),

@@ -79,3 +79,55 @@ def test_ogs_hopper_refuses_without_the_library_or_the_memory(monkeypatch):
     with pytest.raises(RuntimeError, match=r"Hopper copies of 2 MoE layers' experts take ≈ "
                                            r"0\.0 GiB, 4\.0 GiB are free"):
         loader.prepare_prefill_experts(m, "cuda", "ogs-hopper")
+
+
+def test_a_kind_takes_moeconfig_fields_for_a_same_run_ab(monkeypatch):
+    """KIND+FIELD=VALUE... (settings.py `parse_prefill_experts`): the fields are set on the
+    configs KIND picks; blocked-only options leave auto's split form (below 128 pairs per
+    expert) as it is; a misspelt field, a bad value, a field set twice or fields on an ogs
+    kind are refused naming the part; the setting refuses them too."""
+    from raydecode.kernels import moe_mxfp4 as M
+    assert S.parse_prefill_experts("auto+fuse_situ=1+down_bn=128") == \
+        ("auto", (("fuse_situ", True), ("down_bn", 128)))
+    assert set(S.PREFILL_EXPERT_FIELDS) <= {f.name for f in M.dataclasses.fields(M.MoEConfig)}
+    for raw, msg in (("auto+fuse=1", r"'fuse=1'; expected FIELD=VALUE with FIELD one of "),
+                     ("auto+down_bn=0", r"down_bn='0'; expected an integer ≥ 1"),
+                     ("auto+fuse_situ=yes", r"fuse_situ='yes'; expected 0 or 1"),
+                     ("auto+down_bn=64+down_bn=128", "a field set twice"),
+                     ("ogs-hopper+down_bn=64", "takes no \\+FIELD=VALUE"),
+                     ("auto+", r"''; expected FIELD=VALUE")):
+        with pytest.raises(ValueError, match=msg):
+            S.parse_prefill_experts(raw)
+    monkeypatch.setenv("RAYDECODE_PREFILL_EXPERTS", "auto+down_bk=abc")
+    with pytest.raises(ValueError, match=r"RAYDECODE_PREFILL_EXPERTS='auto\+down_bk=abc': "
+                                         r"down_bk='abc'; expected an integer"):
+        S.prefill_experts()
+    E, L, I = 896, 3584, 192
+    big, small = (M.AUTO_BLOCKED_LOAD + 1) * E, M.AUTO_BLOCKED_LOAD * E
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto")
+    auto_big, auto_small = M.prefill_config(L, I, big, E), M.prefill_config(L, I, small, E)
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto+fuse_situ=1+down_bn=128")
+    assert M.prefill_config(L, I, big, E) == M.dataclasses.replace(auto_big, fuse_situ=True,
+                                                                   down_bn=128)
+    assert M.prefill_config(L, I, small, E) == M.dataclasses.replace(auto_small, down_bn=128)
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto-nopf+num_warps=8")
+    assert M.prefill_config(L, I, big, E) == M.dataclasses.replace(
+        auto_big, prefetch_scales=False, num_warps=8)
+
+
+def test_the_load_checks_the_fields_against_the_experts_shapes(monkeypatch):
+    """A +FIELD=VALUE that cannot run on the model's experts (a tile that is not a power of
+    two, a K step that does not divide I) fails the rank's load check (engine/loader.py
+    `check_prefill_experts`, before the warm-up), naming the setting and the field; a good
+    one passes."""
+    from raydecode.kernels import moe_mxfp4 as M
+    m = _model(E=4, L=64, I=64)
+    for bad, msg in (("auto+down_bn=48", r"MoEConfig.down_bn 48: expected a power of two"),
+                     ("hybrid+down_bk=128", r"BK must be a multiple of 32 dividing"),
+                     ("blocked+gate_up_bn=16+fuse_situ=1", r"fuse_situ: gate_up_bn 16"),
+                     ("auto+down_warps=3", r"down_warps 3: expected 1, 2, 4, 8 or 16")):
+        monkeypatch.setattr(M, "PREFILL_EXPERTS", bad)
+        with pytest.raises(ValueError, match=r"RAYDECODE_PREFILL_EXPERTS=.*L=64, I=64.*" + msg):
+            loader.check_prefill_experts(m)
+    monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto+fuse_situ=1+down_bn=128")
+    loader.check_prefill_experts(m)
