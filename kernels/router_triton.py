@@ -75,16 +75,22 @@ if triton is not None:
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                       renormalize: bool = True, scaling: float = 1.0,
                       weights: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-                      sort: bool | None = None, gather: bool | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      sort: bool | None = None, gather: bool | None = None,
+                      num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) (last dim contiguous), bias (E,) or None -> (weights (T, k) fp32,
     ids (T, k) int64), into `weights` / `ids` when given (contiguous). No host sync.
     sort: the bitonic `tl.topk` selection instead of k max rounds (None: `SORT_DEFAULT`);
     both give the same ids (ties to the lower expert index). gather: the k weights from the
     scores in registers (`tl.gather`) instead of a second load of the logits (None:
     `GATHER_DEFAULT`); both give the same weights within 1e-6 relative (not bit-equal: the
-    sigmoid is compiled in different code, H200)."""
+    sigmoid is compiled in different code, H200). num_warps: each token's program's warps
+    (None: E / 256, at most 8 — one block-wide reduction per round over 4 warps at K3's 896
+    experts; fewer warps reduce in shuffles alone, which a prefill step's thousands of
+    programs may prefer: scripts/explore/probe_kernels.py --router-only times them); the
+    same ids and weights at any count."""
     T, E = logits.shape
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"route_topk_triton num_warps {num_warps}: expected 1, 2, 4, 8 or 16")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if weights is None:
@@ -98,7 +104,7 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
         HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         SORT=SORT_DEFAULT if sort is None else bool(sort),
         GATHER=GATHER_DEFAULT if gather is None else bool(gather),
-        num_warps=max(1, min(8, block_e // 256)), **pdl_launch(logits))
+        num_warps=num_warps or max(1, min(8, block_e // 256)), **pdl_launch(logits))
     return weights, ids
 
 

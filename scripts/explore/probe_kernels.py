@@ -236,7 +236,10 @@ def main(argv=None) -> int:
     return 0
 
 
-ROUTER_FORMS = ((False, False), (True, False), (True, True))   # (sort, gather): r4, r5, r22
+# (sort, gather, warps; None: the launch's default): r4, r5, r22, then the warps a prefill
+# step's thousands of one-token programs might prefer (fewer: reductions in shuffles alone)
+ROUTER_FORMS = ((False, False, None), (True, False, None), (True, True, None), (True, True, 1),
+                (True, True, 2), (False, True, 1), (False, True, 2))
 
 
 def router_rows(cfg, batch: int, rounds: int, time_it: bool = True) -> list[dict]:
@@ -246,20 +249,22 @@ def router_rows(cfg, batch: int, rounds: int, time_it: bool = True) -> list[dict
     logits = torch.randn(16, batch, cfg.num_experts, device="cuda")
     bias = torch.randn(cfg.num_experts, device="cuda") * 0.1
     rw, rid = route_topk_reference(logits[0], bias, cfg.top_k)
-    for sort, gather in ROUTER_FORMS:
-        w, ids = route_topk_triton(logits[0], bias, cfg.top_k, sort=sort, gather=gather)
+    for sort, gather, warps in ROUTER_FORMS:
+        w, ids = route_topk_triton(logits[0], bias, cfg.top_k, sort=sort, gather=gather,
+                                   num_warps=warps)
         if not torch.equal(ids, rid) or float((w - rw).abs().max()) > 1e-6:
-            raise SystemExit(f"route_topk sort={sort} gather={gather} differs from the reference")
+            raise SystemExit(f"route_topk sort={sort} gather={gather} warps={warps} differs "
+                             "from the reference")
     torch.cuda.synchronize()
     rows = []
     for r in range(rounds if time_it else 0):
-        for sort, gather in ROUTER_FORMS:
-            fns = [lambda x=x, s=sort, g=gather: route_topk_triton(x, bias, cfg.top_k, sort=s,
-                                                                   gather=g)
+        for sort, gather, warps in ROUTER_FORMS:
+            fns = [lambda x=x, s=sort, g=gather, nw=warps: route_topk_triton(
+                       x, bias, cfg.top_k, sort=s, gather=g, num_warps=nw)
                    for x in logits]
             t = GraphTimer(replays=20, warm=3).run(fns, count_nodes=False)
             rows.append({"probe": "route_topk", "batch": batch, "sort": sort, "gather": gather,
-                         "round": r, "us": t.us_per_call})
+                         "warps": warps, "round": r, "us": t.us_per_call})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -175,6 +175,25 @@ def test_route_topk(T, E, k, bias, sort, gather):
 
 
 @pytest.mark.parametrize("sort", [False, True])
+def test_route_topk_warps_give_the_same_ids_and_weights(sort):
+    """`num_warps` (1 or 2 warps per token's program: reductions in shuffles, the layout a
+    prefill step's thousands of programs may prefer) gives the default launch's ids and
+    weights bit for bit: the same selection and the same sigmoid code. A count Triton cannot
+    launch is refused naming it."""
+    seed = fresh_seed()
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    logits = 2 * torch.randn(24, 896, generator=g, device=DEV)
+    b = 0.1 * torch.randn(896, generator=g, device=DEV)
+    w0, i0 = RT.route_topk_triton(logits, b, 16, sort=sort)
+    for nw in (1, 2):
+        w, ids = RT.route_topk_triton(logits, b, 16, sort=sort, num_warps=nw)
+        assert torch.equal(ids, i0), f"seed {seed} warps {nw}"
+        assert torch.equal(w, w0), f"seed {seed} warps {nw}"
+    with pytest.raises(ValueError, match="num_warps 3: expected 1, 2, 4, 8 or 16"):
+        RT.route_topk_triton(logits, b, 16, num_warps=3)
+
+
+@pytest.mark.parametrize("sort", [False, True])
 def test_route_topk_negative_selection_scores_order(sort):
     """A bias making every selection score negative: the int64 key must still order them."""
     seed = fresh_seed()
