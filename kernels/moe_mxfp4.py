@@ -1548,8 +1548,8 @@ def check_prefill_kind(L: int, I: int, E: int) -> None:
 def _blocked_moe(z, topk_weights, topk_ids, experts: MXFP4Experts, cfg: MoEConfig,
                  out: torch.Tensor | None) -> torch.Tensor:
     """`MoEConfig.blocked`: runs (chunks of ≤ block_m) → gate/up (bf16 W13 z into the sorted
-    (P, 2I) buffer) → SiTU pass → down (`blocked_down`; else the swapped down kernel on its
-    own 128-pair chunks) → Σ_k."""
+    (P, 2I) buffer) → SiTU pass (with fuse_situ both in the gate/up kernel, straight into `a`)
+    → down (`blocked_down`; else the swapped down kernel on its own 128-pair chunks) → Σ_k."""
     T, L = z.shape
     k = topk_ids.shape[1]
     P, E, I = T * k, experts.num_experts, experts.intermediate
