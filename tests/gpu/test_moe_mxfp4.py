@@ -349,6 +349,27 @@ def test_x2_decode_gives_the_same_expert_outputs(form, monkeypatch):
             f"seed {seed} {form} {E}x{L}x{I}: x2 vs elementwise rel err {rel_err(out, ref):.2e}"
 
 
+def _option_is_bit_equal(monkeypatch, form: str, option: dict, base_fields: dict,
+                         lin: float | None = 25.0):
+    """Asserts that `form`'s prefill config (PREFILL_EXPERTS = form) with `option` set returns
+    its output with base_fields set bit for bit, every row written (poisoned allocator), on
+    a small shape and, on CUDA, a K3 TP16 prefill shape; -> the last case's (z, w, ids,
+    experts) for the caller's refusals."""
+    seed = fresh_seed()
+    shapes = [(16, 128, 64, 4, 200)] + ([(896, 3584, 192, 16, 2048)] if ON_GPU else [])
+    for E, L, I, k, T in shapes:
+        ex, z, w, ids = _case(E, L, I, k, T, seed, lin=lin)
+        monkeypatch.setattr(M, "PREFILL_EXPERTS", form)
+        base = replace(M.prefill_config(L, I, T * k, E), **base_fields)
+        _poison_allocator()
+        out = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(base, **option))
+        assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
+        ref = M.fused_moe_mxfp4_triton(z, w, ids, ex, base)
+        assert torch.equal(out, ref), (f"seed {seed} {form} {option} on {base_fields} lin={lin} "
+                                       f"{E}x{L}x{I}: rel err {rel_err(out, ref):.2e}")
+    return z, w, ids, ex
+
+
 @pytest.mark.parametrize("form", ["split", "blocked", "hybrid"])
 @pytest.mark.parametrize("decode", ["x2", "elementwise"])
 def test_prefetched_scales_give_the_same_expert_outputs(form, decode, monkeypatch):
@@ -358,18 +379,8 @@ def test_prefetched_scales_give_the_same_expert_outputs(form, decode, monkeypatc
     the last k step's look-ahead (past the row's groups) is masked off: 1-2 k steps per GEMM
     here, 3 (down) and 28-56 (gate/up) at the K3 TP16 shape on CUDA. The fused swapped
     gate/up kernel refuses it by name."""
-    seed = fresh_seed()
-    shapes = [(16, 128, 64, 4, 200)] + ([(896, 3584, 192, 16, 2048)] if ON_GPU else [])
-    for E, L, I, k, T in shapes:
-        ex, z, w, ids = _case(E, L, I, k, T, seed)
-        monkeypatch.setattr(M, "PREFILL_EXPERTS", form)
-        base = replace(M.prefill_config(L, I), decode=decode)
-        _poison_allocator()
-        out = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(base, prefetch_scales=True))
-        assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
-        ref = M.fused_moe_mxfp4_triton(z, w, ids, ex, base)
-        assert torch.equal(out, ref), \
-            f"seed {seed} {form} {decode} {E}x{L}x{I}: rel err {rel_err(out, ref):.2e}"
+    z, w, ids, ex = _option_is_bit_equal(monkeypatch, form, dict(prefetch_scales=True),
+                                         dict(decode=decode, prefetch_scales=False))
     fused = M.MoEConfig(64, 64, 64, 64, block_m=128, swap_ab=True, prefetch_scales=True)
     with pytest.raises(ValueError, match="prefetch_scales needs the blocked kernels"):
         M.fused_moe_mxfp4_triton(z, w, ids, ex, fused)
@@ -383,22 +394,12 @@ def test_fused_situ_gives_the_same_expert_outputs(form, lin, monkeypatch):
     bit for bit, with and without SiTU's linear clamp, every row written (poisoned
     allocator); on CUDA at a K3 TP16 prefill shape too. The unblocked forms refuse it, as
     does a tile whose half does not divide I."""
-    seed = fresh_seed()
-    shapes = [(16, 128, 64, 4, 200)] + ([(896, 3584, 192, 16, 2048)] if ON_GPU else [])
-    for E, L, I, k, T in shapes:
-        ex, z, w, ids = _case(E, L, I, k, T, seed, lin=lin)
-        monkeypatch.setattr(M, "PREFILL_EXPERTS", form)
-        base = M.prefill_config(L, I, T * k, E)
-        assert base.blocked and not base.fuse_situ
-        _poison_allocator()
-        out = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(base, fuse_situ=True))
-        assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
-        ref = M.fused_moe_mxfp4_triton(z, w, ids, ex, base)
-        assert torch.equal(out, ref), \
-            f"seed {seed} {form} lin={lin} {E}x{L}x{I}: rel err {rel_err(out, ref):.2e}"
+    z, w, ids, ex = _option_is_bit_equal(monkeypatch, form, dict(fuse_situ=True),
+                                         dict(fuse_situ=False), lin=lin)
     with pytest.raises(ValueError, match="fuse_situ needs the blocked kernels"):
         M.fused_moe_mxfp4_triton(z, w, ids, ex, M.MoEConfig(64, 64, 64, 64, block_m=128,
                                                             swap_ab=True, fuse_situ=True))
+    base = M.prefill_config(ex.latent, ex.intermediate, ids.numel(), ex.num_experts)
     with pytest.raises(ValueError, match="gate_up_bn 16 must be"):
         M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(base, fuse_situ=True, gate_up_bn=16))
 
