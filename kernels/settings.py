@@ -114,7 +114,7 @@ def parse_prefill_experts(raw: str) -> tuple[str, tuple[tuple[str, int | bool], 
                 raise ValueError(f"prefill experts {raw!r}: {name}={val!r}; expected 0 or 1")
             out.append((name, val == "1"))
         else:
-            if not val.isdigit() or int(val) < 1:
+            if not (val.isascii() and val.isdigit()) or int(val) < 1:
                 raise ValueError(f"prefill experts {raw!r}: {name}={val!r}; expected an "
                                  "integer ≥ 1")
             out.append((name, int(val)))
@@ -225,7 +225,8 @@ _ALL = (
     Setting("RAYDECODE_PREFILL_EXPERTS", "auto", "the routed experts' kernels in prefill "
             "steps (kernels/moe_mxfp4.py `prefill_config`). auto (default): ours (the x2 "
             "decode, group scales loaded a k step ahead), hybrid (blocked gate/up, swapped "
-            "down) past 128 pairs per expert, split below; split / blocked / hybrid: one of ours always; "
+            "down) past 128 pairs per expert, split below; split / blocked / hybrid: one of "
+            "ours always; "
             "ogs-hopper: Triton's triton_kernels matmul_ogs (the `ogs` extra) on a second copy "
             "of every layer's expert weights in its Hopper layouts, converted when the rank "
             "loads (engine/loader.py `prepare_prefill_experts`; ≈ +1.0 GB per MoE layer at K3 "
