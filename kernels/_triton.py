@@ -30,6 +30,10 @@ try:  # CPU-only installs have no Triton: the references serve them
 except Exception:  # ImportError, or a broken install
     triton = tl = None
 
+# the warps per program a Triton launch takes (configs and launch options are checked
+# against it before they reach a launch)
+LAUNCH_WARPS = (1, 2, 4, 8, 16)
+
 # RAYDECODE_TRITON_PDL=0 turns it off (A/B timing; a profile without the overlap)
 PDL_DEFAULT = settings.triton_pdl()
 pdl_enter = tanh_f32 = None    # the @triton.jit helpers below, when Triton imports
@@ -90,5 +94,5 @@ if triton is not None:
             gdc_launch_dependents()
 
 
-__all__ = ["H200_SMS", "PDL_DEFAULT", "available", "pdl_enter", "pdl_launch", "sm_count", "tanh_f32", "tl",
-           "triton"]
+__all__ = ["H200_SMS", "LAUNCH_WARPS", "PDL_DEFAULT", "available", "pdl_enter", "pdl_launch",
+           "sm_count", "tanh_f32", "tl", "triton"]

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from raydecode.kernels import settings as _settings
-from raydecode.kernels._triton import tanh_f32
+from raydecode.kernels._triton import LAUNCH_WARPS, tanh_f32
 from raydecode.models.layers import situ
 from raydecode.models.mxfp4 import GROUP_SIZE, SCALE_BIAS, MXFP4Error, unpack_mxfp4
 
@@ -810,6 +810,18 @@ if triton is not None:
                  mask=j_ok[:, None] & ok[None, :])
 
     @triton.jit
+    def _sub_store(out_ptr, row_ptr, ROW: tl.constexpr, start, end, i: tl.constexpr, acc, n,
+                   n_ok, j, j_ok, N: tl.constexpr, SUB: tl.constexpr, BN: tl.constexpr,
+                   SITU: tl.constexpr, beta, lin_beta, HAS_LIN: tl.constexpr):
+        """Sub-block i's epilogue: SITU `_situ_store` into `a` (columns j), else
+        `_blocked_store` (weight rows n)."""
+        if SITU:
+            _situ_store(out_ptr, start, end, i, acc, j, j_ok, N // 2, BN // 2, SUB, beta,
+                        lin_beta, HAS_LIN)
+        else:
+            _blocked_store(out_ptr, row_ptr, ROW, start, end, i, acc, n, n_ok, N, SUB)
+
+    @triton.jit
     def _situ_rows(tile, I: tl.constexpr, BN: tl.constexpr):
         """SITU's tile `tile`: weight rows (gate rows j, then up rows I + j, for its BN / 2
         columns j of `a`) -> (rows, rows ok, j, j ok)."""
@@ -841,32 +853,21 @@ if triton is not None:
             else:
                 n = (tile * TILES + t) * BN + tl.arange(0, BN)
                 n_ok = n < N
+                j, j_ok = n, n_ok                                   # unused: no SiTU
             acc0, acc1, acc2, acc3 = _blocked_accs(x_ptr, r0, ok0, r1, ok1, r2, ok2, r3, ok3,
                                                    K, w_e, s_e, n, n_ok, SUB, NB, BN, BK,
                                                    DOT_F32, X2, PF)
-            if SITU:
-                _situ_store(out_ptr, start, end, 0, acc0, j, j_ok, N // 2, BN // 2, SUB,
-                            beta, lin_beta, HAS_LIN)
-                if NB > 1:
-                    _situ_store(out_ptr, start, end, 1, acc1, j, j_ok, N // 2, BN // 2, SUB,
-                                beta, lin_beta, HAS_LIN)
-                if NB > 2:
-                    _situ_store(out_ptr, start, end, 2, acc2, j, j_ok, N // 2, BN // 2, SUB,
-                                beta, lin_beta, HAS_LIN)
-                if NB > 3:
-                    _situ_store(out_ptr, start, end, 3, acc3, j, j_ok, N // 2, BN // 2, SUB,
-                                beta, lin_beta, HAS_LIN)
-            else:
-                _blocked_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, N, SUB)
-                if NB > 1:
-                    _blocked_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, N,
-                                   SUB)
-                if NB > 2:
-                    _blocked_store(out_ptr, row_ptr, ROW, start, end, 2, acc2, n, n_ok, N,
-                                   SUB)
-                if NB > 3:
-                    _blocked_store(out_ptr, row_ptr, ROW, start, end, 3, acc3, n, n_ok, N,
-                                   SUB)
+            _sub_store(out_ptr, row_ptr, ROW, start, end, 0, acc0, n, n_ok, j, j_ok, N, SUB,
+                       BN, SITU, beta, lin_beta, HAS_LIN)
+            if NB > 1:
+                _sub_store(out_ptr, row_ptr, ROW, start, end, 1, acc1, n, n_ok, j, j_ok, N,
+                           SUB, BN, SITU, beta, lin_beta, HAS_LIN)
+            if NB > 2:
+                _sub_store(out_ptr, row_ptr, ROW, start, end, 2, acc2, n, n_ok, j, j_ok, N,
+                           SUB, BN, SITU, beta, lin_beta, HAS_LIN)
+            if NB > 3:
+                _sub_store(out_ptr, row_ptr, ROW, start, end, 3, acc3, n, n_ok, j, j_ok, N,
+                           SUB, BN, SITU, beta, lin_beta, HAS_LIN)
 
     @triton.jit
     def _blocked_dispatch(x_ptr, xrow_ptr, top_k, start, end, K: tl.constexpr, w_e, s_e, tile,
@@ -1447,9 +1448,9 @@ def fused_moe_mxfp4_triton(z: torch.Tensor, topk_weights: torch.Tensor,
     chunks = max_chunks(P, E, bm)
     tm = cfg.tile_major and chunks <= MAX_GRID_Y
     if cfg.swap_ab:     # the decoded tile as the dots' register operand; `a` in sorted order
-        gate_up, extra13 = _gate_up_swap_kernel, dict(X2=_x2(cfg, z))
-        launch = prefill_launches(cfg, L, I, x2=_x2(cfg, z), dot32=not z.is_cuda,
-                                  tile_major=tm)
+        x2 = _x2(cfg, z)
+        gate_up, extra13 = _gate_up_swap_kernel, dict(X2=x2)
+        launch = prefill_launches(cfg, L, I, x2=x2, dot32=not z.is_cuda, tile_major=tm)
     else:
         gate_up, launch = _gate_up_kernel, None
         extra13, extra2 = dict(DECODE=dec, WPR=w13.shape[-1]), dict(DECODE=dec, WPR=w2.shape[-1])
@@ -1500,11 +1501,11 @@ def check_config(cfg: MoEConfig, L: int, I: int) -> None:
         v = getattr(cfg, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"MoEConfig.{name} {v}: expected a power of two ≥ 16")
-    for name in ("num_warps", "down_warps"):
-        v = getattr(cfg, name)
-        if v not in ((0,) if name == "down_warps" else ()) + (1, 2, 4, 8, 16):
-            raise ValueError(f"MoEConfig.{name} {v}: expected 1, 2, 4, 8 or 16"
-                             + (" (or 0: num_warps)" if name == "down_warps" else ""))
+    if cfg.num_warps not in LAUNCH_WARPS:
+        raise ValueError(f"MoEConfig.num_warps {cfg.num_warps}: expected 1, 2, 4, 8 or 16")
+    if cfg.down_warps not in (0, *LAUNCH_WARPS):
+        raise ValueError(f"MoEConfig.down_warps {cfg.down_warps}: expected 1, 2, 4, 8 or 16 "
+                         "(or 0: num_warps)")
     if cfg.num_stages < 1:
         raise ValueError(f"MoEConfig.num_stages {cfg.num_stages}: expected ≥ 1")
     bm = cfg.block_m

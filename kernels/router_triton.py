@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
+from raydecode.kernels._triton import (LAUNCH_WARPS, available, pdl_enter, pdl_launch, tl,
+                                       triton)
 
 SORT_DEFAULT = True       # bitonic top-k: 4.53 vs 5.16 µs (k arg-max rounds) at batch 1, H200
 GATHER_DEFAULT = True     # the weights gathered from registers, not re-loaded
@@ -89,7 +90,7 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: in
     programs may prefer: scripts/explore/probe_kernels.py --router-only times them); the
     same ids and weights at any count."""
     T, E = logits.shape
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+    if num_warps is not None and num_warps not in LAUNCH_WARPS:
         raise ValueError(f"route_topk_triton num_warps {num_warps}: expected 1, 2, 4, 8 or 16")
     if logits.stride(1) != 1:
         logits = logits.contiguous()

@@ -60,7 +60,8 @@ from dataclasses import dataclass
 
 import torch
 
-from raydecode.kernels._triton import available, pdl_enter, pdl_launch, tl, triton
+from raydecode.kernels._triton import (LAUNCH_WARPS, available, pdl_enter, pdl_launch, tl,
+                                       triton)
 from raydecode.kernels.moe_mxfp4 import MXFP4Experts, _check_inputs
 from raydecode.kernels import moe_mxfp4_decode as _cuda_core
 from raydecode.kernels.moe_mxfp4_decode import _pow2_divisor, unique_valid
@@ -195,7 +196,7 @@ class MmaConfig:
         if not _pow2(self.down_bk) or self.down_bk < 64 or I % self.down_bk:
             bad.append(f"down_bk {self.down_bk}: need a power of two ≥ 64 dividing I={I}")
         for f in ("gate_up_warps", "down_warps"):
-            if getattr(self, f) not in (1, 2, 4, 8, 16):
+            if getattr(self, f) not in LAUNCH_WARPS:
                 bad.append(f"{f} {getattr(self, f)}: need one of 1, 2, 4, 8, 16")
         for f in ("gate_up_stages", "down_stages"):
             if getattr(self, f) < 1:

@@ -64,6 +64,13 @@ def _blocked_form(sh: M.MoEConfig, L: int) -> M.MoEConfig:
                                gate_up_bk=M._largest_block(L, 64), down_bn=128)
 
 
+def _hybrid(L: int, I: int, pf: bool) -> M.MoEConfig:
+    """The form "auto" runs past 128 pairs per expert (hybrid: blocked gate/up, swapped down)
+    with the shipped decode; pf: the scales a k step ahead (auto's since f788504)."""
+    return dataclasses.replace(M._prefill_config("hybrid", L, I, 0, 0),
+                               decode=M.PREFILL_DECODE, prefetch_scales=pf)
+
+
 def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
     rep = dataclasses.replace
     # the fused gate/up form (two accumulators per program; prefill_config before the split)
@@ -106,23 +113,20 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         bl = _blocked_form(sh, L)    # elementwise one (the baseline, first), and matmul_ogs's
         return [sh, bl, rep(sh, decode="x2"), rep(bl, decode="x2"), rep(sh, ogs="hopper")]
     if which == "warps":            # the shipped 8k form (hybrid, x2) against its warps,
-        hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # stages and tiles: swept before
-                 decode=M.PREFILL_DECODE)                     # x2 made the decode cheaper
+        hy = _hybrid(L, I, pf=False)     # stages and tiles (swept before x2 made the decode
+                                         # cheaper)
         return [hy, rep(hy, num_warps=8), rep(hy, down_warps=8), rep(hy, num_stages=4),
                 rep(hy, num_warps=8, gate_up_bn=128, down_warps=4), rep(hy, block_m=128)]
     if which == "prefetch":         # the scales a k step ahead (`prefetch_scales`) in the
-        hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # two forms "auto" runs: hybrid
-                 decode=M.PREFILL_DECODE)                     # (first: the baseline), split
-        sp = rep(M.prefill_config(L, I), prefetch_scales=False)
+        hy = _hybrid(L, I, pf=False)     # two forms "auto" runs: hybrid (first: the baseline)
+        sp = rep(M.prefill_config(L, I), prefetch_scales=False)       # and split
         return [hy, rep(hy, prefetch_scales=True), sp, rep(sp, prefetch_scales=True)]
     if which == "down":             # the swapped down kernel's weight rows per program: each
-        hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # chunk's `a` block is re-read
-                 decode=M.PREFILL_DECODE, prefetch_scales=True)   # from L2 once per L / BN
+        hy = _hybrid(L, I, pf=True)      # chunk's `a` block is re-read from L2 L / BN times
         return [hy, rep(hy, down_bn=128), rep(hy, down_bn=128, down_warps=8),
                 rep(hy, down_bn=128, down_bk=32)]
     if which == "situ":             # SiTU in the blocked gate/up's epilogue (`fuse_situ`: no
-        hy = rep(M._prefill_config("hybrid", L, I, 0, 0),    # gu buffer, no SiTU pass)
-                 decode=M.PREFILL_DECODE, prefetch_scales=True)
+        hy = _hybrid(L, I, pf=True)      # gu buffer, no SiTU pass)
         return candidates(L, I, "down") + [rep(hy, fuse_situ=True),
                                            rep(hy, fuse_situ=True, down_bn=128)]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
