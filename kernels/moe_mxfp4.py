@@ -1077,13 +1077,16 @@ def grouped_wanted(pairs: int, device: torch.device, config: MoEConfig | None = 
             and not torch.cuda.is_current_stream_capturing())
 
 
-# The prefill steps' expert kernels: "auto" (per call: "blocked" with 128-row down tiles
-# where the experts' mean load exceeds AUTO_BLOCKED_LOAD pairs, else "split"), "split" (the
-# swapped split kernels on 128-pair chunks, below), "blocked" (`MoEConfig.blocked`: ≤ 256-pair
-# chunks in 64-pair sub-blocks sharing each decoded tile, gate/up and down; the down kernel's
-# tiles 128 rows: faster than 64 at 2,048-8,192 tokens in every run of the sweep) or "hybrid"
-# (blocked gate/up, the swapped down kernel). The prefill bench's `--prefill-experts` runs
-# them side by side in one process. Why auto, on the H200 (K3 TP16, balanced routing, one
+# The prefill steps' expert kernels: "auto" (per call: "hybrid" where the experts' mean
+# load exceeds AUTO_BLOCKED_LOAD pairs, else "split"), "split" (the swapped split kernels on
+# 128-pair chunks, below), "blocked" (`MoEConfig.blocked`: ≤ 256-pair chunks in 64-pair
+# sub-blocks sharing each decoded tile, gate/up and down; the down kernel's tiles 128 rows:
+# faster than 64 at 2,048-8,192 tokens in every run of the sweep) or "hybrid" (blocked
+# gate/up, the swapped down kernel on 128-pair chunks with 128-row tiles: each chunk's `a`
+# block is read from L2 by 28 programs, not 56 as at 64 rows; the 24-layer 8k step's down
+# 25.7 → 23.0 ms, MFU 0.394 → 0.400 on the H200, same run:
+# bench/results/prefill-h200-2026-12-07-situ24.json). The prefill bench's `--prefill-experts`
+# runs them side by side in one process. Why auto, on the H200 (K3 TP16, balanced routing, one
 # call; bench/results/moe-prefill-sweep-h200-2026-12-07-crossover.json): past 128 pairs per
 # expert the split kernels take two chunks, so two decodes, per expert (8,192 tokens: 4.41
 # ms) where the blocked ones decode once (down BN 128: 4.01 ms, 1.10×); at or below it one
@@ -1171,7 +1174,7 @@ def _prefill_config(kind: str, latent: int, intermediate: int, pairs: int,
         kind = auto_big if big else "split"
     if kind != "split":
         return MoEConfig(gate_up_bn=64, gate_up_bk=_largest_block(latent, 64),
-                         down_bn=64 if kind == "hybrid" else 128,
+                         down_bn=128,
                          down_bk=_largest_block(intermediate, 64), num_warps=4, num_stages=3,
                          decode="elementwise", block_m=4 * SUB_BLOCK, blocked=True,
                          blocked_down=kind != "hybrid")

@@ -91,7 +91,7 @@ def test_prefill_experts_switch(monkeypatch):
     assert blocked.blocked_down and blocked.down_bn == 128 and blocked.down_tiles == 1
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "hybrid")
     hybrid = M.prefill_config(3584, 192)
-    assert hybrid.blocked and not hybrid.blocked_down and hybrid.down_bn == 64
+    assert hybrid.blocked and not hybrid.blocked_down and hybrid.down_bn == 128
     assert blocked.decode == hybrid.decode == "x2"
     assert blocked.prefetch_scales and hybrid.prefetch_scales
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "auto")

@@ -406,23 +406,23 @@ def test_fused_situ_gives_the_same_expert_outputs(form, lin, monkeypatch):
 
 @pytest.mark.parametrize("warps", [0, 8])
 def test_hybrid_down_at_bn128(warps, monkeypatch):
-    """The hybrid form's swapped down kernel at BN 128 (`auto+down_bn=128`: half the output
-    tiles per 128-pair chunk, so each chunk's `a` block is read from L2 half as often) on
-    the gate/up's warps (0) and on 8: every row written (poisoned allocator), within 1e-3 of
-    BN 64 (the same k order and rounding points; only the dots' M differs); on CUDA at a
-    K3 TP16 prefill shape too."""
+    """The hybrid form's swapped down kernel at BN 128 (auto's since the 24-layer step's A/B:
+    half the output tiles per 128-pair chunk, so each chunk's `a` block is read from L2 half
+    as often) on the gate/up's warps (0) and on 8: every row written (poisoned allocator),
+    within 1e-3 of BN 64 (`auto+down_bn=64`: the same k order and rounding points; only
+    the dots' M differs); on CUDA at a K3 TP16 prefill shape too."""
     seed = fresh_seed()
     shapes = [(16, 128, 64, 4, 200)] + ([(896, 3584, 192, 16, 2048)] if ON_GPU else [])
     monkeypatch.setattr(M, "PREFILL_EXPERTS", "hybrid")
     for E, L, I, k, T in shapes:
         ex, z, w, ids = _case(E, L, I, k, T, seed)
-        base = M.prefill_config(L, I, T * k, E)
-        assert base.blocked and not base.blocked_down and base.down_bn == 64
+        shipped = M.prefill_config(L, I, T * k, E)
+        assert shipped.blocked and not shipped.blocked_down and shipped.down_bn == 128
         _poison_allocator()
-        out = M.fused_moe_mxfp4_triton(z, w, ids, ex,
-                                       replace(base, down_bn=128, down_warps=warps))
+        out = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(shipped, down_warps=warps))
         assert torch.isfinite(out).all(), f"seed {seed}: unwritten (NaN) output"
-        err = rel_err(out, M.fused_moe_mxfp4_triton(z, w, ids, ex, base))
+        bn64 = M.fused_moe_mxfp4_triton(z, w, ids, ex, replace(shipped, down_bn=64))
+        err = rel_err(out, bn64)
         assert err < 1e-3, f"seed {seed} {E}x{L}x{I}: BN 128 vs 64 rel err {err:.2e}"
 
 
