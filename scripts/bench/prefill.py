@@ -88,7 +88,9 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             prompts, the routing of a budget step (`routing`).
   profile   with --profile-first-run: torch.profiler over the first and the second prefill
             step of an unmet count: wall ms, the device's kernel time (`device_busy_ms`: the
-            kernels' own events; below the wall time, the step is host-bound) and the top
+            kernels' own events; below the wall time, the step is host-bound), where the
+            rest went (`kernel_timeline`: idle between the first and the last kernel,
+            `device_gaps_ms`, and before and after them, `ends_idle_ms`) and the top
             kernels and host ops. With --profile-steps: after the prompts, one
             budget-sized prefill step at position 0 per expert-kernel variant, profiled the
             same way (`step_profiles`, each with its `wall`): the variants' steps kernel by
@@ -535,6 +537,26 @@ def random_counts(rank: PrefillRank, buckets: list[int], decodes: int, count: in
             "jit_compiles_after_warmup": compiled[0], "modes": modes}
 
 
+def kernel_timeline(kernels: list[tuple[float, float]], wall_us: float) -> dict:
+    """Where a profiled step's device time goes on its timeline, from its kernels' (start, end)
+    µs: `device_span_ms` from the first kernel's start to the last one's end, `device_gaps_ms`
+    the idle inside that span (the span less the union of the kernels' intervals: host-bound
+    stretches between kernels), `ends_idle_ms` the wall time outside it (the host's work
+    before the first kernel and after the last: planning, inputs, the sampled ids' copy);
+    None without kernels (off CUDA)."""
+    if not kernels:
+        return {"device_span_ms": None, "device_gaps_ms": None, "ends_idle_ms": None}
+    busy, end = 0.0, -math.inf
+    for a, b in sorted(kernels):            # the union of the intervals (streams may overlap)
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    span = max(b for _, b in kernels) - min(a for a, _ in kernels)
+    return {"device_span_ms": round(span / 1e3, 3),
+            "device_gaps_ms": round((span - busy) / 1e3, 3),
+            "ends_idle_ms": round(max(wall_us - span, 0.0) / 1e3, 3)}
+
+
 def _profiled(rank: PrefillRank, run, top: int) -> dict:
     """torch.profiler (host + device) over `run()` (-> its wall seconds): its wall ms, the
     device's kernel time and the top kernels and host ops by self time."""
@@ -552,7 +574,10 @@ def _profiled(rank: PrefillRank, run, top: int) -> dict:
            and (getattr(e, "self_device_time_total", 0) or 0) > 0]
     dev_us = sum(e.self_device_time_total for e in dev)
     top_dev = sorted(dev, key=lambda e: -e.self_device_time_total)[:top]
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if getattr(e, "device_type", None) == cuda]
     return {"ms": _ms(t), "device_busy_ms": round(dev_us / 1e3, 3),
+            **kernel_timeline(kernels, t * 1e6),
             "device_top_ops": [
                 {"op": e.key[:90], "device_ms": round(e.self_device_time_total / 1e3, 3),
                  "calls": e.count} for e in top_dev],
@@ -1317,7 +1342,9 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         run["step_profiles"] = sp = step_profiles(rank, n, variants)
         for row in sp:
             print(f"[prefill] {tag} {n}-token step ({row['prefill_experts']} experts) profiled: "
-                  f"{row['ms']} ms, device busy {row['device_busy_ms']} ms; top: "
+                  f"{row['ms']} ms, device busy {row['device_busy_ms']} ms (idle: "
+                  f"{row['device_gaps_ms']} between kernels, {row['ends_idle_ms']} at the "
+                  f"ends); top: "
                   f"{[(o['op'][:40], o['device_ms']) for o in row['device_top_ops'][:12]]}",
                   flush=True)
         save(run)

@@ -536,8 +536,23 @@ def test_prefill_bench_profiles_one_step_per_experts_kind_cpu(tmp_path):
     for r in rows:
         assert r["tokens"] == 16 and r["ms"] > 0 and r["host_top_ops"]
         assert r["wall"][0] <= r["wall"][1]
+        assert r["device_span_ms"] is r["device_gaps_ms"] is r["ends_idle_ms"] is None
     assert rows[0]["wall"][1] <= rows[1]["wall"][0]
     assert moe_mxfp4.PREFILL_EXPERTS == shipped
+
+
+def test_kernel_timeline_splits_the_idle_between_and_around_the_kernels():
+    """`kernel_timeline`: the span from the first kernel's start to the last one's end, the
+    idle inside it counted once where kernels overlap (two streams), the wall time outside
+    it; in any order of the kernels; nothing without kernels."""
+    ks = [(1500.0, 4000.0), (100.0, 1000.0), (800.0, 1200.0), (4500.0, 5100.0)]
+    t = prefill.kernel_timeline(ks, 6000.0)
+    # span 100 → 5100 = 5 ms; busy: [100, 1200] ∪ [1500, 4000] ∪ [4500, 5100] = 4.2 ms
+    assert t == {"device_span_ms": 5.0, "device_gaps_ms": 0.8, "ends_idle_ms": 1.0}
+    assert prefill.kernel_timeline(list(reversed(ks)), 6000.0) == t
+    nested = prefill.kernel_timeline([(0.0, 1000.0), (200.0, 300.0)], 1000.0)
+    assert nested == {"device_span_ms": 1.0, "device_gaps_ms": 0.0, "ends_idle_ms": 0.0}
+    assert prefill.kernel_timeline([], 10.0)["device_span_ms"] is None
 
 
 def test_stock_gemms_sets_and_restores_the_skinny_cap():
