@@ -188,6 +188,39 @@ def test_decode_meta_layout_memo_and_table_change():
     assert store.tolist() == [4, -1] and lens.tolist() == [5, 0]
 
 
+def test_decode_meta_rows_follow_the_tables_across_steps():
+    """Each step's paging holds its tables' blocks, 0-padded to the widest, while the rows
+    are kept as tensors across steps (`_table_row`): a table the engine kept is not rebuilt,
+    a replaced one (longer, or the same length with other blocks) is read anew, and a
+    wider table in the step widens every row."""
+    cfg = tiny()
+    c = fresh_caches(cfg, Parallel())
+    gen = torch.Generator().manual_seed(5)
+
+    def blocks(n):
+        return torch.randint(0, 16, (n,), generator=gen).tolist()
+
+    c.mla.block_tables.update({0: blocks(3), 1: blocks(1), 2: blocks(2)})
+    for step, (grow, same_len, wide) in enumerate([(False, False, False), (True, False, False),
+                                                   (False, True, False), (False, False, True)]):
+        if grow:                                      # slot 1's table replaced, one block more
+            c.mla.block_tables[1] = c.mla.block_tables[1] + blocks(1)
+        if same_len:                                  # slot 0's replaced at the same length
+            c.mla.block_tables[0] = blocks(3)
+        if wide:
+            c.mla.block_tables[2] = blocks(7)
+        kept = mla._TABLE_ROWS.get((id(c.mla), 2))
+        tables = {s: c.mla.block_tables[s] for s in (0, 1, 2)}
+        pos = {s: 4 * len(t) - 1 for s, t in tables.items()}
+        b = StepBatch.decode([0, 1, 2], [pos[0], pos[1], pos[2]])
+        table, _, lens = mla.decode_meta(b, c.mla, "cpu")
+        width = max(len(t) for t in tables.values())
+        assert table.tolist() == [tables[s] + [0] * (width - len(tables[s])) for s in (0, 1, 2)]
+        assert lens.tolist() == [pos[s] + 1 for s in (0, 1, 2)]
+        if step and not wide:                         # slot 2 kept its list: its row too
+            assert mla._TABLE_ROWS[(id(c.mla), 2)][2] is kept[2]
+
+
 def test_w_uv_t_copy_follows_the_weight():
     cfg = tiny()
     attn = init_random_(K3ForCausalLM(cfg, dtype=BF), SEED).model.layers[2].self_attn
