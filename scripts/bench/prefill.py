@@ -67,7 +67,9 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             decode rows in one stock step, split_mixed off), each step one TPOT sample.
             --schedule-pacer L: also per mode, the whole prompt with each chunk the size the
             scheduler's pacer asks for (engine/pacer.py, decode_slowdown_limit L, at most
-            --chunk-while-decoding), every step's time reported to it as the engine does.
+            --chunk-while-decoding), every step's time reported to it as the engine does;
+            with --profile-steps the mixed mode's first one-token chunk step runs under the
+            profiler (`one_token_step_profile`: the paced runs' slow step).
   prompts   each prompt (random ids of this rank's vocab rows) through the real Scheduler
             (engine/scheduler.py: at position p a chunk of min(budget, P − p) tokens per
             step); every chunk is what ModelRunner.execute runs (forward, the chunk's logits
@@ -740,29 +742,41 @@ def mixed_case(rank: PrefillRank, decodes: int, steps: int, scale: float, chunk:
 
 
 def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, limit: float,
-                        baseline_steps: int, scale: float, mode: str = "split") -> dict:
+                        baseline_steps: int, scale: float, mode: str = "split",
+                        profile_one_token: bool = False) -> dict:
     """The schedule case with the chunks sized by the scheduler's pacer (engine/pacer.py,
     `decode_slowdown_limit` = `limit`, at most `cap` tokens): the decode-only baseline steps
     are its first samples (the streams decoded before the prompt came), then the whole prompt
     runs, every step timed and reported to the pacer as the engine does, each chunk the size
-    it asks for. -> as `schedule_case`, plus the chunks chosen; the TTFT is the measured sum."""
+    it asks for. -> as `schedule_case`, plus the chunks chosen; the TTFT is the measured sum.
+    profile_one_token (mixed mode): the first step whose chunk is one token runs under
+    torch.profiler (`_profiled`: its host ops, kernels and where the rest went), in place —
+    that step is the paced runs' slow one (57-82 ms against ≈ 20, docs/PERF.md) and may be
+    slow only the first time; its sample says `profiled` (the profiler's overhead is in it)."""
     path = "specialized" if rank.graphs else "stock"
     pacer = ChunkPacer(limit, mixed=mode == "mixed")
     base = []
     for _ in range(baseline_steps):
         base.append(rank.step(0, decodes, path))
         pacer.observe(0, decodes, base[-1])
-    samples, pos, total = [], 0, 0.0
+    samples, pos, total, one = [], 0, 0.0, None
     probe = StepProbe(rank.device)
     while pos < prompt:
         n = min(pacer.chunk_cap(cap, decodes), prompt - pos)
         if mode == "mixed":
             host: dict = {}
+            profiled = profile_one_token and n == 1 and one is None
             with probe.measure(host):
-                tm = rank.step(n, decodes, "stock", pos=pos)
+                if profiled:
+                    one = _profiled(rank, lambda: rank.step(n, decodes, "stock", pos=pos), 25)
+                    one.update(pos=pos, decodes=decodes)
+                    tm = one["ms"] / 1e3
+                else:
+                    tm = rank.step(n, decodes, "stock", pos=pos)
             pacer.observe(n, decodes, tm)
             samples.append({"pos": pos, "chunk_tokens": n, "mixed_ms": _ms(tm),
-                            "tpot_ms": _ms(tm), **_device_ms(rank.last_device_s), **host})
+                            "tpot_ms": _ms(tm), **_device_ms(rank.last_device_s), **host,
+                            **({"profiled": True} if profiled else {})})
             total += tm
         else:
             tc = rank.step(n, 0, "stock", pos=pos)
@@ -789,7 +803,7 @@ def paced_schedule_case(rank: PrefillRank, decodes: int, prompt: int, cap: int, 
                       "chunk_ms": {k: _ms(v) for k, v in sorted(pacer.chunk_s.items())},
                       "infeasible": pacer.infeasible, "reprobes": pacer.reprobes,
                       "stretch": pacer.stretch, "stretched": pacer.stretched},
-            "samples": samples}
+            "one_token_step_profile": one, "samples": samples}
 
 
 def _device_ms(*steps: float | None) -> dict:
@@ -1297,7 +1311,8 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
     if args.schedule_prompt and args.schedule_pacer:
         for mode in args.schedule_modes:
             sc = paced_schedule_case(rank, args.mixed_decodes, args.schedule_prompt, chunk,
-                                     args.schedule_pacer, args.steps, scale, mode)
+                                     args.schedule_pacer, args.steps, scale, mode,
+                                     bool(args.profile_steps))
             run["schedule"].append(sc)
             print(f"[prefill] {tag} schedule ({mode}, paced to {args.schedule_pacer}x, cap "
                   f"{chunk}): chunks {sc['chunks_chosen']}; TPOT p50 {sc['tpot_ms_p50']} p99 "
@@ -1305,6 +1320,13 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                   f"{sc['tpot_ms_decode_only']} ms decode-only: p99 "
                   f"{sc['p99_over_decode_only']}x; the prompt's TTFT {sc['prompt_ttft_s']} s "
                   f"(all layers {sc['prompt_ttft_s_all_layers']}){_stall_note(sc)}", flush=True)
+            if sc["one_token_step_profile"]:
+                one = sc["one_token_step_profile"]
+                print(f"[prefill] {tag} paced one-token step profiled: {one['ms']} ms, device "
+                      f"busy {one['device_busy_ms']} (idle: {one['device_gaps_ms']} between "
+                      f"kernels, {one['ends_idle_ms']} at the ends); host top: "
+                      f"{[(o['op'][:40], o['self_cpu_ms']) for o in one['host_top_ops'][:10]]}",
+                      flush=True)
             save(run)
     run["prompts"] = []
     shipped = (moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS)
@@ -1522,7 +1544,8 @@ def main(argv=None) -> int:
                     "profile the first and second prefill step of an unmet token count")
     ap.add_argument("--profile-steps", action="store_true", help="after the prompts: "
                     "profile one budget-sized prefill step under each --prefill-experts / "
-                    "--grouped-pairs variant (kernel by kernel, `step_profiles`)")
+                    "--grouped-pairs variant (kernel by kernel, `step_profiles`); with "
+                    "--schedule-pacer also the paced mixed schedule's first one-token step")
     ap.add_argument("--steps", type=int, default=5, help="interleaved rounds of the mixed case")
     ap.add_argument("--max-seconds", type=float, default=60.0,
                     help="per prompt (then its chunks but the last are skipped and "

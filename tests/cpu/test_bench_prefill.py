@@ -459,9 +459,17 @@ def test_prefill_bench_paced_schedule_cpu(tmp_path):
                          "--chunk-while-decoding", "8", "--schedule-prompt", "40",
                          "--schedule-chunks", "8", "--schedule-modes", "split,mixed",
                          "--schedule-pacer", "3", "--random-counts", "1", "--repeats", "1",
-                         "--steps", "2", "--out", str(out)]) == 0
+                         "--steps", "2", "--profile-steps", "--out", str(out)]) == 0
     (run,) = json.loads(out.read_text())["runs"]
     paced = [r for r in run["schedule"] if "pacer_limit" in r]
+    # --profile-steps: the mixed mode's first one-token step ran under the profiler, in place
+    split_row, mixed_row = paced
+    assert split_row["one_token_step_profile"] is None
+    one = mixed_row["one_token_step_profile"]
+    first = next(i for i, x in enumerate(mixed_row["samples"]) if x["chunk_tokens"] == 1)
+    assert one["pos"] == mixed_row["samples"][first]["pos"] and one["host_top_ops"]
+    assert one["ms"] == mixed_row["samples"][first]["mixed_ms"] and one["ms"] > 0
+    assert [i for i, x in enumerate(mixed_row["samples"]) if x.get("profiled")] == [first]
     assert [r["mode"] for r in paced] == ["split", "mixed"]
     for r in paced:
         assert r["pacer_limit"] == 3 and r["chunk_cap"] == 8
