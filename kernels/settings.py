@@ -83,7 +83,7 @@ PREFILL_EXPERT_KINDS = ("auto", "split", "blocked", "hybrid", "ogs", "ogs-hopper
                         "auto-nopf")
 # MoEConfig fields (kernels/moe_mxfp4.py) a RAYDECODE_PREFILL_EXPERTS value may set after its
 # kind of our kernels, for same-run A/Bs of a kernel option before it ships:
-# "auto+fuse_situ=1+down_bn=128" (`parse_prefill_experts`); integers > 0 and flags 0 / 1
+# "auto+down_bn=64+fuse_situ=1" (`parse_prefill_experts`); integers > 0 and flags 0 / 1
 PREFILL_EXPERT_FIELDS: dict[str, type] = {
     "gate_up_bn": int, "gate_up_bk": int, "down_bn": int, "down_bk": int, "num_warps": int,
     "num_stages": int, "down_warps": int, "down_tiles": int, "prefetch_scales": bool,
@@ -238,7 +238,7 @@ _ALL = (
             "auto-nopf: auto without the scales' look-ahead (`MoEConfig.prefetch_scales`; "
             "bit-equal either way), its same-run baseline. Any of our kinds may end in "
             "+FIELD=VALUE parts that set MoEConfig fields of the configs it picks (e.g. "
-            "auto+fuse_situ=1+down_bn=128: a kernel option's A/B before it ships)",
+            "auto+down_bn=64: the down tiles auto ran before; a kernel option's A/B before it ships)",
             ", ".join(PREFILL_EXPERT_KINDS) + ", each but ogs / ogs-hopper optionally followed "
             "by +FIELD=VALUE (FIELD: " + ", ".join(PREFILL_EXPERT_FIELDS) + ")",
             _prefill_experts_value),

@@ -11,7 +11,6 @@ from raydecode.kernels.settings import PREFILL_EXPERT_KINDS, parse_prefill_exper
 DEFAULT_CONTEXT = 8192
 
 
-
 def _prefill_experts(raw: str) -> str:
     """argparse type of --prefill-experts: a RAYDECODE_PREFILL_EXPERTS value (the setting's
     parser: kinds and +FIELD=VALUE parts)."""
@@ -20,6 +19,7 @@ def _prefill_experts(raw: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return raw
+
 
 def _default_bench_dir() -> Path:
     import raydecode.scripts as s

@@ -30,11 +30,12 @@ layouts ("hopper"), against split and blocked (the two forms "auto" picks betwee
 `warps`: the form "auto" runs at 8,192 tokens (hybrid, x2 decode) against its warps (8 for
 both kernels or the down alone), 4 stages, 128-row gate/up tiles and 128-pair chunks;
 `prefetch`: hybrid and split, each without and with `prefetch_scales` (the group scales of
-k step i + 1 loaded in step i); `down`: the shipped 8k form (hybrid) against its swapped down
-kernel at 128 weight rows per program (BN: each 128-pair chunk's (128, I) `a` block is read
-from L2 once per output tile, L / BN times: 4.4 GB per 8,192-token call at BN 64), on 4 or 8
-warps, BK 64 or 32; `situ`: the `down` rows and the gate/up kernel storing SiTU(gate, up) itself
-(`MoEConfig.fuse_situ`), alone and with the down kernel at BN 128.
+k step i + 1 loaded in step i); `down`: the 8k form (hybrid) with its swapped down kernel at
+64 weight rows per program (the form before c96298f, the baseline) against 128, shipped (BN:
+each 128-pair chunk's (128, I) `a` block is read from L2 once per output tile, L / BN times:
+4.4 GB per 8,192-token call at BN 64), on 4 or 8 warps, BK 64 or 32; `situ`: the `down` rows
+and the gate/up kernel storing SiTU(gate, up) itself (`MoEConfig.fuse_situ`), with the down
+kernel at BN 64 and at 128.
 
 Per (tokens, candidate): `fused_moe_mxfp4_triton` on balanced random routing (top-16 of
 uniform scores), one call of all the tokens' pairs (`routed_moe` splits at MAX_FUSED_PAIRS;
@@ -122,13 +123,13 @@ def candidates(L: int, I: int, which: str = "all") -> list[M.MoEConfig]:
         sp = rep(M.prefill_config(L, I), prefetch_scales=False)       # and split
         return [hy, rep(hy, prefetch_scales=True), sp, rep(sp, prefetch_scales=True)]
     if which == "down":             # the swapped down kernel's weight rows per program: each
-        hy = _hybrid(L, I, pf=True)      # chunk's `a` block is re-read from L2 L / BN times
-        return [hy, rep(hy, down_bn=128), rep(hy, down_bn=128, down_warps=8),
-                rep(hy, down_bn=128, down_bk=32)]
+        hy = _hybrid(L, I, pf=True)      # chunk's `a` block is re-read from L2 L / BN times;
+        b64 = rep(hy, down_bn=64)        # 64 (the form before c96298f) first, the baseline
+        return [b64, hy, rep(hy, down_warps=8), rep(hy, down_bk=32)]
     if which == "situ":             # SiTU in the blocked gate/up's epilogue (`fuse_situ`: no
         hy = _hybrid(L, I, pf=True)      # gu buffer, no SiTU pass)
-        return candidates(L, I, "down") + [rep(hy, fuse_situ=True),
-                                           rep(hy, fuse_situ=True, down_bn=128)]
+        return candidates(L, I, "down") + [rep(hy, fuse_situ=True, down_bn=64),
+                                           rep(hy, fuse_situ=True)]
     if which == "grouped":          # decode once, bf16 grouped GEMMs: against the shipped
         return [M.prefill_config(L, I), rep(M.prefill_config(L, I), grouped_bf16=True)]
     if which == "order":            # the grid order: chunk-major (first, the baseline) or not
