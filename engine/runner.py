@@ -38,8 +38,9 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> torch.Tensor:
         self.update_caches(plan)
-        # through numpy: an 8,192-token chunk's ids in 0.14 ms against torch.tensor's 0.49,
-        # host time before the step's first kernel (the same int64 values)
+        # through numpy: an 8,192-token chunk's ids in 0.14 ms against torch.tensor's 0.43
+        # (CPU, bench/results/host-step-inputs-cpu-2026-12-07.json), host time before the
+        # step's first kernel (the same int64 values)
         ids = torch.from_numpy(np.array(plan.tokens, dtype=np.int64).reshape(-1))
         return host_to_device(ids, self.device)
 
