@@ -16,6 +16,11 @@ from .scheduler import StepPlan
 
 
 class ModelRunner:
+    # the model returns only the sample rows' hidden state (its final AttnRes mix and norm
+    # run on those rows alone); False: every row's, then the sample rows (the form before,
+    # kept as the prefill bench's same-run baseline: scripts/bench/prefill.py --final-mix)
+    final_rows: bool = True
+
     def __init__(self, model: torch.nn.Module, caches: ModelCaches, device: str | torch.device = "cpu"):
         self.model, self.caches, self.device = model, caches, torch.device(device)
 
@@ -49,12 +54,19 @@ class ModelRunner:
         """(len(plan.sample_rows), V) fp32 logits on this runner's device. May be a view of a
         buffer the next step rewrites (graphed runners): read it before the next step."""
         tokens = self.prepare(plan)
-        hidden = self.model(tokens, plan.batch, self.caches, path=plan.path)   # (T, H)
-        return self.sample_logits(hidden, plan)
+        if not self.final_rows:
+            hidden = self.model(tokens, plan.batch, self.caches, path=plan.path)   # (T, H)
+            return self.sample_logits(hidden, plan)
+        hidden = self.model(tokens, plan.batch, self.caches, path=plan.path,
+                            rows=self._sample_rows(plan))                          # (R, H)
+        return self.model.compute_logits(hidden).float()
+
+    def _sample_rows(self, plan: StepPlan) -> torch.Tensor:
+        return host_to_device(torch.tensor(plan.sample_rows, dtype=torch.long), self.device)
 
     def sample_logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """(len(plan.sample_rows), V) fp32 logits of the plan's sample rows of `hidden`."""
-        rows = host_to_device(torch.tensor(plan.sample_rows, dtype=torch.long), self.device)
+        rows = self._sample_rows(plan)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
 
     def run(self, plan: StepPlan) -> torch.Tensor:

@@ -88,9 +88,15 @@ class AttnResStream:
             return None
         return self.bank[:, n]
 
-    def mix(self, norm: RMSNorm, proj_weight: torch.Tensor) -> torch.Tensor:
-        """The mix rounded to the stream's dtype (before the final norm: vLLM's as well)."""
-        values = torch.stack(self.blocks + [self.prefix], dim=1)  # (T, n+1, H)
+    def mix(self, norm: RMSNorm, proj_weight: torch.Tensor,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The mix rounded to the stream's dtype (before the final norm: vLLM's as well).
+        rows: (R,) token indices -> only those tokens' mix (R, H): mixes are per token, so the
+        rows that sample need no other row (the final mix of a prefill chunk: 1 row of 8,192)."""
+        parts = self.blocks + [self.prefix]
+        if rows is not None:
+            parts = [p.index_select(0, rows) for p in parts]
+        values = torch.stack(parts, dim=1)                       # (T or R, n+1, H)
         return attn_res_mix(values, norm.weight, proj_weight, norm.eps)
 
     def mix_then_norm(self, res_norm: RMSNorm, proj_weight: torch.Tensor,

@@ -100,7 +100,8 @@ class K3Model(nn.Module):
     stock_fused_attnres: bool = True
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch, caches: ModelCaches | None,
-                path: str = "stock", taps: tuple[int, ...] = ()):
+                path: str = "stock", taps: tuple[int, ...] = (),
+                rows: torch.Tensor | None = None):
         emb = self.embed_tokens(tokens)
         fused = path == "specialized" or (self.stock_fused_attnres and attnres_fusable(emb))
         # fused: the snapshots in one bank tensor (DecodeOptions.attnres_bank); the stock
@@ -115,9 +116,13 @@ class K3Model(nn.Module):
             if i in taps:
                 tapped.append(_layer_output(bank))
         # the final mix is rounded to the model dtype before the RMSNorm (vLLM's order), on both
-        # paths: unlike a sublayer's, it is not the fused op's fp32-into-the-norm form
+        # paths: unlike a sublayer's, it is not the fused op's fp32-into-the-norm form. Both
+        # are per token: with `rows`, only those rows (the ones that sample) are mixed and
+        # normalised (an 8,192-token chunk's final mix over every row, in PyTorch, was ≈ 2 ms
+        # of its step on an H200 for the one row that samples)
         bank.flush()
-        out = self.norm(bank.mix(self.output_attn_res_norm, self.output_attn_res_proj.weight))
+        out = self.norm(bank.mix(self.output_attn_res_norm, self.output_attn_res_proj.weight,
+                                 rows))
         return (out, torch.cat(tapped, -1)) if taps else out
 
 
@@ -174,9 +179,13 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, batch: StepBatch | None = None,
                 caches: ModelCaches | None = None, path: str = "stock",
-                taps: tuple[int, ...] = ()) -> torch.Tensor:
+                taps: tuple[int, ...] = (), rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """With `taps` (0-indexed layers, ascending) -> (hidden, tapped (T, len(taps)·H)): the
-        hidden state after each tapped layer, concatenated (DSpark's context input)."""
+        hidden state after each tapped layer, concatenated (DSpark's context input). With
+        `rows` ((R,) int64 token indices on the model's device), the hidden state is only
+        those rows' (R, H): the final AttnRes mix and norm run on them alone (taps stay
+        every row's)."""
         if batch is None:
             batch = StepBatch([SeqSlice(slot=0, start=0, length=int(tokens.shape[0]), pos=0)])
         self._check_step(tokens, batch, caches)
@@ -184,7 +193,10 @@ class K3ForCausalLM(nn.Module):
         if path == "specialized" and not self.specialized_support[0]:
             raise ValueError(f"{self.specialized_support[1]} (model {self.cfg.name!r}); run "
                              "this step with path='stock'")
-        return self.model(tokens, batch, caches, path, taps)
+        if rows is not None and (rows.dim() != 1 or rows.dtype != torch.long):
+            raise ValueError(f"rows of shape {tuple(rows.shape)} and dtype {rows.dtype}; "
+                             "expected a flat int64 tensor of token indices")
+        return self.model(tokens, batch, caches, path, taps, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (T, H) -> fp32 logits (T, V), gathered over the vocab-parallel lm_head."""

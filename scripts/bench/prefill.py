@@ -81,8 +81,10 @@ Cases, per TP (the budget: `--prefill-budget`, the scheduler's max_num_batched_t
             --grouped-pairs A,B: each prompt once per value of kernels/moe_mxfp4.py
             GROUPED_PAIRS, interleaved (each row its `grouped_pairs` and `shipped`), the
             grouped bf16 experts' same-run A/B; with --prefill-experts split,blocked the same
-            for PREFILL_EXPERTS (each row its `prefill_experts`); the summary takes the
-            shipped row.
+            for PREFILL_EXPERTS (each row its `prefill_experts`), with --final-mix rows,all
+            for engine/runner.py ModelRunner.final_rows (the final AttnRes mix and norm on
+            the sample rows alone, as shipped, or on every row of the chunk, the form
+            before; each row its `final_mix`); the summary takes the shipped row.
   routing   with --router balanced: the random router's largest one-step prompt first, the
             streams' routing (one eager decode-only step of --mixed-decodes rows:
             `routing_decode_random_router`), then the bias balanced on a budget step
@@ -689,21 +691,21 @@ def first_run_profile(rank: PrefillRank, tokens: int, top: int = 30) -> dict:
 
 
 def step_profiles(rank: PrefillRank, tokens: int, variants: list, top: int = 40) -> list:
-    """One `tokens`-token prefill step at position 0 under each expert-kernel variant
-    ((grouped_pairs, prefill_experts), compiled before: the prompts ran them), profiled after
+    """One `tokens`-token prefill step at position 0 under each variant ((grouped_pairs,
+    prefill_experts, final_mix), compiled before: the prompts ran them), profiled after
     an unprofiled step of the same: where one variant's step time goes against another's,
     kernel by kernel (the experts' kernels and everything around them), with the wall
     interval (epoch seconds) to line up with the round's clock log."""
     out = []
     for v in variants:
-        with expert_kernels(*v):
+        with variant_kernels(v):
             rank.step(tokens, 0, pos=0)
             t0 = time.time()
             row = _profiled(rank, lambda: rank.step(tokens, 0, pos=0), top)
             if rank.device.type == "cuda":
                 row["by_site"] = _device_sites(lambda: rank.step(tokens, 0, pos=0), top)
                 row["syncs"] = _sync_sites(lambda: rank.step(tokens, 0, pos=0), top)
-        row.update(tokens=tokens, grouped_pairs=v[0], prefill_experts=v[1],
+        row.update(tokens=tokens, grouped_pairs=v[0], prefill_experts=v[1], final_mix=v[2],
                    wall=[round(t0, 3), round(time.time(), 3)])
         out.append(row)
     return out
@@ -1329,25 +1331,27 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                       flush=True)
             save(run)
     run["prompts"] = []
-    shipped = (moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS)
-    variants = [(g, shipped[1]) for g in args.grouped_pairs] + [
-        (shipped[0], x) for x in args.prefill_experts if x != shipped[1]]
+    shipped = (moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS, final_mix_shipped())
+    variants = [(g, *shipped[1:]) for g in args.grouped_pairs] + [
+        (shipped[0], x, shipped[2]) for x in args.prefill_experts if x != shipped[1]] + [
+        (*shipped[:2], f) for f in args.final_mix if f != shipped[2]]
     for v in variants:                    # each alternative's kernels compiled before timing
         if v != shipped:
-            with expert_kernels(*v):
+            with variant_kernels(v):
                 rank.step(args.prefill_budget, 0, pos=0)
     for P in args.prompts:
         for v in variants:                # interleaved per prompt: same-run alternatives
             t0 = time.time()
-            with expert_kernels(*v):
+            with variant_kernels(v):
                 row = prompt_case(rank, P, run["flops_model"], rate, args.max_seconds, scale)
             # epoch seconds: lines the row up with a clock / power log of the same run
             # (run_served_round.sh's gpu-clocks.csv)
-            row.update(grouped_pairs=v[0], prefill_experts=v[1], shipped=v == shipped,
+            row.update(grouped_pairs=v[0], prefill_experts=v[1], final_mix=v[2],
+                       shipped=v == shipped,
                        wall=[round(t0, 3), round(time.time(), 3)])
             run["prompts"].append(row)
             print(f"[prefill] {tag} prompt {P} ({v[1]} experts, grouped from {v[0] or 'never'} "
-                  f"pairs{', as shipped' if v == shipped else ''}): TTFT {row['ttft_s']:.3f} s (all "
+                  f"pairs, final mix on {v[2]} rows{', as shipped' if v == shipped else ''}): TTFT {row['ttft_s']:.3f} s (all "
                   f"layers {row['ttft_s_all_layers']:.3f} s) {row['prefill_tok_s']:.0f} tok/s "
                   f"{row['tflop_s']:.1f} TFLOP/s MFU {row['mfu']:.3f} chunks "
                   f"{row['chunks_run']}/{row['chunks_total']}"
@@ -1363,7 +1367,8 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         n = min(max(args.prompts), args.prefill_budget)
         run["step_profiles"] = sp = step_profiles(rank, n, variants)
         for row in sp:
-            print(f"[prefill] {tag} {n}-token step ({row['prefill_experts']} experts) profiled: "
+            print(f"[prefill] {tag} {n}-token step ({row['prefill_experts']} experts, final "
+                  f"mix on {row['final_mix']} rows) profiled: "
                   f"{row['ms']} ms, device busy {row['device_busy_ms']} ms (idle: "
                   f"{row['device_gaps_ms']} between kernels, {row['ends_idle_ms']} at the "
                   f"ends); top: "
@@ -1465,6 +1470,25 @@ def expert_kernels(pairs: int, prefill: str):
         yield
     finally:
         moe_mxfp4.GROUPED_PAIRS, moe_mxfp4.PREFILL_EXPERTS = was
+
+
+def final_mix_shipped() -> str:
+    """--final-mix's name of engine/runner.py ModelRunner.final_rows as shipped."""
+    return "rows" if ModelRunner.final_rows else "all"
+
+
+@contextlib.contextmanager
+def variant_kernels(v: tuple):
+    """A prompt variant (grouped_pairs, prefill_experts, final_mix) inside: `expert_kernels`
+    and ModelRunner.final_rows (final_mix "rows": the final AttnRes mix and norm on the
+    sample rows alone; "all": on every row, then the sample rows), restored after."""
+    was = ModelRunner.final_rows
+    ModelRunner.final_rows = v[2] == "rows"
+    try:
+        with expert_kernels(v[0], v[1]):
+            yield
+    finally:
+        ModelRunner.final_rows = was
 
 
 def use_kernels(name: str) -> None:
@@ -1594,6 +1618,12 @@ def main(argv=None) -> int:
                          "each prompt also runs "
                          "under, interleaved with the --grouped-pairs values (default: the "
                          "shipped one alone); the summary takes the shipped row")
+    ap.add_argument("--final-mix", default=None,
+                    help="comma-separated rows, all: engine/runner.py ModelRunner.final_rows "
+                         "each prompt also runs under (rows: the final AttnRes mix and norm on "
+                         "the sample rows alone, as shipped; all: on every row of the chunk, "
+                         "the form before), interleaved with the other variants (default: the "
+                         "shipped one alone); the summary takes the shipped row")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     ap.add_argument("--png", default=None, help="TTFT against prompt length (matplotlib)")
@@ -1616,6 +1646,11 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise SystemExit(f"--prefill-experts {','.join(args.prefill_experts)}: {e}; "
                              "expected a comma-separated list of such values") from None
+    args.final_mix = (args.final_mix.split(",") if args.final_mix
+                      else [final_mix_shipped()])
+    if not args.final_mix or set(args.final_mix) - {"rows", "all"}:
+        raise SystemExit(f"--final-mix {','.join(args.final_mix)}: expected a comma-separated "
+                         "list of rows, all")
     args.schedule_modes = args.schedule_modes.split(",")
     if not args.schedule_modes or set(args.schedule_modes) - {"split", "mixed"}:
         raise SystemExit(f"--schedule-modes {','.join(args.schedule_modes)}: expected a "

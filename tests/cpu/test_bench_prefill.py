@@ -530,6 +530,20 @@ def test_prefill_bench_prefill_experts_alternatives_cpu(tmp_path):
                       "auto+down_bn="])
 
 
+def test_prefill_bench_final_mix_alternatives_cpu(tmp_path):
+    """--final-mix rows,all: every prompt once with the final mix on the sample rows (shipped)
+    and once on every row, interleaved, each row naming its form (the values' equality:
+    test_model's rows test); ModelRunner.final_rows restored; an unknown form refused naming
+    it and the accepted ones."""
+    from raydecode.engine.runner import ModelRunner
+    run = _tiny_alternatives(tmp_path / "final.json", "20,40", "--final-mix", "rows,all")
+    assert [(p["prompt_tokens"], p["final_mix"], p["shipped"]) for p in run["prompts"]] == [
+        (20, "rows", True), (20, "all", False), (40, "rows", True), (40, "all", False)]
+    assert ModelRunner.final_rows is True
+    with pytest.raises(SystemExit, match="--final-mix rows,some: expected .*rows, all"):
+        prefill.main(["--config", "tiny", "--device", "cpu", "--final-mix", "rows,some"])
+
+
 def test_prefill_bench_profiles_one_step_per_experts_kind_cpu(tmp_path):
     """--profile-steps: after the prompts, one budget-sized step profiled under each kind, in
     the variants' order, each with its kind, a wall time, host ops and its wall interval; the

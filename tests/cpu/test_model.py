@@ -104,6 +104,26 @@ def test_mixed_step_of_decode_and_prefill_matches_separate_runs(tiny):
     assert max_rel(logits[6:], ref[T - 1:]) < 1e-4
 
 
+def test_rows_give_those_rows_of_the_full_forward(tiny):
+    """forward(rows=...) mixes and normalises only the rows asked for (the sample rows): the
+    same hidden state as every row's forward, those rows selected, in the order asked; no rows
+    gives an empty (0, H); taps stay every row's."""
+    cfg, model, toks, ref = tiny
+    full = model(toks)
+    for rows in ([T - 1], [3, 0, T - 1], []):
+        idx = torch.tensor(rows, dtype=torch.long)
+        got = model(toks, rows=idx)
+        assert got.shape == (len(rows), cfg.hidden_size)
+        if rows:
+            assert max_rel(got, full[idx]) < 1e-5
+            assert max_rel(model.compute_logits(got), ref[idx]) < 1e-5
+    _, tapped = model(toks, taps=(0,), rows=torch.tensor([1]))
+    assert tapped.shape == (T, cfg.hidden_size)
+    for bad in (torch.tensor([[1]]), torch.tensor([1.0]), torch.tensor([1], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="flat int64"):
+            model(toks, rows=bad)
+
+
 def test_bad_steps_are_refused(tiny):
     _, model, toks, _ = tiny
     with pytest.raises(ValueError, match="position 0"):

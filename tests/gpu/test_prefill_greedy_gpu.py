@@ -115,3 +115,21 @@ def test_gpu_prefill_bf16_is_within_the_bf16_reference_noise(which, monkeypatch)
                f"{sum(e_got) / len(e_got):.2e}; bf16 reference first {e_ref[0]:.2e} mean "
                f"{sum(e_ref) / len(e_ref):.2e}")
         assert within_bf16_noise(e_got, e_ref), msg
+
+
+def test_gpu_final_mix_on_the_sample_rows_equals_every_rows():
+    """The served runner mixes and normalises only the sample rows (ModelRunner.final_rows):
+    on CUDA, bf16, the K3 TP16 slice (the stock path's fused AttnRes bank, whose snapshots are
+    strided views), forward(rows=...) gives those rows of the every-row forward within one
+    bf16 rounding (a row mixed from the wrong tokens or snapshots is O(1) off)."""
+    model, prompts = _model("k3-slice", torch.bfloat16)
+    toks = torch.tensor(prompts[-1], device="cuda")
+    T = toks.shape[0]
+    with torch.inference_mode():
+        full = model(toks)
+        for rows in ([T - 1], [0, T // 2, T - 1]):
+            idx = torch.tensor(rows, device="cuda")
+            got = model(toks, rows=idx)
+            want = full.index_select(0, idx)
+            err = rel_err(got.float(), want.float())
+            assert err <= 8e-3, f"rows {rows}: rel err {err:.2e} of the every-row forward's"
