@@ -596,15 +596,23 @@ _SYNC_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cudaStreamSynchronize",
 
 
 def _site(ev, frames: int = 2) -> str:
-    """The first `frames` of this project's Python frames above a profiler event (its
-    ancestors in the profiler's call tree: a stack-recording profile has a python_function
-    event per frame, named 'path(line): function')."""
+    """The first `frames` of this project's Python frames above a profiler event: its
+    ancestors in the profiler's call tree (a stack-recording profile has a python_function
+    event per frame, named 'path(line): function'), else the event's own recorded stack
+    (`FunctionEvent.stack`, innermost first, the same form: the H200's torch 2.11 profiles
+    with CUDA left the tree's frames out, and every site read blank)."""
+    def project(name: str) -> bool:
+        return ("(" in name and any(d in name for d in _PROJECT_DIRS)
+                and "site-packages" not in name)
+
     out, p = [], ev.cpu_parent
     while p is not None and len(out) < frames:
-        name = p.name
-        if "(" in name and any(d in name for d in _PROJECT_DIRS) and "site-packages" not in name:
-            out.append("/".join(name.rsplit("/", 2)[-2:]))       # folder/file.py(line): fn
+        if project(p.name):
+            out.append("/".join(p.name.rsplit("/", 2)[-2:]))     # folder/file.py(line): fn
         p = p.cpu_parent
+    if not out:
+        out = ["/".join(f.rsplit("/", 2)[-2:]) for f in (getattr(ev, "stack", None) or ())
+               if project(f)][:frames]
     return " < ".join(out)
 
 
