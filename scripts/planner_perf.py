@@ -271,7 +271,11 @@ def _spec_points(d: Path, notes: list[str]) -> tuple[tuple, str | None]:
 def _our_kind(p: dict, kind: str) -> bool:
     """Whether prompt row p ran the expert kernels `kind` names: its `prefill_experts`; for
     "auto" also a row that ran ours as its run's shipped kind (the runs before "auto", and
-    rows without the field: the defaults of their day)."""
+    rows without the field: the defaults of their day). Never a row whose final AttnRes mix
+    ran on every row (`final_mix` "all": the bench's baseline, not what a served runner
+    does)."""
+    if p.get("final_mix", "rows") != "rows":
+        return False
     ran = p.get("prefill_experts")
     if ran == kind:
         return True

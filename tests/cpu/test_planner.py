@@ -361,6 +361,20 @@ def test_prefill_mfu_is_the_deployments_expert_kernels(cat, tmp_path):
         Efficiency.defaults().prefill_mfu              # no split row anywhere: the estimate
 
 
+def test_prefill_mfu_skips_the_every_row_final_mix_baseline(cat, tmp_path):
+    """A run with --final-mix rows,all: the planner reads the rows of the served form (the
+    final mix on the sample rows), whichever order the rows come in, never the baseline's."""
+    rows = [{"prompt_tokens": 131072, "mfu": 0.379, "prefill_experts": "auto",
+             "final_mix": "all", "shipped": False},
+            {"prompt_tokens": 131072, "mfu": 0.385, "prefill_experts": "auto",
+             "final_mix": "rows", "shipped": True}]
+    for order in (rows, rows[::-1]):
+        (tmp_path / "prefill-h100-fm.json").write_text(json.dumps(
+            {"date": "2026-12-07T22:00:00", "kernels": "prefill",
+             "runs": [{"tp": 16, "prompts": order}]}))
+        assert load_efficiency(tmp_path, cat)[0].prefill_mfu == pytest.approx(0.385)
+
+
 def test_missing_bench_dir_gives_defaults(tmp_path):
     eff, notes = load_efficiency(tmp_path / "absent")
     assert eff == Efficiency.defaults() and notes == []
