@@ -118,8 +118,8 @@ class K3Model(nn.Module):
         # the final mix is rounded to the model dtype before the RMSNorm (vLLM's order), on both
         # paths: unlike a sublayer's, it is not the fused op's fp32-into-the-norm form. Both
         # are per token: with `rows`, only those rows (the ones that sample) are mixed and
-        # normalised (an 8,192-token chunk's final mix over every row, in PyTorch, was ≈ 2 ms
-        # of its step on an H200 for the one row that samples)
+        # normalised (an 8,192-token chunk at 24 layers: 166.8 → 162.4 ms of device time,
+        # H100, bench/results/prefill-h100-2026-12-07-onerun6.json `step_profiles`)
         bank.flush()
         out = self.norm(bank.mix(self.output_attn_res_norm, self.output_attn_res_proj.weight,
                                  rows))

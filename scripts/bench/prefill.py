@@ -596,23 +596,15 @@ _SYNC_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cudaStreamSynchronize",
 
 
 def _site(ev, frames: int = 2) -> str:
-    """The first `frames` of this project's Python frames above a profiler event: its
-    ancestors in the profiler's call tree (a stack-recording profile has a python_function
-    event per frame, named 'path(line): function'), else the event's own recorded stack
-    (`FunctionEvent.stack`, innermost first, the same form: the H200's torch 2.11 profiles
-    with CUDA left the tree's frames out, and every site read blank)."""
-    def project(name: str) -> bool:
-        return ("(" in name and any(d in name for d in _PROJECT_DIRS)
-                and "site-packages" not in name)
-
+    """The first `frames` of this project's Python frames above a profiler event (its
+    ancestors in the profiler's call tree: a stack-recording profile has a python_function
+    event per frame, named 'path(line): function')."""
     out, p = [], ev.cpu_parent
     while p is not None and len(out) < frames:
-        if project(p.name):
-            out.append("/".join(p.name.rsplit("/", 2)[-2:]))     # folder/file.py(line): fn
+        name = p.name
+        if "(" in name and any(d in name for d in _PROJECT_DIRS) and "site-packages" not in name:
+            out.append("/".join(name.rsplit("/", 2)[-2:]))       # folder/file.py(line): fn
         p = p.cpu_parent
-    if not out:
-        out = ["/".join(f.rsplit("/", 2)[-2:]) for f in (getattr(ev, "stack", None) or ())
-               if project(f)][:frames]
     return " < ".join(out)
 
 
@@ -1359,7 +1351,7 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
                        wall=[round(t0, 3), round(time.time(), 3)])
             run["prompts"].append(row)
             print(f"[prefill] {tag} prompt {P} ({v[1]} experts, grouped from {v[0] or 'never'} "
-                  f"pairs, final mix on {v[2]} rows{', as shipped' if v == shipped else ''}): TTFT {row['ttft_s']:.3f} s (all "
+                  f"pairs, final mix: {v[2]}{', as shipped' if v == shipped else ''}): TTFT {row['ttft_s']:.3f} s (all "
                   f"layers {row['ttft_s_all_layers']:.3f} s) {row['prefill_tok_s']:.0f} tok/s "
                   f"{row['tflop_s']:.1f} TFLOP/s MFU {row['mfu']:.3f} chunks "
                   f"{row['chunks_run']}/{row['chunks_total']}"
@@ -1376,7 +1368,7 @@ def run_tp(args, cfg, tp: int, rate: float, scale: float, save) -> dict:
         run["step_profiles"] = sp = step_profiles(rank, n, variants)
         for row in sp:
             print(f"[prefill] {tag} {n}-token step ({row['prefill_experts']} experts, final "
-                  f"mix on {row['final_mix']} rows) profiled: "
+                  f"mix: {row['final_mix']}) profiled: "
                   f"{row['ms']} ms, device busy {row['device_busy_ms']} ms (idle: "
                   f"{row['device_gaps_ms']} between kernels, {row['ends_idle_ms']} at the "
                   f"ends); top: "

@@ -609,25 +609,6 @@ def test_device_sites_name_the_project_lines_and_the_host_waits():
     assert got["host_syncs"] == []
 
 
-def test_site_falls_back_to_the_events_own_stack():
-    """An event whose call tree holds no project frame (the GPU profiles' case) is sited from
-    its own recorded stack, innermost project frames first, library frames skipped; with
-    neither, the site is blank."""
-    class Ev:
-        def __init__(self, name, parent=None, stack=None):
-            self.name, self.cpu_parent, self.stack = name, parent, stack
-
-    stack = ["/x/site-packages/torch/nn/functional.py(1): linear",
-             "/r/raydecode/models/layers.py(12): stock_linear",
-             "/r/raydecode/models/k3.py(120): forward",
-             "/r/raydecode/engine/runner.py(5): logits"]
-    ev = Ev("aten::mm", Ev("aten::linear"), stack)
-    assert prefill._site(ev) == "models/layers.py(12): stock_linear < models/k3.py(120): forward"
-    tree = Ev("aten::mm", Ev("/r/raydecode/models/moe.py(7): experts"), stack)
-    assert prefill._site(tree, frames=1) == "models/moe.py(7): experts"     # the tree first
-    assert prefill._site(Ev("aten::mm", Ev("aten::linear"))) == ""
-
-
 def test_sync_sites_count_each_synchronizing_call_by_its_lines():
     """`_sync_sites`: what the sync debug mode would report (a warning per synchronizing call;
     here raised by hand, the mode setter a stand-in), counted per message and the innermost
