@@ -188,16 +188,23 @@ class SpecRunner:
             tokens[at] = drafts.flatten().to(tokens.device)
             rollback = KDARollback({s.slot for s in spec})
             lap("draft")
-        hidden = self._target(tokens, plan, rollback)
-        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        # the rows whose logits the step reads: the plain sample rows, then each speculative
+        # sequence's k + 1 verify rows; the target's final mix and norm run on them alone
+        # (ModelRunner.final_rows, as the plain runner's step)
+        n = len(plan.sample_rows)
+        need = torch.tensor(list(plan.sample_rows) + [s.start + j for s in spec
+                                                      for j in range(plan.num_drafts + 1)],
+                            dtype=torch.long, device=tokens.device)
+        final_rows = self.runner.final_rows
+        hidden = self._target(tokens, plan, rollback, need if final_rows else None)
+        if not final_rows:
+            hidden = hidden.index_select(0, need)                        # (len(need), H)
+        logits = self.model.compute_logits(hidden[:n]).float()
         if not isinstance(plan, SpecStepPlan):
             return logits
         if not spec:
             return SpecStepResult(logits, [])
-        vrows = torch.tensor([s.start + j for s in spec for j in range(k + 1)],
-                             device=hidden.device)
-        vlogits = self.model.compute_logits(hidden.index_select(0, vrows)).float()
+        vlogits = self.model.compute_logits(hidden[n:]).float()
         vlogits = vlogits.view(len(spec), k + 1, -1)
         lap("verify")
         emitted = self._agree(self._accept(plan, drafts, q, vlogits), k)
@@ -252,12 +259,14 @@ class SpecRunner:
         return lap
 
     # ---- the three stages -----------------------------------------------------------------
-    def _target(self, tokens: torch.Tensor, plan: StepPlan, observer) -> torch.Tensor:
-        """The target step with the drafter's taps; writes the context rows of every token."""
+    def _target(self, tokens: torch.Tensor, plan: StepPlan, observer,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target step with the drafter's taps; writes the context rows of every token.
+        -> the hidden state of `rows` (every row's with None)."""
         self.caches.kda_observer = observer
         try:
             hidden, tapped = self.model(tokens, plan.batch, self.caches, path=plan.path,
-                                        taps=self.drafter.taps)
+                                        taps=self.drafter.taps, rows=rows)
         finally:
             self.caches.kda_observer = None
         self.drafter.write_context(tapped, plan.batch, self.caches)
